@@ -1,0 +1,28 @@
+"""Writing new keys and values into a paged KV cache (shared by the adapters)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` (``[T, num_kv_heads, head_size]``) into the caches
+    (``[num_blocks, block_size, num_kv_heads, head_size]``) at ``slot_mapping`` (``[T]``).
+
+    Capture-safe: one in-place ``index_copy_`` per cache. Padding tokens must map to the
+    reserved sink slot, never to a live one; which duplicate write wins there is undefined.
+    """
+    num_tokens = slot_mapping.shape[0]
+    kv_heads, head_size = key_cache.shape[-2:]
+    key_cache.view(-1, kv_heads, head_size).index_copy_(
+        0, slot_mapping, key[:num_tokens].to(key_cache.dtype)
+    )
+    value_cache.view(-1, kv_heads, head_size).index_copy_(
+        0, slot_mapping, value[:num_tokens].to(value_cache.dtype)
+    )

@@ -1,0 +1,145 @@
+"""The metadata-builder protocol and the attention implementation interface.
+
+A backend is a pair: an :class:`AttentionMetadataBuilder` (host side: turns common metadata
+into backend metadata, and owns the backend's persistent buffers) and an
+:class:`AttentionImpl` (device side: the kernel call, which must be graph-capturable).
+``matrix.yaml`` names the builder class by import path; the builder names its impl.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar, Generic, TypeVar
+
+import torch
+
+from speccheck.contract.metadata import CommonAttentionMetadata
+from speccheck.contract.runtime_config import RuntimeConfig
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Shape of one attention layer and its KV cache.
+
+    The KV cache of a layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads,
+    head_size]`` (keys, values); slot ``s`` is ``(s // block_size, s % block_size)``.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+
+    @property
+    def max_blocks_per_req(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclass(frozen=True)
+class BuilderLimits:
+    """Largest batch the builder's persistent buffers are sized for (the largest bucket)."""
+
+    max_num_reqs: int
+    max_num_tokens: int
+
+
+M = TypeVar("M")
+
+
+class AttentionImpl(ABC, Generic[M]):
+    """Device-side attention of one backend.
+
+    ``forward`` must be capture-safe: no host synchronisation, no host-to-device copies of
+    pageable memory, and no shapes that depend on tensor *values*; it may read only the
+    metadata's tensors and the builder's persistent buffers, which replays update in place.
+    """
+
+    def __init__(self, layer: AttentionLayerSpec, scale: float) -> None:
+        self.layer = layer
+        self.scale = scale
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: M,
+        output: torch.Tensor,
+    ) -> None:
+        """Write ``key``/``value`` (``[T, num_kv_heads, head_size]``) at the metadata's slot
+        mapping, then attend ``query`` (``[T, num_heads, head_size]``) over the paged cache
+        into ``output`` (same shape as ``query``). ``T`` is the metadata's token count."""
+
+
+class AttentionMetadataBuilder(ABC, Generic[M]):
+    """Turns :class:`CommonAttentionMetadata` into backend metadata ``M``.
+
+    ``build`` and ``build_for_cudagraph_capture`` are host work and are never captured.
+    ``update_draft_decode_metadata`` is the one method that runs *inside* a captured fused
+    draft-decode graph (or the eager fused loop), between draft steps, after the speculator
+    has advanced ``seq_lens``/``positions``/``slot_mapping`` in place.
+
+    Subclasses declare, in ``step_dependent_fields``, the attributes of ``M`` (or dotted
+    paths into it) that depend on the draft step and that a fresh ``build`` would compute
+    differently at each step; the verifier snapshots them after every step.
+    """
+
+    backend_name: ClassVar[str]
+    impl_cls: ClassVar[type[AttentionImpl]]
+    step_dependent_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        layer: AttentionLayerSpec,
+        config: RuntimeConfig,
+        device: torch.device,
+        limits: BuilderLimits,
+        *,
+        supports_draft_decode_metadata_update: bool = False,
+    ) -> None:
+        """``supports_draft_decode_metadata_update`` is resolved from ``matrix.yaml`` for the
+        live ``config`` by whoever constructs the builder; a builder never claims it itself."""
+        self.layer = layer
+        self.config = config
+        self.device = device
+        self.limits = limits
+        self.supports_draft_decode_metadata_update = supports_draft_decode_metadata_update
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> M:
+        """Backend metadata for one attention call. Host work; may synchronise."""
+
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> M:
+        """Metadata used while capturing a graph. Defaults to :meth:`build`; an override must
+        still write every persistent buffer a replay reads."""
+        return self.build(common)
+
+    def update_draft_decode_metadata(self, metadata: M) -> None:
+        """Refresh the step-dependent fields of ``metadata`` for the next draft step.
+
+        Contract: called only while a fused draft-decode graph is being captured, or in the
+        eager fused loop, never after the last step. It must emit only capture-safe GPU work
+        (no ``.item()``, ``.tolist()``, ``nonzero``, host copies, or host-side decisions on
+        device values) and must write results *in place* into storage that outlives the call
+        (the builder's persistent buffers or the metadata's existing tensors): a replay
+        re-executes the recorded kernels against the recorded addresses, so a new tensor
+        bound to ``metadata`` would be invisible to the next replay's readers.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support in-graph draft-decode metadata refresh"
+        )
+
+    def persistent_buffers(self) -> Mapping[str, torch.Tensor]:
+        """Device buffers this builder owns and graphs read by address (for the verifier's
+        tail and guard-band probes). Default: none."""
+        return {}
+
+    def make_impl(self, scale: float) -> AttentionImpl[M]:
+        return self.impl_cls(self.layer, scale)

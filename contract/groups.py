@@ -1,0 +1,36 @@
+"""Attention groups: layers that share one backend and one metadata object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from speccheck.contract.builder import AttentionImpl, AttentionMetadataBuilder
+from speccheck.contract.metadata import CommonAttentionMetadata
+
+
+@dataclass
+class AttentionGroup:
+    """Layers ``layer_indices`` run ``backend_name`` through one builder.
+
+    The group passes the builder's capability through and routes the refresh call to it,
+    so the speculator never needs to know which backend a group uses.
+    """
+
+    backend_name: str
+    builder: AttentionMetadataBuilder[Any]
+    layer_indices: tuple[int, ...]
+    impls: dict[int, AttentionImpl[Any]] = field(default_factory=dict)
+
+    @property
+    def supports_draft_decode_metadata_update(self) -> bool:
+        return self.builder.supports_draft_decode_metadata_update
+
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        return self.builder.build(common)
+
+    def build_for_cudagraph_capture(self, common: CommonAttentionMetadata) -> Any:
+        return self.builder.build_for_cudagraph_capture(common)
+
+    def update_draft_decode_metadata(self, metadata: Any) -> None:
+        self.builder.update_draft_decode_metadata(metadata)
