@@ -1,0 +1,58 @@
+"""Attention groups built from ``matrix.yaml``: the only way a speculator gets a backend."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from speccheck.contract.builder import AttentionLayerSpec, AttentionMetadataBuilder, BuilderLimits
+from speccheck.contract.groups import AttentionGroup
+from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.resolution import resolve_backend
+from speccheck.contract.runtime_config import RuntimeConfig
+
+
+class BackendNotShipped(RuntimeError):
+    """The matrix declares the backend but names no adapter to load."""
+
+
+def builder_class(backend_name: str, matrix: Any = None) -> type[AttentionMetadataBuilder[Any]]:
+    """The builder class the matrix names for ``backend_name`` (``module:Class``)."""
+    entry = (matrix or load_matrix()).backend(backend_name)
+    if entry.implementation is None:
+        raise BackendNotShipped(f"backend {backend_name!r} has no adapter shipped in speccheck")
+    module_name, _, class_name = entry.implementation.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def build_attention_groups(
+    layer_backends: Sequence[str],
+    layer: AttentionLayerSpec,
+    config: RuntimeConfig,
+    device: torch.device,
+    limits: BuilderLimits,
+    *,
+    matrix: Any = None,
+    builder_overrides: dict[str, type[AttentionMetadataBuilder[Any]]] | None = None,
+) -> list[AttentionGroup]:
+    """One group per distinct backend, in order of first use; layer ``i`` runs
+    ``layer_backends[i]``. Each builder's ``supports_draft_decode_metadata_update`` is the
+    matrix's answer for ``config``. ``builder_overrides`` swaps the class of a backend
+    (the verifier's mutants) while keeping the matrix's capability for its name.
+    """
+    matrix = matrix or load_matrix()
+    groups: dict[str, AttentionGroup] = {}
+    for index, name in enumerate(layer_backends):
+        if name not in groups:
+            cls = (builder_overrides or {}).get(name) or builder_class(name, matrix)
+            supported = resolve_backend(matrix.backend(name), config).fused_multi_step
+            builder = cls(
+                layer, config, device, limits, supports_draft_decode_metadata_update=supported
+            )
+            groups[name] = AttentionGroup(name, builder, ())
+        group = groups[name]
+        group.layer_indices = (*group.layer_indices, index)
+    return list(groups.values())

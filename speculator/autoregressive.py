@@ -1,0 +1,250 @@
+"""The autoregressive speculator: K draft tokens per request, per-step or fused.
+
+Draft token 0 comes from an eager prefill-style pass over each request's new tokens; the
+other K-1 from decode steps. Per-step path: before every decode step, recompute slot
+mappings and rebuild attention metadata on the host, then run (or replay) one step. Fused
+path: build metadata once, then run every decode step in one body that, between steps
+(never after the last), recomputes slot mappings and calls each attention group's
+``update_draft_decode_metadata``. In FULL mode that body is one captured graph, replayed
+once per propose.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.contract.groups import AttentionGroup
+from speccheck.contract.resolution import FusedDecision, decide_fused_multi_step
+from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.contract.token_count import build_uniform_attention_metadata
+from speccheck.speculator.base import DraftModelSpeculator, SpeculatorOptions
+from speccheck.speculator.batch import DraftBatch, DraftResult
+from speccheck.speculator.model import DraftModel
+from speccheck.speculator.sampling import sample_tokens
+
+logger = logging.getLogger(__name__)
+
+DecodePath = Literal["auto", "fused", "per_step"]
+StepObserver = Callable[[int, Sequence[Any]], None]
+"""Called with (draft step, metadata of every group) right before that step's forward.
+In the fused body it runs inside the captured graph, so it may only emit capture-safe
+in-place GPU work (the verifier copies metadata into snapshot buffers there)."""
+
+
+class AutoregressiveSpeculator(DraftModelSpeculator):
+    """Drafts ``config.num_speculative_steps`` tokens per request."""
+
+    def __init__(
+        self,
+        model: DraftModel,
+        groups: list[AttentionGroup],
+        config: RuntimeConfig,
+        device: torch.device,
+        options: SpeculatorOptions = SpeculatorOptions(),
+    ) -> None:
+        super().__init__(model, groups, config, device, options)
+        self.step_observer: StepObserver | None = None
+        self._captured_metadata: dict[tuple[str, int], list[Any]] = {}
+        self.fused_decision = self._configure_fused_multi_step_decode()
+
+    def _configure_fused_multi_step_decode(self) -> FusedDecision:
+        decision = decide_fused_multi_step(
+            self.config,
+            [(g.backend_name, g.supports_draft_decode_metadata_update) for g in self.groups],
+        )
+        if not decision.enabled and decision.blocking_backends:
+            logger.info(decision.reason)
+        return decision
+
+    @property
+    def use_fused_multi_step_decode(self) -> bool:
+        return self.fused_decision.enabled
+
+    # ------------------------------------------------------------- metadata
+    def _decode_descriptor(self, num_reqs: int) -> BatchExecutionDescriptor:
+        if self.graphs is None:
+            return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_reqs, None, 1)
+        bucket = self.graphs.bucket_for(num_reqs)
+        return BatchExecutionDescriptor(CUDAGraphMode.FULL, bucket, bucket, 1)
+
+    def _build_decode_metadata(
+        self,
+        desc: BatchExecutionDescriptor,
+        num_reqs: int,
+        base_seq_lens: np.ndarray,
+        step: int,
+        for_capture: bool = False,
+    ) -> list[Any]:
+        common = build_uniform_attention_metadata(
+            buffers=self.buffers,
+            batch_desc=desc,
+            num_reqs=num_reqs,
+            num_query_per_req=1,
+            base_seq_lens_np=base_seq_lens,
+            step=step,
+            max_model_len=self.max_model_len,
+        )
+        if for_capture:
+            return [g.build_for_cudagraph_capture(common) for g in self.groups]
+        return [g.build(common) for g in self.groups]
+
+    # --------------------------------------------------------- device bodies
+    def _generate_draft(
+        self, n: int, group_metadata: Sequence[Any], step: int, observe: bool = True
+    ) -> None:
+        """One decode step over ``n`` lanes: forward, sample, store, advance. Capture-safe.
+        ``observe=False`` keeps the step observer out of the single-step graph, whose
+        replays the per-step path observes from the host instead."""
+        if observe and self.step_observer is not None:
+            self.step_observer(step, group_metadata)
+        b = self.buffers
+        logits = self.model.compute_logits(self._run_model(n, group_metadata))
+        tokens = sample_tokens(logits, self.options.sampling, self.seeds[:n], b.positions[:n])
+        at_step = self.current_step.view(1)
+        self.draft_tokens[:n].index_copy_(1, at_step, tokens.view(n, 1))
+        self.draft_logits[:n].index_copy_(1, at_step, logits.view(n, 1, -1))
+        self.input_ids[:n].copy_(tokens)
+        if self.config.advance_draft_positions:
+            real = self.is_real_req[:n]
+            pos, lens = b.positions[:n], b.seq_lens[:n]
+            pos.copy_(torch.where(real, (pos + 1).clamp(max=self.max_model_len - 1), pos))
+            lens.copy_(torch.where(real, (lens + 1).clamp(max=self.max_model_len), lens))
+        self.current_step.add_(1)
+        if not self._in_capture:
+            self.counters.eager_step_calls += 1
+        self._record("generate", step)
+
+    def _generate_fused_drafts(self, n: int, group_metadata: Sequence[Any]) -> None:
+        """Every decode step in one body; refresh between steps, never after the last."""
+        for step in range(1, self.num_steps):
+            self._generate_draft(n, group_metadata, step)
+            if step == self.num_steps - 1 or not self.config.advance_draft_positions:
+                continue
+            self._compute_slot_mappings(n, step + 1)
+            for group, md in zip(self.groups, group_metadata, strict=True):
+                group.update_draft_decode_metadata(md)
+                self._record("refresh", id(md))
+
+    # --------------------------------------------------------------- capture
+    def capture(self) -> None:
+        """Capture FULL graphs for every bucket on dummy inputs: one single-step graph, and
+        the fused body when the matrix allows it. Index buffers are reset first so a stale
+        index from an earlier batch can never point out of bounds during capture."""
+        if self.graphs is None or self.num_steps < 2:
+            return
+        self.graphs.reset()
+        self._in_capture = True
+        try:
+            for n in self.graphs.capture_sizes:
+                self._capture_one(("step", n), lambda md, n=n: self._generate_draft(n, md, 0, False))
+                if self.use_fused_multi_step_decode:
+                    self._capture_one(("fused", n), lambda md, n=n: self._generate_fused_drafts(n, md))
+        finally:
+            self._in_capture = False
+            self._reset_index_buffers()
+
+    def _capture_one(self, key: tuple[str, int], body: Callable[[list[Any]], None]) -> None:
+        """Dummy inputs for ``n`` lanes, all live, every block-table entry the sink (so
+        warm-up and capture write only the sink), fresh capture metadata, then capture."""
+        assert self.graphs is not None
+        n = key[1]
+        self._reset_index_buffers()
+        self.buffers.seq_lens[:n].fill_(1)
+        self.is_real_req[:n] = True
+        self.is_real_token[:n] = True
+        self.token_request[:n].copy_(torch.arange(n, device=self.device))
+        self.current_step.fill_(1)
+        desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, n, n, 1)
+        md = self._build_decode_metadata(desc, n, np.zeros(n, np.int64), 1, for_capture=True)
+        self._compute_slot_mappings(n, 1)
+        self._captured_metadata[key] = md
+        self.graphs.capture(key, lambda: body(md))
+
+    # --------------------------------------------------------------- propose
+    def propose(self, batch: DraftBatch, path: DecodePath = "auto") -> DraftResult:
+        """Draft ``num_speculative_steps`` tokens for every request of ``batch``.
+
+        ``path="auto"`` follows the matrix decision; ``"fused"``/``"per_step"`` force a path
+        (the verifier runs both). Forcing ``"fused"`` on a backend without an in-graph
+        refresh raises the builder's ``NotImplementedError``.
+        """
+        self._validate(batch, extra_positions=self.num_steps - 1)
+        fused = self.use_fused_multi_step_decode if path == "auto" else path == "fused"
+        r = batch.num_reqs
+        self._prefill(batch)
+        if self.num_steps > 1:
+            desc = self._decode_descriptor(r)
+            base = batch.seq_lens_after_prefill()
+            self._prepare_decode_inputs(batch, desc.num_tokens)
+            if fused:
+                self._fused_multi_step_decode(desc, r, base)
+            else:
+                self._multi_step_decode(desc, r, base)
+        return DraftResult(
+            draft_tokens=self.draft_tokens[:r].cpu().clone(),
+            logits=self.draft_logits[:r].cpu().clone(),
+        )
+
+    def _prefill(self, batch: DraftBatch) -> None:
+        """Draft token 0: one eager pass over each request's new tokens."""
+        r = batch.num_reqs
+        hidden, qsl = self._eager_pass(batch, batch.new_tokens)
+        last = torch.from_numpy(qsl[1:] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[last])
+        self.draft_tokens[:r, 0] = sample_tokens(
+            logits, self.options.sampling, self.seeds[:r], self.buffers.positions[last]
+        )
+        self.draft_logits[:r, 0] = logits
+
+    def _prepare_decode_inputs(self, batch: DraftBatch, n: int) -> None:
+        """Lanes ``0..n-1`` for decode: draft token 0 as input, positions and lengths for
+        step 1 (clamped at ``max_model_len``); padding lanes have length 0, sink slots."""
+        r = batch.num_reqs
+        b = self.buffers
+        lanes = torch.arange(n, device=self.device)
+        real = lanes < r
+        base = torch.zeros(n, dtype=torch.int64, device=self.device)
+        base[:r] = torch.from_numpy(batch.seq_lens_after_prefill()).to(self.device)
+        b.positions[:n].copy_(torch.where(real, base.clamp(max=self.max_model_len - 1), 0))
+        b.seq_lens[:n].copy_(torch.where(real, (base + 1).clamp(max=self.max_model_len), 0))
+        self.input_ids[:n].copy_(torch.where(real, self.draft_tokens[:n, 0], 0))
+        self.token_request[:n].copy_(lanes)
+        self.is_real_req[:n].copy_(real)
+        self.is_real_token[:n].copy_(real)
+        self.current_step.fill_(1)
+
+    def _multi_step_decode(self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray) -> None:
+        """Per-step path: slots and a metadata rebuild before every step."""
+        n = desc.num_tokens
+        md: list[Any] = []
+        for step in range(1, self.num_steps):
+            if step == 1 or self.config.advance_draft_positions:
+                self._compute_slot_mappings(n, step)
+                md = self._build_decode_metadata(desc, r, base, step)
+            if self.graphs is None:
+                self._generate_draft(n, md, step)
+                continue
+            if self.step_observer is not None:
+                self.step_observer(step, md)
+            self.graphs.replay(("step", n))
+            self.counters.graph_replays += 1
+
+    def _fused_multi_step_decode(
+        self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray
+    ) -> None:
+        """Fused path: build once (this also writes the builders' persistent buffers for
+        step 1), then one replay of the fused graph, or the same body eagerly."""
+        n = desc.num_tokens
+        self._compute_slot_mappings(n, 1)
+        md = self._build_decode_metadata(desc, r, base, 1)
+        if self.graphs is None:
+            self._generate_fused_drafts(n, md)
+            return
+        self.graphs.replay(("fused", n))
+        self.counters.graph_replays += 1

@@ -1,0 +1,221 @@
+"""State and helpers every draft-model speculator shares.
+
+Persistent state (allocated once, read by captured graphs by address): the attention input
+buffers, ``input_ids``, lane masks, seeds, ``draft_tokens``/``draft_logits``, the paged KV
+cache, and ``current_step``, a device scalar so one single-step graph serves every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from speccheck.contract.builder import AttentionImpl, BuilderLimits
+from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.contract.groups import AttentionGroup
+from speccheck.contract.metadata import AttentionInputBuffers
+from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.contract.token_count import build_attention_metadata
+from speccheck.speculator.batch import DraftBatch
+from speccheck.speculator.cudagraph_manager import CudaGraphManager, require_graph_support
+from speccheck.speculator.kv_cache import PagedKVCache, compute_slot_mapping
+from speccheck.speculator.model import DraftModel
+from speccheck.speculator.sampling import SamplingMethod
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SpeculatorOptions:
+    """Sizes fixed at construction. ``capture_sizes`` are the padded request counts that
+    FULL graphs are captured for; the largest is the most requests a propose may carry."""
+
+    capture_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    max_num_prefill_tokens: int = 256
+    num_blocks: int = 256
+    sampling: SamplingMethod = "argmax"
+
+    @property
+    def max_num_reqs(self) -> int:
+        return max(self.capture_sizes)
+
+    def limits(self, tokens_per_req: int = 1) -> BuilderLimits:
+        """Builder buffer sizes matching a speculator built with these options."""
+        return BuilderLimits(
+            self.max_num_reqs,
+            max(self.max_num_prefill_tokens, self.max_num_reqs * tokens_per_req),
+        )
+
+
+@dataclass
+class StepCounters:
+    """``eager_step_calls``: decode steps run eagerly; ``graph_replays``: graph launches."""
+
+    eager_step_calls: int = 0
+    graph_replays: int = 0
+
+
+class DraftModelSpeculator:
+    """A :class:`DraftModel`, its attention groups, KV cache and persistent buffers."""
+
+    def __init__(
+        self,
+        model: DraftModel,
+        groups: list[AttentionGroup],
+        config: RuntimeConfig,
+        device: torch.device,
+        options: SpeculatorOptions,
+        tokens_per_req: int = 1,
+    ) -> None:
+        self.model = model
+        self.groups = groups
+        self.config = config
+        self.device = device
+        self.options = options
+        self.num_steps = config.num_speculative_steps
+        self.cg_mode = CUDAGraphMode.from_name(config.cudagraph_mode)
+        if self.cg_mode == CUDAGraphMode.PIECEWISE:
+            raise ValueError(
+                "cudagraph_mode=piecewise is not supported for draft decode: single-token "
+                "decode attention runs eagerly between pieces there; use full or none"
+            )
+        require_graph_support(self.cg_mode, device)
+        cfg = model.cfg
+        self.vocab_size = cfg.vocab_size
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        limits = options.limits(tokens_per_req)
+        self.max_num_reqs, self.max_num_tokens = limits.max_num_reqs, limits.max_num_tokens
+        self.layer_impls = self._layer_impls()
+        self.kv_cache = PagedKVCache.allocate(
+            cfg.num_layers, options.num_blocks, config.block_size, cfg.num_kv_heads,
+            cfg.head_size, cfg.torch_dtype, device,
+        )
+        max_blocks = -(-config.max_model_len // config.block_size)
+        self.buffers = AttentionInputBuffers.allocate(
+            self.max_num_reqs, self.max_num_tokens, max_blocks, device
+        )
+        t, r = self.max_num_tokens, self.max_num_reqs
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
+        self.token_request = torch.zeros(t, dtype=torch.int64, device=device)
+        self.is_real_token = torch.zeros(t, dtype=torch.bool, device=device)
+        self.is_real_req = torch.zeros(r, dtype=torch.bool, device=device)
+        self.seeds = torch.zeros(r, dtype=torch.int64, device=device)
+        self.draft_tokens = torch.zeros(r, self.num_steps, dtype=torch.int64, device=device)
+        self.draft_logits = torch.zeros(
+            r, self.num_steps, self.vocab_size, dtype=torch.float32, device=device
+        )
+        self.current_step = torch.zeros((), dtype=torch.int64, device=device)
+        self.graphs = (
+            CudaGraphManager(options.capture_sizes, device)
+            if self.cg_mode == CUDAGraphMode.FULL
+            else None
+        )
+        self.counters = StepCounters()
+        self.trace: list[tuple[str, int]] | None = None
+        self._in_capture = False
+
+    def _layer_impls(self) -> list[AttentionImpl[Any]]:
+        impls: list[AttentionImpl[Any] | None] = [None] * self.model.cfg.num_layers
+        scale = self.model.cfg.head_size**-0.5
+        for group in self.groups:
+            for i in group.layer_indices:
+                impls[i] = group.builder.make_impl(scale)
+        missing = [i for i, impl in enumerate(impls) if impl is None]
+        if missing:
+            raise ValueError(f"layers {missing} belong to no attention group")
+        return [impl for impl in impls if impl is not None]
+
+    def _layer_metadata(self, group_metadata: Sequence[Any]) -> list[Any]:
+        per_layer: list[Any] = [None] * self.model.cfg.num_layers
+        for group, md in zip(self.groups, group_metadata, strict=True):
+            for i in group.layer_indices:
+                per_layer[i] = md
+        return per_layer
+
+    def _run_model(self, num_tokens: int, group_metadata: Sequence[Any]) -> torch.Tensor:
+        """Final hidden states of the first ``num_tokens`` lanes. Capture-safe."""
+        return self.model(
+            self.input_ids[:num_tokens], self.buffers.positions[:num_tokens], self.layer_impls,
+            self._layer_metadata(group_metadata), self.kv_cache.layers,
+        )
+
+    def _record(self, event: str, step: int) -> None:
+        if self.trace is not None and not self._in_capture:
+            self.trace.append((event, step))
+
+    def _compute_slot_mappings(self, num_tokens: int, step: int) -> None:
+        """Capture-safe: slots of the ``num_tokens`` lanes from the persistent positions."""
+        b = self.buffers
+        compute_slot_mapping(
+            b.positions[:num_tokens],
+            self.token_request[:num_tokens],
+            b.block_table,
+            self.is_real_token[:num_tokens],
+            self.block_size,
+            out=b.slot_mapping[:num_tokens],
+        )
+        self._record("slots", step)
+
+    def _reset_index_buffers(self) -> None:
+        """Zero every index buffer, so no stale index can point out of bounds."""
+        b = self.buffers
+        for t in (b.block_table, b.slot_mapping, b.positions, b.seq_lens, b.query_start_loc,
+                  self.token_request, self.input_ids, self.draft_tokens, self.current_step,
+                  self.is_real_req, self.is_real_token):
+            t.zero_()
+
+    def _write_request_inputs(self, batch: DraftBatch) -> None:
+        """Block-table rows and seeds of the batch; every other entry is the sink / zero."""
+        table = np.zeros(tuple(self.buffers.block_table.shape), dtype=np.int32)
+        for i, row in enumerate(batch.block_table):
+            table[i, : len(row)] = row
+        self.buffers.block_table.copy_(torch.from_numpy(table))
+        self.seeds[: batch.num_reqs].copy_(torch.tensor(batch.seeds, dtype=torch.int64))
+
+    def _eager_pass(
+        self, batch: DraftBatch, rows: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """Run ``rows[r]`` (tokens following request ``r``'s context) through the model
+        eagerly, writing their KV; returns the hidden states and the query offsets.
+
+        Host work around an eager forward: the metadata covers exactly the real tokens.
+        """
+        r = batch.num_reqs
+        q = np.array([len(row) for row in rows], dtype=np.int64)
+        t = int(q.sum())
+        if t > self.max_num_tokens:
+            raise ValueError(f"{t} prefill tokens exceed the {self.max_num_tokens} this drafter holds")
+        qsl = np.zeros(r + 1, dtype=np.int64)
+        qsl[1:] = np.cumsum(q)
+        req_of_token = np.repeat(np.arange(r), q)
+        ctx = np.array(batch.context_lens, dtype=np.int64)
+        positions = ctx[req_of_token] + (np.arange(t) - qsl[req_of_token])
+        b = self.buffers
+        self._reset_index_buffers()
+        self._write_request_inputs(batch)
+        b.seq_lens[:r].copy_(torch.from_numpy(ctx + q))
+        b.positions[:t].copy_(torch.from_numpy(positions))
+        self.input_ids[:t].copy_(torch.tensor([x for row in rows for x in row], dtype=torch.int64))
+        self.token_request[:t].copy_(torch.from_numpy(req_of_token))
+        self.is_real_token[:t] = True
+        self.is_real_req[:r] = True
+        common = build_attention_metadata(
+            buffers=b, batch_desc=BatchExecutionDescriptor(CUDAGraphMode.NONE, t),
+            num_reqs=r, query_start_loc_np=qsl, base_seq_lens_np=ctx + q, step=0,
+            max_model_len=self.max_model_len,
+        )
+        self._compute_slot_mappings(t, 0)
+        return self._run_model(t, [g.build(common) for g in self.groups]), qsl
+
+    def _validate(self, batch: DraftBatch, extra_positions: int) -> None:
+        batch.validate(
+            max_model_len=self.max_model_len, block_size=self.block_size,
+            num_blocks=self.kv_cache.num_blocks, extra_positions=extra_positions,
+            max_num_reqs=self.max_num_reqs,
+        )

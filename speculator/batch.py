@@ -1,0 +1,85 @@
+"""What a speculator is asked to draft for, and what it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """One propose call.
+
+    Request ``r`` already has ``context_lens[r]`` tokens in the drafter's KV cache; the
+    prefill-style pass runs its ``new_tokens[r]`` (the tokens the target just accepted, at
+    least one) and samples draft token 0 from the last of them. Its KV lives in the physical
+    blocks ``block_table[r]`` (block 0 is the sink and is never live). ``seeds[r]`` keys the
+    Gumbel noise of seeded sampling.
+    """
+
+    context_lens: tuple[int, ...]
+    new_tokens: tuple[tuple[int, ...], ...]
+    block_table: tuple[tuple[int, ...], ...]
+    seeds: tuple[int, ...]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.context_lens)
+
+    def query_lens(self) -> np.ndarray:
+        return np.array([len(t) for t in self.new_tokens], dtype=np.int64)
+
+    def seq_lens_after_prefill(self) -> np.ndarray:
+        return np.array(self.context_lens, dtype=np.int64) + self.query_lens()
+
+    def validate(
+        self,
+        *,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        extra_positions: int,
+        max_num_reqs: int,
+    ) -> None:
+        """Raise ``ValueError`` naming the request and field that cannot be served.
+
+        ``extra_positions``: positions the drafter writes past the new tokens (K - 1 decode
+        steps for an autoregressive drafter, K for a DFlash block); the block-table rows
+        must cover them up to the ``max_model_len`` clamp."""
+        n = self.num_reqs
+        if not 1 <= n <= max_num_reqs:
+            raise ValueError(f"batch has {n} requests; this speculator serves 1..{max_num_reqs}")
+        for name in ("new_tokens", "block_table", "seeds"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} rows, expected {n}")
+        max_blocks = -(-max_model_len // block_size)
+        for r in range(n):
+            q, ctx = len(self.new_tokens[r]), self.context_lens[r]
+            if q < 1 or ctx < 0:
+                raise ValueError(f"request {r}: needs >= 1 new token and context >= 0")
+            if ctx + q > max_model_len:
+                raise ValueError(
+                    f"request {r}: context {ctx} + new {q} exceeds max_model_len {max_model_len}"
+                )
+            row = self.block_table[r]
+            last_pos = min(ctx + q - 1 + extra_positions, max_model_len - 1)
+            needed = last_pos // block_size + 1
+            if len(row) > max_blocks or len(row) < needed:
+                raise ValueError(
+                    f"request {r}: block_table row has {len(row)} blocks, needs {needed}..{max_blocks}"
+                )
+            if any(not 1 <= b < num_blocks for b in row):
+                raise ValueError(f"request {r}: block ids must lie in 1..{num_blocks - 1}")
+        flat = [b for row in self.block_table for b in row]
+        if len(flat) != len(set(flat)):
+            raise ValueError("block_table rows share physical blocks")
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    """``draft_tokens`` ``[R, K]`` int64 and fp32 ``logits`` ``[R, K, vocab]``, on the host."""
+
+    draft_tokens: torch.Tensor
+    logits: torch.Tensor

@@ -1,0 +1,51 @@
+"""Construct speculators wired to backends through ``matrix.yaml``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from speccheck.contract.builder import AttentionMetadataBuilder
+from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.attention_setup import build_attention_groups
+from speccheck.speculator.autoregressive import AutoregressiveSpeculator
+from speccheck.speculator.base import SpeculatorOptions
+from speccheck.speculator.dflash import DFlashSpeculator
+from speccheck.speculator.model import DraftModel, DrafterConfig
+
+
+def create_speculator(
+    kind: str,
+    layer_backends: Sequence[str],
+    config: RuntimeConfig,
+    drafter: DrafterConfig,
+    device: torch.device,
+    options: SpeculatorOptions = SpeculatorOptions(),
+    *,
+    matrix: Any = None,
+    builder_overrides: dict[str, type[AttentionMetadataBuilder[Any]]] | None = None,
+) -> AutoregressiveSpeculator | DFlashSpeculator:
+    """``kind`` is ``"autoregressive"`` or ``"dflash"``; layer ``i`` of the drafter runs on
+    backend ``layer_backends[i]`` (one name repeats for a single-backend model)."""
+    if len(layer_backends) != drafter.num_layers:
+        raise ValueError(
+            f"{len(layer_backends)} layer backends for a drafter of {drafter.num_layers} layers"
+        )
+    tokens_per_req = config.num_speculative_steps + 1 if kind == "dflash" else 1
+    groups = build_attention_groups(
+        layer_backends,
+        drafter.layer_spec(config.block_size, config.max_model_len),
+        config,
+        device,
+        options.limits(tokens_per_req),
+        matrix=matrix,
+        builder_overrides=builder_overrides,
+    )
+    model = DraftModel(drafter, device)
+    if kind == "autoregressive":
+        return AutoregressiveSpeculator(model, groups, config, device, options)
+    if kind == "dflash":
+        return DFlashSpeculator(model, groups, config, device, options)
+    raise ValueError(f"unknown speculator kind {kind!r}; valid: autoregressive, dflash")
