@@ -141,5 +141,11 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         tail and guard-band probes). Default: none."""
         return {}
 
+    def workspace_buffers(self) -> Mapping[str, torch.Tensor]:
+        """Scratch this builder owns whose contents are meaningless between kernel calls
+        (split-KV partials). Persistent like the buffers above, but never step-dependent
+        state: the verifier leaves them out of its snapshots. Default: none."""
+        return {}
+
     def make_impl(self, scale: float) -> AttentionImpl[M]:
         return self.impl_cls(self.layer, scale)

@@ -31,8 +31,12 @@ from speccheck.speculator.sampling import sample_tokens
 logger = logging.getLogger(__name__)
 
 DecodePath = Literal["auto", "fused", "per_step"]
-StepObserver = Callable[[int, Sequence[Any]], None]
-"""Called with (draft step, metadata of every group) right before that step's forward.
+RefreshHook = Callable[[AttentionGroup, Any], None]
+"""Stands in for ``group.update_draft_decode_metadata(metadata)`` and must call it; the
+verifier wraps the call in capture-safety probes."""
+StepObserver = Callable[[int, int, Sequence[Any]], None]
+"""Called with (decode lanes, draft step, metadata of every group) right before that step's
+forward.
 In the fused body it runs inside the captured graph, so it may only emit capture-safe
 in-place GPU work (the verifier copies metadata into snapshot buffers there)."""
 
@@ -50,6 +54,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     ) -> None:
         super().__init__(model, groups, config, device, options)
         self.step_observer: StepObserver | None = None
+        self.refresh_hook: RefreshHook | None = None
         self._captured_metadata: dict[tuple[str, int], list[Any]] = {}
         self.fused_decision = self._configure_fused_multi_step_decode()
 
@@ -68,9 +73,11 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
 
     # ------------------------------------------------------------- metadata
     def _decode_descriptor(self, num_reqs: int) -> BatchExecutionDescriptor:
-        if self.graphs is None:
+        """FULL over the bucket when graphs (or padded eager runs) are in use: the eager
+        loops then compute exactly what the graphs hold, padding lanes included."""
+        if not self.pads_to_buckets:
             return BatchExecutionDescriptor(CUDAGraphMode.NONE, num_reqs, None, 1)
-        bucket = self.graphs.bucket_for(num_reqs)
+        bucket = self.bucket_for(num_reqs)
         return BatchExecutionDescriptor(CUDAGraphMode.FULL, bucket, bucket, 1)
 
     def _build_decode_metadata(
@@ -102,7 +109,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         ``observe=False`` keeps the step observer out of the single-step graph, whose
         replays the per-step path observes from the host instead."""
         if observe and self.step_observer is not None:
-            self.step_observer(step, group_metadata)
+            self.step_observer(n, step, group_metadata)
         b = self.buffers
         logits = self.model.compute_logits(self._run_model(n, group_metadata))
         tokens = sample_tokens(logits, self.options.sampling, self.seeds[:n], b.positions[:n])
@@ -128,7 +135,10 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 continue
             self._compute_slot_mappings(n, step + 1)
             for group, md in zip(self.groups, group_metadata, strict=True):
-                group.update_draft_decode_metadata(md)
+                if self.refresh_hook is None:
+                    group.update_draft_decode_metadata(md)
+                else:
+                    self.refresh_hook(group, md)
                 self._record("refresh", id(md))
 
     # --------------------------------------------------------------- capture
@@ -167,12 +177,15 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self.graphs.capture(key, lambda: body(md))
 
     # --------------------------------------------------------------- propose
-    def propose(self, batch: DraftBatch, path: DecodePath = "auto") -> DraftResult:
+    def propose(
+        self, batch: DraftBatch, path: DecodePath = "auto", use_graphs: bool = True
+    ) -> DraftResult:
         """Draft ``num_speculative_steps`` tokens for every request of ``batch``.
 
         ``path="auto"`` follows the matrix decision; ``"fused"``/``"per_step"`` force a path
         (the verifier runs both). Forcing ``"fused"`` on a backend without an in-graph
-        refresh raises the builder's ``NotImplementedError``.
+        refresh raises the builder's ``NotImplementedError``. ``use_graphs=False`` runs the
+        chosen loop eagerly even when graphs are captured.
         """
         self._validate(batch, extra_positions=self.num_steps - 1)
         fused = self.use_fused_multi_step_decode if path == "auto" else path == "fused"
@@ -180,12 +193,13 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self._prefill(batch)
         if self.num_steps > 1:
             desc = self._decode_descriptor(r)
+            replay = use_graphs and self.graphs is not None
             base = batch.seq_lens_after_prefill()
             self._prepare_decode_inputs(batch, desc.num_tokens)
             if fused:
-                self._fused_multi_step_decode(desc, r, base)
+                self._fused_multi_step_decode(desc, r, base, replay)
             else:
-                self._multi_step_decode(desc, r, base)
+                self._multi_step_decode(desc, r, base, replay)
         return DraftResult(
             draft_tokens=self.draft_tokens[:r].cpu().clone(),
             logits=self.draft_logits[:r].cpu().clone(),
@@ -219,7 +233,9 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self.is_real_token[:n].copy_(real)
         self.current_step.fill_(1)
 
-    def _multi_step_decode(self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray) -> None:
+    def _multi_step_decode(
+        self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool
+    ) -> None:
         """Per-step path: slots and a metadata rebuild before every step."""
         n = desc.num_tokens
         md: list[Any] = []
@@ -227,24 +243,26 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             if step == 1 or self.config.advance_draft_positions:
                 self._compute_slot_mappings(n, step)
                 md = self._build_decode_metadata(desc, r, base, step)
-            if self.graphs is None:
+            if not replay:
                 self._generate_draft(n, md, step)
                 continue
             if self.step_observer is not None:
-                self.step_observer(step, md)
+                self.step_observer(n, step, md)
+            assert self.graphs is not None
             self.graphs.replay(("step", n))
             self.counters.graph_replays += 1
 
     def _fused_multi_step_decode(
-        self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray
+        self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool
     ) -> None:
         """Fused path: build once (this also writes the builders' persistent buffers for
         step 1), then one replay of the fused graph, or the same body eagerly."""
         n = desc.num_tokens
         self._compute_slot_mappings(n, 1)
         md = self._build_decode_metadata(desc, r, base, 1)
-        if self.graphs is None:
+        if not replay:
             self._generate_fused_drafts(n, md)
             return
+        assert self.graphs is not None
         self.graphs.replay(("fused", n))
         self.counters.graph_replays += 1

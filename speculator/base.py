@@ -39,6 +39,9 @@ class SpeculatorOptions:
     max_num_prefill_tokens: int = 256
     num_blocks: int = 256
     sampling: SamplingMethod = "argmax"
+    pad_to_capture_sizes: bool = False
+    """Pad eager batches to the capture sizes as FULL graphs do (the verifier's CPU tier
+    uses this to exercise padding lanes without graphs)."""
 
     @property
     def max_num_reqs(self) -> int:
@@ -116,9 +119,20 @@ class DraftModelSpeculator:
             if self.cg_mode == CUDAGraphMode.FULL
             else None
         )
+        self.pads_to_buckets = self.graphs is not None or options.pad_to_capture_sizes
         self.counters = StepCounters()
         self.trace: list[tuple[str, int]] | None = None
         self._in_capture = False
+
+    def bucket_for(self, num_reqs: int) -> int:
+        """Smallest capture size that holds ``num_reqs`` requests."""
+        fits = [size for size in sorted(self.options.capture_sizes) if size >= num_reqs]
+        if not fits:
+            raise ValueError(
+                f"batch of {num_reqs} requests exceeds the largest capture size "
+                f"{self.options.max_num_reqs}"
+            )
+        return fits[0]
 
     def _layer_impls(self) -> list[AttentionImpl[Any]]:
         impls: list[AttentionImpl[Any] | None] = [None] * self.model.cfg.num_layers

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Callable, Hashable, Sequence
 
@@ -45,19 +44,6 @@ class CudaGraphManager:
         self.device = device
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self._pool: object | None = None
-
-    @property
-    def max_size(self) -> int:
-        return self.capture_sizes[-1]
-
-    def bucket_for(self, num_reqs: int) -> int:
-        """Smallest capture size that fits ``num_reqs``."""
-        i = bisect.bisect_left(self.capture_sizes, num_reqs)
-        if i == len(self.capture_sizes):
-            raise ValueError(
-                f"batch of {num_reqs} requests exceeds the largest capture size {self.max_size}"
-            )
-        return self.capture_sizes[i]
 
     def has(self, key: Hashable) -> bool:
         return key in self._graphs

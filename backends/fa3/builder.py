@@ -1,0 +1,363 @@
+"""FlashAttention-3 through the ``fa3-fwd`` wheel: metadata builder and impl.
+
+What this build of FA3 can do, and what follows from it:
+
+- **bf16 only.** ``fa3-fwd`` 0.0.3 is compiled with ``FLASHATTENTION_DISABLE_FP16``; the
+  builder refuses any other layer dtype at construction.
+- **No paged KV.** ``FLASHATTENTION_DISABLE_PAGEDKV`` is set, so ``page_table`` cannot be
+  used. The layer's KV cache ``[num_blocks, block_size, num_kv_heads, head_size]`` is used
+  with ``block_size == max_model_len``: every block is one request's whole cache row, the
+  block table has one column, and ``flash_attn_with_kvcache`` addresses the row through
+  ``cache_batch_idx = block_table[:, 0]`` with ``cache_seqlens = seq_lens``.
+- **Ahead-of-time scheduler metadata.** ``get_scheduler_metadata`` runs FA3's
+  ``prepare_varlen_num_blocks`` kernel and returns an int32 vector (per-request split
+  counts, m-block counts, the sorted batch order, the head-swizzle vector, one tile
+  semaphore). The builder copies it into one persistent buffer, zeroes the unused tail, and
+  hands the kernel the ``[:n]`` view; FA3 checks that the view has exactly the size it
+  expects for the batch. ``update_draft_decode_metadata`` recomputes it from the
+  metadata's own persistent ``seq_lens``/``query_start_loc`` views and writes it into the
+  same buffer, which is capture-safe (measured on an H200: ``get_scheduler_metadata`` can be
+  captured and gives correct results at replay).
+- **Pinned split count under CUDA graphs.** ``num_splits`` sizes FA3's split-KV
+  accumulators at capture; it is pinned to :attr:`FA3MetadataBuilder.max_num_splits_for_cuda_graph`
+  whenever graphs are in use, and passed identically to ``get_scheduler_metadata`` and to
+  the attention call, so both derive the same metadata layout and split bound. The key
+  length bound ``max_seqlen_k`` is the cache row length (``block_size == max_model_len``),
+  a host constant, which is also what the attention call derives from ``k_cache.shape[1]``.
+- **Never cascade.** Every call is one varlen call over ``cu_seqlens_q = query_start_loc``.
+
+Stale scheduler metadata gives the *same outputs* as refreshed metadata in every mix that
+was measured, so comparing outputs cannot catch a missing refresh: the verifier must compare
+``scheduler_metadata`` itself (declared in ``step_dependent_fields``) with a fresh build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import ClassVar
+
+import torch
+
+from speccheck.backends.availability import require_module
+from speccheck.backends.kv_cache_write import write_kv_cache
+from speccheck.contract.builder import (
+    AttentionImpl,
+    AttentionLayerSpec,
+    AttentionMetadataBuilder,
+    BuilderLimits,
+)
+from speccheck.contract.metadata import CommonAttentionMetadata
+from speccheck.contract.runtime_config import RuntimeConfig
+
+FA3_IMPORT_NAME = "fa3_fwd_interface"
+FA3_PACKAGE = "fa3-fwd"
+FA3_INSTALL_HINT = "pip install 'speccheck[fa3]' (fa3-fwd, CUDA, sm90)"
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 96, 128, 192, 256)
+
+
+def fa3_interface() -> ModuleType:
+    """The ``fa3_fwd_interface`` module, or :class:`BackendUnavailable` with the install
+    hint. Imported lazily: this module must import on machines without the wheel."""
+    return require_module(FA3_IMPORT_NAME, FA3_PACKAGE, FA3_INSTALL_HINT)
+
+
+def check_fa3_layer(layer: AttentionLayerSpec) -> None:
+    """Reject layers this build of FA3 cannot run, saying what to change."""
+    if layer.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"fa3 backend: dtype={layer.dtype} is not supported; fa3-fwd 0.0.3 is built with "
+            "FP16 disabled and runs bfloat16 only (set the model dtype to torch.bfloat16)"
+        )
+    if layer.block_size != layer.max_model_len:
+        raise ValueError(
+            f"fa3 backend: block_size={layer.block_size} must equal max_model_len="
+            f"{layer.max_model_len}; fa3-fwd has paged KV compiled out, so each KV-cache block "
+            "is one request's whole cache row (addressed through cache_batch_idx)"
+        )
+    if layer.head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(
+            f"fa3 backend: head_size={layer.head_size} is not supported; supported: "
+            f"{list(SUPPORTED_HEAD_SIZES)}"
+        )
+    if layer.num_heads % layer.num_kv_heads != 0:
+        raise ValueError(
+            f"fa3 backend: num_heads={layer.num_heads} must be a multiple of "
+            f"num_kv_heads={layer.num_kv_heads}"
+        )
+
+
+def scheduler_metadata_size_bound(num_reqs: int) -> int:
+    """Upper bound of the length of FA3's scheduler metadata for ``num_reqs`` requests:
+    one tile semaphore plus at most four per-request vectors, each rounded up to a multiple
+    of 4 (``flash_api``: num_splits_dynamic, num_m_blocks, varlen_batch_idx,
+    num_nheads_in_l2)."""
+    return 1 + 4 * (-(-max(num_reqs, 1) // 4) * 4)
+
+
+@dataclass
+class FA3Metadata:
+    """Metadata of one FA3 attention call.
+
+    Every tensor except ``scheduler_metadata`` is a view of the speculator's persistent
+    input buffers; ``scheduler_metadata`` is a ``[:n]`` view of the builder's persistent
+    buffer (``None`` when the schedule is not computed ahead of time, in which case FA3
+    computes it inside the attention call).
+    """
+
+    query_start_loc: torch.Tensor
+    """``[num_reqs + 1]`` int32: FA3's ``cu_seqlens_q``."""
+    seq_lens: torch.Tensor
+    """``[num_reqs]`` int32: FA3's ``cache_seqlens`` (KV length including this step)."""
+    block_table: torch.Tensor
+    """``[num_reqs, 1]`` int32: the cache row of each request."""
+    cache_batch_idx: torch.Tensor
+    """``[num_reqs]`` int32 view ``block_table[:, 0]``: FA3's ``cache_batch_idx``."""
+    slot_mapping: torch.Tensor
+    """``[num_actual_tokens]`` int64: where this step's keys and values are written."""
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    """FA3's ``max_seqlen_q``; part of the captured shape (uniform count in FULL mode)."""
+    max_seqlen_k: int
+    """Static key-length bound: the cache row length (``block_size == max_model_len``)."""
+    causal: bool
+    num_splits: int
+    """Split-KV bound passed to both ``get_scheduler_metadata`` and the attention call."""
+    scheduler_metadata: torch.Tensor | None
+    """``[n]`` int32 view of the builder's persistent ``"scheduler_metadata"`` buffer."""
+
+
+class FA3AttentionImpl(AttentionImpl[FA3Metadata]):
+    """Writes the new keys/values with :func:`write_kv_cache`, then one
+    ``flash_attn_with_kvcache`` varlen call without ``k``/``v`` (nothing appended inside
+    the kernel), over the per-request cache rows."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: FA3Metadata,
+        output: torch.Tensor,
+    ) -> None:
+        fa3 = fa3_interface()
+        n = metadata.num_actual_tokens
+        write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping)
+        if n == 0:
+            return
+        if metadata.num_reqs == 0:
+            output[:n].zero_()
+            return
+        out = fa3.flash_attn_with_kvcache(
+            query[:n],
+            key_cache,
+            value_cache,
+            cache_seqlens=metadata.seq_lens,
+            cache_batch_idx=metadata.cache_batch_idx,
+            cu_seqlens_q=metadata.query_start_loc,
+            max_seqlen_q=metadata.max_query_len,
+            softmax_scale=self.scale,
+            causal=metadata.causal,
+            scheduler_metadata=metadata.scheduler_metadata,
+            num_splits=metadata.num_splits,
+        )
+        # Rows past query_start_loc[-1] belong to no request (FULL-mode padding tokens);
+        # FA3 never writes them (its output is torch.empty). Zero them with a mask read
+        # from the device so a replay with fewer real tokens than the capture is still
+        # deterministic; the reference backend also returns zeros there.
+        dst = output[:n]
+        dst.copy_(out.view(dst.shape))
+        real = torch.arange(n, device=dst.device) < metadata.query_start_loc[-1]
+        dst.masked_fill_(~real[:, None, None], 0)
+
+
+class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
+    """Refresh strategy ``in_graph``: the only step-dependent derived state is the AOT
+    scheduler metadata, recomputed in place by :meth:`update_draft_decode_metadata`."""
+
+    backend_name = "fa3"
+    impl_cls = FA3AttentionImpl
+    step_dependent_fields = ("scheduler_metadata",)
+
+    max_num_splits_for_cuda_graph: ClassVar[int] = 32
+    """Split-KV bound pinned while CUDA graphs are in use (vLLM's default): it sizes the
+    split accumulators at capture, so it must not follow a per-batch heuristic."""
+    scheduler_metadata_margin: ClassVar[int] = 2
+    """The persistent buffer holds this many times the largest size ever needed."""
+
+    def __init__(
+        self,
+        layer: AttentionLayerSpec,
+        config: RuntimeConfig,
+        device: torch.device,
+        limits: BuilderLimits,
+        *,
+        supports_draft_decode_metadata_update: bool = False,
+    ) -> None:
+        super().__init__(
+            layer,
+            config,
+            device,
+            limits,
+            supports_draft_decode_metadata_update=supports_draft_decode_metadata_update,
+        )
+        check_fa3_layer(layer)
+        fa3_interface()  # BackendUnavailable with the install hint, before any device work
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"fa3 backend runs on CUDA devices only, got device={device}")
+        self.aot_schedule = True
+        """Compute the scheduler metadata ahead of time (False: FA3 computes it inside the
+        attention call, and there is nothing for the refresh to do)."""
+        self.max_seqlen_k = layer.block_size
+        self.num_splits = (
+            self.max_num_splits_for_cuda_graph if config.cudagraph_mode != "none" else 0
+        )
+        self._scheduler_metadata_buffer = torch.zeros(
+            self._scheduler_metadata_capacity(), dtype=torch.int32, device=device
+        )
+
+    # -- scheduler metadata -------------------------------------------------------------
+
+    def _scheduler_metadata_capacity(self) -> int:
+        """Size of the persistent buffer: the margin times the larger of the documented
+        bound and what ``get_scheduler_metadata`` returns for the largest batch (computed
+        once, on the device, with a query length > 1 so causal batches keep their
+        head-swizzle vector, which is the larger layout)."""
+        max_reqs = max(self.limits.max_num_reqs, 1)
+        seq_lens = torch.zeros(max_reqs, dtype=torch.int32, device=self.device)
+        query_start_loc = torch.arange(max_reqs + 1, dtype=torch.int32, device=self.device) * 2
+        probe = self._compute_scheduler_metadata(
+            num_reqs=max_reqs,
+            max_query_len=2,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            causal=True,
+            num_splits=self.num_splits,
+        )
+        needed = max(scheduler_metadata_size_bound(max_reqs), int(probe.numel()))
+        return self.scheduler_metadata_margin * needed
+
+    def _compute_scheduler_metadata(
+        self,
+        *,
+        num_reqs: int,
+        max_query_len: int,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        causal: bool,
+        num_splits: int,
+    ) -> torch.Tensor:
+        """FA3's AOT schedule for one varlen call. Every argument that FA3's attention call
+        derives on its own (``max_seqlen_k`` from ``k_cache.shape[1]``, no page size, no
+        appended KV, no window, no softcap, ``pack_gqa`` by its heuristic) is passed so that
+        both sides compute the same layout. Capture-safe: only host ints and device
+        tensors that outlive the call."""
+        fa3 = fa3_interface()
+        return fa3.get_scheduler_metadata(
+            num_reqs,
+            max_query_len,
+            self.max_seqlen_k,
+            self.layer.num_heads,
+            self.layer.num_kv_heads,
+            self.layer.head_size,
+            seq_lens,
+            qkv_dtype=torch.bfloat16,
+            cu_seqlens_q=query_start_loc,
+            causal=causal,
+            num_splits=num_splits,
+        )
+
+    def _store_scheduler_metadata(self, fresh: torch.Tensor) -> torch.Tensor:
+        """Copy ``fresh`` into the head of the persistent buffer, zero the tail (stale
+        entries there could be read by thread blocks of a larger captured schedule), and
+        return the ``[:n]`` view. In place: the buffer's address never changes."""
+        buffer = self._scheduler_metadata_buffer
+        n = int(fresh.numel())
+        if n > buffer.numel():
+            raise RuntimeError(
+                f"fa3 scheduler metadata needs {n} entries but the persistent buffer holds "
+                f"{buffer.numel()}; raise BuilderLimits.max_num_reqs (now "
+                f"{self.limits.max_num_reqs}) or FA3MetadataBuilder.scheduler_metadata_margin"
+            )
+        buffer[:n].copy_(fresh.view(-1))
+        buffer[n:].zero_()
+        return buffer[:n]
+
+    # -- protocol -----------------------------------------------------------------------
+
+    def build(self, common: CommonAttentionMetadata) -> FA3Metadata:
+        if common.num_reqs > self.limits.max_num_reqs:
+            raise ValueError(
+                f"fa3 backend: num_reqs={common.num_reqs} exceeds BuilderLimits.max_num_reqs="
+                f"{self.limits.max_num_reqs}"
+            )
+        if common.block_table.shape[-1] < 1:
+            raise ValueError("fa3 backend: the block table needs one column (the cache row)")
+        scheduler_metadata = None
+        if self.aot_schedule and common.num_reqs > 0 and common.max_query_len > 0:
+            fresh = self._compute_scheduler_metadata(
+                num_reqs=common.num_reqs,
+                max_query_len=common.max_query_len,
+                seq_lens=common.seq_lens,
+                query_start_loc=common.query_start_loc,
+                causal=common.causal,
+                num_splits=self.num_splits,
+            )
+            scheduler_metadata = self._store_scheduler_metadata(fresh)
+        return FA3Metadata(
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            cache_batch_idx=common.block_table[:, 0],
+            slot_mapping=common.slot_mapping,
+            num_actual_tokens=common.num_actual_tokens,
+            num_reqs=common.num_reqs,
+            max_query_len=common.max_query_len,
+            max_seqlen_k=self.max_seqlen_k,
+            causal=common.causal,
+            num_splits=self.num_splits,
+            scheduler_metadata=scheduler_metadata,
+        )
+
+    def update_draft_decode_metadata(self, metadata: FA3Metadata) -> None:
+        """Recompute the AOT schedule for the lengths the speculator has just advanced in
+        place, and write it into the same persistent buffer (zero tail kept).
+
+        Capture-safe: the inputs are the metadata's persistent device views and host ints
+        fixed at build time; the only host decisions compare shapes, never values. Without
+        AOT metadata (``scheduler_metadata is None``) FA3 recomputes its schedule inside
+        the attention call from the live ``seq_lens``, so there is nothing to do.
+        """
+        current = metadata.scheduler_metadata
+        if current is None:
+            return
+        buffer = self._scheduler_metadata_buffer
+        if current.data_ptr() != buffer.data_ptr():
+            raise RuntimeError(
+                "fa3 refresh: metadata.scheduler_metadata is not a view of this builder's "
+                "persistent buffer (metadata built by another builder, or the field was "
+                "rebound); a replay would not see the refresh"
+            )
+        fresh = self._compute_scheduler_metadata(
+            num_reqs=metadata.num_reqs,
+            max_query_len=metadata.max_query_len,
+            seq_lens=metadata.seq_lens,
+            query_start_loc=metadata.query_start_loc,
+            causal=metadata.causal,
+            num_splits=metadata.num_splits,
+        )
+        if fresh.numel() != current.numel():
+            raise RuntimeError(
+                f"fa3 refresh: the recomputed scheduler metadata has {fresh.numel()} entries, "
+                f"the captured view {current.numel()}; the batch shape changed between build "
+                "and refresh"
+            )
+        self._store_scheduler_metadata(fresh)
+
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        return {"scheduler_metadata": self._scheduler_metadata_buffer}

@@ -1,0 +1,465 @@
+"""FlashInfer's paged decode and prefill wrappers in CUDA-graph mode: builder and impl.
+
+How the wrappers behave, and what this adapter does about it:
+
+- ``plan()`` is host work. It copies the page-table arrays (``indptr``, ``indices``,
+  ``last_page_len``) into the wrapper's fixed device buffers, runs FlashInfer's scheduler
+  on the CPU and uploads the plan into the wrapper's own int workspace. It cannot be
+  captured, so the metadata cannot be refreshed inside a graph between draft steps:
+  :meth:`FlashInferMetadataBuilder.update_draft_decode_metadata` keeps the protocol's
+  ``NotImplementedError`` (the matrix declares the capability unsupported and the
+  speculator falls back to per-step rebuilds). The ``host_preplanned`` strategy is offered
+  by :meth:`FlashInferMetadataBuilder.plan_draft_steps`: one wrapper per draft step, every
+  one planned on the host before a single replay.
+- A wrapper constructed with ``use_cuda_graph=True`` freezes its batch size (the length of
+  its ``last_page_len`` buffer), so wrappers are created lazily, one decode/prefill pair per
+  padded batch size (and per draft step for :meth:`~FlashInferMetadataBuilder.plan_draft_steps`),
+  each with its own fixed index buffers, and cached. All of them share one 128 MiB float
+  workspace, which is safe because their kernels run one after another on one stream.
+- The graph-mode prefill wrapper also freezes the largest query-row count at its first
+  plan; each new prefill wrapper is therefore planned once with the largest row count the
+  builder can see (``BuilderLimits.max_num_tokens``) before its first real plan.
+- The decode wrapper serves uniform single-token batches (``max_query_len == 1`` and one
+  token per request); everything else goes through the paged prefill wrapper, planned with
+  the metadata's ``query_start_loc_cpu[:num_reqs + 1]`` and run on exactly
+  ``query[:num_actual_tokens]``. A mismatch is *not* repaired: FlashInfer raises its own
+  ``q.shape[0] (…) does not match qo_indptr[-1] (…)``, which is how a wrong attention token
+  count under data parallelism (seed 004) shows up.
+
+KV layout ``NHD``; the cache is passed as the pair ``(key_cache, value_cache)``, each
+``[num_blocks, block_size, num_kv_heads, head_size]`` with ``page_size = block_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from speccheck.backends.availability import require_module
+from speccheck.backends.kv_cache_write import write_kv_cache
+from speccheck.contract.builder import (
+    AttentionImpl,
+    AttentionLayerSpec,
+    AttentionMetadataBuilder,
+    BuilderLimits,
+)
+from speccheck.contract.metadata import CommonAttentionMetadata
+from speccheck.contract.runtime_config import RuntimeConfig
+
+FLASHINFER_IMPORT_NAME = "flashinfer"
+FLASHINFER_PACKAGE = "flashinfer-python"
+FLASHINFER_INSTALL_HINT = (
+    "pip install 'speccheck[flashinfer]' (flashinfer-python with apache-tvm-ffi, CUDA; "
+    "kernels are JIT-built with nvcc on first use)"
+)
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def flashinfer_module() -> ModuleType:
+    """The ``flashinfer`` module, or :class:`BackendUnavailable` with the install hint.
+    Imported lazily: this module must import on machines without the package."""
+    return require_module(FLASHINFER_IMPORT_NAME, FLASHINFER_PACKAGE, FLASHINFER_INSTALL_HINT)
+
+
+def check_flashinfer_layer(layer: AttentionLayerSpec) -> None:
+    """Reject layers the wrappers cannot run, saying what to change."""
+    if layer.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"flashinfer backend: dtype={layer.dtype} is not supported; supported: "
+            f"{[str(d) for d in SUPPORTED_DTYPES]}"
+        )
+    if layer.num_heads % layer.num_kv_heads != 0:
+        raise ValueError(
+            f"flashinfer backend: num_heads={layer.num_heads} must be a multiple of "
+            f"num_kv_heads={layer.num_kv_heads}"
+        )
+
+
+@dataclass(frozen=True)
+class PagedKVLayout:
+    """FlashInfer's CSR page table of one batch, on the host (int32).
+
+    - ``indptr``: ``[num_reqs + 1]``, request ``r`` owns ``indices[indptr[r]:indptr[r+1]]``;
+    - ``indices``: ``[indptr[-1]]``, physical block ids in order;
+    - ``last_page_len``: ``[num_reqs]``, entries in each request's last page, in
+      ``1 .. page_size`` for a request with pages and 0 for one without (padding lanes:
+      FlashInfer's device-side length is 0 whenever a request owns no page).
+    """
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_len: torch.Tensor
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.indices.numel())
+
+
+def paged_kv_layout(
+    seq_lens: torch.Tensor | np.ndarray, block_table: torch.Tensor | np.ndarray, page_size: int
+) -> PagedKVLayout:
+    """The CSR page table of requests with KV lengths ``seq_lens`` (``[num_reqs]``) whose
+    blocks are the rows of ``block_table`` (``[num_reqs, max_blocks]``). Host arrays only."""
+    seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    table = np.asarray(block_table)
+    num_reqs = seq.shape[0]
+    if table.ndim != 2 or table.shape[0] < num_reqs:
+        raise ValueError(
+            f"block_table of shape {tuple(table.shape)} does not cover num_reqs={num_reqs}"
+        )
+    if (seq < 0).any():
+        raise ValueError(f"negative sequence length in {seq.tolist()}")
+    pages = (seq + page_size - 1) // page_size
+    max_blocks = table.shape[1]
+    if num_reqs and int(pages.max()) > max_blocks:
+        raise ValueError(
+            f"a sequence of length {int(seq.max())} needs {int(pages.max())} pages of "
+            f"{page_size} but the block table has {max_blocks} columns"
+        )
+    indptr = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    used = np.arange(max_blocks)[None, :] < pages[:, None]
+    indices = np.ascontiguousarray(table[:num_reqs][used], dtype=np.int32)
+    last = np.where(pages > 0, seq - (pages - 1) * page_size, 0).astype(np.int32)
+    return PagedKVLayout(
+        indptr=torch.from_numpy(indptr),
+        indices=torch.from_numpy(indices),
+        last_page_len=torch.from_numpy(last),
+    )
+
+
+@dataclass
+class _GraphWrapper:
+    """One CUDA-graph-mode wrapper and the fixed device buffers it was constructed with."""
+
+    kind: str
+    """``"decode"`` or ``"prefill"``."""
+    wrapper: Any
+    paged_kv_indptr: torch.Tensor
+    paged_kv_indices: torch.Tensor
+    paged_kv_last_page_len: torch.Tensor
+    qo_indptr: torch.Tensor | None
+
+
+@dataclass
+class FlashInferMetadata:
+    """Metadata of one FlashInfer attention call: the planned wrapper, the views of its
+    fixed page-table buffers (the step-dependent plan inputs), and views of the
+    speculator's persistent input buffers."""
+
+    wrapper: Any = field(repr=False, compare=False)
+    """The planned ``BatchDecodeWithPagedKVCacheWrapper`` or
+    ``BatchPrefillWithPagedKVCacheWrapper`` (``None`` for an empty batch)."""
+    use_decode: bool
+    paged_kv_indptr: torch.Tensor
+    """``[num_reqs + 1]`` int32: the wrapper's fixed indptr buffer."""
+    paged_kv_indices: torch.Tensor
+    """``[num_pages]`` int32: the used head of the wrapper's fixed indices buffer."""
+    paged_kv_last_page_len: torch.Tensor
+    """``[num_reqs]`` int32: the wrapper's fixed last-page-length buffer."""
+    qo_indptr: torch.Tensor | None
+    """``[num_reqs + 1]`` int32: the prefill wrapper's fixed query indptr (``None`` for
+    decode)."""
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    num_reqs: int
+    causal: bool
+    sm_scale: float
+    """Softmax scale the wrapper was planned with (FlashInfer takes it at plan time)."""
+    draft_step: int | None = None
+    """Draft step this metadata was pre-planned for by ``plan_draft_steps``."""
+
+
+class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
+    """Writes the new keys/values with :func:`write_kv_cache`, then ``wrapper.run`` on
+    exactly ``query[:num_actual_tokens]`` into ``output``."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: FlashInferMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        flashinfer_module()
+        if not _same_scale(metadata.sm_scale, self.scale):
+            raise ValueError(
+                f"flashinfer: the wrapper was planned with sm_scale={metadata.sm_scale} but "
+                f"this layer's scale is {self.scale}; create impls with builder.make_impl(scale) "
+                "before building metadata, so plan() gets the layer's scale"
+            )
+        n = metadata.num_actual_tokens
+        write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping)
+        if n == 0:
+            return
+        dst = output[:n]
+        if metadata.wrapper is None:
+            dst.zero_()
+            return
+        metadata.wrapper.run(query[:n], (key_cache, value_cache), out=dst)
+        # Rows past query_start_loc[-1] belong to no request (FULL-mode padding lanes, whose
+        # pages are empty). Zero them with a mask read from the device, so a replay with
+        # fewer real requests than the capture is deterministic (the reference gives 0).
+        real = torch.arange(n, device=dst.device) < metadata.query_start_loc[-1]
+        dst.masked_fill_(~real[:, None, None], 0)
+
+
+def _same_scale(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(abs(a), abs(b))
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
+    """Refresh strategy ``host_preplanned`` (see :meth:`plan_draft_steps`); in-graph refresh
+    is impossible because ``plan()`` runs on the host."""
+
+    backend_name = "flashinfer"
+    impl_cls = FlashInferAttentionImpl
+    step_dependent_fields = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+
+    workspace_bytes: ClassVar[int] = WORKSPACE_BYTES
+    kv_layout: ClassVar[str] = "NHD"
+
+    def __init__(
+        self,
+        layer: AttentionLayerSpec,
+        config: RuntimeConfig,
+        device: torch.device,
+        limits: BuilderLimits,
+        *,
+        supports_draft_decode_metadata_update: bool = False,
+    ) -> None:
+        super().__init__(
+            layer,
+            config,
+            device,
+            limits,
+            supports_draft_decode_metadata_update=supports_draft_decode_metadata_update,
+        )
+        check_flashinfer_layer(layer)
+        self._flashinfer = flashinfer_module()
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"flashinfer backend runs on CUDA devices only, got device={device}")
+        self.sm_scale: float = layer.head_size**-0.5
+        """Softmax scale planned into every wrapper; :meth:`make_impl` records the layer's."""
+        # "Must be initialized to 0 for its first use" (FlashInfer); shared by all wrappers.
+        self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
+        self._wrappers: dict[tuple[str, int, str, int], _GraphWrapper] = {}
+
+    def make_impl(self, scale: float) -> AttentionImpl[FlashInferMetadata]:
+        self.sm_scale = float(scale)
+        return super().make_impl(scale)
+
+    # -- wrappers -----------------------------------------------------------------------
+
+    def _wrapper(self, kind: str, batch_size: int, slot: tuple[str, int]) -> _GraphWrapper:
+        key = (kind, batch_size, *slot)
+        cached = self._wrappers.get(key)
+        if cached is None:
+            cached = self._new_wrapper(kind, batch_size)
+            self._wrappers[key] = cached
+        return cached
+
+    def _new_wrapper(self, kind: str, batch_size: int) -> _GraphWrapper:
+        fi = self._flashinfer
+        dev = self.device
+        indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+        # Largest page count the wrapper can ever see: every request at max_model_len.
+        indices = torch.zeros(
+            batch_size * self.layer.max_blocks_per_req, dtype=torch.int32, device=dev
+        )
+        last_page_len = torch.zeros(batch_size, dtype=torch.int32, device=dev)
+        if kind == "decode":
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace,
+                kv_layout=self.kv_layout,
+                use_cuda_graph=True,
+                use_tensor_cores=False,
+                paged_kv_indptr_buffer=indptr,
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len,
+            )
+            return _GraphWrapper(kind, wrapper, indptr, indices, last_page_len, None)
+        qo_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace,
+            kv_layout=self.kv_layout,
+            use_cuda_graph=True,
+            qo_indptr_buf=qo_indptr,
+            paged_kv_indptr_buf=indptr,
+            paged_kv_indices_buf=indices,
+            paged_kv_last_page_len_buf=last_page_len,
+        )
+        created = _GraphWrapper(kind, wrapper, indptr, indices, last_page_len, qo_indptr)
+        self._prime_prefill(created, batch_size)
+        return created
+
+    def _prime_prefill(self, graph_wrapper: _GraphWrapper, batch_size: int) -> None:
+        """Plan a new graph-mode prefill wrapper once with the largest row count it will
+        ever serve: FlashInfer freezes the row bound (and sizes the captured grid from it)
+        at the first plan, and rejects later plans with more rows."""
+        rows = max(self.limits.max_num_tokens, batch_size)
+        qo_lens = np.full(batch_size, rows // batch_size, dtype=np.int64)
+        qo_lens[: rows % batch_size] += 1
+        qo_indptr = np.zeros(batch_size + 1, dtype=np.int32)
+        np.cumsum(qo_lens, out=qo_indptr[1:])
+        kv_lens = np.minimum(np.maximum(qo_lens, 1), self.layer.max_model_len)
+        table = np.zeros((batch_size, self.layer.max_blocks_per_req), dtype=np.int32)
+        layout = paged_kv_layout(kv_lens, table, self.layer.block_size)
+        self._plan_prefill(graph_wrapper, torch.from_numpy(qo_indptr), layout, causal=True)
+
+    def _plan_decode(self, graph_wrapper: _GraphWrapper, layout: PagedKVLayout) -> None:
+        layer = self.layer
+        graph_wrapper.wrapper.plan(
+            layout.indptr,
+            layout.indices,
+            layout.last_page_len,
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_size,
+            layer.block_size,
+            q_data_type=layer.dtype,
+            kv_data_type=layer.dtype,
+            sm_scale=self.sm_scale,
+        )
+
+    def _plan_prefill(
+        self,
+        graph_wrapper: _GraphWrapper,
+        qo_indptr: torch.Tensor,
+        layout: PagedKVLayout,
+        *,
+        causal: bool,
+    ) -> None:
+        layer = self.layer
+        graph_wrapper.wrapper.plan(
+            qo_indptr,
+            layout.indptr,
+            layout.indices,
+            layout.last_page_len,
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_size,
+            layer.block_size,
+            causal=causal,
+            sm_scale=self.sm_scale,
+            q_data_type=layer.dtype,
+            kv_data_type=layer.dtype,
+        )
+
+    # -- protocol -----------------------------------------------------------------------
+
+    def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        return self._plan(common, slot=("main", 0), draft_step=None)
+
+    def plan_draft_steps(
+        self, common_per_step: Sequence[CommonAttentionMetadata]
+    ) -> list[FlashInferMetadata]:
+        """The ``host_preplanned`` strategy: plan one wrapper per draft step, all before a
+        single replay of the fused graph.
+
+        ``common_per_step[i]`` describes draft step ``i`` (its lengths known ahead: each
+        step adds one token per request). Step ``i`` gets its own wrapper and fixed buffers
+        (cached per batch size and step), so planning step ``i + 1`` never overwrites what
+        step ``i``'s captured kernels read. Capture the fused graph with the metadata this
+        returns, and call it again with the live batch before every replay.
+        """
+        if not common_per_step:
+            return []
+        sizes = {c.num_reqs for c in common_per_step}
+        if len(sizes) != 1:
+            raise ValueError(
+                f"plan_draft_steps: every draft step of one replay must have the same padded "
+                f"batch size, got num_reqs={[c.num_reqs for c in common_per_step]}"
+            )
+        return [
+            self._plan(common, slot=("draft", step), draft_step=step)
+            for step, common in enumerate(common_per_step)
+        ]
+
+    def _plan(
+        self, common: CommonAttentionMetadata, *, slot: tuple[str, int], draft_step: int | None
+    ) -> FlashInferMetadata:
+        num_reqs = common.num_reqs
+        if num_reqs > self.limits.max_num_reqs:
+            raise ValueError(
+                f"flashinfer backend: num_reqs={num_reqs} exceeds BuilderLimits.max_num_reqs="
+                f"{self.limits.max_num_reqs}"
+            )
+        if num_reqs == 0:
+            empty = torch.zeros(0, dtype=torch.int32, device=self.device)
+            return FlashInferMetadata(
+                wrapper=None,
+                use_decode=False,
+                paged_kv_indptr=empty,
+                paged_kv_indices=empty,
+                paged_kv_last_page_len=empty,
+                qo_indptr=None,
+                query_start_loc=common.query_start_loc,
+                seq_lens=common.seq_lens,
+                slot_mapping=common.slot_mapping,
+                num_actual_tokens=common.num_actual_tokens,
+                num_reqs=0,
+                causal=common.causal,
+                sm_scale=self.sm_scale,
+                draft_step=draft_step,
+            )
+        # Host work: the block table comes back from the device (a synchronisation).
+        layout = paged_kv_layout(
+            common.seq_lens_cpu_upper_bound[:num_reqs].numpy(),
+            common.block_table[:num_reqs].cpu().numpy(),
+            self.layer.block_size,
+        )
+        use_decode = common.max_query_len == 1 and common.num_actual_tokens == num_reqs
+        if use_decode:
+            graph_wrapper = self._wrapper("decode", num_reqs, slot)
+            self._plan_decode(graph_wrapper, layout)
+        else:
+            graph_wrapper = self._wrapper("prefill", num_reqs, slot)
+            qo_indptr = common.query_start_loc_cpu[: num_reqs + 1].to(torch.int32)
+            self._plan_prefill(graph_wrapper, qo_indptr, layout, causal=common.causal)
+        num_pages = layout.num_pages
+        # The kernels read only indices[:indptr[-1]]; zero the rest so no stale block id of
+        # an earlier, larger batch stays in the persistent buffer.
+        graph_wrapper.paged_kv_indices[num_pages:].zero_()
+        return FlashInferMetadata(
+            wrapper=graph_wrapper.wrapper,
+            use_decode=use_decode,
+            paged_kv_indptr=graph_wrapper.paged_kv_indptr,
+            paged_kv_indices=graph_wrapper.paged_kv_indices[:num_pages],
+            paged_kv_last_page_len=graph_wrapper.paged_kv_last_page_len,
+            qo_indptr=graph_wrapper.qo_indptr,
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            slot_mapping=common.slot_mapping,
+            num_actual_tokens=common.num_actual_tokens,
+            num_reqs=num_reqs,
+            causal=common.causal,
+            sm_scale=self.sm_scale,
+            draft_step=draft_step,
+        )
+
+    # update_draft_decode_metadata: the protocol's NotImplementedError stands. plan() is
+    # host work and cannot run inside a captured graph; see plan_draft_steps.
+
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        buffers: dict[str, torch.Tensor] = {}
+        for (kind, batch_size, slot_name, slot_index), gw in self._wrappers.items():
+            prefix = f"{kind}[bs={batch_size},{slot_name}={slot_index}]"
+            buffers[f"{prefix}.paged_kv_indptr"] = gw.paged_kv_indptr
+            buffers[f"{prefix}.paged_kv_indices"] = gw.paged_kv_indices
+            buffers[f"{prefix}.paged_kv_last_page_len"] = gw.paged_kv_last_page_len
+            if gw.qo_indptr is not None:
+                buffers[f"{prefix}.qo_indptr"] = gw.qo_indptr
+        return buffers

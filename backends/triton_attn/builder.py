@@ -1,0 +1,257 @@
+"""Metadata builder and impl of the ``triton_attn`` backend.
+
+Refresh strategy ``none_needed``: the metadata holds only views of the speculator's
+persistent input buffers and of this builder's persistent split-KV scratch, and the kernels
+read lengths, offsets and block ids from those buffers at run time with value-independent
+grids. A draft step that advances ``seq_lens`` / ``slot_mapping`` in place is therefore
+seen by the next replay without any refresh work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from speccheck.backends.kv_cache_write import write_kv_cache
+from speccheck.backends.triton_attn.kernels import (
+    LOG2E,
+    paged_attention_reduce_kernel,
+    paged_attention_split_kernel,
+)
+from speccheck.contract.builder import (
+    AttentionImpl,
+    AttentionLayerSpec,
+    AttentionMetadataBuilder,
+    BuilderLimits,
+)
+from speccheck.contract.metadata import CommonAttentionMetadata
+from speccheck.contract.runtime_config import RuntimeConfig
+
+MIN_KV_PER_SPLIT = 512
+"""Fewest KV positions per split at ``max_model_len``: shorter splits cost more in the
+reduction than they win in parallelism."""
+MAX_KV_SPLITS = 16
+SCRATCH_BUDGET_BYTES = 256 * 2**20
+"""Upper bound on the split-KV scratch; fewer splits are used when it would be exceeded."""
+KV_TILE = 32
+"""KV positions per inner-loop tile (``BLOCK_N``); at least 16, as ``tl.dot`` requires."""
+
+
+def default_num_kv_splits(layer: AttentionLayerSpec, limits: BuilderLimits) -> int:
+    """Splits per query block: enough that a ``max_model_len`` sequence is cut into runs of
+    at least :data:`MIN_KV_PER_SPLIT` positions, at most :data:`MAX_KV_SPLITS`, and few
+    enough that the scratch for ``limits.max_num_tokens`` fits :data:`SCRATCH_BUDGET_BYTES`."""
+    by_length = min(MAX_KV_SPLITS, triton.cdiv(layer.max_model_len, MIN_KV_PER_SPLIT))
+    bytes_per_split = max(1, limits.max_num_tokens) * layer.num_heads * (layer.head_size + 2) * 4
+    return max(1, min(by_length, SCRATCH_BUDGET_BYTES // bytes_per_split))
+
+
+@dataclass(frozen=True)
+class SplitKVScratch:
+    """The builder's persistent split-KV workspace (fp32, allocated once, never resized).
+
+    - ``part_max``: ``[max_num_tokens, num_heads, num_splits]``, running maximum of the
+      scaled scores, log2 domain.
+    - ``part_sum``: same shape, softmax denominator relative to ``part_max``.
+    - ``part_acc``: ``[max_num_tokens, num_heads, num_splits, head_size]``, value sum
+      relative to ``part_max``.
+
+    Contents are transient: every forward writes all partials of its real tokens before the
+    reduction reads them, and never reads rows of padding tokens, so stale or unzeroed
+    contents (tails included) cannot reach the output.
+    """
+
+    part_max: torch.Tensor
+    part_sum: torch.Tensor
+    part_acc: torch.Tensor
+
+    @property
+    def num_splits(self) -> int:
+        return self.part_max.shape[2]
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.part_max.shape[0]
+
+
+@dataclass
+class TritonAttnMetadata:
+    """Views of the speculator's persistent buffers plus the builder's scratch; nothing is
+    derived from tensor values, so nothing is step dependent.
+
+    ``max_query_len`` only picks the query-block size (a performance choice): any value
+    gives correct results for any query lengths the buffers hold at replay time.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    max_query_len: int
+    causal: bool
+    scratch: SplitKVScratch
+
+
+class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
+    """Split-KV paged attention in two Triton launches (partials, then reduction).
+
+    Capture-safe: two in-place cache scatters and two kernel launches whose grids depend on
+    shapes only; no allocation, no host synchronisation.
+    """
+
+    max_query_block: int = 16
+    """Upper bound on ``BLOCK_M``, the query tokens of one request a program handles."""
+    max_rows: int = 64
+    """Upper bound on ``BLOCK_M * GROUP_P`` (rows of one program's score tile), unless the
+    padded head group alone is larger."""
+
+    def query_block(self, max_query_len: int, group_p: int) -> int:
+        """``BLOCK_M``: a power of two covering ``max_query_len`` within the two caps."""
+        block = triton.next_power_of_2(max(1, max_query_len))
+        return max(1, min(block, self.max_query_block, self.max_rows // group_p))
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: TritonAttnMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        n = metadata.num_actual_tokens
+        scratch = metadata.scratch
+        if n > scratch.max_num_tokens:
+            raise ValueError(
+                f"{n} tokens exceed the split-KV scratch sized for {scratch.max_num_tokens}"
+            )
+        if any(t.stride(-1) != 1 for t in (query, output, key_cache, value_cache)):
+            raise ValueError("query, output and caches need a contiguous head dimension")
+        write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping)
+        if n == 0:
+            return
+
+        num_heads, head_size = query.shape[1:]
+        num_kv_heads = key_cache.shape[2]
+        group = num_heads // num_kv_heads
+        group_p = triton.next_power_of_2(group)
+        num_reqs = metadata.seq_lens.shape[0]
+        if num_reqs > 0:
+            block_m = self.query_block(metadata.max_query_len, group_p)
+            grid = (n // block_m + num_reqs, num_kv_heads, scratch.num_splits)
+            paged_attention_split_kernel[grid](
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_table,
+                metadata.seq_lens,
+                metadata.query_start_loc,
+                scratch.part_max,
+                scratch.part_sum,
+                scratch.part_acc,
+                self.scale * LOG2E,
+                num_reqs,
+                query.stride(0),
+                query.stride(1),
+                key_cache.stride(0),
+                key_cache.stride(1),
+                key_cache.stride(2),
+                value_cache.stride(0),
+                value_cache.stride(1),
+                value_cache.stride(2),
+                metadata.block_table.stride(0),
+                NUM_HEADS=num_heads,
+                GROUP=group,
+                GROUP_P=group_p,
+                HEAD_SIZE=head_size,
+                BLOCK_SIZE=key_cache.shape[1],
+                BLOCK_M=block_m,
+                BLOCK_N=KV_TILE,
+                NUM_SPLITS=scratch.num_splits,
+                CAUSAL=metadata.causal,
+                UPCAST=query.device.type != "cuda",
+            )
+        paged_attention_reduce_kernel[(n, num_heads)](
+            output,
+            scratch.part_max,
+            scratch.part_sum,
+            scratch.part_acc,
+            metadata.query_start_loc,
+            num_reqs,
+            output.stride(0),
+            output.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_SIZE=head_size,
+            NUM_SPLITS=scratch.num_splits,
+            SPLITS_P=triton.next_power_of_2(scratch.num_splits),
+        )
+
+
+class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
+    """Builder of the ``triton_attn`` backend; refresh strategy ``none_needed``.
+
+    Persistent state: the :class:`SplitKVScratch`, allocated here once for
+    ``limits.max_num_tokens`` tokens and handed to every metadata object.
+    """
+
+    backend_name = "triton_attn"
+    impl_cls = TritonAttnImpl
+    step_dependent_fields = ()
+
+    def __init__(
+        self,
+        layer: AttentionLayerSpec,
+        config: RuntimeConfig,
+        device: torch.device,
+        limits: BuilderLimits,
+        *,
+        supports_draft_decode_metadata_update: bool = False,
+        num_kv_splits: int | None = None,
+    ) -> None:
+        """``num_kv_splits`` overrides :func:`default_num_kv_splits` (fixed for the builder's
+        lifetime, like the scratch it sizes)."""
+        super().__init__(
+            layer,
+            config,
+            device,
+            limits,
+            supports_draft_decode_metadata_update=supports_draft_decode_metadata_update,
+        )
+        if num_kv_splits is not None and num_kv_splits < 1:
+            raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
+        splits = num_kv_splits or default_num_kv_splits(layer, limits)
+        rows = (limits.max_num_tokens, layer.num_heads, splits)
+        self.scratch = SplitKVScratch(
+            part_max=torch.zeros(rows, dtype=torch.float32, device=device),
+            part_sum=torch.zeros(rows, dtype=torch.float32, device=device),
+            part_acc=torch.zeros(*rows, layer.head_size, dtype=torch.float32, device=device),
+        )
+
+    def build(self, common: CommonAttentionMetadata) -> TritonAttnMetadata:
+        return TritonAttnMetadata(
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            slot_mapping=common.slot_mapping,
+            num_actual_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+            causal=common.causal,
+            scratch=self.scratch,
+        )
+
+    def update_draft_decode_metadata(self, metadata: TritonAttnMetadata) -> None:
+        """``none_needed``: every field is a view of a persistent buffer that the speculator
+        advances in place, and the kernels read it at run time."""
+
+    def workspace_buffers(self) -> Mapping[str, torch.Tensor]:
+        """The split-KV scratch: allocated once, rewritten by every forward."""
+        return {
+            "part_max": self.scratch.part_max,
+            "part_sum": self.scratch.part_sum,
+            "part_acc": self.scratch.part_acc,
+        }

@@ -1,0 +1,217 @@
+"""Triton kernels of the ``triton_attn`` backend: split-KV paged attention and its reduction.
+
+Both kernels take every length, offset and block id from device memory at run time, so
+their grids depend only on tensor *shapes* and compile-time constants. A graph captured once
+therefore stays correct when a replay sees new ``seq_lens`` / ``query_start_loc`` /
+``block_table`` contents.
+
+Work decomposition
+------------------
+The query tokens of request ``r`` (``q_r`` of them, starting at ``query_start_loc[r]``) are
+cut into query blocks of ``BLOCK_M`` tokens. Request ``r`` owns the program slots
+``[query_start_loc[r] // BLOCK_M + r, query_start_loc[r + 1] // BLOCK_M + r + 1)``: at least
+``cdiv(q_r, BLOCK_M)`` slots, and the slots of consecutive requests are disjoint and
+increasing, so ``num_tokens // BLOCK_M + num_reqs`` slots cover any batch whose offsets end
+at or below ``num_tokens``. A slot with no query block behind it exits at once.
+
+:func:`paged_attention_split_kernel` runs on the grid ``(slots, num_kv_heads, NUM_SPLITS)``.
+One program handles one query block of one request, the ``GROUP`` query heads that share one
+KV head, and one split of the KV range that block may see. Its rows are ``BLOCK_M * GROUP_P``
+(token, head) pairs. It writes, for every row it owns, an unnormalised partial result: the
+running maximum (log2 domain), the softmax denominator and the weighted value sum, into
+``[num_tokens, num_heads, NUM_SPLITS]`` scratch; an empty split writes ``(-inf, 0, 0)``.
+
+:func:`paged_attention_reduce_kernel` runs on ``(num_tokens, num_heads)``, merges the
+``NUM_SPLITS`` partials of a token and writes the output row. Tokens at or past
+``query_start_loc[num_reqs]`` (padding) get zeros without reading scratch, and a row that saw
+no key (``seq_len == 0``, or a causal position before the first key) gets zeros too.
+
+Numerics: scores and accumulators are fp32. With ``UPCAST`` the kernels convert loaded
+queries, keys and values to fp32 before any arithmetic; the Triton interpreter (CPU) needs
+it, as it computes bf16 arithmetic and bf16 ``tl.dot`` wrongly. Without it (GPU), ``tl.dot``
+runs on the cache dtype (tensor cores for fp16/bf16; exact fp32 FMA for fp32, as
+``input_precision="ieee"``). Every ``tl.dot`` has ``K = HEAD_SIZE`` or ``K = BLOCK_N``, both
+at least 16, which compiled Triton requires.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+"""``log2(e)``: scores are scaled by ``scale * LOG2E`` so the kernels can use ``exp2``."""
+
+
+@triton.jit
+def _owning_request(query_start_loc_ptr, slot, num_reqs, BLOCK_M: tl.constexpr):
+    """Largest ``r < num_reqs`` with ``query_start_loc[r] // BLOCK_M + r <= slot`` (binary
+    search; the left-hand side is strictly increasing in ``r``)."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= slot:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def paged_attention_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    scale_log2e,
+    num_reqs,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Partial attention of one (query block, KV head, KV split); see the module docstring.
+
+    Shapes: q ``[T, NUM_HEADS, HEAD_SIZE]``; caches ``[num_blocks, BLOCK_SIZE, num_kv_heads,
+    HEAD_SIZE]``; block table ``[num_reqs, *]`` int32; seq_lens ``[num_reqs]`` int32;
+    query_start_loc ``[num_reqs + 1]`` int32; scratch contiguous ``[T', NUM_HEADS,
+    NUM_SPLITS]`` (fp32 max and sum) and ``[T', NUM_HEADS, NUM_SPLITS, HEAD_SIZE]`` (fp32
+    acc) with ``T' >= T``. The last dimension of q and of the caches must be contiguous.
+    """
+    slot = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _owning_request(query_start_loc_ptr, slot, num_reqs, BLOCK_M)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    block_q0 = (slot - (q_start // BLOCK_M + req)) * BLOCK_M
+    if block_q0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    ROWS: tl.constexpr = BLOCK_M * GROUP_P
+    rows = tl.arange(0, ROWS)
+    tok = block_q0 + rows // GROUP_P
+    head = kv_head * GROUP + rows % GROUP_P
+    row_ok = (tok < q_len) & (rows % GROUP_P < GROUP)
+    position = seq_len - q_len + tok
+
+    # KV positions this query block may see, cut into NUM_SPLITS runs of whole tiles.
+    if CAUSAL:
+        kv_end = seq_len - q_len + tl.minimum(block_q0 + BLOCK_M, q_len)
+    else:
+        kv_end = seq_len
+    num_tiles = tl.cdiv(tl.maximum(kv_end, 0), BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    dims = tl.arange(0, HEAD_SIZE)
+    token = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_SIZE], tl.float32)
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        kv = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_ok = kv < kv_end
+        page = tl.load(table_row + kv // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        in_page = kv % BLOCK_SIZE
+        k_off = page * stride_kb + in_page * stride_ks + kv_head * stride_kh
+        v_off = page * stride_vb + in_page * stride_vs + kv_head * stride_vh
+        k = tl.load(k_cache_ptr + k_off[:, None] + dims[None, :], mask=kv_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=kv_ok[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e
+        visible = kv_ok[None, :]
+        if CAUSAL:
+            visible = visible & (kv[None, :] <= position[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN
+        p = tl.exp2(scores - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + split
+    tl.store(part_max_ptr + part, m_i, mask=row_ok)
+    tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+    tl.store(
+        part_acc_ptr + part[:, None] * HEAD_SIZE + dims[None, :], acc, mask=row_ok[:, None]
+    )
+
+
+@triton.jit
+def paged_attention_reduce_kernel(
+    out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    query_start_loc_ptr,
+    num_reqs,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
+    """Merge the split partials of one (token, head) into ``out`` (``[T, NUM_HEADS,
+    HEAD_SIZE]``, last dimension contiguous), or write zeros for a padding token."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_SIZE)
+    out_row = out_ptr + token * stride_ot + head * stride_oh + dims
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
+        tl.store(out_row, tl.zeros([HEAD_SIZE], tl.float32).to(out_ptr.dtype.element_ty))
+        return
+
+    splits = tl.arange(0, SPLITS_P)
+    split_ok = splits < NUM_SPLITS
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_SIZE + dims[None, :], mask=split_ok[:, None], other=0.0
+    )
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    total = tl.sum(weight * l, 0)
+    out = tl.sum(weight[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_row, out.to(out_ptr.dtype.element_ty))

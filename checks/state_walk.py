@@ -1,0 +1,236 @@
+"""Find, snapshot and compare every tensor reachable from an object.
+
+The verifier does not trust a builder's ``step_dependent_fields`` declaration alone: it walks
+every tensor reachable from a metadata object (and the builder's persistent buffers), snapshots
+them after each draft step, and asks which ones changed. The capture probes use the same walk
+to check that a refresh wrote into existing tensors instead of binding new ones.
+
+Paths are Python-like and dotted: ``metadata.scheduler_metadata``, ``groups[0].seq_lens``,
+``buffers['tile_schedule']``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import logging
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_DEPTH = 32
+"""Containers nested deeper than this below the root are not expanded (and a warning is
+logged): metadata objects are a few levels deep, so hitting it means the walk wandered into
+something that is not metadata."""
+
+_ATOMIC_TYPES: tuple[type, ...] = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bytearray,
+    range,
+    enum.Enum,
+    torch.dtype,
+    torch.device,
+    torch.Size,
+    torch.layout,
+    torch.memory_format,
+    types.ModuleType,
+    type,
+)
+
+
+_MISSING = object()
+
+
+class TensorIdentity(NamedTuple):
+    """What a captured graph pins about a tensor: the Python object, its address and layout.
+
+    Two identities differ in ``obj_id`` when the attribute was rebound to another tensor
+    object, and in ``data_ptr`` when the storage moved (``resize_``, ``set_``, an ``out=``
+    tensor of the wrong size) even though the object stayed the same.
+    """
+
+    obj_id: int
+    data_ptr: int
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def tensor_identity(t: torch.Tensor) -> TensorIdentity:
+    """The :class:`TensorIdentity` of ``t``. Reads metadata only; never touches values.
+
+    ``obj_id`` is ``id(t)``: compare identities only while a reference to the old tensor is
+    still held, or Python may have reused the id (and the allocator the address).
+    """
+    return TensorIdentity(
+        obj_id=id(t),
+        data_ptr=t.data_ptr(),
+        storage_offset=t.storage_offset(),
+        shape=tuple(t.shape),
+        stride=tuple(t.stride()),
+    )
+
+
+def walk_tensors(
+    obj: object, prefix: str = "", *, max_depth: int = DEFAULT_MAX_DEPTH
+) -> dict[str, torch.Tensor]:
+    """Every tensor reachable from ``obj``, keyed by its path below ``prefix``.
+
+    Contract:
+
+    - Tensors (including subclasses such as ``nn.Parameter``) are leaves: the walk does not
+      look inside them. A root that is itself a tensor is returned as ``{prefix: obj}``.
+    - Expanded: mappings (``prefix[key]`` with ``repr(key)``), lists and tuples
+      (``prefix[i]``), named tuples (``prefix.field``), dataclass fields, instance attributes
+      (``vars()``) and ``__slots__`` (``prefix.attr``; dataclass fields first, in declaration
+      order, then other attributes in insertion order). Private attributes are included:
+      builders keep persistent buffers in them.
+    - Not expanded: scalars, strings, enums, dtypes, devices, modules, classes, functions and
+      methods, sets, and objects without ``__dict__`` or ``__slots__`` (e.g. C++ handles).
+    - Each container is expanded once, at the first path the walk reaches it by (the order
+      is deterministic), which also breaks cycles; a tensor is listed under every path that
+      refers to it directly, so two keys may map to the same tensor.
+    - Containers deeper than ``max_depth`` below ``obj`` are skipped with a warning.
+    - Read-only: attribute access uses ``vars()``/``getattr`` on stored attributes and never
+      calls properties or methods of the walked objects.
+
+    The result is ordered in walk order.
+    """
+    found: dict[str, torch.Tensor] = {}
+    expanded: set[int] = set()
+    truncated: list[str] = []
+
+    def visit(node: object, path: str, depth: int) -> None:
+        if isinstance(node, torch.Tensor):
+            found[path] = node
+            return
+        if _is_atomic(node):
+            return
+        if id(node) in expanded:
+            return
+        if depth > max_depth:
+            truncated.append(path)
+            return
+        expanded.add(id(node))
+        for child_path, child in _children(node, path):
+            visit(child, child_path, depth + 1)
+
+    visit(obj, prefix, 0)
+    if truncated:
+        logger.warning(
+            "walk_tensors stopped at max_depth=%d below %r; not expanded: %s",
+            max_depth,
+            prefix or "<root>",
+            ", ".join(truncated[:5]) + (" ..." if len(truncated) > 5 else ""),
+        )
+    return found
+
+
+def _is_atomic(node: object) -> bool:
+    return (
+        isinstance(node, _ATOMIC_TYPES)
+        or inspect.isroutine(node)
+        or isinstance(node, (set, frozenset))
+    )
+
+
+def _attr_path(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _children(node: object, path: str) -> Iterator[tuple[str, object]]:
+    """Direct children of a non-atomic, non-tensor ``node`` with their paths."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            yield f"{path}[{key!r}]", value
+        return
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        for name, value in zip(node._fields, node, strict=True):
+            yield _attr_path(path, name), value
+        return
+    if isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield f"{path}[{i}]", value
+        return
+    instance_dict = getattr(node, "__dict__", None)
+    if not isinstance(instance_dict, dict):
+        instance_dict = {}
+    for name in _attribute_names(node, instance_dict):
+        # Instance-dict entries are read directly so that a same-named property on the class
+        # is never called; dataclass fields and slots not in it go through their descriptor.
+        value = instance_dict[name] if name in instance_dict else getattr(node, name, _MISSING)
+        if value is not _MISSING:
+            yield _attr_path(path, name), value
+
+
+def _attribute_names(node: object, instance_dict: Mapping[str, object]) -> list[str]:
+    """Stored attribute names of ``node``: dataclass fields, ``vars()``, ``__slots__``."""
+    names: dict[str, None] = {}
+    if dataclasses.is_dataclass(node):
+        names.update((f.name, None) for f in dataclasses.fields(node))
+    names.update((name, None) for name in instance_dict)
+    for cls in type(node).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        if isinstance(slots, str):
+            slots = (slots,)
+        for name in slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{cls.__name__.lstrip('_')}{name}"  # private-name mangling
+            names[name] = None
+    return list(names)
+
+
+def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached clones of ``tensors`` (same keys, same devices), immune to later in-place
+    writes. Host work: on a GPU, call it outside capture."""
+    return {path: t.detach().clone() for path, t in tensors.items()}
+
+
+def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` have the same shape, the same dtype and exactly equal values.
+
+    NaN equals NaN (in the same position), ``-0.0`` equals ``0.0``; complex values compare
+    their real and imaginary parts separately. ``b`` is moved to ``a``'s device when they
+    differ. Synchronises with the device: verifier-side only.
+    """
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if b.device != a.device:
+        b = b.to(a.device)
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    if torch.equal(a, b):
+        return True
+    if not a.is_floating_point():
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def changed_paths(snapshots: Sequence[Mapping[str, torch.Tensor]]) -> set[str]:
+    """Paths whose tensor differs between some pair of consecutive snapshots.
+
+    Differ means :func:`same_value` is false, or the path is present in one snapshot and
+    absent from the next (a field that appears or disappears changed). Fewer than two
+    snapshots: nothing changed.
+    """
+    changed: set[str] = set()
+    for before, after in zip(snapshots, snapshots[1:]):
+        for path in before.keys() | after.keys():
+            if path in changed:
+                continue
+            if path not in before or path not in after or not same_value(before[path], after[path]):
+                changed.add(path)
+    return changed

@@ -1,0 +1,107 @@
+"""The process that verifies one backend: ``python -m speccheck.checks.verify_worker
+REQUEST.json RESULT.json PROGRESS.jsonl``. Run by :mod:`speccheck.checks.verify_runner`.
+
+Writes one JSON line per example to PROGRESS before running it (so a parent that kills a
+hung or crashed worker knows the last example), and the :class:`BackendReport` to RESULT.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from speccheck.backends.availability import BackendUnavailable
+from speccheck.checks.verify_engine import (
+    BackendVerifier,
+    Example,
+    VerifySettings,
+    decode_example,
+    encode_example,
+    example_from_json,
+    tally,
+)
+from speccheck.checks.verify_report import BackendReport
+from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.resolution import resolve_backend
+from speccheck.contract.runtime_config import RuntimeConfig
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "CPU (no CUDA device)"
+
+
+def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendReport:
+    """Run the verification described by ``request`` (see ``verify_runner.worker_request``)."""
+    name = request["backend"]
+    config = RuntimeConfig(**request["config"])
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    report = BackendReport(name, "gpu" if gpu else "cpu", "passed", device=_device_name(device),
+                           runtime_config=config.model_dump())
+    entry = load_matrix().backend(name)
+    resolution = resolve_backend(entry, config)
+    report.fused_allowed = resolution.fused_multi_step
+    report.fused_reason = resolution.reason
+    platform = "cuda" if gpu else "cpu"
+    if entry.implementation is None:
+        report.status, report.tier = "skipped", "none"
+        report.detail = f"no adapter shipped in speccheck for {name}"
+        return report
+    if platform not in entry.platforms:
+        report.status, report.tier = "skipped", "none"
+        report.detail = (f"{name} runs on {', '.join(entry.platforms)}; this machine offers "
+                         f"{platform}" + ("" if gpu else " (no CUDA device)"))
+        return report
+    settings = VerifySettings(backend=name, config=config, examples=request["examples"],
+                              seed=request["seed"], steps=tuple(request["steps"]))
+    started = time.perf_counter()
+    try:
+        verifier = BackendVerifier(settings, device)
+        report.fused_allowed = verifier.fused_allowed
+        report.candidates = verifier.candidates()
+    except BackendUnavailable as exc:
+        report.status, report.tier, report.detail = "skipped", "none", str(exc)
+        return report
+    with progress_path.open("a") as progress:
+        def on_example(index: int, example: Example) -> None:
+            progress.write(json.dumps({"index": index, "example": encode_example(example)}) + "\n")
+            progress.flush()
+
+        if request.get("reproduce"):
+            example = decode_example(request["reproduce"])
+            on_example(1, example)
+            report.examples = 1
+            outcomes = verifier.run_example(example)
+            if any(o.result == "failed" for o in outcomes):
+                verifier.record_failure(report, example, outcomes)
+            else:
+                tally(report, outcomes)
+        else:
+            verifier.run(report, on_example)
+    report.capture_seconds = verifier.capture_seconds
+    report.seconds = time.perf_counter() - started
+    if report.minimal_example is not None:
+        blob = encode_example(example_from_json(report.minimal_example))
+        report.reproduce = f"{request['reproduce_prefix']} --reproduce {blob}"
+    return report
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    request_path, result_path, progress_path = map(Path, argv)
+    request = json.loads(request_path.read_text())
+    report = verify_backend(request, progress_path)
+    result_path.write_text(json.dumps(report.to_json()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

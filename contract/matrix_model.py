@@ -1,0 +1,526 @@
+"""Schema of ``matrix.yaml``: strict, frozen pydantic models and nothing else.
+
+The file is a mapping ``{version: 1, backends: [entry, ...]}``; each entry declares what one
+attention backend can do and under which runtime conditions fused multi-step draft decoding
+(all draft steps inside one CUDA graph) is allowed. Loading a file with line numbers lives in
+:mod:`speccheck.contract.matrix_loader`; turning an entry plus a runtime configuration into a
+decision lives in :mod:`speccheck.contract.resolution`.
+
+Conventions: every model forbids unknown fields and is immutable; scalars are strict (no
+``"90"`` for ``90``, no ``1`` for ``true``); every field has a description, which feeds the
+exported JSON Schema and the generated capability docs. Cross-field rules reject
+contradictions with the reason spelled out; a model reports all of its violations at once,
+each tagged with the path of the field to change (see :func:`consistency_violations`).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+from collections import Counter
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Self, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    GetJsonSchemaHandler,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    StringConstraints,
+    Tag,
+    model_validator,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError
+
+from speccheck.contract.conditions import ConditionError, parse_condition
+from speccheck.contract.runtime_config import DtypeName, KvCacheDtypeName, Platform
+
+MATRIX_VERSION = 1
+"""The ``version`` this schema reads."""
+
+CONSISTENCY_ERROR_TYPE = "matrix_consistency"
+"""Error type of cross-field violations; their ``ctx["violations"]`` holds
+``((relative_loc, message), ...)`` pairs, one per field to change."""
+
+Loc = tuple[str | int, ...]
+
+
+class _DescribedEnum(enum.Enum):
+    """String-valued enum whose members each carry a one-paragraph ``description``.
+
+    Members are declared as ``NAME = ("value", "description")``; the YAML spelling is the
+    value. The descriptions also appear in the JSON Schema (``markdownEnumDescriptions``).
+    """
+
+    description: str
+
+    def __new__(cls, value: str, description: str) -> Self:
+        member = object.__new__(cls)
+        member._value_ = value
+        member.description = description
+        member.__doc__ = description
+        return member
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        schema["markdownEnumDescriptions"] = [member.description for member in cls]
+        return schema
+
+
+@functools.total_ordering
+class CudaGraphSupport(_DescribedEnum):
+    """How much of a backend's attention can be captured in a CUDA graph, weakest first.
+
+    Members are ordered: ``never < uniform_single_token_decode < uniform_batch < always``.
+    """
+
+    NEVER = (
+        "never",
+        "No CUDA graphs at all: the backend must run eagerly (or piecewise, with attention "
+        "outside the graph).",
+    )
+    UNIFORM_SINGLE_TOKEN_DECODE = (
+        "uniform_single_token_decode",
+        "Only pure decode batches with exactly one query token per request can be captured.",
+    )
+    UNIFORM_BATCH = (
+        "uniform_batch",
+        "Batches where every request has the same query length can be captured; this covers "
+        "speculative-decoding batches of 1 + k tokens per request and every draft step.",
+    )
+    ALWAYS = (
+        "always",
+        "Any batch can be captured, including mixed prefill and decode batches.",
+    )
+
+    @property
+    def rank(self) -> int:
+        """Position in the order ``never`` (0) .. ``always`` (3)."""
+        return list(type(self)).index(self)
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, CudaGraphSupport):
+            return NotImplemented
+        return self.rank < other.rank
+
+
+class RefreshStrategy(_DescribedEnum):
+    """How a backend's step-dependent attention metadata stays correct across draft steps."""
+
+    IN_GRAPH = (
+        "in_graph",
+        "`update_draft_decode_metadata` recomputes the listed fields with capture-safe GPU "
+        "work, in place, between draft steps inside the captured graph.",
+    )
+    NONE_NEEDED = (
+        "none_needed",
+        "Nothing to refresh: every step-dependent field is a view of a persistent buffer that "
+        "the speculator advances in place.",
+    )
+    HOST_PREPLANNED = (
+        "host_preplanned",
+        "Planning runs on the host, so it cannot happen inside a graph; instead one planned "
+        "instance per draft step is prepared before a single replay (as SGLang does for "
+        "FlashInfer). In-graph refresh is unavailable.",
+    )
+
+
+class KvLayout(_DescribedEnum):
+    """Memory layout of the backend's KV cache (declarative; not checked at resolution)."""
+
+    NHD = (
+        "NHD",
+        "Keys and values as `[num_blocks, block_size, num_kv_heads, head_size]`.",
+    )
+    HND = (
+        "HND",
+        "Keys and values as `[num_blocks, num_kv_heads, block_size, head_size]`.",
+    )
+    LATENT = (
+        "latent",
+        "One compressed latent vector per token (MLA), `[num_blocks, block_size, latent_dim]`.",
+    )
+
+
+class StrictModel(BaseModel):
+    """Base of every matrix model: unknown fields are errors and instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_condition(source: str) -> str:
+    try:
+        parse_condition(source)
+    except ConditionError as exc:
+        raise PydanticCustomError("condition", "{message}", {"message": str(exc)}) from None
+    return source
+
+
+def _reject(violations: Sequence[tuple[Loc, str]]) -> None:
+    """Raise one validation error carrying every violation (see ``CONSISTENCY_ERROR_TYPE``)."""
+    if violations:
+        summary = "; ".join(
+            f"{'.'.join(str(part) for part in loc)}: {message}" for loc, message in violations
+        )
+        raise PydanticCustomError(
+            CONSISTENCY_ERROR_TYPE,
+            "{summary}",
+            {"summary": summary, "violations": tuple(violations)},
+        )
+
+
+def _duplicates(values: Sequence[object]) -> list[object]:
+    return [value for value, count in Counter(values).items() if count > 1]
+
+
+def _size_kind(value: Any) -> str | None:
+    if isinstance(value, (list, tuple)):
+        return "size-list"
+    if isinstance(value, (dict, MultipleOf)):
+        return "size-multiple-of"
+    return None
+
+
+def _supported_kind(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return "supported-bool"
+    if isinstance(value, str):
+        return "supported-condition"
+    return None
+
+
+NonEmptyText = Annotated[StrictStr, StringConstraints(pattern=r"\S")]
+BackendName = Annotated[StrictStr, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
+DottedName = Annotated[
+    StrictStr, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+]
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+ImportPath = Annotated[
+    StrictStr,
+    StringConstraints(pattern=rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}$"),
+]
+DistributionName = Annotated[
+    StrictStr, StringConstraints(pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+ConditionText = Annotated[
+    StrictStr,
+    AfterValidator(_check_condition),
+    Field(
+        description="A condition over runtime-config fields, e.g. `dcp_world_size == 1` "
+        "(comparisons, `in` a list literal, `and`/`or`/`not`, int/str/bool literals).",
+        examples=["dcp_world_size == 1", "block_size == max_model_len"],
+    ),
+]
+Supported = Annotated[
+    Union[
+        Annotated[StrictBool, Tag("supported-bool")],
+        Annotated[ConditionText, Tag("supported-condition")],
+    ],
+    Discriminator(
+        _supported_kind,
+        custom_error_type="bool_or_condition",
+        custom_error_message="expected true, false or a condition string such as "
+        "'dcp_world_size == 1'",
+    ),
+]
+
+
+class MultipleOf(StrictModel):
+    """Any positive multiple of a base size, optionally capped."""
+
+    multiple_of: PositiveInt = Field(description="Every allowed size is a multiple of this.")
+    max: PositiveInt | None = Field(
+        None, description="Largest allowed size; leave out for no upper bound."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        violations: list[tuple[Loc, str]] = []
+        if self.max is not None and self.max < self.multiple_of:
+            violations.append(
+                (("max",), f"is {self.max}, below multiple_of ({self.multiple_of}), so no size "
+                 "is allowed; raise max or remove it")
+            )
+        _reject(violations)
+        return self
+
+
+SizeSpec = Annotated[
+    Union[
+        Annotated[tuple[PositiveInt, ...], Tag("size-list")],
+        Annotated[MultipleOf, Tag("size-multiple-of")],
+    ],
+    Discriminator(
+        _size_kind,
+        custom_error_type="size_spec",
+        custom_error_message="expected a list of sizes such as [16, 32] or a mapping such as "
+        "{multiple_of: 16}",
+    ),
+]
+
+
+class PythonPackage(StrictModel):
+    """The Python distribution that provides a backend's kernels."""
+
+    distribution: DistributionName = Field(
+        description="Name to install from the package index, e.g. `fa3-fwd`."
+    )
+    import_name: DottedName = Field(
+        description="Module to import to use it, e.g. `fa3_fwd_interface`."
+    )
+    extra: BackendName | None = Field(
+        None,
+        description="speccheck extra that installs it (`pip install \"speccheck[EXTRA]\"`); "
+        "leave out when it is a core dependency.",
+    )
+
+
+class DraftDecode(StrictModel):
+    """Whether, and how, the backend refreshes its metadata between fused draft steps."""
+
+    supported: Supported = Field(
+        description="Whether the backend supports draft-decode metadata update, i.e. fused "
+        "multi-step draft decoding: `true`, `false`, or a condition over the runtime config.",
+        examples=[True, False, "dcp_world_size == 1"],
+    )
+    reason: NonEmptyText | None = Field(
+        None,
+        description="Why fused draft decode is (or can be) unavailable; required whenever "
+        "`supported` is false or a condition, and forbidden when it is true.",
+    )
+    refresh_strategy: RefreshStrategy = Field(
+        strict=False, description="How step-dependent metadata is kept correct across steps."
+    )
+    refreshed_fields: tuple[DottedName, ...] = Field(
+        (),
+        description="Metadata fields (attribute names or dotted paths) recomputed between "
+        "draft steps. Must be empty for `none_needed`.",
+    )
+    invalidated_caches: tuple[DottedName, ...] = Field(
+        (),
+        description="Lazily filled caches that must be cleared between draft steps "
+        "(forgetting one reuses the previous step's contents).",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        violations: list[tuple[Loc, str]] = []
+        if self.supported is True and self.reason is not None:
+            violations.append(
+                (("reason",), "must not be set when supported is true: a reason explains why "
+                 "fused draft decode can be unavailable; remove it")
+            )
+        if self.supported is not True and self.reason is None:
+            why = (
+                "supported is false"
+                if self.supported is False
+                else f"supported is the condition {self.supported!r}, which can be false"
+            )
+            violations.append((("reason",), f"is required because {why}; say why"))
+        strategy = self.refresh_strategy
+        if strategy is RefreshStrategy.NONE_NEEDED:
+            for name in ("refreshed_fields", "invalidated_caches"):
+                if getattr(self, name):
+                    violations.append(
+                        ((name,), "must be empty when refresh_strategy is none_needed (every "
+                         "step-dependent field is a view of a persistent buffer); use in_graph "
+                         "if something is recomputed or cleared")
+                    )
+        if (
+            strategy is RefreshStrategy.IN_GRAPH
+            and not self.refreshed_fields
+            and not self.invalidated_caches
+        ):
+            violations.append(
+                (("refreshed_fields",), "must name at least one field (or invalidated_caches "
+                 "one cache) when refresh_strategy is in_graph; use none_needed if nothing "
+                 "changes between draft steps")
+            )
+        if strategy is RefreshStrategy.HOST_PREPLANNED and self.supported is not False:
+            violations.append(
+                (("supported",), "must be false when refresh_strategy is host_preplanned: "
+                 "host-side planning cannot run inside a captured graph")
+            )
+        for name in ("refreshed_fields", "invalidated_caches"):
+            for value in _duplicates(getattr(self, name)):
+                violations.append(((name,), f"lists {value!r} more than once"))
+        for value in sorted(set(self.refreshed_fields) & set(self.invalidated_caches)):
+            violations.append(
+                (("invalidated_caches",), f"lists {value!r}, which is also a refreshed field; "
+                 "name it in one list only")
+            )
+        _reject(violations)
+        return self
+
+
+class ConditionConstraint(StrictModel):
+    """A free-form constraint: a condition that must hold, and why."""
+
+    condition: ConditionText
+    reason: NonEmptyText = Field(description="Why the backend needs the condition to hold.")
+
+
+class Constraints(StrictModel):
+    """Runtime configurations the backend can serve at all. Each restriction that is left
+    out allows every value; a violated constraint disables the backend (so also fused draft
+    decode) for that configuration."""
+
+    dtypes: tuple[DtypeName, ...] | None = Field(
+        None, description="Activation dtypes the backend accepts."
+    )
+    kv_cache_dtypes: tuple[KvCacheDtypeName, ...] | None = Field(
+        None, description="KV-cache storage dtypes the backend accepts."
+    )
+    head_sizes: SizeSpec | None = Field(
+        None, description="Head sizes: a list, or `{multiple_of: N, max: M}`."
+    )
+    block_sizes: SizeSpec | None = Field(
+        None, description="KV-cache block (page) sizes: a list, or `{multiple_of: N, max: M}`."
+    )
+    kv_layout: KvLayout | None = Field(
+        None, strict=False, description="KV-cache layout (documentation; not checked)."
+    )
+    conditions: tuple[ConditionConstraint, ...] = Field(
+        (), description="Further conditions over the runtime config, each with a reason."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        violations: list[tuple[Loc, str]] = []
+        for name in ("dtypes", "kv_cache_dtypes", "head_sizes", "block_sizes"):
+            values = getattr(self, name)
+            if not isinstance(values, tuple):
+                continue
+            if not values:
+                violations.append(
+                    ((name,), "is an empty list, which allows nothing; list the allowed values "
+                     "or leave the field out to allow every value")
+                )
+            for value in _duplicates(values):
+                violations.append(((name,), f"lists {value!r} more than once"))
+        _reject(violations)
+        return self
+
+
+class BackendEntry(StrictModel):
+    """One attention backend's declared capabilities."""
+
+    name: BackendName = Field(
+        description="Registry name (lower snake case), used everywhere to refer to the backend."
+    )
+    display_name: NonEmptyText = Field(description="Human-readable name for docs and reports.")
+    description: NonEmptyText = Field(description="One or two sentences on what the backend is.")
+    implementation: ImportPath | None = Field(
+        description="Import path `module:Class` of the metadata builder; `null` when no "
+        "adapter is shipped yet (the backend is declared only)."
+    )
+    variant_of: BackendName | None = Field(
+        None, description="Name of the backend this one is a variant of (must exist)."
+    )
+    platforms: tuple[Platform, ...] = Field(
+        min_length=1, description="Platforms the backend runs on."
+    )
+    min_compute_capability: PositiveInt | None = Field(
+        None,
+        description="Lowest CUDA compute capability (major*10+minor, 90 = Hopper); only for "
+        "backends that run on cuda. Leave out for no minimum.",
+    )
+    package: PythonPackage = Field(description="Python package that provides the kernels.")
+    cudagraph_support: CudaGraphSupport = Field(
+        strict=False, description="Which batches the backend's attention can capture."
+    )
+    draft_decode: DraftDecode = Field(description="Fused multi-step draft decode support.")
+    constraints: Constraints = Field(
+        default_factory=Constraints, description="Configurations the backend can serve."
+    )
+    notes: tuple[NonEmptyText, ...] = Field(
+        (), description="Further facts worth knowing, rendered in the docs."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        violations: list[tuple[Loc, str]] = []
+        for platform in _duplicates(self.platforms):
+            violations.append((("platforms",), f"lists {platform!r} more than once"))
+        if self.min_compute_capability is not None and "cuda" not in self.platforms:
+            violations.append(
+                (("min_compute_capability",), "only applies to cuda, but platforms are "
+                 f"{', '.join(self.platforms)}; remove it")
+            )
+        if self.variant_of == self.name:
+            violations.append((("variant_of",), "names the backend itself; remove it"))
+        _reject(violations)
+        return self
+
+
+class Matrix(StrictModel):
+    """The whole capability matrix: a version and one entry per backend."""
+
+    version: Literal[1] = Field(description="Schema version of the file; must be 1.")
+    backends: tuple[BackendEntry, ...] = Field(
+        min_length=1, description="One entry per attention backend, names unique."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        violations: list[tuple[Loc, str]] = []
+        first_index: dict[str, int] = {}
+        for index, entry in enumerate(self.backends):
+            if entry.name in first_index:
+                violations.append(
+                    (("backends", index, "name"), f"{entry.name!r} is already the name of "
+                     f"backends[{first_index[entry.name]}]; backend names must be unique")
+                )
+            first_index.setdefault(entry.name, index)
+        by_name = {entry.name: entry for entry in self.backends}
+        for index, entry in enumerate(self.backends):
+            if entry.variant_of is None or entry.variant_of == entry.name:
+                continue
+            parent = by_name.get(entry.variant_of)
+            if parent is None:
+                known = ", ".join(sorted(by_name))
+                violations.append(
+                    (("backends", index, "variant_of"), f"refers to unknown backend "
+                     f"{entry.variant_of!r}; known backends are: {known}")
+                )
+            elif parent.variant_of is not None:
+                violations.append(
+                    (("backends", index, "variant_of"), f"refers to {parent.name!r}, which is "
+                     f"itself a variant of {parent.variant_of!r}; refer to that one instead")
+                )
+        _reject(violations)
+        return self
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Backend names in file order."""
+        return tuple(entry.name for entry in self.backends)
+
+    def backend(self, name: str) -> BackendEntry:
+        """The entry called ``name``; ``KeyError`` naming the valid options otherwise."""
+        for entry in self.backends:
+            if entry.name == name:
+                return entry
+        raise KeyError(
+            f"Unknown attention backend {name!r}. Valid options are: {', '.join(self.names)}"
+        )
+
+
+def render_matrix_json_schema() -> str:
+    """The JSON Schema (validation mode) of :class:`Matrix` as text with sorted keys and a
+    trailing newline, so that the committed ``matrix.schema.json`` diffs cleanly."""
+    schema = Matrix.model_json_schema(mode="validation")
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "speccheck capability matrix (matrix.yaml)"
+    return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"

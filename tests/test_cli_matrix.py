@@ -1,0 +1,195 @@
+"""The `speccheck matrix`, `docs` and `schema` commands: output, exit codes, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from speccheck.checks.capability_docs import render_capability_docs
+from speccheck.checks.cli import app
+from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.matrix_model import render_matrix_json_schema
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures" / "matrix"
+INVALID = sorted((FIXTURES / "invalid").glob("*.yaml"))
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(app, list(args))
+
+
+def flat(text: str) -> str:
+    """``text`` without rich's box drawing and line wrapping."""
+    return " ".join(text.translate({ord(char): " " for char in "│╭╮╰╯─"}).split())
+
+
+def test_matrix_json_lists_every_backend() -> None:
+    result = invoke("matrix", "--json")
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert [item["name"] for item in payload] == list(load_matrix().names)
+    for item in payload:
+        assert {"name", "fused_multi_step", "refresh_strategy", "reason"} <= set(item)
+        assert isinstance(item["fused_multi_step"], bool)
+
+
+def test_matrix_json_applies_runtime_options() -> None:
+    result = invoke(
+        "matrix", "--json", "--dcp-world-size", "2", "--block-size", "4096",
+        "--max-model-len", "4096", "--platform", "cuda", "--compute-capability", "90",
+    )
+    assert result.exit_code == 0, result.stderr
+    by_name = {item["name"]: item for item in json.loads(result.stdout)}
+    assert by_name["fa3"]["fused_multi_step"] is False
+    assert by_name["fa3"]["reason"].startswith(
+        "requires dcp_world_size == 1, but dcp_world_size is 2"
+    )
+    assert by_name["sparse_swa"]["fused_multi_step"] is True
+    result = invoke("matrix", "--json", "--block-size", "4096", "--max-model-len", "4096")
+    assert {item["name"]: item for item in json.loads(result.stdout)}["fa3"]["fused_multi_step"]
+
+
+def test_matrix_json_with_rocm_and_no_advance() -> None:
+    result = invoke("matrix", "--json", "--platform", "rocm", "--no-advance-draft-positions",
+                    "--cudagraph-mode", "piecewise", "--num-speculative-steps", "2",
+                    "--dtype", "float16", "--dp-size", "2")
+    assert result.exit_code == 0, result.stderr
+    assert not any(item["fused_multi_step"] for item in json.loads(result.stdout))
+
+
+def test_matrix_table_names_backends_and_verdicts() -> None:
+    result = invoke("matrix", "--dcp-world-size", "2")
+    assert result.exit_code == 0, result.stderr
+    for name in load_matrix().names:
+        assert name in result.stdout
+    assert "yes" in result.stdout and "no" in result.stdout
+    assert "dcp_world_size=2" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--dcp-world-size", "0"), "--dcp-world-size should be greater than or equal to 1, got 0"),
+        (("--platform", "tpu"), "--platform"),
+        (("--block-size", "x"), "--block-size"),
+    ],
+)
+def test_bad_runtime_options_exit_2(args: tuple[str, ...], fragment: str) -> None:
+    result = invoke("matrix", *args)
+    assert result.exit_code == 2
+    assert fragment in flat(result.stderr)
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("path", INVALID, ids=[path.stem for path in INVALID])
+@pytest.mark.parametrize("command", ["matrix", "docs"])
+def test_bad_matrix_exits_2_with_one_line_per_problem(
+    path: Path, command: str, tmp_path: Path
+) -> None:
+    expected = [
+        f"{path}:{line}"
+        for line in path.with_suffix(".expected").read_text(encoding="utf-8").splitlines()
+    ]
+    args = ["--output", str(tmp_path / "out.md")] if command == "docs" else ["--json"]
+    result = invoke(command, "--matrix", str(path), *args)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == expected
+    assert result.stdout == ""
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out.md").exists()
+
+
+def test_missing_matrix_file_exits_2(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.yaml"
+    result = invoke("matrix", "--matrix", str(missing))
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"{missing}: cannot read the matrix file: No such file or directory"
+    ]
+    assert "Traceback" not in result.output
+
+
+def test_docs_writes_and_checks(tmp_path: Path) -> None:
+    output = tmp_path / "docs" / "capabilities.md"
+    result = invoke("docs", "--output", str(output))
+    assert result.exit_code == 0, result.stderr
+    text = output.read_text(encoding="utf-8")
+    assert text == render_capability_docs(load_matrix())
+    assert invoke("docs", "--check", "--output", str(output)).exit_code == 0
+    output.write_text(text + "edited by hand\n", encoding="utf-8")
+    result = invoke("docs", "--check", "--output", str(output))
+    assert result.exit_code == 1
+    assert f"{output} is stale" in result.stderr
+    assert "speccheck docs" in result.stderr
+    result = invoke("docs", "--check", "--output", str(tmp_path / "absent.md"))
+    assert result.exit_code == 1
+    assert "cannot be read" in result.stderr
+
+
+def test_docs_content() -> None:
+    text = render_capability_docs(load_matrix())
+    assert text.startswith("<!-- Generated by `speccheck docs` from matrix.yaml. Do not edit")
+    assert "| [`fa3`](#fa3) | cuda | 9.0 | `always` | when `dcp_world_size` is 1 | `in_graph` " \
+        "| `fa3-fwd` |" in text
+    assert 'install with `pip install "speccheck[fa3]"`' in text
+    assert "- Requires that `block_size` equals `max_model_len` (`block_size == max_model_len`)" \
+        in text
+    assert "- Refreshed fields: `swa_indices`, `swa_lens`, `tile_scheduler_metadata`" in text
+    assert "- Invalidated caches: `sparse_index_cache`" in text
+    assert "- Implementation: none; no adapter shipped yet (declared only)." in text
+    assert "- Variant of: [`sparse_swa`](#sparse_swa)" in text
+    for name in load_matrix().names:
+        assert f"\n## {name}\n" in text
+
+
+def test_committed_docs_are_current() -> None:
+    result = invoke("docs", "--check", "--output", str(REPO_ROOT / "docs" / "capabilities.md"))
+    assert result.exit_code == 0, result.stderr
+
+
+def test_schema_prints_stable_json() -> None:
+    result = invoke("schema")
+    assert result.exit_code == 0
+    assert result.stdout == render_matrix_json_schema()
+    assert json.loads(result.stdout)["title"].startswith("speccheck capability matrix")
+
+
+def test_schema_check(tmp_path: Path) -> None:
+    assert invoke("schema", "--check").exit_code == 0
+    copy = tmp_path / "matrix.schema.json"
+    assert invoke("schema", "--output", str(copy)).exit_code == 0
+    assert invoke("schema", "--check", "--output", str(copy)).exit_code == 0
+    copy.write_text(copy.read_text(encoding="utf-8").replace('"title"', '"titel"', 1))
+    result = invoke("schema", "--check", "--output", str(copy))
+    assert result.exit_code == 1
+    assert "is stale" in result.stderr
+
+
+def test_verbose_flag_is_accepted() -> None:
+    result = invoke("--verbose", "matrix", "--json")
+    assert result.exit_code == 0
+    json.loads(result.stdout)
+
+
+@pytest.mark.skipif(shutil.which("speccheck", path=str(Path(sys.executable).parent)) is None,
+                    reason="console script not installed")
+def test_console_script_end_to_end() -> None:
+    script = shutil.which("speccheck", path=str(Path(sys.executable).parent))
+    assert script is not None
+    ok = subprocess.run([script, "matrix", "--json"], capture_output=True, text=True, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)[0]["name"] == "reference"
+    bad = INVALID[0]
+    failed = subprocess.run([script, "matrix", "--matrix", str(bad)], capture_output=True,
+                            text=True, check=False)
+    assert failed.returncode == 2
+    assert failed.stdout == ""
+    assert "Traceback" not in failed.stderr
+    assert failed.stderr.startswith(f"{bad}:")

@@ -1,0 +1,186 @@
+"""The speculator core on the reference backend: fused vs per-step equality, the seed's
+counts and loop order, gating from the matrix, and graph-mode errors without CUDA."""
+
+from __future__ import annotations
+
+import logging
+from functools import cache
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speccheck.backends.reference.builder import ReferenceMetadataBuilder
+from speccheck.checks.strategies import BatchLimits, draft_batches
+from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.autoregressive import AutoregressiveSpeculator
+from speccheck.speculator.base import SpeculatorOptions
+from speccheck.speculator.batch import DraftBatch
+from speccheck.speculator.cudagraph_manager import CudaGraphUnavailable
+from speccheck.speculator.factory import create_speculator
+from speccheck.speculator.model import DrafterConfig
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DRAFTER = DrafterConfig(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_size=16,
+                        intermediate_size=64, seed=3)
+OPTIONS = SpeculatorOptions(capture_sizes=(1, 2, 4), num_blocks=48, max_num_prefill_tokens=32)
+
+
+def _config(k: int, mode: str = "none", **kw) -> RuntimeConfig:
+    platform = "cuda" if DEVICE.type == "cuda" else "cpu"
+    return RuntimeConfig(platform=platform, cudagraph_mode=mode, num_speculative_steps=k,
+                         block_size=4, max_model_len=40, dtype="float32", head_size=16,
+                         num_heads=2, num_kv_heads=1, **kw)
+
+
+@cache
+def _speculator(k: int, sampling: str = "argmax") -> AutoregressiveSpeculator:
+    options = SpeculatorOptions(OPTIONS.capture_sizes, OPTIONS.max_num_prefill_tokens,
+                                OPTIONS.num_blocks, sampling)
+    spec = create_speculator("autoregressive", ["reference"] * 2, _config(k), DRAFTER, DEVICE, options)
+    assert isinstance(spec, AutoregressiveSpeculator)
+    return spec
+
+
+def _limits(k: int) -> BatchLimits:
+    return BatchLimits(max_num_reqs=4, block_size=4, max_model_len=40, num_blocks=48,
+                       extra_positions=k - 1, vocab_size=64)
+
+
+def _run(spec: AutoregressiveSpeculator, batch: DraftBatch, path: str):
+    result = spec.propose(batch, path)  # type: ignore[arg-type]
+    return result, spec.kv_cache.snapshot()
+
+
+@settings(max_examples=30)
+@given(data=st.data(), k=st.integers(1, 8), sampling=st.sampled_from(["argmax", "gumbel"]))
+def test_eager_fused_equals_eager_per_step(data, k, sampling) -> None:
+    spec = _speculator(k, sampling)
+    batch = data.draw(draft_batches(_limits(k)))
+    spec.kv_cache.fill_random_(torch.Generator().manual_seed(k))
+    start = spec.kv_cache.snapshot()
+    oracle, kv_oracle = _run(spec, batch, "per_step")
+    spec.kv_cache.restore(start)
+    fused, kv_fused = _run(spec, batch, "fused")
+    assert torch.equal(oracle.draft_tokens, fused.draft_tokens)
+    assert torch.equal(oracle.logits, fused.logits)
+    for layer, ((ko, vo), (kf, vf)) in enumerate(zip(kv_oracle, kv_fused)):
+        assert torch.equal(ko, kf) and torch.equal(vo, vf), f"layer {layer} KV differs"
+
+
+def _batch() -> DraftBatch:
+    return DraftBatch((3, 37), ((5, 6), (7,)), ((1, 2), tuple(range(3, 13))), (11, 12))
+
+
+@pytest.mark.parametrize("path", ["per_step", "fused"])
+def test_counts_eager_k4(path: str) -> None:
+    spec = _speculator(4)
+    spec.counters.eager_step_calls = spec.counters.graph_replays = 0
+    spec.propose(_batch(), path)  # type: ignore[arg-type]
+    assert (spec.counters.eager_step_calls, spec.counters.graph_replays) == (3, 0)
+
+
+def test_fused_loop_order_and_same_metadata_object() -> None:
+    spec = _speculator(4)
+    spec.trace = []
+    spec.propose(_batch(), "fused")
+    events = spec.trace
+    spec.trace = None
+    decode = events[events.index(("slots", 1)) + 1 :]
+    names = [e for e, _ in decode]
+    assert names == ["generate", "slots", "refresh", "generate", "slots", "refresh", "generate"]
+    refreshed = {v for e, v in decode if e == "refresh"}
+    assert len(refreshed) == 1, "every refresh must receive the same metadata object"
+
+
+def test_per_step_path_never_refreshes() -> None:
+    spec = _speculator(4)
+    spec.trace = []
+    spec.propose(_batch(), "per_step")
+    events, spec.trace = spec.trace, None
+    assert "refresh" not in {e for e, _ in events}
+    assert [e for e, _ in events].count("slots") == 1 + 3
+
+
+class _Unsupported(ReferenceMetadataBuilder):
+    """A backend the matrix calls 'flashinfer': no in-graph refresh for this config."""
+
+
+@pytest.mark.parametrize(
+    ("k", "advance", "backends", "fused"),
+    [
+        (1, True, ["reference", "reference"], False),
+        (4, False, ["reference", "flashinfer"], True),
+        (4, True, ["reference", "reference"], True),
+        (4, True, ["reference", "flashinfer"], False),
+    ],
+)
+def test_gating_truth_table(k, advance, backends, fused, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="speccheck.speculator.autoregressive")
+    spec = create_speculator(
+        "autoregressive", backends, _config(k, advance_draft_positions=advance), DRAFTER,
+        DEVICE, OPTIONS, builder_overrides={"flashinfer": _Unsupported},
+    )
+    assert spec.use_fused_multi_step_decode is fused
+    fallback_logged = "falling back" in caplog.text and "flashinfer" in caplog.text
+    assert fallback_logged is (k > 1 and advance and "flashinfer" in backends)
+
+
+def test_auto_path_falls_back_to_per_step_rebuilds() -> None:
+    spec = create_speculator("autoregressive", ["reference", "flashinfer"], _config(4), DRAFTER,
+                             DEVICE, OPTIONS, builder_overrides={"flashinfer": _Unsupported})
+    spec.trace = []
+    spec.propose(_batch())
+    names = [e for e, _ in spec.trace]
+    assert "refresh" not in names and names.count("slots") == 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_graph_modes_without_cuda_are_clear_errors(mode: str) -> None:
+    with pytest.raises((CudaGraphUnavailable, ValueError), match=mode):
+        create_speculator("autoregressive", ["reference"] * 2, _config(4, mode), DRAFTER, DEVICE, OPTIONS)
+
+
+def test_batch_validation_names_request() -> None:
+    spec = _speculator(4)
+    bad = DraftBatch((38,), ((1, 2, 3),), ((1,),), (0,))
+    with pytest.raises(ValueError, match="request 0"):
+        spec.propose(bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("path", "expected"), [("per_step", (0, 3)), ("fused", (0, 1))])
+def test_counts_full_graphs_k4(path: str, expected) -> None:
+    spec = create_speculator("autoregressive", ["reference"] * 2, _config(4, "full"), DRAFTER,
+                             DEVICE, OPTIONS)
+    spec.capture()
+    spec.propose(_batch(), path)  # type: ignore[arg-type]
+    assert (spec.counters.eager_step_calls, spec.counters.graph_replays) == expected
+
+
+@pytest.mark.cuda
+@settings(max_examples=20)
+@given(data=st.data(), k=st.integers(2, 6))
+def test_full_graph_fused_equals_per_step(data, k) -> None:
+    spec = _full_speculator(k)
+    batch = data.draw(draft_batches(_limits(k)))
+    spec.kv_cache.fill_random_(torch.Generator().manual_seed(k))
+    start = spec.kv_cache.snapshot()
+    oracle, kv_oracle = _run(spec, batch, "per_step")
+    spec.kv_cache.restore(start)
+    fused, kv_fused = _run(spec, batch, "fused")
+    assert torch.equal(oracle.draft_tokens, fused.draft_tokens)
+    torch.testing.assert_close(oracle.logits, fused.logits)
+    for (ko, vo), (kf, vf) in zip(kv_oracle, kv_fused):
+        assert torch.equal(ko, kf) and torch.equal(vo, vf)
+
+
+@cache
+def _full_speculator(k: int) -> AutoregressiveSpeculator:
+    spec = create_speculator("autoregressive", ["reference"] * 2, _config(k, "full"), DRAFTER,
+                             DEVICE, OPTIONS)
+    assert isinstance(spec, AutoregressiveSpeculator)
+    spec.capture()
+    return spec

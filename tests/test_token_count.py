@@ -1,0 +1,101 @@
+"""The seed-004 attention token-count rule and the two metadata helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.contract.metadata import AttentionInputBuffers
+from speccheck.contract.token_count import (
+    attention_token_count,
+    build_attention_metadata,
+    build_uniform_attention_metadata,
+    draft_seq_lens_upper_bound,
+    padded_query_start_loc,
+)
+
+
+def _buffers() -> AttentionInputBuffers:
+    return AttentionInputBuffers.allocate(16, 128, 8, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [(CUDAGraphMode.FULL, 52), (CUDAGraphMode.PIECEWISE, 48), (CUDAGraphMode.NONE, 48)],
+)
+def test_token_count_rule_per_mode(mode: CUDAGraphMode, expected: int) -> None:
+    """The seed's numbers: 12 requests x 4 tokens = 48 real, padded to 52 by DP."""
+    qsl = np.arange(13) * 4
+    desc = BatchExecutionDescriptor(mode, 52, 13 if mode == CUDAGraphMode.FULL else None, None)
+    assert attention_token_count(desc, qsl) == expected
+
+
+def test_full_metadata_uses_padded_counts_and_repeats_offsets() -> None:
+    desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 8, 1)
+    md = build_uniform_attention_metadata(
+        buffers=_buffers(), batch_desc=desc, num_reqs=5, num_query_per_req=1,
+        base_seq_lens_np=np.array([3, 9, 30, 31, 32]), step=2, max_model_len=32,
+    )
+    assert md.num_actual_tokens == 8 and md.num_reqs == 8 and md.num_real_reqs == 5
+    assert md.query_start_loc_cpu.tolist() == [0, 1, 2, 3, 4, 5, 5, 5, 5]
+    assert md.query_start_loc.tolist() == md.query_start_loc_cpu.tolist()
+    assert md.seq_lens_cpu_upper_bound.tolist() == [5, 11, 32, 32, 32, 0, 0, 0]
+    assert md.max_seq_len == 32
+    assert md.slot_mapping.shape[0] == 8 and md.seq_lens.shape[0] == 8
+
+
+@pytest.mark.parametrize("mode", [CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE])
+def test_eager_metadata_uses_real_token_count_despite_padding(mode: CUDAGraphMode) -> None:
+    desc = BatchExecutionDescriptor(mode, 52, None, 4)
+    md = build_uniform_attention_metadata(
+        buffers=_buffers(), batch_desc=desc, num_reqs=12, num_query_per_req=4,
+        base_seq_lens_np=np.full(12, 10), step=0, max_model_len=64,
+    )
+    assert md.num_actual_tokens == 48
+    assert md.num_reqs == 12
+    assert int(md.query_start_loc_cpu[-1]) == md.num_actual_tokens
+
+
+def test_descriptor_rejects_fewer_padded_requests_than_real() -> None:
+    desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 2, 2, 1)
+    with pytest.raises(ValueError, match="pads to num_reqs=2"):
+        build_uniform_attention_metadata(
+            buffers=_buffers(), batch_desc=desc, num_reqs=3, num_query_per_req=1,
+            base_seq_lens_np=np.ones(3), step=1, max_model_len=8,
+        )
+
+
+@given(
+    base=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    pad=st.integers(0, 4),
+    step=st.integers(0, 8),
+    max_model_len=st.integers(1, 48),
+)
+def test_upper_bound_adds_step_clamps_and_zeroes_tail(base, pad, step, max_model_len) -> None:
+    n = len(base)
+    out = draft_seq_lens_upper_bound(np.array(base), n, n + pad, step, max_model_len)
+    assert out.tolist() == [min(b + step, max_model_len) for b in base] + [0] * pad
+
+
+@given(lens=st.lists(st.integers(0, 5), min_size=1, max_size=6), pad=st.integers(0, 3))
+def test_padded_query_start_loc_is_non_decreasing(lens, pad) -> None:
+    qsl = np.concatenate([[0], np.cumsum(lens)])
+    out = padded_query_start_loc(qsl, len(lens), len(lens) + pad)
+    assert (np.diff(out) >= 0).all()
+    assert out[: len(lens) + 1].tolist() == qsl.tolist()
+    assert set(out[len(lens):].tolist()) == {int(qsl[-1])}
+
+
+def test_varlen_metadata_in_eager_mode_covers_real_tokens() -> None:
+    qsl = np.array([0, 2, 3, 6])
+    md = build_attention_metadata(
+        buffers=_buffers(), batch_desc=BatchExecutionDescriptor(CUDAGraphMode.NONE, 6),
+        num_reqs=3, query_start_loc_np=qsl, base_seq_lens_np=np.array([4, 5, 9]), step=0,
+        max_model_len=16,
+    )
+    assert md.num_actual_tokens == 6 and md.max_query_len == 3
+    assert md.seq_lens_cpu_upper_bound.tolist() == [4, 5, 9]
