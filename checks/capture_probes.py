@@ -454,6 +454,8 @@ class AllocationRecorder:
     - Allocation is information, not necessarily a bug: a temporary allocated during capture
       comes from the graph's private pool and is reused on every replay. It becomes a bug when
       the result is bound into metadata (see :class:`IdentityGuard`) or a buffer moves.
+    - Wrap the refresh call alone, inside the capture if there is one: entering
+      ``torch.cuda.graph`` itself allocates (two ``aten.empty`` on torch 2.11).
     - Events accumulate in :attr:`events`; use a fresh recorder per refresh.
     """
 

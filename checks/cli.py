@@ -22,6 +22,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from speccheck.checks.capability_docs import render_capability_docs
+from speccheck.checks.verify_command import verify_command
 from speccheck.checks.runtime_options import (
     AdvanceDraftPositionsOption,
     BlockSizeOption,
@@ -236,6 +237,9 @@ def schema_command(
         _stderr().print(f"wrote {output}", markup=False)
         return
     sys.stdout.write(text)
+
+
+app.command("verify")(verify_command)
 
 
 def main() -> None:

@@ -379,7 +379,7 @@ class BackendVerifier:
 
     def _probing_refresh(self, group: AttentionGroup, metadata: Any) -> None:
         """The refresh, traced: host synchronisations and replaced tensors are findings."""
-        roots = {"metadata": metadata, "buffers": dict(group.builder.persistent_buffers())}
+        roots = {"metadata": metadata, "builder": group.builder}
         try:
             with HostSyncRecorder(cuda_sync_debug=self.gpu) as syncs, IdentityGuard(roots) as ident:
                 group.update_draft_decode_metadata(metadata)

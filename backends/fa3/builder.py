@@ -55,7 +55,7 @@ FA3_PACKAGE = "fa3-fwd"
 FA3_INSTALL_HINT = "pip install 'speccheck[fa3]' (fa3-fwd, CUDA, sm90)"
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
-SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 96, 128, 192, 256)
+MAX_HEAD_SIZE = 256
 
 
 def fa3_interface() -> ModuleType:
@@ -77,10 +77,10 @@ def check_fa3_layer(layer: AttentionLayerSpec) -> None:
             f"{layer.max_model_len}; fa3-fwd has paged KV compiled out, so each KV-cache block "
             "is one request's whole cache row (addressed through cache_batch_idx)"
         )
-    if layer.head_size not in SUPPORTED_HEAD_SIZES:
+    if layer.head_size % 8 != 0 or not 0 < layer.head_size <= MAX_HEAD_SIZE:
         raise ValueError(
-            f"fa3 backend: head_size={layer.head_size} is not supported; supported: "
-            f"{list(SUPPORTED_HEAD_SIZES)}"
+            f"fa3 backend: head_size={layer.head_size} is not supported; FA3 needs a multiple "
+            f"of 8 up to {MAX_HEAD_SIZE} (it runs the next compiled size of 64/96/128/192/256)"
         )
     if layer.num_heads % layer.num_kv_heads != 0:
         raise ValueError(

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# speccheck developer entry point.
+#   scripts/dev.sh verify [ARGS]  set up .venv if needed, then `speccheck verify` (default backend)
+#   scripts/dev.sh test   [ARGS]  set up .venv if needed, then the whole test suite and the
+#                                 generated-file checks
+# Needs only Python 3.11+. On a machine without an NVIDIA GPU it installs the CPU build of
+# torch 2.13 (a bare `torch` requirement could pull a multi-GB CUDA build).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+venv="$root/.venv"
+py="$venv/bin/python"
+
+setup() {
+    if [ -x "$py" ] && "$py" -c "import speccheck.checks.cli, pytest" 2>/dev/null; then
+        return
+    fi
+    python3 -m venv "$venv"
+    "$py" -m pip install -q --upgrade pip
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        "$py" -m pip install -q "torch>=2.9" "triton>=3.6" numpy
+    else
+        "$py" -m pip install -q torch==2.13.0 triton==3.7.1 numpy
+    fi
+    "$py" -m pip install -q -e ".[test]"
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+    verify)
+        setup
+        exec "$venv/bin/speccheck" verify "$@"
+        ;;
+    test)
+        setup
+        "$venv/bin/speccheck" docs --check
+        "$venv/bin/speccheck" schema --check
+        set +e
+        "$py" -m pytest -q "$@"
+        status=$?
+        set -e
+        if [ "$status" -eq 5 ]; then
+            echo "pytest collected no tests: failing" >&2
+            exit 1
+        fi
+        exit "$status"
+        ;;
+    *)
+        echo "usage: scripts/dev.sh verify|test [ARGS]" >&2
+        exit 2
+        ;;
+esac
