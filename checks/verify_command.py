@@ -20,6 +20,7 @@ from speccheck.checks.runtime_options import (
     DcpWorldSizeOption,
     DpSizeOption,
     DtypeOption,
+    MatrixPathOption,
     HeadSizeOption,
     MaxModelLenOption,
     NumHeadsOption,
@@ -28,9 +29,10 @@ from speccheck.checks.runtime_options import (
     build_runtime_config,
     option_flag,
 )
+from speccheck.checks.verify_engine import decode_example
 from speccheck.checks.verify_report import CHECK_NAMES, BackendReport, write_json, write_junit
 from speccheck.checks.verify_runner import run_worker, worker_request
-from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.matrix_loader import MatrixError, load_matrix
 
 EXIT_FAILED = 1
 EXIT_NOTHING_VERIFIED = 3
@@ -69,6 +71,7 @@ def verify_command(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.")] = None,
     junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report here.")] = None,
     example_timeout: Annotated[float, typer.Option("--example-timeout", help="Seconds without progress before a worker counts as hung.")] = 300.0,
+    matrix_path: MatrixPathOption = None,
     dcp_world_size: DcpWorldSizeOption = None,
     dp_size: DpSizeOption = None,
     num_speculative_steps: NumSpeculativeStepsOption = None,
@@ -87,11 +90,22 @@ def verify_command(
              "num_heads": num_heads, "num_kv_heads": num_kv_heads}
     tier = "gpu" if torch.cuda.is_available() else "cpu"
     config = build_runtime_config(**{**TIER_DEFAULTS[tier], **{k: v for k, v in given.items() if v is not None}})
-    matrix = load_matrix()
+    try:
+        matrix = load_matrix(matrix_path)
+    except MatrixError as exc:
+        for problem in exc.problems:
+            Console(stderr=True, highlight=False).print(problem.render(), markup=False)
+        raise typer.Exit(2) from None
     names = matrix.names if backend == "all" else [backend]
     if backend != "all" and backend not in matrix.names:
         console.print(f"unknown backend {backend!r}; valid: {', '.join(matrix.names)}, all", markup=False)
         raise typer.Exit(2)
+    if reproduce is not None:
+        try:
+            decode_example(reproduce)
+        except ValueError as exc:
+            console.print(str(exc), markup=False)
+            raise typer.Exit(2) from None
     steps = (num_speculative_steps,) if num_speculative_steps else tuple(range(2, 9))
     device = torch.cuda.get_device_name() if tier == "gpu" else "CPU"
     console.print(TIER_LINE[tier].format(device=device), markup=False)
@@ -102,8 +116,9 @@ def verify_command(
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as progress:
         for name in names:
-            prefix = f"speccheck verify --backend {name} --seed {seed} {flags}".strip()
-            request = worker_request(name, config, examples, seed, steps, reproduce, prefix)
+            matrix_flag = f" --matrix {shlex.quote(str(matrix_path))}" if matrix_path else ""
+            prefix = f"speccheck verify --backend {name} --seed {seed}{matrix_flag} {flags}".strip()
+            request = worker_request(name, config, examples, seed, steps, reproduce, prefix, matrix_path)
             reports.append(run_worker(request, progress, example_timeout, tier))
     _print_summary(console, reports)
     if json_path:

@@ -28,6 +28,7 @@ from speccheck.checks.strategies import BatchLimits, draft_batches
 from speccheck.checks.verify_report import BackendReport, CheckTally, Failure
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.groups import AttentionGroup
+from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
 from speccheck.speculator.base import SpeculatorOptions
@@ -57,6 +58,9 @@ class VerifySettings:
     num_layers: int = 2
     builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...] = ()
     """(backend name, builder class) swaps: tests use them to plant known-bad builders."""
+    matrix_path: str | None = None
+    """Capability matrix to verify against (default: the one shipped with speccheck); the
+    fp32 reference always comes from the shipped matrix."""
 
 
 @dataclass
@@ -155,6 +159,7 @@ class BackendVerifier:
             spec = create_speculator(
                 "autoregressive", [self.settings.backend] * self.settings.num_layers, config,
                 self.drafter(config.dtype), self.device, self.options(),
+                matrix=load_matrix(self.settings.matrix_path),
                 builder_overrides=dict(self.settings.builder_overrides),
             )
             assert isinstance(spec, AutoregressiveSpeculator)

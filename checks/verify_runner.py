@@ -23,11 +23,12 @@ from speccheck.contract.runtime_config import RuntimeConfig
 
 def worker_request(
     backend: str, config: RuntimeConfig, examples: int, seed: int, steps: Sequence[int],
-    reproduce: str | None, reproduce_prefix: str,
+    reproduce: str | None, reproduce_prefix: str, matrix: Path | None = None,
 ) -> dict[str, object]:
+    """What :mod:`speccheck.checks.verify_worker` reads: JSON-serialisable settings."""
     return {"backend": backend, "config": config.model_dump(), "examples": examples,
             "seed": seed, "steps": list(steps), "reproduce": reproduce,
-            "reproduce_prefix": reproduce_prefix}
+            "reproduce_prefix": reproduce_prefix, "matrix": str(matrix) if matrix else None}
 
 
 def run_worker(

@@ -46,7 +46,7 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     device = torch.device("cuda" if gpu else "cpu")
     report = BackendReport(name, "gpu" if gpu else "cpu", "passed", device=_device_name(device),
                            runtime_config=config.model_dump())
-    entry = load_matrix().backend(name)
+    entry = load_matrix(request.get("matrix")).backend(name)
     resolution = resolve_backend(entry, config)
     report.fused_allowed = resolution.fused_multi_step
     report.fused_reason = resolution.reason
@@ -61,7 +61,8 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
                          f"{platform}" + ("" if gpu else " (no CUDA device)"))
         return report
     settings = VerifySettings(backend=name, config=config, examples=request["examples"],
-                              seed=request["seed"], steps=tuple(request["steps"]))
+                              seed=request["seed"], steps=tuple(request["steps"]),
+                              matrix_path=request.get("matrix"))
     started = time.perf_counter()
     try:
         verifier = BackendVerifier(settings, device)

@@ -1,0 +1,87 @@
+"""``speccheck verify`` end to end, through its real worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULTY_MATRIX = ROOT / "tests" / "fixtures" / "adapters" / "matrix.yaml"
+
+
+def _verify(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-c", "from speccheck.checks.cli import main; main()", "verify", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU tier's report")
+def test_reference_passes_and_reports_every_check(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    junit = tmp_path / "junit.xml"
+    proc = _verify("--backend", "reference", "--examples", "8", "--json", str(out), "--junit", str(junit))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("tier: CPU (no CUDA device)")
+    report = json.loads(out.read_text())
+    assert report["tier"] == "cpu"
+    (backend,) = report["backends"]
+    assert backend["status"] == "passed" and backend["examples"] == 8
+    assert set(backend["checks"]) >= {"draft_tokens", "logits", "kv_cache", "step_metadata",
+                                      "declared_fields", "host_sync", "in_place"}
+    assert backend["checks"]["draft_tokens"]["passed"] > 0
+    assert "<testsuites" in junit.read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU-only skips")
+def test_gpu_only_backend_is_skipped_and_nothing_verified_exits_3() -> None:
+    proc = _verify("--backend", "fa3", "--examples", "2")
+    assert proc.returncode == 3, proc.stdout
+    assert "fa3: skipped" in proc.stdout
+
+
+def test_dying_worker_is_a_reported_crash_with_the_last_example() -> None:
+    proc = _verify("--backend", "dying", "--matrix", str(FAULTY_MATRIX), "--examples", "3")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "dying: crashed: worker exited with status 139" in proc.stdout
+    assert "reproduce: speccheck verify --backend dying" in proc.stdout
+    assert "--reproduce " in proc.stdout
+
+
+def test_stalling_worker_is_killed_after_the_example_timeout() -> None:
+    proc = _verify("--backend", "stalling", "--matrix", str(FAULTY_MATRIX), "--examples", "3",
+                   "--example-timeout", "8")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "stalling: crashed: no progress for 8s (hang); killed" in proc.stdout
+
+
+def test_unknown_backend_is_a_clear_error() -> None:
+    proc = _verify("--backend", "nope")
+    assert proc.returncode == 2
+    assert "unknown backend 'nope'" in proc.stdout
+
+
+def test_reproduce_runs_exactly_one_example(tmp_path: Path) -> None:
+    from speccheck.checks.verify_engine import encode_example
+    from speccheck.speculator.batch import DraftBatch
+
+    blob = encode_example((3, DraftBatch((5,), ((1, 2),), ((1, 2, 3),), (7,))))
+    out = tmp_path / "out.json"
+    proc = _verify("--backend", "reference", "--reproduce", blob, "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (backend,) = json.loads(out.read_text())["backends"]
+    assert backend["examples"] == 1 and backend["status"] == "passed"
+
+
+def test_bad_reproduce_blob_is_a_one_line_error() -> None:
+    proc = _verify("--backend", "reference", "--reproduce", "not-a-blob")
+    assert proc.returncode == 2
+    assert "--reproduce: not an example blob" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
