@@ -49,11 +49,14 @@ class StepMetadataRecorder:
         self.groups = list(groups)
         self._buffers: dict[tuple[int, int, str], torch.Tensor] = {}
         self._seen: dict[int, dict[tuple[int, str], None]] = {}
+        self.last_metadata: list[Any] | None = None
+        """The group metadata of the latest observed step."""
         self.storage_of: dict[str, int] = {}
         """Storage address of the tensor last seen at each path (to tell views of the
         speculator's input buffers from a builder's derived tensors)."""
 
     def __call__(self, lanes: int, step: int, group_metadata: Sequence[Any]) -> None:
+        self.last_metadata = list(group_metadata)
         for path, tensor in reachable_tensors(self.groups, group_metadata).items():
             key = (lanes, step, path)
             buf = self._buffers.get(key)

@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from speccheck.checks.capture_probes import HostSyncRecorder, IdentityGuard
+from speccheck.checks.capture_probes import GuardedBuffer, HostSyncRecorder, IdentityGuard, check_zero_tail
 from speccheck.checks.state_walk import changed_paths, same_value
 from speccheck.checks.step_recorder import StepMetadataRecorder
 from speccheck.checks.strategies import BatchLimits, draft_batches
@@ -115,6 +115,24 @@ class _Harness:
     reference: AutoregressiveSpeculator | None
 
 
+class GuardedAllocator:
+    """A :data:`~speccheck.contract.builder.BufferAllocator` that surrounds every persistent
+    buffer with poisoned guard bands and remembers them."""
+
+    def __init__(self) -> None:
+        self.buffers: list[GuardedBuffer] = []
+
+    def __call__(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        guarded = GuardedBuffer(shape, dtype, device, name=name)
+        self.buffers.append(guarded)
+        return guarded.tensor
+
+    def violations(self) -> list[str]:
+        return [v for b in self.buffers for v in b.violations()]
+
+
 class BackendVerifier:
     """Verifies ``settings.backend`` under ``settings.config`` on ``device``."""
 
@@ -127,6 +145,7 @@ class BackendVerifier:
         self._harness: dict[int, _Harness] = {}
         self.capture_seconds = 0.0
         self._probe_outcomes: list[Outcome] = []
+        self.guards = GuardedAllocator()
 
     # ------------------------------------------------------------ set-up
     def drafter(self, dtype: str) -> DrafterConfig:
@@ -161,6 +180,7 @@ class BackendVerifier:
                 self.drafter(config.dtype), self.device, self.options(),
                 matrix=load_matrix(self.settings.matrix_path),
                 builder_overrides=dict(self.settings.builder_overrides),
+                buffer_allocator=self.guards,
             )
             assert isinstance(spec, AutoregressiveSpeculator)
             recorder = StepMetadataRecorder(spec.groups)
@@ -220,9 +240,11 @@ class BackendVerifier:
             outcomes += self._kv_untouched(batch, k, start, kv, name)
             outcomes += self._kv_matches(batch, k, oracle_kv, kv, oracle, result, name)
             outcomes += self._compare_steps(oracle_steps, steps, name)
+            outcomes += self._zero_tails(spec, h.recorder, name)
         outcomes += self._declared_fields(spec, h.recorder, oracle_steps)
         outcomes += self._probe_outcomes
         self._probe_outcomes = []
+        outcomes += self._guard_bands()
         if h.reference is not None:
             h.reference.kv_cache.restore(start)
             expected = h.reference.propose(batch, "per_step")
@@ -383,6 +405,33 @@ class BackendVerifier:
                                        f"{path} changes between draft steps but {builder}"
                                        ".step_dependent_fields does not declare it", field=path))
         return out or [Outcome("declared_fields", "passed")]
+
+    def _zero_tails(
+        self, spec: AutoregressiveSpeculator, recorder: StepMetadataRecorder, name: str
+    ) -> list[Outcome]:
+        """After a run, every persistent buffer's rows past what the last metadata uses are
+        zero (the builder declares the used extents)."""
+        if recorder.last_metadata is None:
+            return []
+        out: list[Outcome] = []
+        for group, md in zip(spec.groups, recorder.last_metadata, strict=True):
+            buffers = group.builder.persistent_buffers()
+            for buffer_name, used in group.builder.persistent_buffer_extents(md).items():
+                problem = check_zero_tail(buffers[buffer_name], used, name=buffer_name)
+                if problem:
+                    out.append(Outcome("zero_tails", "failed", f"{name}: {group.backend_name}: {problem}", name))
+                else:
+                    out.append(Outcome("zero_tails", "passed", candidate=name))
+        return out
+
+    def _guard_bands(self) -> list[Outcome]:
+        """No write landed in the poisoned bands around any persistent buffer."""
+        if not self.guards.buffers:
+            return [Outcome("guard_bands", "skipped", "no persistent buffers")]
+        violations = self.guards.violations()
+        if violations:
+            return [Outcome("guard_bands", "failed", "; ".join(violations[:3]))]
+        return [Outcome("guard_bands", "passed")]
 
     def _probing_refresh(self, group: AttentionGroup, metadata: Any) -> None:
         """The refresh, traced: host synchronisations and replaced tensors are findings."""

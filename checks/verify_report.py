@@ -17,6 +17,8 @@ CHECK_NAMES = (
     "vs_fp32_reference",
     "host_sync",
     "in_place",
+    "zero_tails",
+    "guard_bands",
 )
 """Every check, in report order. See docs/verification.md for what each compares."""
 

@@ -9,7 +9,7 @@ into backend metadata, and owns the backend's persistent buffers) and an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
@@ -48,6 +48,18 @@ class BuilderLimits:
 
 
 M = TypeVar("M")
+
+BufferAllocator = Callable[[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+"""``(name, shape, dtype, device) -> zero-filled tensor``: where persistent buffers come from.
+The verifier passes one that surrounds each buffer with poisoned guard bands."""
+
+
+def zeros_allocator(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The default :data:`BufferAllocator`: plain zero-filled device memory."""
+    del name
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class AttentionImpl(ABC, Generic[M]):
@@ -103,14 +115,18 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         limits: BuilderLimits,
         *,
         supports_draft_decode_metadata_update: bool = False,
+        buffer_allocator: BufferAllocator = zeros_allocator,
     ) -> None:
         """``supports_draft_decode_metadata_update`` is resolved from ``matrix.yaml`` for the
-        live ``config`` by whoever constructs the builder; a builder never claims it itself."""
+        live ``config`` by whoever constructs the builder; a builder never claims it itself.
+        ``buffer_allocator`` backs :meth:`allocate_persistent`."""
         self.layer = layer
         self.config = config
         self.device = device
         self.limits = limits
         self.supports_draft_decode_metadata_update = supports_draft_decode_metadata_update
+        self._buffer_allocator = buffer_allocator
+        self._persistent: dict[str, torch.Tensor] = {}
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> M:
@@ -136,9 +152,28 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
             f"{type(self).__name__} does not support in-graph draft-decode metadata refresh"
         )
 
+    def allocate_persistent(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A zero-filled device buffer that graphs will read by address, sized once for
+        ``limits``; listed by :meth:`persistent_buffers`. Allocate every persistent buffer
+        through this (the verifier guards them against overruns)."""
+        if name in self._persistent:
+            raise ValueError(f"{type(self).__name__} already has a persistent buffer {name!r}")
+        buffer = self._buffer_allocator(name, shape, dtype, self.device)
+        self._persistent[name] = buffer
+        return buffer
+
     def persistent_buffers(self) -> Mapping[str, torch.Tensor]:
-        """Device buffers this builder owns and graphs read by address (for the verifier's
-        tail and guard-band probes). Default: none."""
+        """Device buffers this builder owns and graphs read by address: those allocated with
+        :meth:`allocate_persistent`."""
+        return dict(self._persistent)
+
+    def persistent_buffer_extents(self, metadata: M) -> Mapping[str, int]:
+        """For buffers whose leading rows ``metadata`` uses, how many: the rest (the tail)
+        must be zero, so that a kernel reading the whole buffer sees no stale entries from
+        an earlier, larger batch. Default: no such buffers."""
+        del metadata
         return {}
 
     def workspace_buffers(self) -> Mapping[str, torch.Tensor]:

@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 
-from speccheck.contract.builder import AttentionLayerSpec, AttentionMetadataBuilder, BuilderLimits
+from speccheck.contract.builder import (
+    AttentionLayerSpec,
+    AttentionMetadataBuilder,
+    BufferAllocator,
+    BuilderLimits,
+    zeros_allocator,
+)
 from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.resolution import resolve_backend
@@ -37,11 +43,13 @@ def build_attention_groups(
     *,
     matrix: Any = None,
     builder_overrides: dict[str, type[AttentionMetadataBuilder[Any]]] | None = None,
+    buffer_allocator: BufferAllocator = zeros_allocator,
 ) -> list[AttentionGroup]:
     """One group per distinct backend, in order of first use; layer ``i`` runs
     ``layer_backends[i]``. Each builder's ``supports_draft_decode_metadata_update`` is the
     matrix's answer for ``config``. ``builder_overrides`` swaps the class of a backend
-    (the verifier's mutants) while keeping the matrix's capability for its name.
+    (the verifier's mutants) while keeping the matrix's capability for its name;
+    ``buffer_allocator`` backs the builders' persistent buffers.
     """
     matrix = matrix or load_matrix()
     groups: dict[str, AttentionGroup] = {}
@@ -50,7 +58,9 @@ def build_attention_groups(
             cls = (builder_overrides or {}).get(name) or builder_class(name, matrix)
             supported = resolve_backend(matrix.backend(name), config).fused_multi_step
             builder = cls(
-                layer, config, device, limits, supports_draft_decode_metadata_update=supported
+                layer, config, device, limits,
+                supports_draft_decode_metadata_update=supported,
+                buffer_allocator=buffer_allocator,
             )
             groups[name] = AttentionGroup(name, builder, ())
         group = groups[name]

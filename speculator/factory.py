@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from speccheck.contract.builder import AttentionMetadataBuilder
+from speccheck.contract.builder import AttentionMetadataBuilder, BufferAllocator, zeros_allocator
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import build_attention_groups
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
@@ -26,6 +26,7 @@ def create_speculator(
     *,
     matrix: Any = None,
     builder_overrides: dict[str, type[AttentionMetadataBuilder[Any]]] | None = None,
+    buffer_allocator: BufferAllocator = zeros_allocator,
 ) -> AutoregressiveSpeculator | DFlashSpeculator:
     """``kind`` is ``"autoregressive"`` or ``"dflash"``; layer ``i`` of the drafter runs on
     backend ``layer_backends[i]`` (one name repeats for a single-backend model)."""
@@ -42,6 +43,7 @@ def create_speculator(
         options.limits(tokens_per_req),
         matrix=matrix,
         builder_overrides=builder_overrides,
+        buffer_allocator=buffer_allocator,
     )
     model = DraftModel(drafter, device)
     if kind == "autoregressive":

@@ -34,19 +34,20 @@ class _DerivedBuilder(ReferenceMetadataBuilder):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.derived = torch.zeros(self.limits.max_num_reqs, dtype=torch.int32, device=self.device)
+        self.derived = self.allocate_persistent("derived", (self.limits.max_num_reqs,), torch.int32)
 
     def build(self, common: CommonAttentionMetadata) -> DerivedMetadata:
         base = super().build(common)
         n = common.num_reqs
         self.derived[:n].copy_(common.seq_lens + 1)
+        self.derived[n:].zero_()
         return DerivedMetadata(**vars(base), kv_lens_plus_one=self.derived[:n])
 
     def update_draft_decode_metadata(self, metadata: DerivedMetadata) -> None:
         torch.add(metadata.seq_lens, 1, out=metadata.kv_lens_plus_one)
 
-    def persistent_buffers(self):
-        return {"derived": self.derived}
+    def persistent_buffer_extents(self, metadata: DerivedMetadata) -> dict[str, int]:
+        return {"derived": metadata.kv_lens_plus_one.shape[0]}
 
 
 class StaleRefresh(_DerivedBuilder):
@@ -69,6 +70,23 @@ class SyncingRefresh(_DerivedBuilder):
             torch.add(metadata.seq_lens, 1, out=metadata.kv_lens_plus_one)
 
 
+class DirtyTail(_DerivedBuilder):
+    def build(self, common: CommonAttentionMetadata) -> DerivedMetadata:
+        """Leaves stale entries past the live rows (as if from an earlier, larger batch)."""
+        md = super().build(common)
+        self.derived[common.num_reqs :].fill_(7)
+        return md
+
+
+class Overrun(_DerivedBuilder):
+    def update_draft_decode_metadata(self, metadata: DerivedMetadata) -> None:
+        """Writes one row past the end of its persistent buffer (what a kernel with a
+        wrong bound does)."""
+        super().update_draft_decode_metadata(metadata)
+        n = self.derived.shape[0]
+        torch.as_strided(self.derived, (n + 1,), (1,))[n:].fill_(1)
+
+
 class _PaddingWritesLiveImpl(ReferenceAttentionImpl):
     """Sends padding tokens' KV to the first request's slot instead of the sink."""
 
@@ -86,7 +104,7 @@ class PaddingWritesLive(ReferenceMetadataBuilder):
 
 
 def _verify(builder: type, examples: int = 12) -> BackendReport:
-    settings = VerifySettings("reference", CONFIG, examples=examples, steps=(4,), capture_sizes=(4,),
+    settings = VerifySettings("reference", CONFIG, examples=examples, steps=(4,), capture_sizes=(2, 4),
                               vocab_size=64, builder_overrides=(("reference", builder),))
     report = BackendReport("reference", "cpu", "passed")
     BackendVerifier(settings, torch.device("cpu")).run(report, lambda i, e: None)
@@ -107,6 +125,8 @@ def test_a_correct_derived_field_passes() -> None:
         (AllocatingRefresh, "in_place", "kv_lens_plus_one"),
         (SyncingRefresh, "host_sync", "item"),
         (PaddingWritesLive, "kv_cache", "outside the expected"),
+        (DirtyTail, "zero_tails", "unused tail"),
+        (Overrun, "guard_bands", "derived"),
     ],
 )
 def test_each_check_catches_its_mutant(builder: type, check: str, diagnosis: str) -> None:
