@@ -113,6 +113,8 @@ class _Harness:
     spec: AutoregressiveSpeculator
     recorder: StepMetadataRecorder
     reference: AutoregressiveSpeculator | None
+    capture_error: str | None
+    """Why capture failed (a host sync or host copy inside the captured body), if it did."""
 
 
 class GuardedAllocator:
@@ -186,7 +188,11 @@ class BackendVerifier:
             recorder = StepMetadataRecorder(spec.groups)
             spec.step_observer = recorder
             start = time.perf_counter()
-            spec.capture()
+            capture_error = None
+            try:
+                spec.capture()
+            except RuntimeError as exc:
+                capture_error = f"capturing the draft-decode graphs failed: {exc}"
             self.capture_seconds += time.perf_counter() - start
             reference = None
             if not (self.settings.backend == "reference" and config.dtype == "float32"):
@@ -197,7 +203,7 @@ class BackendVerifier:
                 )
                 assert isinstance(ref, AutoregressiveSpeculator)
                 reference = ref
-            self._harness[k] = _Harness(spec, recorder, reference)
+            self._harness[k] = _Harness(spec, recorder, reference, capture_error)
         return self._harness[k]
 
     @property
@@ -213,6 +219,8 @@ class BackendVerifier:
     def run_example(self, example: Example) -> list[Outcome]:
         k, batch = example
         h = self.harness(k)
+        if h.capture_error is not None:
+            return [Outcome("capture", "failed", h.capture_error)]
         spec = h.spec
         lanes = spec.bucket_for(batch.num_reqs)
         generator = torch.Generator().manual_seed(zlib.crc32(encode_example(example).encode()))
@@ -223,6 +231,8 @@ class BackendVerifier:
         oracle_steps = h.recorder.collect(lanes)
         oracle_kv = spec.kv_cache.snapshot()
         outcomes = self._kv_untouched(batch, k, start, oracle_kv, "oracle")
+        if self.gpu:
+            outcomes.append(Outcome("capture", "passed"))
 
         for name in self.candidates():
             spec.kv_cache.restore(start)

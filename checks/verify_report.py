@@ -9,6 +9,7 @@ from typing import Any
 from xml.etree import ElementTree
 
 CHECK_NAMES = (
+    "capture",
     "draft_tokens",
     "logits",
     "kv_cache",
@@ -19,6 +20,8 @@ CHECK_NAMES = (
     "in_place",
     "zero_tails",
     "guard_bands",
+    "dp_token_count",
+    "dp_matches_single_rank",
 )
 """Every check, in report order. See docs/verification.md for what each compares."""
 

@@ -1,5 +1,6 @@
 """Every verifier check can fail: known-bad builders, written here, must be caught by the
-matching check with the expected diagnosis (CPU tier: eager fused loop vs eager per-step)."""
+matching check with the expected diagnosis — on the CPU tier (eager fused loop vs eager
+per-step) and, where CUDA exists, with real graphs."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from speccheck.checks.verify_report import BackendReport
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 
-CONFIG = RuntimeConfig(platform="cpu", cudagraph_mode="none", block_size=4, max_model_len=32,
-                       dtype="float32", head_size=16, num_heads=2, num_kv_heads=1)
+CPU_CONFIG = RuntimeConfig(platform="cpu", cudagraph_mode="none", block_size=4, max_model_len=32,
+                           dtype="float32", head_size=16, num_heads=2, num_kv_heads=1)
+GPU_CONFIG = CPU_CONFIG.model_copy(update={"platform": "cuda", "cudagraph_mode": "full"})
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @dataclass
@@ -103,34 +106,42 @@ class PaddingWritesLive(ReferenceMetadataBuilder):
     impl_cls = _PaddingWritesLiveImpl
 
 
-def _verify(builder: type, examples: int = 12) -> BackendReport:
-    settings = VerifySettings("reference", CONFIG, examples=examples, steps=(4,), capture_sizes=(2, 4),
+def _verify(builder: type, device: str = "cpu", examples: int = 12) -> BackendReport:
+    config = GPU_CONFIG if device == "cuda" else CPU_CONFIG
+    settings = VerifySettings("reference", config, examples=examples, steps=(4,), capture_sizes=(2, 4),
                               vocab_size=64, builder_overrides=(("reference", builder),))
-    report = BackendReport("reference", "cpu", "passed")
-    BackendVerifier(settings, torch.device("cpu")).run(report, lambda i, e: None)
+    report = BackendReport("reference", device, "passed")
+    BackendVerifier(settings, torch.device(device)).run(report, lambda i, e: None)
     return report
 
 
-def test_a_correct_derived_field_passes() -> None:
-    report = _verify(_DerivedBuilder)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_correct_derived_field_passes(device: str) -> None:
+    report = _verify(_DerivedBuilder, device)
     assert report.status == "passed", report.failures
     assert report.checks["step_metadata"].passed > 0
 
 
+MUTANTS = [
+    (StaleRefresh, "step_metadata", "kv_lens_plus_one differs from a fresh eager build"),
+    (UndeclaredField, "declared_fields", "does not declare it"),
+    (AllocatingRefresh, "in_place", "kv_lens_plus_one"),
+    (PaddingWritesLive, "kv_cache", "outside the expected"),
+    (DirtyTail, "zero_tails", "unused tail"),
+    (Overrun, "guard_bands", "derived"),
+]
+
+
 @pytest.mark.parametrize(
-    ("builder", "check", "diagnosis"),
-    [
-        (StaleRefresh, "step_metadata", "kv_lens_plus_one differs from a fresh eager build"),
-        (UndeclaredField, "declared_fields", "does not declare it"),
-        (AllocatingRefresh, "in_place", "kv_lens_plus_one"),
-        (SyncingRefresh, "host_sync", "item"),
-        (PaddingWritesLive, "kv_cache", "outside the expected"),
-        (DirtyTail, "zero_tails", "unused tail"),
-        (Overrun, "guard_bands", "derived"),
-    ],
+    ("device", "builder", "check", "diagnosis"),
+    [("cpu", *m) for m in MUTANTS]
+    + [("cpu", SyncingRefresh, "host_sync", "item")]
+    + [pytest.param("cuda", *m, marks=pytest.mark.cuda) for m in MUTANTS]
+    + [pytest.param("cuda", SyncingRefresh, "capture", "capturing the draft-decode graphs failed",
+                    marks=pytest.mark.cuda)],
 )
-def test_each_check_catches_its_mutant(builder: type, check: str, diagnosis: str) -> None:
-    report = _verify(builder)
+def test_each_check_catches_its_mutant(device: str, builder: type, check: str, diagnosis: str) -> None:
+    report = _verify(builder, device)
     assert report.status == "failed"
     matching = [f for f in report.failures if f.check == check]
     assert matching, f"{check} did not fail; failures: {report.failures}"

@@ -217,8 +217,8 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
         self.num_splits = (
             self.max_num_splits_for_cuda_graph if config.cudagraph_mode != "none" else 0
         )
-        self._scheduler_metadata_buffer = torch.zeros(
-            self._scheduler_metadata_capacity(), dtype=torch.int32, device=device
+        self._scheduler_metadata_buffer = self.allocate_persistent(
+            "scheduler_metadata", (self._scheduler_metadata_capacity(),), torch.int32
         )
 
     # -- scheduler metadata -------------------------------------------------------------
@@ -272,10 +272,17 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
             num_splits=num_splits,
         )
 
-    def _store_scheduler_metadata(self, fresh: torch.Tensor) -> torch.Tensor:
+    def _store_scheduler_metadata(self, fresh: torch.Tensor, num_reqs: int) -> torch.Tensor:
         """Copy ``fresh`` into the head of the persistent buffer, zero the tail (stale
         entries there could be read by thread blocks of a larger captured schedule), and
-        return the ``[:n]`` view. In place: the buffer's address never changes."""
+        return the ``[:n]`` view. In place: the buffer's address never changes.
+
+        FA3 lays the schedule out as per-request vectors of ``round_up(num_reqs, 4)``
+        entries (then the tile semaphore) but allocates it uninitialised and writes only the
+        first ``num_reqs`` entries of each vector. Those padding entries are zeroed here, so
+        the stored schedule is a function of the batch alone and a fresh build can be
+        compared with a refreshed one entry for entry. Capture-safe: the mask comes from
+        device ``arange`` and host ints fixed at build time."""
         buffer = self._scheduler_metadata_buffer
         n = int(fresh.numel())
         if n > buffer.numel():
@@ -286,6 +293,10 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
             )
         buffer[:n].copy_(fresh.view(-1))
         buffer[n:].zero_()
+        rounded = -(-num_reqs // 4) * 4
+        index = torch.arange(n, device=buffer.device)
+        padding = (index % rounded >= num_reqs) & (index < n // rounded * rounded)
+        buffer[:n].masked_fill_(padding, 0)
         return buffer[:n]
 
     # -- protocol -----------------------------------------------------------------------
@@ -308,7 +319,7 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
                 causal=common.causal,
                 num_splits=self.num_splits,
             )
-            scheduler_metadata = self._store_scheduler_metadata(fresh)
+            scheduler_metadata = self._store_scheduler_metadata(fresh, common.num_reqs)
         return FA3Metadata(
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
@@ -357,7 +368,9 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
                 f"the captured view {current.numel()}; the batch shape changed between build "
                 "and refresh"
             )
-        self._store_scheduler_metadata(fresh)
+        self._store_scheduler_metadata(fresh, metadata.num_reqs)
 
-    def persistent_buffers(self) -> dict[str, torch.Tensor]:
-        return {"scheduler_metadata": self._scheduler_metadata_buffer}
+    def persistent_buffer_extents(self, metadata: FA3Metadata) -> dict[str, int]:
+        if metadata.scheduler_metadata is None:
+            return {"scheduler_metadata": 0}
+        return {"scheduler_metadata": metadata.scheduler_metadata.numel()}

@@ -1,0 +1,405 @@
+"""Data-parallel verification of the DFlash drafter (seed 004), on real gloo ranks.
+
+:func:`verify_dp` spawns ``dp_size`` ranks (:func:`~speccheck.speculator.dp_launch.run_ranks`).
+Every rank builds the same drafter (same weight seed) on its device, and for each graph
+mode and each round of batches (a different real batch size on each rank):
+
+1. fills its KV cache with the same deterministic values and drafts its batch alone, eagerly,
+   with no padding (the single-rank run);
+2. agrees with the other ranks (:func:`~speccheck.speculator.dp_sync.sync_dp_padding`: one
+   CPU all-reduce) and pads its model input to the agreed token count;
+3. drafts the same batch again from the same KV state under the agreed descriptor.
+
+Two checks per rank, mode and round:
+
+- ``dp_token_count``: the attention metadata of the padded pass covers what
+  :func:`~speccheck.contract.token_count.attention_token_count` says: FULL, the padded
+  count; eager, the real ``query_start_loc[-1]``. An eager drafter that hands attention the
+  padded count fails it on every rank that padded (and crashes FlashInfer);
+- ``dp_matches_single_rank``: the padded pass drafts the tokens of the single-rank run
+  (a difference at a near-tie of the single-rank logits is indeterminate).
+
+The eager mode (``"none"``) runs anywhere; ``"full"`` needs CUDA (with one GPU every rank
+shares ``cuda:0``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import torch
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+
+from speccheck.backends.availability import BackendUnavailable
+from speccheck.checks.strategies import BatchLimits, draft_batches
+from speccheck.checks.verify_engine import TOLERANCE, example_json
+from speccheck.checks.verify_report import BackendReport, CheckTally, Failure
+from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.resolution import resolve_backend
+from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.contract.token_count import attention_token_count, uniform_query_start_loc
+from speccheck.speculator.attention_setup import build_attention_groups
+from speccheck.speculator.base import SpeculatorOptions
+from speccheck.speculator.batch import DraftBatch, DraftResult
+from speccheck.speculator.dflash import DFlashSpeculator
+from speccheck.speculator.dp_launch import RankFailed, rank_device, run_ranks
+from speccheck.speculator.dp_sync import agreed_descriptor, sync_dp_padding
+from speccheck.speculator.model import DraftModel, DrafterConfig
+
+logger = logging.getLogger(__name__)
+
+CHECK_TOKEN_COUNT = "dp_token_count"
+CHECK_MATCHES_SINGLE_RANK = "dp_matches_single_rank"
+DP_MODES = ("none", "full")
+"""Graph modes :func:`verify_dp` can test; ``full`` only where CUDA is available."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DPOutcome:
+    """One check on one rank, in one graph mode, for one round of batches."""
+
+    rank: int
+    mode: str
+    round: int
+    check: str
+    """:data:`CHECK_TOKEN_COUNT` or :data:`CHECK_MATCHES_SINGLE_RANK`."""
+    result: str
+    """``passed``, ``failed`` or ``indeterminate``."""
+    diagnosis: str = ""
+    """One line; empty when passed."""
+
+
+@dataclass
+class DPVerifyResult:
+    """Everything :func:`verify_dp` found. ``batches_per_rank[r][i]`` is rank ``r``'s batch in
+    round ``i``; ``skipped_modes`` maps a mode that could not run to why; ``skipped`` is set
+    when the backend could not run at all."""
+
+    backend: str
+    dp_size: int
+    config: RuntimeConfig
+    gpu: bool
+    """Whether the ranks ran on CUDA."""
+    device: str
+    """The device's name, as reports show it."""
+    modes: tuple[str, ...]
+    batches_per_rank: list[list[DraftBatch]]
+    outcomes: list[DPOutcome] = field(default_factory=list)
+    skipped_modes: dict[str, str] = field(default_factory=dict)
+    skipped: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        """Something ran and nothing failed."""
+        return self.skipped is None and bool(self.outcomes) and not self.failures()
+
+    def failures(self) -> list[DPOutcome]:
+        return [o for o in self.outcomes if o.result == "failed"]
+
+    def select(
+        self, *, rank: int | None = None, mode: str | None = None, check: str | None = None
+    ) -> list[DPOutcome]:
+        """The outcomes matching every filter given."""
+        return [
+            o for o in self.outcomes
+            if (rank is None or o.rank == rank) and (mode is None or o.mode == mode)
+            and (check is None or o.check == check)
+        ]
+
+    def to_report(self) -> BackendReport:
+        """The result as a :class:`BackendReport` (tier ``gpu`` when the ranks ran on CUDA),
+        with one tally per DP check and one :class:`Failure` per failed outcome, whose
+        diagnosis names the rank, mode and round; ``minimal_example`` holds the first
+        failing round's batches, one per rank."""
+        report = BackendReport(
+            self.backend, "gpu" if self.gpu else "cpu", "passed", device=self.device,
+            runtime_config=self.config.model_dump(), seconds=self.seconds,
+            examples=len(self.batches_per_rank[0]) if self.batches_per_rank else 0,
+            candidates=[f"dp{self.dp_size}_{mode}" for mode in self.modes],
+        )
+        entry = load_matrix().backend(self.backend)
+        resolution = resolve_backend(entry, self.config)
+        report.fused_allowed, report.fused_reason = resolution.fused_multi_step, resolution.reason
+        notes = [f"{mode}: not run ({why})" for mode, why in self.skipped_modes.items()]
+        if self.skipped is not None or not self.modes:
+            report.status, report.tier = "skipped", "none"
+            report.detail = "; ".join([self.skipped] if self.skipped else notes)
+            return report
+        report.detail = "; ".join(notes)
+        for o in self.outcomes:
+            tally: CheckTally = report.checks[o.check]
+            setattr(tally, o.result, getattr(tally, o.result) + 1)
+        failed = self.failures()
+        if failed:
+            report.status = "failed"
+            report.failures = [
+                Failure(o.check, f"rank {o.rank}, mode {o.mode}, round {o.round}: {o.diagnosis}",
+                        candidate=f"dp{self.dp_size}_{o.mode}")
+                for o in failed
+            ]
+            first = failed[0]
+            k = self.config.num_speculative_steps
+            report.minimal_example = {
+                "dp_size": self.dp_size, "mode": first.mode, "round": first.round,
+                "batches_per_rank": [example_json((k, rank[first.round]))
+                                     for rank in self.batches_per_rank],
+            }
+        return report
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """What every rank runs (picklable: it travels to the spawned ranks)."""
+
+    backend: str
+    config: RuntimeConfig
+    modes: tuple[str, ...]
+    batches_per_rank: list[list[DraftBatch]]
+    drafter: DrafterConfig
+    options: SpeculatorOptions
+    speculator_cls: type[DFlashSpeculator]
+    seed: int
+
+
+def default_drafter(config: RuntimeConfig, seed: int = 0) -> DrafterConfig:
+    """The drafter :func:`verify_dp` builds unless given one: the config's head layout and
+    dtype, 2 layers, vocabulary 256, weights from ``seed``."""
+    return DrafterConfig(
+        vocab_size=256, num_layers=2, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        head_size=config.head_size, intermediate_size=2 * config.num_heads * config.head_size,
+        seed=seed, dtype=config.dtype,
+    )
+
+
+def default_options(config: RuntimeConfig) -> SpeculatorOptions:
+    """Buckets 1, 2, 4, 8 and a KV cache that holds 8 requests at ``max_model_len``."""
+    max_blocks = -(-config.max_model_len // config.block_size)
+    return SpeculatorOptions(capture_sizes=(1, 2, 4, 8), max_num_prefill_tokens=32,
+                             num_blocks=8 * max_blocks + 1)
+
+
+def dflash_batch_limits(config: RuntimeConfig, options: SpeculatorOptions, vocab_size: int) -> BatchLimits:
+    """Bounds of the batches a DFlash drafter built with ``config`` and ``options`` serves
+    (a block of ``1 + K`` positions fits before ``max_model_len``)."""
+    return BatchLimits(
+        max_num_reqs=options.max_num_reqs, block_size=config.block_size,
+        max_model_len=config.max_model_len, num_blocks=options.num_blocks,
+        extra_positions=config.num_speculative_steps, vocab_size=vocab_size, room_for_block=True,
+    )
+
+
+def draw_dp_rounds(limits: BatchLimits, dp_size: int, rounds: int, seed_value: int) -> list[list[DraftBatch]]:
+    """``rounds`` hypothesis-drawn rounds, as ``[rank][round]``: in each round every rank gets
+    an independent batch, and (for ``dp_size > 1``) not every rank has the same request
+    count, so some rank pads. Deterministic in ``seed_value``."""
+    drawn: list[tuple[DraftBatch, ...]] = []
+    strategy = st.lists(draft_batches(limits), min_size=dp_size, max_size=dp_size).map(tuple)
+    if dp_size > 1:
+        strategy = strategy.filter(lambda batches: len({b.num_reqs for b in batches}) > 1)
+
+    @seed(seed_value)
+    @settings(max_examples=rounds, database=None, deadline=None, derandomize=False,
+              phases=(Phase.generate,), suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(batches: tuple[DraftBatch, ...]) -> None:
+        drawn.append(batches)
+
+    collect()
+    return [[batches[rank] for batches in drawn] for rank in range(dp_size)]
+
+
+def verify_dp(
+    backend: str,
+    config: RuntimeConfig,
+    dp_size: int,
+    batches_per_rank: Sequence[Sequence[DraftBatch]] | None = None,
+    modes: Sequence[str] | None = None,
+    *,
+    examples: int = 8,
+    seed: int = 0,
+    drafter: DrafterConfig | None = None,
+    options: SpeculatorOptions | None = None,
+    speculator_cls: type[DFlashSpeculator] = DFlashSpeculator,
+    timeout_s: float = 300.0,
+) -> DPVerifyResult:
+    """Verify ``backend``'s DFlash drafting under data parallelism on ``dp_size`` gloo ranks.
+
+    ``batches_per_rank[r][i]`` is rank ``r``'s batch in round ``i`` (every rank needs the
+    same number of rounds); ``None`` draws ``examples`` rounds with hypothesis from ``seed``
+    (:func:`draw_dp_rounds`). ``modes`` are graph modes from :data:`DP_MODES`; ``None``
+    means every mode this machine can run. A ``"full"`` mode on a machine without CUDA is
+    recorded in ``skipped_modes``, not run. ``config``'s ``cudagraph_mode`` and ``dp_size``
+    are replaced per mode; its ``num_speculative_steps`` is K (blocks of 1 + K tokens).
+
+    ``drafter``/``options`` default to :func:`default_drafter`/:func:`default_options`
+    (request padding to capture sizes is always off: eager ranks pad only to the agreed
+    count). ``speculator_cls`` swaps the drafter class (tests plant the seed-004 bug with
+    it); like every argument it is pickled to the ranks, so it must be importable there.
+    ``timeout_s`` bounds the whole multi-process run.
+
+    A backend without an adapter, for another platform, or whose kernel package is missing
+    is reported as skipped. Raises :class:`~speccheck.speculator.dp_launch.RankFailed` or
+    :class:`~speccheck.speculator.dp_launch.RanksTimedOut` when a rank crashes or hangs
+    (an exception inside a propose call is a failed check instead).
+    """
+    started = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    wanted = tuple(modes) if modes is not None else (DP_MODES if cuda else ("none",))
+    unknown = sorted(set(wanted) - set(DP_MODES))
+    if unknown:
+        raise ValueError(f"unknown DP verification mode(s) {unknown}; valid: {', '.join(DP_MODES)}")
+    if dp_size < 1:
+        raise ValueError(f"dp_size={dp_size} must be >= 1")
+    drafter = drafter or default_drafter(config, seed)
+    options = replace(options or default_options(config), pad_to_capture_sizes=False)
+    if batches_per_rank is None:
+        limits = dflash_batch_limits(config, options, drafter.vocab_size)
+        batches = draw_dp_rounds(limits, dp_size, examples, seed)
+    else:
+        batches = [list(rank) for rank in batches_per_rank]
+    if len(batches) != dp_size or len({len(rank) for rank in batches}) != 1:
+        raise ValueError(
+            f"batches_per_rank must hold one equally long list per rank ({dp_size}), got lengths "
+            f"{[len(rank) for rank in batches]}"
+        )
+    skipped_modes = {m: "needs a CUDA device" for m in wanted if m == "full" and not cuda}
+    runnable = tuple(m for m in wanted if m not in skipped_modes)
+    device = torch.cuda.get_device_name(rank_device(0)) if cuda else "CPU (no CUDA device)"
+    result = DPVerifyResult(
+        backend, dp_size, config.model_copy(update={"dp_size": dp_size}), cuda, device, runnable,
+        batches, skipped_modes=skipped_modes,
+    )
+    result.skipped = _unrunnable(backend, "cuda" if cuda else "cpu")
+    if result.skipped is None and runnable:
+        plan = _RankPlan(backend, result.config, runnable, batches, drafter, options,
+                         speculator_cls, seed)
+        try:
+            per_rank = run_ranks(_verify_rank, dp_size, (plan,), timeout_s=timeout_s)
+        except RankFailed as exc:
+            if exc.exc_type != BackendUnavailable.__name__:
+                raise
+            result.skipped = exc.message
+        else:
+            result.outcomes = [o for outcomes in per_rank for o in outcomes]
+    result.seconds = time.perf_counter() - started
+    logger.info("verify_dp %s dp=%d modes=%s: %d outcomes, %d failed", backend, dp_size,
+                runnable, len(result.outcomes), len(result.failures()))
+    return result
+
+
+def _unrunnable(backend: str, platform: str) -> str | None:
+    """Why ``backend`` cannot run on ``platform`` according to the matrix, or ``None``."""
+    entry = load_matrix().backend(backend)
+    if entry.implementation is None:
+        return f"no adapter shipped in speccheck for {backend}"
+    if platform not in entry.platforms:
+        return f"{backend} runs on {', '.join(entry.platforms)}; this machine offers {platform}"
+    return None
+
+
+def _build(plan: _RankPlan, config: RuntimeConfig, device: torch.device) -> DFlashSpeculator:
+    """The drafter of one rank: the matrix's builder for every layer, the plan's class."""
+    groups = build_attention_groups(
+        [plan.backend] * plan.drafter.num_layers,
+        plan.drafter.layer_spec(config.block_size, config.max_model_len),
+        config, device, plan.options.limits(config.num_speculative_steps + 1),
+    )
+    return plan.speculator_cls(DraftModel(plan.drafter, device), groups, config, device, plan.options)
+
+
+def _verify_rank(dp_rank: int, dp_size: int, plan: _RankPlan) -> list[DPOutcome]:
+    """One rank's share of :func:`verify_dp` (runs in a spawned rank process)."""
+    device = rank_device(dp_rank)
+    outcomes: list[DPOutcome] = []
+    for mode in plan.modes:
+        config = plan.config.model_copy(update={"cudagraph_mode": mode})
+        spec = _build(plan, config, device)
+        spec.capture()
+        tol = TOLERANCE[config.dtype]
+        for index, batch in enumerate(plan.batches_per_rank[dp_rank]):
+            outcomes += _verify_round(spec, batch, dp_rank, dp_size, mode, index, plan.seed, tol)
+    return outcomes
+
+
+def _verify_round(
+    spec: DFlashSpeculator, batch: DraftBatch, dp_rank: int, dp_size: int, mode: str,
+    index: int, seed_value: int, tol: float,
+) -> list[DPOutcome]:
+    """Single-rank run, the DP agreement (one collective, on every rank whatever happened
+    before), the padded run, and the two checks."""
+    r, q = batch.num_reqs, spec.query_per_req
+    spec.kv_cache.fill_random_(torch.Generator().manual_seed(seed_value * 1_000_003 + index))
+    start = spec.kv_cache.snapshot()
+    alone, alone_error = _attempt(
+        spec.propose, batch, BatchExecutionDescriptor(CUDAGraphMode.NONE, r * q, None, q)
+    )
+    spec.kv_cache.restore(start)
+    state = sync_dp_padding(spec.block_descriptor(r), r, dp_rank, dp_size)
+    desc = agreed_descriptor(state, r, q)
+    spec.last_common_metadata = None
+    padded, padded_error = _attempt(spec.propose, batch, desc)
+
+    def outcome(check: str, result: str, diagnosis: str = "") -> DPOutcome:
+        return DPOutcome(dp_rank, mode, index, check, result, diagnosis)
+
+    real = int(uniform_query_start_loc(r, q)[-1])
+    expected = attention_token_count(desc, uniform_query_start_loc(r, q))
+    md = spec.last_common_metadata
+    if md is None:
+        count = outcome(CHECK_TOKEN_COUNT, "failed",
+                        f"no attention metadata was built for the padded pass ({padded_error})")
+    elif md.num_actual_tokens != expected:
+        rule = "FULL: the padded count" if desc.cg_mode == CUDAGraphMode.FULL else (
+            f"{desc.cg_mode.name}: the real query_start_loc[-1]")
+        count = outcome(CHECK_TOKEN_COUNT, "failed",
+                        f"attention covers {md.num_actual_tokens} tokens but the rule says {expected} "
+                        f"({rule}); the input is padded to {desc.num_tokens}, real tokens {real}")
+    else:
+        count = outcome(CHECK_TOKEN_COUNT, "passed")
+
+    if alone_error is not None:
+        match = outcome(CHECK_MATCHES_SINGLE_RANK, "failed", f"the single-rank run raised {alone_error}")
+    elif padded_error is not None:
+        match = outcome(CHECK_MATCHES_SINGLE_RANK, "failed",
+                        f"the run padded to {desc.num_tokens} tokens ({desc.cg_mode.name}) raised "
+                        f"{padded_error}")
+    else:
+        assert alone is not None and padded is not None
+        result, diagnosis = _compare_drafts(alone, padded, tol)
+        match = outcome(CHECK_MATCHES_SINGLE_RANK, result, diagnosis)
+    return [count, match]
+
+
+def _attempt(call: Callable[..., T], *args: Any) -> tuple[T | None, str | None]:
+    """``(call(*args), None)``, or ``(None, "Type: first line of the message")``."""
+    try:
+        return call(*args), None
+    except Exception as exc:  # noqa: BLE001 - a raising propose is a finding, not a crash
+        logger.debug("propose raised", exc_info=True)
+        first_line = (str(exc).splitlines() or [""])[0]
+        return None, f"{type(exc).__name__}: {first_line}"
+
+
+def _compare_drafts(alone: DraftResult, padded: DraftResult, tol: float) -> tuple[str, str]:
+    """Exact tokens. The first difference is indeterminate when the single-rank run's top-2
+    logits there are closer than ``2 * tol`` (a near-tie), else a failure."""
+    differ = (alone.draft_tokens != padded.draft_tokens).nonzero()
+    if differ.numel() == 0:
+        return "passed", ""
+    req, step = (int(v) for v in differ[0])
+    top2 = alone.logits[req, step].topk(2).values
+    gap = float(top2[0] - top2[1])
+    diff = float((alone.logits[req, step] - padded.logits[req, step]).abs().max())
+    text = (f"request {req} step {step}: draft token {int(padded.draft_tokens[req, step])} with "
+            f"DP padding, {int(alone.draft_tokens[req, step])} alone (top-2 gap {gap:.3g}, "
+            f"logits differ by up to {diff:.3g})")
+    return ("indeterminate" if gap < 2 * tol else "failed"), text

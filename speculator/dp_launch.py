@@ -1,0 +1,202 @@
+"""Run a function on ``dp_size`` real processes joined by a gloo process group.
+
+Each rank is a fresh interpreter (``spawn``): ``fn`` and ``args`` travel pickled, so ``fn``
+must be a module-level function of a module the children can import (they inherit the
+parent's ``sys.path``), and classes in ``args`` likewise. Ranks meet over TCP on loopback
+(``GLOO_SOCKET_IFNAME=lo``, a free port found by binding port 0).
+
+A rank that raises, dies, or does not report within ``timeout_s`` ends the run: the other
+ranks are terminated and :class:`RankFailed` or :class:`RanksTimedOut` names the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+_DRAIN_S = 1.0
+"""How long to keep reading results after a rank is seen dead (it may have reported first)."""
+_JOIN_S = 5.0
+
+
+class RankError(RuntimeError):
+    """A DP run that did not complete."""
+
+
+class RankFailed(RankError):
+    """Rank ``rank`` raised (``exc_type``, ``message``, its ``traceback`` text) or died."""
+
+    def __init__(self, rank: int, dp_size: int, exc_type: str, message: str, tb: str = "") -> None:
+        self.rank = rank
+        self.dp_size = dp_size
+        self.exc_type = exc_type
+        self.message = message
+        self.traceback = tb
+        text = f"DP rank {rank} of {dp_size} failed: {exc_type}: {message}"
+        if tb:
+            text += f"\n--- traceback of DP rank {rank} ---\n{tb.rstrip()}"
+        super().__init__(text)
+
+
+class RanksTimedOut(RankError):
+    """Ranks ``ranks`` had not reported when the ``timeout_s`` deadline passed."""
+
+    def __init__(self, ranks: Sequence[int], dp_size: int, timeout_s: float) -> None:
+        self.ranks = tuple(ranks)
+        self.dp_size = dp_size
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"DP rank(s) {', '.join(map(str, self.ranks))} of {dp_size} did not finish within "
+            f"{timeout_s:g} s (hung in a collective or in their work); all ranks were terminated"
+        )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_device(dp_rank: int) -> torch.device:
+    """The device a DP rank runs on: ``cuda:<rank mod GPU count>`` (so every rank shares
+    ``cuda:0`` on a one-GPU machine), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", dp_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def run_ranks(
+    fn: Callable[..., R],
+    dp_size: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout_s: float = 120.0,
+    threads_per_rank: int | None = None,
+) -> list[R]:
+    """``[fn(0, dp_size, *args), ..., fn(dp_size - 1, dp_size, *args)]``, each call in its
+    own spawned process, inside an initialised gloo default process group of ``dp_size``
+    ranks (destroyed afterwards). Results must be picklable.
+
+    ``timeout_s`` bounds the whole run, process start-up included, and is also the process
+    group's timeout (a collective waiting on a dead peer fails after it). ``threads_per_rank``
+    sets each rank's ``torch.set_num_threads`` (default: the CPU count shared among ranks).
+
+    Raises :class:`RankFailed` for the first rank that raised or died, :class:`RanksTimedOut`
+    when ranks had not reported by the deadline; either way no rank process is left running.
+    """
+    if dp_size < 1:
+        raise ValueError(f"dp_size={dp_size} must be >= 1")
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // dp_size)
+    payload = pickle.dumps((fn, tuple(args)))
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, dp_size, port, payload, results, timeout_s, threads),
+            name=f"dp-rank-{rank}",
+            daemon=True,
+        )
+        for rank in range(dp_size)
+    ]
+    started = time.monotonic()
+    for p in procs:
+        p.start()
+    logger.debug("spawned %d DP ranks on port %d", dp_size, port)
+    try:
+        collected = _collect(procs, results, dp_size, started + timeout_s, timeout_s)
+    finally:
+        _stop(procs)
+    return [pickle.loads(collected[rank]) for rank in range(dp_size)]
+
+
+def _collect(
+    procs: list[Any], results: Any, dp_size: int, deadline: float, timeout_s: float
+) -> dict[int, bytes]:
+    collected: dict[int, bytes] = {}
+
+    def take(message: tuple[Any, ...]) -> None:
+        kind, rank = message[0], message[1]
+        if kind == "error":
+            raise RankFailed(rank, dp_size, *message[2:])
+        collected[rank] = message[2]
+
+    while len(collected) < dp_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RanksTimedOut([r for r in range(dp_size) if r not in collected], dp_size, timeout_s)
+        try:
+            take(results.get(timeout=min(0.2, remaining)))
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in collected and p.exitcode is not None]
+        if dead:
+            drain_until = time.monotonic() + _DRAIN_S
+            while time.monotonic() < drain_until and any(r not in collected for r in dead):
+                try:
+                    take(results.get(timeout=0.1))
+                except queue.Empty:
+                    pass
+            for r in dead:
+                if r not in collected:
+                    raise RankFailed(
+                        r, dp_size, "ProcessExited",
+                        f"exit code {procs[r].exitcode} before reporting a result (killed, "
+                        "crashed, or unable to unpickle its function and arguments)",
+                    )
+    return collected
+
+
+def _stop(procs: list[Any]) -> None:
+    """Join the rank processes; terminate, then kill, any that do not exit."""
+    deadline = time.monotonic() + _JOIN_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(1.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _rank_main(
+    rank: int, dp_size: int, port: int, payload: bytes, results: Any, timeout_s: float, threads: int
+) -> None:
+    """Body of one rank process: join the group, run the function, report."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(threads)
+    try:
+        fn, args = pickle.loads(payload)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=dp_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            value = pickle.dumps(fn(rank, dp_size, *args))
+        finally:
+            dist.destroy_process_group()
+        results.put(("ok", rank, value))
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
+        results.put(("error", rank, type(exc).__name__, str(exc), traceback.format_exc()))

@@ -1,0 +1,52 @@
+"""The verifier on real CUDA graphs with FlashAttention-3 (GPU machine only).
+
+A missing FA3 scheduler-metadata refresh does not change attention outputs (measured on the
+H200), so only the step-dependent-metadata check can catch it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speccheck.checks.verify_engine import BackendVerifier, VerifySettings
+from speccheck.checks.verify_report import BackendReport
+from speccheck.contract.runtime_config import RuntimeConfig
+
+pytestmark = pytest.mark.cuda
+
+FA3_CONFIG = RuntimeConfig(platform="cuda", cudagraph_mode="full", dtype="bfloat16", head_size=128,
+                           num_heads=16, num_kv_heads=4, block_size=512, max_model_len=512)
+
+
+def _run(settings: VerifySettings) -> tuple[BackendVerifier, BackendReport]:
+    verifier = BackendVerifier(settings, torch.device("cuda"))
+    report = BackendReport(settings.backend, "gpu", "passed")
+    verifier.run(report, lambda i, e: None)
+    return verifier, report
+
+
+def test_fa3_without_its_refresh_is_caught_by_the_step_metadata_check() -> None:
+    pytest.importorskip("fa3_fwd_interface")
+    from speccheck.backends.fa3.builder import FA3MetadataBuilder
+
+    class WithoutRefresh(FA3MetadataBuilder):
+        def update_draft_decode_metadata(self, metadata) -> None:
+            """The refresh, removed: the fused graph replays step 1's schedule."""
+
+    settings = VerifySettings("fa3", FA3_CONFIG, examples=150, steps=(8,),
+                              builder_overrides=(("fa3", WithoutRefresh),))
+    _, report = _run(settings)
+    assert report.status == "failed"
+    stale = [f for f in report.failures if f.check == "step_metadata"]
+    assert stale and stale[0].field == "fa3.metadata.scheduler_metadata", report.failures
+    assert not [f for f in report.failures if f.check == "draft_tokens"]
+
+
+def test_fa3_under_decode_context_parallelism_is_verified_per_step_only() -> None:
+    pytest.importorskip("fa3_fwd_interface")
+    config = FA3_CONFIG.model_copy(update={"dcp_world_size": 2})
+    verifier, report = _run(VerifySettings("fa3", config, examples=25))
+    assert not verifier.fused_allowed
+    assert verifier.candidates() == ["per_step_graph"]
+    assert report.status == "passed", report.failures
