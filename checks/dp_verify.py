@@ -235,10 +235,10 @@ def verify_dp(
 
     ``batches_per_rank[r][i]`` is rank ``r``'s batch in round ``i`` (every rank needs the
     same number of rounds); ``None`` draws ``examples`` rounds with hypothesis from ``seed``
-    (:func:`draw_dp_rounds`). ``modes`` are graph modes from :data:`DP_MODES`; ``None``
-    means every mode this machine can run. A ``"full"`` mode on a machine without CUDA is
-    recorded in ``skipped_modes``, not run. ``config``'s ``cudagraph_mode`` and ``dp_size``
-    are replaced per mode; its ``num_speculative_steps`` is K (blocks of 1 + K tokens).
+    (:func:`draw_dp_rounds`). ``modes`` are graph modes from :data:`DP_MODES` (``None``:
+    all of them); ``"full"`` on a machine without CUDA is recorded in ``skipped_modes``,
+    not run. ``config``'s ``cudagraph_mode`` (per mode) and ``dp_size`` are replaced; its
+    ``num_speculative_steps`` is K (blocks of 1 + K tokens).
 
     ``drafter``/``options`` default to :func:`default_drafter`/:func:`default_options`
     (request padding to capture sizes is always off: eager ranks pad only to the agreed
@@ -253,7 +253,7 @@ def verify_dp(
     """
     started = time.perf_counter()
     cuda = torch.cuda.is_available()
-    wanted = tuple(modes) if modes is not None else (DP_MODES if cuda else ("none",))
+    wanted = DP_MODES if modes is None else tuple(modes)
     unknown = sorted(set(wanted) - set(DP_MODES))
     if unknown:
         raise ValueError(f"unknown DP verification mode(s) {unknown}; valid: {', '.join(DP_MODES)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from speccheck import __version__
+from speccheck.checks.dp_verify import verify_dp
 from speccheck.checks.runtime_options import (
     BlockSizeOption,
     DcpWorldSizeOption,
@@ -33,6 +35,8 @@ from speccheck.checks.verify_engine import decode_example
 from speccheck.checks.verify_report import CHECK_NAMES, BackendReport, write_json, write_junit
 from speccheck.checks.verify_runner import run_worker, worker_request
 from speccheck.contract.matrix_loader import MatrixError, load_matrix
+from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.dp_launch import RankError
 
 EXIT_FAILED = 1
 EXIT_NOTHING_VERIFIED = 3
@@ -84,7 +88,7 @@ def verify_command(
 ) -> None:
     """Capture real CUDA graphs (or, without CUDA, run the CPU tier), replay them on
     hypothesis-drawn batches and compare with eager per-step metadata rebuilds."""
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
     given = {"dcp_world_size": dcp_world_size, "dp_size": dp_size, "block_size": block_size,
              "max_model_len": max_model_len, "dtype": dtype, "head_size": head_size,
              "num_heads": num_heads, "num_kv_heads": num_kv_heads}
@@ -112,6 +116,10 @@ def verify_command(
     flags = " ".join(f"{option_flag(k)} {v}" for k, v in given.items() if v is not None)
     if num_speculative_steps:
         flags += f" {option_flag('num_speculative_steps')} {num_speculative_steps}"
+    if config.dp_size > 1:
+        reports = [_verify_data_parallel(name, config, examples, seed, console) for name in names]
+        _finish(console, reports, json_path, junit, tier, device)
+        return
     reports: list[BackendReport] = []
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as progress:
@@ -120,6 +128,27 @@ def verify_command(
             prefix = f"speccheck verify --backend {name} --seed {seed}{matrix_flag} {flags}".strip()
             request = worker_request(name, config, examples, seed, steps, reproduce, prefix, matrix_path)
             reports.append(run_worker(request, progress, example_timeout, tier))
+    _finish(console, reports, json_path, junit, tier, device)
+
+
+def _verify_data_parallel(
+    name: str, config: RuntimeConfig, examples: int, seed: int, console: Console
+) -> BackendReport:
+    """``--dp-size N``: the DFlash drafter on N real ranks (their own processes), each with
+    a different real batch size, in eager mode and, with CUDA, in FULL mode."""
+    console.print(f"{name}: data-parallel DFlash drafting on {config.dp_size} ranks", markup=False)
+    try:
+        return verify_dp(name, config, config.dp_size, examples=examples, seed=seed).to_report()
+    except RankError as exc:
+        tier = "gpu" if torch.cuda.is_available() else "cpu"
+        return BackendReport(name, tier, "crashed", detail=str(exc))
+
+
+def _finish(
+    console: Console, reports: list[BackendReport], json_path: Path | None, junit: Path | None,
+    tier: str, device: str,
+) -> None:
+    """Print the summary, write the reports, and exit with a status CI can trust."""
     _print_summary(console, reports)
     if json_path:
         write_json(reports, json_path, {"speccheck": __version__, "commit": _commit(), "tier": tier,
@@ -134,8 +163,6 @@ def verify_command(
 
 
 def _argv() -> list[str]:
-    import sys
-
     return sys.argv[2:] if len(sys.argv) > 2 else []
 
 

@@ -33,6 +33,7 @@ R = TypeVar("R")
 _DRAIN_S = 1.0
 """How long to keep reading results after a rank is seen dead (it may have reported first)."""
 _JOIN_S = 5.0
+"""How long ranks that all reported get to tear down before they are terminated."""
 
 
 class RankError(RuntimeError):
@@ -123,21 +124,41 @@ def run_ranks(
     logger.debug("spawned %d DP ranks on port %d", dp_size, port)
     try:
         collected = _collect(procs, results, dp_size, started + timeout_s, timeout_s)
-    finally:
-        _stop(procs)
+    except BaseException:
+        _stop(procs, grace_s=0.0)
+        raise
+    _stop(procs, grace_s=_JOIN_S)
     return [pickle.loads(collected[rank]) for rank in range(dp_size)]
 
 
 def _collect(
     procs: list[Any], results: Any, dp_size: int, deadline: float, timeout_s: float
 ) -> dict[int, bytes]:
+    """Read one report per rank until the deadline. A rank's error is raised at once, except
+    that a rank that died without reporting is blamed first: its peers' collectives fail
+    only because it went away."""
     collected: dict[int, bytes] = {}
+
+    def died() -> list[int]:
+        return [r for r, p in enumerate(procs) if r not in collected and p.exitcode is not None]
+
+    def exited(rank: int, then: str = "") -> RankFailed:
+        return RankFailed(
+            rank, dp_size, "ProcessExited",
+            f"exit code {procs[rank].exitcode} before reporting a result (killed, crashed, or "
+            f"unable to unpickle its function and arguments){then}",
+        )
 
     def take(message: tuple[Any, ...]) -> None:
         kind, rank = message[0], message[1]
-        if kind == "error":
-            raise RankFailed(rank, dp_size, *message[2:])
-        collected[rank] = message[2]
+        if kind == "ok":
+            collected[rank] = message[2]
+            return
+        error = RankFailed(rank, dp_size, *message[2:])
+        dead = [r for r in died() if r != rank]
+        if dead:
+            raise exited(dead[0], f"; then rank {rank} failed: {error.exc_type}: {error.message}")
+        raise error
 
     while len(collected) < dp_size:
         remaining = deadline - time.monotonic()
@@ -148,8 +169,9 @@ def _collect(
             continue
         except queue.Empty:
             pass
-        dead = [r for r, p in enumerate(procs) if r not in collected and p.exitcode is not None]
+        dead = died()
         if dead:
+            # A rank that reported just before exiting may still be in the pipe.
             drain_until = time.monotonic() + _DRAIN_S
             while time.monotonic() < drain_until and any(r not in collected for r in dead):
                 try:
@@ -158,17 +180,13 @@ def _collect(
                     pass
             for r in dead:
                 if r not in collected:
-                    raise RankFailed(
-                        r, dp_size, "ProcessExited",
-                        f"exit code {procs[r].exitcode} before reporting a result (killed, "
-                        "crashed, or unable to unpickle its function and arguments)",
-                    )
+                    raise exited(r)
     return collected
 
 
-def _stop(procs: list[Any]) -> None:
-    """Join the rank processes; terminate, then kill, any that do not exit."""
-    deadline = time.monotonic() + _JOIN_S
+def _stop(procs: list[Any], grace_s: float) -> None:
+    """Give the rank processes ``grace_s`` to exit, then terminate, then kill, the rest."""
+    deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
@@ -184,19 +202,27 @@ def _stop(procs: list[Any]) -> None:
 def _rank_main(
     rank: int, dp_size: int, port: int, payload: bytes, results: Any, timeout_s: float, threads: int
 ) -> None:
-    """Body of one rank process: join the group, run the function, report."""
+    """Body of one rank process: join the group, run the function, report.
+
+    The report is flushed into the pipe *before* the process group is torn down: a peer
+    blocked in a collective fails only once this rank's sockets close, so the parent reads
+    the root cause before any error that it caused in other ranks.
+    """
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(threads)
+    joined = False
     try:
         fn, args = pickle.loads(payload)
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=dp_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        try:
-            value = pickle.dumps(fn(rank, dp_size, *args))
-        finally:
-            dist.destroy_process_group()
-        results.put(("ok", rank, value))
+        joined = True
+        results.put(("ok", rank, pickle.dumps(fn(rank, dp_size, *args))))
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
         results.put(("error", rank, type(exc).__name__, str(exc), traceback.format_exc()))
+    finally:
+        results.close()
+        results.join_thread()
+        if joined:
+            dist.destroy_process_group()

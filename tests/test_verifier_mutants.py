@@ -96,7 +96,7 @@ class _PaddingWritesLiveImpl(ReferenceAttentionImpl):
     def forward(self, query, key, value, key_cache, value_cache, metadata, output) -> None:
         slots = metadata.slot_mapping
         real = metadata.query_start_loc[-1]
-        lanes = torch.arange(slots.shape[0])
+        lanes = torch.arange(slots.shape[0], device=slots.device)
         patched = torch.where(lanes >= real, slots[0].expand_as(slots) + 1, slots)
         metadata = ReferenceMetadata(**{**vars(metadata), "slot_mapping": patched})
         super().forward(query, key, value, key_cache, value_cache, metadata, output)

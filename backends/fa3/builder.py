@@ -45,7 +45,9 @@ from speccheck.contract.builder import (
     AttentionImpl,
     AttentionLayerSpec,
     AttentionMetadataBuilder,
+    BufferAllocator,
     BuilderLimits,
+    zeros_allocator,
 )
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -198,6 +200,7 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
         limits: BuilderLimits,
         *,
         supports_draft_decode_metadata_update: bool = False,
+        buffer_allocator: BufferAllocator = zeros_allocator,
     ) -> None:
         super().__init__(
             layer,
@@ -205,6 +208,7 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
             device,
             limits,
             supports_draft_decode_metadata_update=supports_draft_decode_metadata_update,
+            buffer_allocator=buffer_allocator,
         )
         check_fa3_layer(layer)
         fa3_interface()  # BackendUnavailable with the install hint, before any device work

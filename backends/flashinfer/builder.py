@@ -46,7 +46,9 @@ from speccheck.contract.builder import (
     AttentionImpl,
     AttentionLayerSpec,
     AttentionMetadataBuilder,
+    BufferAllocator,
     BuilderLimits,
+    zeros_allocator,
 )
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -249,6 +251,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         limits: BuilderLimits,
         *,
         supports_draft_decode_metadata_update: bool = False,
+        buffer_allocator: BufferAllocator = zeros_allocator,
     ) -> None:
         super().__init__(
             layer,
@@ -256,6 +259,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             device,
             limits,
             supports_draft_decode_metadata_update=supports_draft_decode_metadata_update,
+            buffer_allocator=buffer_allocator,
         )
         check_flashinfer_layer(layer)
         self._flashinfer = flashinfer_module()

@@ -25,7 +25,9 @@ from speccheck.contract.builder import (
     AttentionImpl,
     AttentionLayerSpec,
     AttentionMetadataBuilder,
+    BufferAllocator,
     BuilderLimits,
+    zeros_allocator,
 )
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -211,6 +213,7 @@ class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
         limits: BuilderLimits,
         *,
         supports_draft_decode_metadata_update: bool = False,
+        buffer_allocator: BufferAllocator = zeros_allocator,
         num_kv_splits: int | None = None,
     ) -> None:
         """``num_kv_splits`` overrides :func:`default_num_kv_splits` (fixed for the builder's
@@ -221,6 +224,7 @@ class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
             device,
             limits,
             supports_draft_decode_metadata_update=supports_draft_decode_metadata_update,
+            buffer_allocator=buffer_allocator,
         )
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")

@@ -1,0 +1,189 @@
+"""The DFlash drafter under data parallelism on two real gloo ranks (seed 004).
+
+Each rank drafts a different number of requests, pads its model input to the agreed token
+count, and must (a) draft what it drafts alone and (b) give attention the rule's token
+count: in eager mode the real ``query_start_loc[-1]``, not the padded count.
+
+``PaddedCountDFlash`` re-creates the old bug (eager metadata built with the descriptor's
+padded count). On the CPU reference backend its drafts survive (padding tokens belong to no
+request), so only the token-count check catches it; on a GPU, FlashInfer raises.
+
+The ranks import ``PaddedCountDFlash`` from this module by name, so the repository root
+goes on ``sys.path`` for the module (``repo_on_path``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from speccheck.checks.dp_verify import (
+    CHECK_MATCHES_SINGLE_RANK,
+    CHECK_TOKEN_COUNT,
+    DPVerifyResult,
+    dflash_batch_limits,
+    default_options,
+    draw_dp_rounds,
+    verify_dp,
+)
+from speccheck.checks.verify_report import BackendReport
+from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.batch import DraftBatch
+from speccheck.speculator.dflash import DFlashSpeculator
+from speccheck.speculator.model import DrafterConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAFTER = DrafterConfig(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_size=16,
+                        intermediate_size=64, seed=5)
+CONFIG = RuntimeConfig(platform="cpu", cudagraph_mode="none", num_speculative_steps=3,
+                       block_size=4, max_model_len=40, dtype="float32", head_size=16,
+                       num_heads=2, num_kv_heads=1)
+
+class PaddedCountDFlash(DFlashSpeculator):
+    """The seed-004 bug: the block's attention metadata covers the descriptor's padded token
+    count in every mode (eager built as if FULL), while ``query_start_loc`` covers only the
+    real tokens."""
+
+    def _build_block_metadata(
+        self, desc: BatchExecutionDescriptor, num_reqs: int, seq_lens: np.ndarray,
+        capture: bool = False,
+    ) -> list[Any]:
+        if desc.cg_mode != CUDAGraphMode.FULL:
+            desc = replace(desc, cg_mode=CUDAGraphMode.FULL)
+        return super()._build_block_metadata(desc, num_reqs, seq_lens, capture)
+
+
+def fixed_batch(num_reqs: int, seed: int) -> DraftBatch:
+    """``num_reqs`` requests with contexts 3, 8, 13, ..., 1-3 new tokens, disjoint blocks."""
+    contexts, news, rows, next_block = [], [], [], 1
+    for i in range(num_reqs):
+        ctx, new = 3 + 5 * i, tuple(range(1 + i, 2 + i + i % 3))
+        blocks = (ctx + len(new) - 1 + CONFIG.num_speculative_steps) // CONFIG.block_size + 1
+        contexts.append(ctx)
+        news.append(new)
+        rows.append(tuple(range(next_block, next_block + blocks)))
+        next_block += blocks
+    return DraftBatch(tuple(contexts), tuple(news), tuple(rows), tuple(seed + i for i in range(num_reqs)))
+
+
+FIXED = [[fixed_batch(3, 10), fixed_batch(5, 30)], [fixed_batch(5, 20), fixed_batch(3, 40)]]
+"""``[rank][round]``: rank 0 drafts 3 then 5 requests, rank 1 5 then 3; with 1 + K = 4
+tokens per request that is 12 vs 20 real tokens, agreed 20, so rank 0 pads by 8 first."""
+
+
+def _rounds() -> list[list[DraftBatch]]:
+    """The fixed rounds, then four hypothesis-drawn ones; ``[rank][round]``."""
+    limits = dflash_batch_limits(CONFIG, default_options(CONFIG), DRAFTER.vocab_size)
+    drawn = draw_dp_rounds(limits, 2, 4, seed_value=7)
+    return [FIXED[rank] + drawn[rank] for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def repo_on_path() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(ROOT))
+        yield
+
+
+@pytest.fixture(scope="module")
+def correct(repo_on_path: None) -> DPVerifyResult:
+    return verify_dp("reference", CONFIG, 2, _rounds(), drafter=DRAFTER, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def variant(repo_on_path: None) -> DPVerifyResult:
+    return verify_dp("reference", CONFIG, 2, _rounds(), drafter=DRAFTER,
+                     speculator_cls=PaddedCountDFlash, timeout_s=120)
+
+
+def _padding_ranks(result: DPVerifyResult, round_index: int) -> set[int]:
+    """Ranks whose real token count in that round is below the agreed (largest) one."""
+    sizes = [rank[round_index].num_reqs for rank in result.batches_per_rank]
+    return {r for r, n in enumerate(sizes) if n < max(sizes)}
+
+
+def test_drawn_rounds_give_the_ranks_different_batch_sizes() -> None:
+    rounds = _rounds()
+    assert [b.num_reqs for b in rounds[0][:2]] == [3, 5] and [b.num_reqs for b in rounds[1][:2]] == [5, 3]
+    assert all(a.num_reqs != b.num_reqs for a, b in zip(*rounds))
+
+
+def test_two_ranks_with_different_batch_sizes_pass_both_checks(correct: DPVerifyResult) -> None:
+    assert correct.skipped is None and correct.passed, [o.diagnosis for o in correct.failures()]
+    rounds = len(correct.batches_per_rank[0])
+    for mode in correct.modes:
+        for rank in (0, 1):
+            for check in (CHECK_TOKEN_COUNT, CHECK_MATCHES_SINGLE_RANK):
+                got = correct.select(rank=rank, mode=mode, check=check)
+                assert [o.result for o in got] == ["passed"] * rounds, (mode, rank, check)
+
+
+def test_padded_count_variant_fails_the_token_count_on_every_padding_rank(
+    variant: DPVerifyResult,
+) -> None:
+    first = variant.select(rank=0, mode="none", check=CHECK_TOKEN_COUNT)[0]
+    assert first.result == "failed"
+    assert "attention covers 20 tokens but the rule says 12" in first.diagnosis
+    for o in variant.select(mode="none", check=CHECK_TOKEN_COUNT):
+        padded = o.rank in _padding_ranks(variant, o.round)
+        assert o.result == ("failed" if padded else "passed"), o
+
+
+def test_on_the_reference_backend_only_the_count_check_catches_the_variant(
+    variant: DPVerifyResult,
+) -> None:
+    """Padding tokens lie past ``query_start_loc[-1]``: the reference gives them no request
+    and writes their KV to the sink, so the drafts are unchanged."""
+    assert {o.result for o in variant.select(check=CHECK_MATCHES_SINGLE_RANK)} == {"passed"}
+
+
+def test_reports_tally_the_dp_checks(correct: DPVerifyResult, variant: DPVerifyResult) -> None:
+    good, bad = correct.to_report(), variant.to_report()
+    assert good.status == "passed" and good.checks[CHECK_TOKEN_COUNT].failed == 0
+    assert good.checks[CHECK_TOKEN_COUNT].passed == 2 * 6 * len(correct.modes)
+    assert bad.status == "failed"
+    padding = sum(len(_padding_ranks(variant, i)) for i in range(6))
+    assert bad.checks[CHECK_TOKEN_COUNT].failed == padding
+    assert bad.failures[0].check == CHECK_TOKEN_COUNT
+    assert bad.failures[0].diagnosis.startswith("rank 0, mode none, round 0: attention covers 20")
+    assert bad.minimal_example is not None and len(bad.minimal_example["batches_per_rank"]) == 2
+    assert BackendReport.from_json(bad.to_json()) == bad
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+def test_full_mode_is_reported_not_run_without_cuda(correct: DPVerifyResult) -> None:
+    assert correct.modes == ("none",)
+    assert correct.skipped_modes == {"full": "needs a CUDA device"}
+    report = correct.to_report()
+    assert report.tier == "cpu" and "full: not run (needs a CUDA device)" in report.detail
+
+
+@pytest.mark.cuda
+def test_full_mode_pads_attention_too_on_cuda(correct: DPVerifyResult, variant: DPVerifyResult) -> None:
+    """FULL replays a captured padded shape: attention covers the padded count on every rank
+    (both ranks share cuda:0 on a one-GPU machine), and the variant only differs in eager."""
+    assert "full" in correct.modes and correct.to_report().tier == "gpu"
+    for result in (correct, variant):
+        assert {o.result for o in result.select(mode="full")} == {"passed"}
+
+
+@pytest.mark.cuda
+def test_padded_count_variant_crashes_flashinfer(repo_on_path: None) -> None:
+    pytest.importorskip("flashinfer")
+    config = CONFIG.model_copy(update={"platform": "cuda", "dtype": "bfloat16", "head_size": 64})
+    drafter = replace(DRAFTER, head_size=64, dtype="bfloat16")
+    bad = verify_dp("flashinfer", config, 2, FIXED, ("none",), drafter=drafter,
+                    speculator_cls=PaddedCountDFlash, timeout_s=600)
+    crash = bad.select(rank=0, check=CHECK_MATCHES_SINGLE_RANK)[0]
+    assert crash.result == "failed"
+    assert "raised ValueError" in crash.diagnosis and "does not match qo_indptr" in crash.diagnosis
+    good = verify_dp("flashinfer", config, 2, FIXED, ("none",), drafter=drafter, timeout_s=600)
+    assert good.passed, [o.diagnosis for o in good.failures()]
+
