@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -60,11 +61,13 @@ TIER_LINE = {
 
 
 def _commit() -> str:
+    """The commit under verification: ``git rev-parse HEAD``, else ``$SPECCHECK_COMMIT``
+    (copies of the tree without ``.git``, as on the GPU machine), else ``unknown``."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("SPECCHECK_COMMIT", "unknown")
 
 
 def verify_command(

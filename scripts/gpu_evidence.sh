@@ -9,6 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 COLUMNS=160
 python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . >/dev/null
 commit=$(cat .evidence-commit 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
+export SPECCHECK_COMMIT=$commit
 {
   echo "commit: $commit"; date -u; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
