@@ -183,7 +183,7 @@ def _print_summary(console: Console, reports: list[BackendReport]) -> None:
                       str(indet), f"{r.capture_seconds:.1f}", f"{r.seconds:.1f}")
     console.print(table)
     for r in reports:
-        if not r.fused_allowed and r.status != "skipped":
+        if not r.fused_allowed and r.status in ("passed", "failed"):
             console.print(f"{r.backend}: fused: not allowed ({r.fused_reason}); verified on the "
                           "per-step path only", markup=False)
         if r.status in ("skipped", "crashed"):

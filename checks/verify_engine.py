@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +21,17 @@ import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
+from speccheck.checks.comparisons import (
+    Outcome,
+    compare_drafts,
+    compare_steps,
+    expected_slots,
+    first_divergence,
+    kv_matches,
+    kv_untouched,
+)
 from speccheck.checks.capture_probes import GuardedBuffer, HostSyncRecorder, IdentityGuard, check_zero_tail
-from speccheck.checks.state_walk import changed_paths, same_value
+from speccheck.checks.state_walk import changed_paths
 from speccheck.checks.step_recorder import StepMetadataRecorder
 from speccheck.checks.strategies import BatchLimits, draft_batches
 from speccheck.checks.verify_report import BackendReport, CheckTally, Failure
@@ -32,9 +41,8 @@ from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
 from speccheck.speculator.base import SpeculatorOptions
-from speccheck.speculator.batch import DraftBatch, DraftResult
+from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.factory import create_speculator
-from speccheck.speculator.kv_cache import SINK_BLOCK
 from speccheck.speculator.model import DrafterConfig
 
 logger = logging.getLogger(__name__)
@@ -61,16 +69,6 @@ class VerifySettings:
     matrix_path: str | None = None
     """Capability matrix to verify against (default: the one shipped with speccheck); the
     fp32 reference always comes from the shipped matrix."""
-
-
-@dataclass
-class Outcome:
-    check: str
-    result: str  # passed | failed | indeterminate | skipped
-    diagnosis: str = ""
-    candidate: str | None = None
-    step: int | None = None
-    field: str | None = None
 
 
 class ExampleFailed(Exception):
@@ -230,7 +228,9 @@ class BackendVerifier:
         oracle = spec.propose(batch, "per_step", use_graphs=False)
         oracle_steps = h.recorder.collect(lanes)
         oracle_kv = spec.kv_cache.snapshot()
-        outcomes = self._kv_untouched(batch, k, start, oracle_kv, "oracle")
+        bs, mml = self.config.block_size, self.config.max_model_len
+        written = expected_slots(batch, k, bs, mml)
+        outcomes = kv_untouched(batch, written, bs, start, oracle_kv, "oracle")
         if self.gpu:
             outcomes.append(Outcome("capture", "passed"))
 
@@ -246,10 +246,11 @@ class BackendVerifier:
                 spec.refresh_hook = None
             steps = h.recorder.collect(lanes)
             kv = spec.kv_cache.snapshot()
-            outcomes += self._compare_tokens(oracle, result, name)
-            outcomes += self._kv_untouched(batch, k, start, kv, name)
-            outcomes += self._kv_matches(batch, k, oracle_kv, kv, oracle, result, name)
-            outcomes += self._compare_steps(oracle_steps, steps, name)
+            outcomes += compare_drafts(oracle, result, name, self.tol)
+            outcomes += kv_untouched(batch, written, bs, start, kv, name)
+            agreed = expected_slots(batch, k, bs, mml, first_divergence(oracle, result, k))
+            outcomes += kv_matches(agreed, oracle_kv, kv, self.tol, name)
+            outcomes += compare_steps(oracle_steps, steps, name)
             outcomes += self._zero_tails(spec, h.recorder, name)
         outcomes += self._declared_fields(spec, h.recorder, oracle_steps)
         outcomes += self._probe_outcomes
@@ -258,7 +259,7 @@ class BackendVerifier:
         if h.reference is not None:
             h.reference.kv_cache.restore(start)
             expected = h.reference.propose(batch, "per_step")
-            outcomes += self._compare_tokens(
+            outcomes += compare_drafts(
                 expected, oracle, "oracle vs fp32 reference", 4 * self.tol,
                 token_check="vs_fp32_reference", logit_check="vs_fp32_reference",
             )
@@ -267,125 +268,6 @@ class BackendVerifier:
         return outcomes
 
     # ------------------------------------------------------------ checks
-    def _compare_tokens(
-        self, oracle: DraftResult, cand: DraftResult, name: str, tol: float | None = None,
-        *, token_check: str = "draft_tokens", logit_check: str = "logits",
-    ) -> list[Outcome]:
-        """Exact tokens; logits within tolerance up to each request's first divergence.
-        A divergence where the oracle's top-2 logits are within tolerance is indeterminate,
-        and so is everything after it in that request."""
-        tol = self.tol if tol is None else tol
-        check_tokens, check_logits = token_check, logit_check
-        out: list[Outcome] = []
-        top2 = oracle.logits.topk(2, dim=-1).values
-        gap = top2[..., 0] - top2[..., 1]
-        for r in range(oracle.draft_tokens.shape[0]):
-            for step in range(oracle.draft_tokens.shape[1]):
-                o_tok, c_tok = int(oracle.draft_tokens[r, step]), int(cand.draft_tokens[r, step])
-                diff = float((oracle.logits[r, step] - cand.logits[r, step]).abs().max())
-                if diff > tol * max(1.0, float(oracle.logits[r, step].abs().max()) / 10):
-                    if o_tok != c_tok and float(gap[r, step]) < 2 * tol:
-                        out.append(Outcome(check_tokens, "indeterminate", candidate=name, step=step))
-                        break
-                    out.append(Outcome(check_logits, "failed",
-                                       f"{name}: request {r} step {step}: logits differ by {diff:.3g} "
-                                       f"(tolerance {tol:g})", name, step))
-                    break
-                out.append(Outcome(check_logits, "passed", candidate=name))
-                if o_tok == c_tok:
-                    out.append(Outcome(check_tokens, "passed", candidate=name))
-                    continue
-                if float(gap[r, step]) < 2 * tol:
-                    out.append(Outcome(check_tokens, "indeterminate", candidate=name, step=step))
-                else:
-                    out.append(Outcome(check_tokens, "failed",
-                                       f"{name}: request {r} step {step}: draft token {c_tok}, "
-                                       f"oracle {o_tok} (oracle top-2 gap {float(gap[r, step]):.3g})",
-                                       name, step))
-                break
-        return out
-
-    def _expected_slots(self, batch: DraftBatch, k: int, upto: Sequence[int] | None = None) -> set[int]:
-        """Slots each real request writes: its new tokens, then one per decode step (clamped);
-        ``upto[r]`` limits request ``r`` to its first ``upto[r]`` decode steps."""
-        bs, mml = self.config.block_size, self.config.max_model_len
-        slots: set[int] = set()
-        for r, (ctx, new, row) in enumerate(zip(batch.context_lens, batch.new_tokens, batch.block_table)):
-            steps = k - 1 if upto is None else upto[r]
-            for pos in range(ctx, ctx + len(new)):
-                slots.add(row[pos // bs] * bs + pos % bs)
-            base = ctx + len(new)
-            for s in range(steps):
-                pos = min(base + s, mml - 1)
-                slots.add(row[pos // bs] * bs + pos % bs)
-        return slots
-
-    def _kv_untouched(
-        self, batch: DraftBatch, k: int, start: list[tuple[torch.Tensor, torch.Tensor]],
-        after: list[tuple[torch.Tensor, torch.Tensor]], name: str,
-    ) -> list[Outcome]:
-        """Nothing outside the expected slots and the sink block changed."""
-        expected = self._expected_slots(batch, k)
-        bs = self.config.block_size
-        for layer, ((k0, v0), (k1, v1)) in enumerate(zip(start, after)):
-            changed = ((k0 != k1) | (v0 != v1)).flatten(2).any(-1).flatten()
-            changed[SINK_BLOCK * bs : (SINK_BLOCK + 1) * bs] = False
-            stray = sorted(set(torch.nonzero(changed).flatten().tolist()) - expected)
-            if stray:
-                owner = {b: r for r, row in enumerate(batch.block_table) for b in row}
-                where = ", ".join(
-                    f"slot {s} (block {s // bs}, {'request ' + str(owner[s // bs]) if s // bs in owner else 'unowned'})"
-                    for s in stray[:4]
-                )
-                return [Outcome("kv_cache", "failed",
-                                f"{name}: layer {layer} wrote {len(stray)} slot(s) outside the expected "
-                                f"ones: {where} — a padding lane or a stale slot mapping writes a live block",
-                                name)]
-        return [Outcome("kv_cache", "passed", candidate=name)]
-
-    def _kv_matches(
-        self, batch: DraftBatch, k: int, oracle_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        kv: list[tuple[torch.Tensor, torch.Tensor]], oracle: DraftResult, cand: DraftResult, name: str,
-    ) -> list[Outcome]:
-        """The expected slots hold the oracle's values, up to each request's first token
-        divergence (later slots were computed from different inputs)."""
-        upto = []
-        for r in range(batch.num_reqs):
-            same = (oracle.draft_tokens[r] == cand.draft_tokens[r]).tolist() + [False]
-            upto.append(min(same.index(False), k - 1))
-        slots = torch.tensor(sorted(self._expected_slots(batch, k, upto)), dtype=torch.long)
-        for layer, ((ko, vo), (kc, vc)) in enumerate(zip(oracle_kv, kv)):
-            for label, a, b in (("keys", ko, kc), ("values", vo, vc)):
-                a_s = a.flatten(0, 1)[slots].float().cpu()
-                b_s = b.flatten(0, 1)[slots].float().cpu()
-                diff = (a_s - b_s).abs()
-                if diff.numel() and float(diff.max()) > self.tol:
-                    bad = int(slots[diff.flatten(1).amax(1).argmax()])
-                    return [Outcome("kv_cache", "failed",
-                                    f"{name}: layer {layer} {label} at slot {bad} differ from the oracle "
-                                    f"by {float(diff.max()):.3g}", name)]
-        return [Outcome("kv_cache", "passed", candidate=name)]
-
-    def _compare_steps(
-        self, oracle: dict[int, dict[str, torch.Tensor]], cand: dict[int, dict[str, torch.Tensor]], name: str
-    ) -> list[Outcome]:
-        """Every metadata tensor after every step equals the oracle's fresh eager build."""
-        if not oracle:
-            return [Outcome("step_metadata", "skipped", "single draft step", name)]
-        for step in sorted(oracle):
-            if step not in cand:
-                return [Outcome("step_metadata", "failed",
-                                f"{name}: no metadata observed before draft step {step}", name, step)]
-            for path, expected in oracle[step].items():
-                got = cand[step].get(path)
-                if got is None or not same_value(expected, got):
-                    detail = "missing" if got is None else _difference(expected, got)
-                    return [Outcome("step_metadata", "failed",
-                                    f"{name}: before draft step {step}, {path} differs from a fresh "
-                                    f"eager build ({detail}) — the refresh does not recompute it",
-                                    name, step, path)]
-        return [Outcome("step_metadata", "passed", candidate=name)]
-
     def _declared_fields(
         self, spec: AutoregressiveSpeculator, recorder: StepMetadataRecorder,
         oracle: dict[int, dict[str, torch.Tensor]],
@@ -507,12 +389,3 @@ def tally(report: BackendReport, outcomes: list[Outcome]) -> None:
     for o in outcomes:
         t: CheckTally = report.checks[o.check]
         setattr(t, o.result, getattr(t, o.result) + 1)
-
-
-def _difference(expected: torch.Tensor, got: torch.Tensor) -> str:
-    if expected.shape != got.shape:
-        return f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
-    bad = (expected != got).flatten()
-    first = int(torch.nonzero(bad).flatten()[0]) if bool(bad.any()) else 0
-    return (f"{int(bad.sum())} of {bad.numel()} elements; first at flat index {first}: "
-            f"{expected.flatten()[first].item()} expected, {got.flatten()[first].item()} found")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -97,6 +98,10 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
+    if not torch.cuda.is_available():
+        # Triton kernels run in the interpreter on CPU tensors; the flag must be set before
+        # any kernel is decorated, and adapters import their kernels lazily.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     request_path, result_path, progress_path = map(Path, argv)
     request = json.loads(request_path.read_text())
     report = verify_backend(request, progress_path)

@@ -85,3 +85,13 @@ def test_bad_reproduce_blob_is_a_one_line_error() -> None:
     assert proc.returncode == 2
     assert "--reproduce: not an example blob" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU tier's interpreter path")
+def test_triton_backend_runs_in_the_interpreter_on_the_cpu_tier(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    proc = _verify("--backend", "triton_attn", "--examples", "2", "--num-speculative-steps", "3",
+                   "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (backend,) = json.loads(out.read_text())["backends"]
+    assert backend["status"] == "passed" and backend["checks"]["step_metadata"]["passed"] > 0

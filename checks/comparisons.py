@@ -1,0 +1,158 @@
+"""Comparisons of a candidate run with the oracle run, as check outcomes.
+
+Pure functions over host copies: draft tokens and logits, KV-cache writes, and per-step
+metadata snapshots. Each returns :class:`Outcome` records with one-line diagnoses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from speccheck.checks.state_walk import same_value
+from speccheck.speculator.batch import DraftBatch, DraftResult
+from speccheck.speculator.kv_cache import SINK_BLOCK
+
+KVSnapshot = list[tuple[torch.Tensor, torch.Tensor]]
+StepSnapshots = dict[int, dict[str, torch.Tensor]]
+
+
+@dataclass
+class Outcome:
+    """One check on one example: ``result`` is passed, failed, indeterminate or skipped."""
+
+    check: str
+    result: str
+    diagnosis: str = ""
+    candidate: str | None = None
+    step: int | None = None
+    field: str | None = None
+
+
+def compare_drafts(
+    oracle: DraftResult, cand: DraftResult, name: str, tol: float,
+    *, token_check: str = "draft_tokens", logit_check: str = "logits",
+) -> list[Outcome]:
+    """Per request, step by step until the first divergence (later steps ran on different
+    inputs): the logits must agree within ``tol`` (scaled for large logits), and the tokens
+    exactly. Different tokens with agreeing logits and an oracle top-2 gap below ``2 * tol``
+    are a near tie: indeterminate, never counted as agreement."""
+    out: list[Outcome] = []
+    top2 = oracle.logits.topk(2, dim=-1).values
+    gap = top2[..., 0] - top2[..., 1]
+    for r in range(oracle.draft_tokens.shape[0]):
+        for step in range(oracle.draft_tokens.shape[1]):
+            o_tok, c_tok = int(oracle.draft_tokens[r, step]), int(cand.draft_tokens[r, step])
+            expected = oracle.logits[r, step]
+            diff = float((expected - cand.logits[r, step]).abs().max())
+            bound = tol * max(1.0, float(expected.abs().max()) / 10)
+            if diff > bound:
+                out.append(Outcome(logit_check, "failed",
+                                   f"{name}: request {r} step {step}: logits differ by {diff:.3g} "
+                                   f"(tolerance {bound:.3g})", name, step))
+                break
+            out.append(Outcome(logit_check, "passed", candidate=name))
+            if o_tok == c_tok:
+                out.append(Outcome(token_check, "passed", candidate=name))
+                continue
+            if float(gap[r, step]) < 2 * tol:
+                out.append(Outcome(token_check, "indeterminate", candidate=name, step=step))
+            else:
+                out.append(Outcome(token_check, "failed",
+                                   f"{name}: request {r} step {step}: draft token {c_tok}, oracle "
+                                   f"{o_tok} (oracle top-2 gap {float(gap[r, step]):.3g})", name, step))
+            break
+    return out
+
+
+def expected_slots(
+    batch: DraftBatch, k: int, block_size: int, max_model_len: int, upto: Sequence[int] | None = None
+) -> set[int]:
+    """Slots each real request writes: its new tokens, then one per decode step (clamped at
+    ``max_model_len``); ``upto[r]`` limits request ``r`` to its first ``upto[r]`` steps."""
+    bs = block_size
+    slots: set[int] = set()
+    for r, (ctx, new, row) in enumerate(zip(batch.context_lens, batch.new_tokens, batch.block_table)):
+        steps = k - 1 if upto is None else upto[r]
+        base = ctx + len(new)
+        positions = [*range(ctx, base), *(min(base + s, max_model_len - 1) for s in range(steps))]
+        slots.update(row[pos // bs] * bs + pos % bs for pos in positions)
+    return slots
+
+
+def kv_untouched(
+    batch: DraftBatch, expected: set[int], block_size: int, start: KVSnapshot, after: KVSnapshot,
+    name: str,
+) -> list[Outcome]:
+    """Nothing outside ``expected`` and the sink block changed: padding lanes and stale slot
+    mappings write no live slot."""
+    bs = block_size
+    owner = {b: r for r, row in enumerate(batch.block_table) for b in row}
+    for layer, ((k0, v0), (k1, v1)) in enumerate(zip(start, after)):
+        changed = ((k0 != k1) | (v0 != v1)).flatten(2).any(-1).flatten()
+        changed[SINK_BLOCK * bs : (SINK_BLOCK + 1) * bs] = False
+        stray = sorted(set(torch.nonzero(changed).flatten().tolist()) - expected)
+        if stray:
+            where = ", ".join(
+                f"slot {s} (block {s // bs}, "
+                f"{'request ' + str(owner[s // bs]) if s // bs in owner else 'unowned'})"
+                for s in stray[:4]
+            )
+            return [Outcome("kv_cache", "failed",
+                            f"{name}: layer {layer} wrote {len(stray)} slot(s) outside the expected "
+                            f"ones: {where} — a padding lane or a stale slot mapping writes a live block",
+                            name)]
+    return [Outcome("kv_cache", "passed", candidate=name)]
+
+
+def first_divergence(oracle: DraftResult, cand: DraftResult, k: int) -> list[int]:
+    """Per request, the decode steps before the first differing draft token (at most K-1)."""
+    upto = []
+    for r in range(oracle.draft_tokens.shape[0]):
+        same = (oracle.draft_tokens[r] == cand.draft_tokens[r]).tolist() + [False]
+        upto.append(min(same.index(False), k - 1))
+    return upto
+
+
+def kv_matches(slots: set[int], oracle_kv: KVSnapshot, kv: KVSnapshot, tol: float, name: str) -> list[Outcome]:
+    """The ``slots`` hold the oracle's keys and values within ``tol``."""
+    index = torch.tensor(sorted(slots), dtype=torch.long)
+    for layer, ((ko, vo), (kc, vc)) in enumerate(zip(oracle_kv, kv)):
+        for label, a, b in (("keys", ko, kc), ("values", vo, vc)):
+            diff = (a.flatten(0, 1)[index].float().cpu() - b.flatten(0, 1)[index].float().cpu()).abs()
+            if diff.numel() and float(diff.max()) > tol:
+                bad = int(index[diff.flatten(1).amax(1).argmax()])
+                return [Outcome("kv_cache", "failed",
+                                f"{name}: layer {layer} {label} at slot {bad} differ from the oracle "
+                                f"by {float(diff.max()):.3g}", name)]
+    return [Outcome("kv_cache", "passed", candidate=name)]
+
+
+def compare_steps(oracle: StepSnapshots, cand: StepSnapshots, name: str) -> list[Outcome]:
+    """Every metadata tensor before every draft step equals the oracle's fresh eager build."""
+    if not oracle:
+        return [Outcome("step_metadata", "skipped", "single draft step", name)]
+    for step in sorted(oracle):
+        if step not in cand:
+            return [Outcome("step_metadata", "failed",
+                            f"{name}: no metadata observed before draft step {step}", name, step)]
+        for path, expected in oracle[step].items():
+            got = cand[step].get(path)
+            if got is None or not same_value(expected, got):
+                detail = "missing" if got is None else describe_difference(expected, got)
+                return [Outcome("step_metadata", "failed",
+                                f"{name}: before draft step {step}, {path} differs from a fresh "
+                                f"eager build ({detail}) — the refresh does not recompute it",
+                                name, step, path)]
+    return [Outcome("step_metadata", "passed", candidate=name)]
+
+
+def describe_difference(expected: torch.Tensor, got: torch.Tensor) -> str:
+    if expected.shape != got.shape:
+        return f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    bad = (expected != got).flatten()
+    first = int(torch.nonzero(bad).flatten()[0]) if bool(bad.any()) else 0
+    return (f"{int(bad.sum())} of {bad.numel()} elements; first at flat index {first}: "
+            f"{expected.flatten()[first].item()} expected, {got.flatten()[first].item()} found")
