@@ -51,6 +51,19 @@ def main() -> None:
         "```",
         "",
     ]
+    for folder in sorted(p for p in EVIDENCE.iterdir() if p.is_dir()):
+        lines += [f"## `{folder.name}/`", ""]
+        for path in sorted(folder.iterdir()):
+            text = path.read_text().strip().splitlines()
+            if path.suffix == ".json":
+                data = json.loads(path.read_text())
+                summary = [f"{b['backend']}: {b['status']}, {b['examples']} examples"
+                           for b in data["backends"]]
+            elif path.name.startswith(("device", "about")):
+                summary = text
+            else:
+                summary = text[-3:]
+            lines += [f"`{path.name}`:", "", "```", *summary, "```", ""]
     (EVIDENCE / "README.md").write_text("\n".join(lines))
 
 
