@@ -184,8 +184,10 @@ def _print_summary(console: Console, reports: list[BackendReport]) -> None:
     console.print(table)
     for r in reports:
         if not r.fused_allowed and r.status in ("passed", "failed"):
-            console.print(f"{r.backend}: fused: not allowed ({r.fused_reason}); verified on the "
-                          "per-step path only", markup=False)
+            how = ("host_preplanned path verified against the per-step oracle"
+                   if any(c.startswith("preplanned") for c in r.candidates)
+                   else "verified on the per-step path only")
+            console.print(f"{r.backend}: fused: not allowed ({r.fused_reason}); {how}", markup=False)
         if r.status in ("skipped", "crashed"):
             console.print(f"{r.backend}: {r.status}: {r.detail}", markup=False)
         for f in r.failures:

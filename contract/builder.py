@@ -9,7 +9,7 @@ into backend metadata, and owns the backend's persistent buffers) and an
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
@@ -150,6 +150,19 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         """
         raise NotImplementedError(
             f"{type(self).__name__} does not support in-graph draft-decode metadata refresh"
+        )
+
+    def plan_draft_steps(self, commons: Sequence[CommonAttentionMetadata]) -> list[M]:
+        """The ``host_preplanned`` strategy: metadata for every draft step, planned on the
+        host before a single replay of the fused body (``commons[i]`` describes step
+        ``i + 1``; its lengths are known ahead because each step adds one token).
+
+        Host work, never captured. Each step's metadata must live in storage of its own
+        (persistent, sized at construction), so that planning step ``i + 1`` never
+        overwrites what step ``i``'s captured kernels read. Default: unsupported.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no host_preplanned strategy (plan_draft_steps)"
         )
 
     def allocate_persistent(

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from speccheck.contract.builder import AttentionImpl, AttentionMetadataBuilder
+from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.metadata import CommonAttentionMetadata
 
 
@@ -20,7 +20,9 @@ class AttentionGroup:
     backend_name: str
     builder: AttentionMetadataBuilder[Any]
     layer_indices: tuple[int, ...]
-    impls: dict[int, AttentionImpl[Any]] = field(default_factory=dict)
+    refresh_strategy: str = "none_needed"
+    """The matrix's draft-decode refresh strategy for this backend: ``in_graph``,
+    ``none_needed`` or ``host_preplanned``."""
 
     @property
     def supports_draft_decode_metadata_update(self) -> bool:

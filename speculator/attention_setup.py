@@ -56,13 +56,13 @@ def build_attention_groups(
     for index, name in enumerate(layer_backends):
         if name not in groups:
             cls = (builder_overrides or {}).get(name) or builder_class(name, matrix)
-            supported = resolve_backend(matrix.backend(name), config).fused_multi_step
+            resolution = resolve_backend(matrix.backend(name), config)
             builder = cls(
                 layer, config, device, limits,
-                supports_draft_decode_metadata_update=supported,
+                supports_draft_decode_metadata_update=resolution.fused_multi_step,
                 buffer_allocator=buffer_allocator,
             )
-            groups[name] = AttentionGroup(name, builder, ())
+            groups[name] = AttentionGroup(name, builder, (), resolution.refresh_strategy)
         group = groups[name]
         group.layer_indices = (*group.layer_indices, index)
     return list(groups.values())

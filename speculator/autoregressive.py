@@ -6,7 +6,9 @@ mappings and rebuild attention metadata on the host, then run (or replay) one st
 path: build metadata once, then run every decode step in one body that, between steps
 (never after the last), recomputes slot mappings and calls each attention group's
 ``update_draft_decode_metadata``. In FULL mode that body is one captured graph, replayed
-once per propose.
+once per propose. Preplanned path (``host_preplanned`` backends such as FlashInfer, whose
+planning cannot be captured): plan every step's metadata on the host first, then run every
+step in one body (one replay) that only recomputes slot mappings between steps.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from speccheck.speculator.sampling import sample_tokens
 
 logger = logging.getLogger(__name__)
 
-DecodePath = Literal["auto", "fused", "per_step"]
+DecodePath = Literal["auto", "fused", "per_step", "preplanned"]
 RefreshHook = Callable[[AttentionGroup, Any], None]
 """Stands in for ``group.update_draft_decode_metadata(metadata)`` and must call it; the
 verifier wraps the call in capture-safety probes."""
@@ -70,6 +72,32 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     @property
     def use_fused_multi_step_decode(self) -> bool:
         return self.fused_decision.enabled
+
+    @property
+    def preplanned_capable(self) -> bool:
+        """Every group either refreshes in-graph or plans each step ahead, and at least one
+        plans ahead: the host_preplanned path applies."""
+        strategies = [g.refresh_strategy for g in self.groups]
+        return (
+            self.num_steps > 1
+            and self.config.advance_draft_positions
+            and "host_preplanned" in strategies
+            and all(
+                g.supports_draft_decode_metadata_update or g.refresh_strategy == "host_preplanned"
+                for g in self.groups
+            )
+        )
+
+    @property
+    def auto_path(self) -> DecodePath:
+        """The path ``propose(path="auto")`` takes: fused when the matrix allows it, else
+        preplanned when ``options.host_preplanned`` asks for it and it applies, else
+        per-step."""
+        if self.use_fused_multi_step_decode:
+            return "fused"
+        if self.options.host_preplanned and self.preplanned_capable:
+            return "preplanned"
+        return "per_step"
 
     # ------------------------------------------------------------- metadata
     def _decode_descriptor(self, num_reqs: int) -> BatchExecutionDescriptor:
@@ -141,6 +169,43 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                     self.refresh_hook(group, md)
                 self._record("refresh", id(md))
 
+    def _generate_preplanned_drafts(self, n: int, per_step: Sequence[Sequence[Any]]) -> None:
+        """Every decode step in one body with metadata planned ahead per step
+        (``per_step[i]`` is step ``i + 1``'s); between steps only the slot mappings are
+        recomputed, and groups that refresh in-graph are refreshed."""
+        for step in range(1, self.num_steps):
+            group_metadata = per_step[step - 1]
+            self._generate_draft(n, group_metadata, step)
+            if step == self.num_steps - 1:
+                continue
+            self._compute_slot_mappings(n, step + 1)
+            for group, md in zip(self.groups, group_metadata, strict=True):
+                if group.refresh_strategy != "host_preplanned":
+                    group.update_draft_decode_metadata(md)
+                    self._record("refresh", id(md))
+
+    def _build_preplanned_metadata(
+        self, desc: BatchExecutionDescriptor, num_reqs: int, base_seq_lens: np.ndarray,
+        for_capture: bool = False,
+    ) -> list[list[Any]]:
+        """``[step - 1][group]`` metadata: planned per step for ``host_preplanned`` groups,
+        built once (step 1) and refreshed in-graph for the others. Host work."""
+        commons = [
+            build_uniform_attention_metadata(
+                buffers=self.buffers, batch_desc=desc, num_reqs=num_reqs, num_query_per_req=1,
+                base_seq_lens_np=base_seq_lens, step=step, max_model_len=self.max_model_len,
+            )
+            for step in range(1, self.num_steps)
+        ]
+        per_group: list[list[Any]] = []
+        for group in self.groups:
+            if group.refresh_strategy == "host_preplanned":
+                per_group.append(group.builder.plan_draft_steps(commons))
+            else:
+                build = group.build_for_cudagraph_capture if for_capture else group.build
+                per_group.append([build(commons[0])] * len(commons))
+        return [list(step_md) for step_md in zip(*per_group, strict=True)]
+
     # --------------------------------------------------------------- capture
     def capture(self) -> None:
         """Capture FULL graphs for every bucket on dummy inputs: one single-step graph, and
@@ -155,6 +220,10 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 self._capture_one(("step", n), lambda md, n=n: self._generate_draft(n, md, 0, False))
                 if self.use_fused_multi_step_decode:
                     self._capture_one(("fused", n), lambda md, n=n: self._generate_fused_drafts(n, md))
+                if self.preplanned_capable:
+                    self._capture_one(
+                        ("preplanned", n), lambda md, n=n: self._generate_preplanned_drafts(n, md)
+                    )
         finally:
             self._in_capture = False
             self._reset_index_buffers()
@@ -171,7 +240,12 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self.token_request[:n].copy_(torch.arange(n, device=self.device))
         self.current_step.fill_(1)
         desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, n, n, 1)
-        md = self._build_decode_metadata(desc, n, np.zeros(n, np.int64), 1, for_capture=True)
+        base = np.zeros(n, np.int64)
+        md: list[Any]
+        if key[0] == "preplanned":
+            md = self._build_preplanned_metadata(desc, n, base, for_capture=True)
+        else:
+            md = self._build_decode_metadata(desc, n, base, 1, for_capture=True)
         self._compute_slot_mappings(n, 1)
         self._captured_metadata[key] = md
         self.graphs.capture(key, lambda: body(md))
@@ -182,13 +256,13 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     ) -> DraftResult:
         """Draft ``num_speculative_steps`` tokens for every request of ``batch``.
 
-        ``path="auto"`` follows the matrix decision; ``"fused"``/``"per_step"`` force a path
-        (the verifier runs both). Forcing ``"fused"`` on a backend without an in-graph
-        refresh raises the builder's ``NotImplementedError``. ``use_graphs=False`` runs the
-        chosen loop eagerly even when graphs are captured.
+        ``path="auto"`` takes :attr:`auto_path`; ``"fused"``, ``"per_step"`` and
+        ``"preplanned"`` force a path (the verifier runs them all). Forcing ``"fused"`` on a
+        backend without an in-graph refresh raises the builder's ``NotImplementedError``.
+        ``use_graphs=False`` runs the chosen loop eagerly even when graphs are captured.
         """
         self._validate(batch, extra_positions=self.num_steps - 1)
-        fused = self.use_fused_multi_step_decode if path == "auto" else path == "fused"
+        chosen = self.auto_path if path == "auto" else path
         r = batch.num_reqs
         self._prefill(batch)
         if self.num_steps > 1:
@@ -196,8 +270,10 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             replay = use_graphs and self.graphs is not None
             base = batch.seq_lens_after_prefill()
             self._prepare_decode_inputs(batch, desc.num_tokens)
-            if fused:
+            if chosen == "fused":
                 self._fused_multi_step_decode(desc, r, base, replay)
+            elif chosen == "preplanned":
+                self._preplanned_multi_step_decode(desc, r, base, replay)
             else:
                 self._multi_step_decode(desc, r, base, replay)
         return DraftResult(
@@ -265,4 +341,19 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             return
         assert self.graphs is not None
         self.graphs.replay(("fused", n))
+        self.counters.graph_replays += 1
+
+    def _preplanned_multi_step_decode(
+        self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool
+    ) -> None:
+        """Preplanned path: plan every step on the host (this writes each step's persistent
+        buffers), then one replay of the preplanned graph, or the same body eagerly."""
+        n = desc.num_tokens
+        self._compute_slot_mappings(n, 1)
+        per_step = self._build_preplanned_metadata(desc, r, base)
+        if not replay:
+            self._generate_preplanned_drafts(n, per_step)
+            return
+        assert self.graphs is not None
+        self.graphs.replay(("preplanned", n))
         self.counters.graph_replays += 1

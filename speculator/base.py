@@ -39,6 +39,9 @@ class SpeculatorOptions:
     max_num_prefill_tokens: int = 256
     num_blocks: int = 256
     sampling: SamplingMethod = "argmax"
+    host_preplanned: bool = False
+    """Let ``propose(path="auto")`` take the host_preplanned path where it applies, instead
+    of falling back to per-step rebuilds (the seed's behaviour, hence off by default)."""
     pad_to_capture_sizes: bool = False
     """Pad eager batches to the capture sizes as FULL graphs do (the verifier's CPU tier
     uses this to exercise padding lanes without graphs)."""

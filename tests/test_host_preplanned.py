@@ -1,0 +1,149 @@
+"""The host_preplanned strategy: every draft step planned on the host before one run of
+the body, checked against per-step rebuilds, on the CPU (and, with CUDA, one replay).
+
+The builders here are reference attention plus a derived, host-planned field; they stand
+in under the name ``flashinfer`` so the matrix's ``host_preplanned`` strategy applies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
+from speccheck.checks.strategies import BatchLimits, draft_batches
+from speccheck.checks.verify_engine import BackendVerifier, VerifySettings
+from speccheck.checks.verify_report import BackendReport
+from speccheck.contract.metadata import CommonAttentionMetadata
+from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.autoregressive import AutoregressiveSpeculator
+from speccheck.speculator.base import SpeculatorOptions
+from speccheck.speculator.batch import DraftBatch
+from speccheck.speculator.factory import create_speculator
+from speccheck.speculator.model import DrafterConfig
+
+DEVICE = torch.device("cpu")
+DRAFTER = DrafterConfig(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_size=16,
+                        intermediate_size=64, seed=9)
+CONFIG = RuntimeConfig(platform="cpu", cudagraph_mode="none", num_speculative_steps=4, block_size=4,
+                       max_model_len=40, dtype="float32", head_size=16, num_heads=2, num_kv_heads=1)
+BATCH = DraftBatch((3, 37), ((5, 6), (7,)), ((1, 2), tuple(range(3, 13))), (11, 12))
+
+
+@dataclass
+class PlannedMetadata(ReferenceMetadata):
+    kv_lens_plus_one: torch.Tensor | None = None
+
+
+class PlannedBuilder(ReferenceMetadataBuilder):
+    """Plans ``kv_lens_plus_one`` on the host: row 0 for per-step builds, row ``i`` for
+    draft step ``i`` of a preplanned run."""
+
+    step_dependent_fields = ("kv_lens_plus_one",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        rows = (self.config.num_speculative_steps + 1, self.limits.max_num_reqs)
+        self.planned = self.allocate_persistent("planned", rows, torch.int32)
+
+    def _plan(self, common: CommonAttentionMetadata, row: int) -> PlannedMetadata:
+        n = common.num_reqs
+        self.planned[row].zero_()
+        self.planned[row, :n].copy_(common.seq_lens_cpu_upper_bound[:n] + 1)
+        return PlannedMetadata(**vars(super().build(common)), kv_lens_plus_one=self.planned[row, :n])
+
+    def build(self, common: CommonAttentionMetadata) -> PlannedMetadata:
+        return self._plan(common, 0)
+
+    def plan_draft_steps(self, commons):
+        return [self._plan(common, step) for step, common in enumerate(commons, start=1)]
+
+
+class StalePlan(PlannedBuilder):
+    def plan_draft_steps(self, commons):
+        """Plans every step with the first step's lengths."""
+        return [self._plan(commons[0], step) for step in range(1, len(commons) + 1)]
+
+
+def _speculator(builder: type = PlannedBuilder, **options) -> AutoregressiveSpeculator:
+    spec = create_speculator(
+        "autoregressive", ["reference", "flashinfer"], CONFIG, DRAFTER, DEVICE,
+        SpeculatorOptions(capture_sizes=(1, 2, 4), num_blocks=48, **options),
+        builder_overrides={"flashinfer": builder},
+    )
+    assert isinstance(spec, AutoregressiveSpeculator)
+    return spec
+
+
+def test_preplanned_applies_and_auto_follows_the_option() -> None:
+    spec = _speculator()
+    assert not spec.use_fused_multi_step_decode and spec.preplanned_capable
+    assert spec.auto_path == "per_step"
+    assert _speculator(host_preplanned=True).auto_path == "preplanned"
+
+
+@settings(max_examples=15)
+@given(data=st.data())
+def test_preplanned_equals_per_step(data) -> None:
+    spec = _speculator()
+    batch = data.draw(draft_batches(BatchLimits(4, 4, 40, 48, 3, 64)))
+    spec.kv_cache.fill_random_(torch.Generator().manual_seed(1))
+    start = spec.kv_cache.snapshot()
+    oracle = spec.propose(batch, "per_step")
+    oracle_kv = spec.kv_cache.snapshot()
+    spec.kv_cache.restore(start)
+    planned = spec.propose(batch, "preplanned")
+    assert torch.equal(oracle.draft_tokens, planned.draft_tokens)
+    assert torch.equal(oracle.logits, planned.logits)
+    for (ko, vo), (kp, vp) in zip(oracle_kv, spec.kv_cache.snapshot()):
+        assert torch.equal(ko, kp) and torch.equal(vo, vp)
+
+
+def test_preplanned_loop_order_and_one_metadata_object_per_step() -> None:
+    spec = _speculator()
+    seen: list[tuple[int, int]] = []
+    spec.step_observer = lambda lanes, step, md: seen.append((step, id(md[1])))
+    spec.trace = []
+    spec.propose(BATCH, "preplanned")
+    events, spec.trace = spec.trace, None
+    decode = [e for e, _ in events[events.index(("slots", 1)) + 1 :]]
+    assert decode == ["generate", "slots", "refresh", "generate", "slots", "refresh", "generate"]
+    assert [s for s, _ in seen] == [1, 2, 3]
+    assert len({i for _, i in seen}) == 3, "each step runs with its own planned metadata"
+
+
+def _verify(builder: type) -> BackendReport:
+    settings_ = VerifySettings("flashinfer", CONFIG.model_copy(update={"head_size": 16}), examples=12,
+                               steps=(4,), capture_sizes=(2, 4), vocab_size=64,
+                               builder_overrides=(("flashinfer", builder),))
+    verifier = BackendVerifier(settings_, DEVICE)
+    assert verifier.candidates() == ["preplanned_eager"]
+    report = BackendReport("flashinfer", "cpu", "passed")
+    verifier.run(report, lambda i, e: None)
+    return report
+
+
+def test_verifier_checks_the_preplanned_path() -> None:
+    report = _verify(PlannedBuilder)
+    assert report.status == "passed", report.failures
+    assert report.checks["step_metadata"].passed > 0
+
+
+def test_verifier_catches_a_stale_plan() -> None:
+    report = _verify(StalePlan)
+    stale = [f for f in report.failures if f.check == "step_metadata"]
+    assert stale and stale[0].field == "flashinfer.metadata.kv_lens_plus_one", report.failures
+
+
+@pytest.mark.cuda
+def test_preplanned_full_graph_is_one_replay() -> None:
+    config = CONFIG.model_copy(update={"platform": "cuda", "cudagraph_mode": "full"})
+    spec = create_speculator("autoregressive", ["reference", "flashinfer"], config, DRAFTER,
+                             torch.device("cuda"), SpeculatorOptions(capture_sizes=(1, 2, 4), num_blocks=48),
+                             builder_overrides={"flashinfer": PlannedBuilder})
+    spec.capture()
+    spec.propose(BATCH, "preplanned")
+    assert (spec.counters.eager_step_calls, spec.counters.graph_replays) == (0, 1)
