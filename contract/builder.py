@@ -127,6 +127,13 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         self.supports_draft_decode_metadata_update = supports_draft_decode_metadata_update
         self._buffer_allocator = buffer_allocator
         self._persistent: dict[str, torch.Tensor] = {}
+        self.setup()
+
+    def setup(self) -> None:
+        """Create the backend's own state (persistent buffers through
+        :meth:`allocate_persistent`, kernel handles); runs at the end of construction, once
+        the fields above are set. Raise ``BackendUnavailable`` here when the kernel package
+        is missing. Default: nothing."""
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> M:

@@ -44,8 +44,7 @@ class PlannedBuilder(ReferenceMetadataBuilder):
 
     step_dependent_fields = ("kv_lens_plus_one",)
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
         rows = (self.config.num_speculative_steps + 1, self.limits.max_num_reqs)
         self.planned = self.allocate_persistent("planned", rows, torch.int32)
 

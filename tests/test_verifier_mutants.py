@@ -35,8 +35,7 @@ class _DerivedBuilder(ReferenceMetadataBuilder):
 
     step_dependent_fields = ("kv_lens_plus_one",)
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
         self.derived = self.allocate_persistent("derived", (self.limits.max_num_reqs,), torch.int32)
 
     def build(self, common: CommonAttentionMetadata) -> DerivedMetadata:

@@ -45,12 +45,8 @@ from speccheck.contract.builder import (
     AttentionImpl,
     AttentionLayerSpec,
     AttentionMetadataBuilder,
-    BufferAllocator,
-    BuilderLimits,
-    zeros_allocator,
 )
 from speccheck.contract.metadata import CommonAttentionMetadata
-from speccheck.contract.runtime_config import RuntimeConfig
 
 FA3_IMPORT_NAME = "fa3_fwd_interface"
 FA3_PACKAGE = "fa3-fwd"
@@ -192,24 +188,8 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
     scheduler_metadata_margin: ClassVar[int] = 2
     """The persistent buffer holds this many times the largest size ever needed."""
 
-    def __init__(
-        self,
-        layer: AttentionLayerSpec,
-        config: RuntimeConfig,
-        device: torch.device,
-        limits: BuilderLimits,
-        *,
-        supports_draft_decode_metadata_update: bool = False,
-        buffer_allocator: BufferAllocator = zeros_allocator,
-    ) -> None:
-        super().__init__(
-            layer,
-            config,
-            device,
-            limits,
-            supports_draft_decode_metadata_update=supports_draft_decode_metadata_update,
-            buffer_allocator=buffer_allocator,
-        )
+    def setup(self) -> None:
+        layer, config, device = self.layer, self.config, self.device
         check_fa3_layer(layer)
         fa3_interface()  # BackendUnavailable with the install hint, before any device work
         if torch.device(device).type != "cuda":

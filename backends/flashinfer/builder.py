@@ -46,12 +46,8 @@ from speccheck.contract.builder import (
     AttentionImpl,
     AttentionLayerSpec,
     AttentionMetadataBuilder,
-    BufferAllocator,
-    BuilderLimits,
-    zeros_allocator,
 )
 from speccheck.contract.metadata import CommonAttentionMetadata
-from speccheck.contract.runtime_config import RuntimeConfig
 
 FLASHINFER_IMPORT_NAME = "flashinfer"
 FLASHINFER_PACKAGE = "flashinfer-python"
@@ -243,24 +239,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     workspace_bytes: ClassVar[int] = WORKSPACE_BYTES
     kv_layout: ClassVar[str] = "NHD"
 
-    def __init__(
-        self,
-        layer: AttentionLayerSpec,
-        config: RuntimeConfig,
-        device: torch.device,
-        limits: BuilderLimits,
-        *,
-        supports_draft_decode_metadata_update: bool = False,
-        buffer_allocator: BufferAllocator = zeros_allocator,
-    ) -> None:
-        super().__init__(
-            layer,
-            config,
-            device,
-            limits,
-            supports_draft_decode_metadata_update=supports_draft_decode_metadata_update,
-            buffer_allocator=buffer_allocator,
-        )
+    def setup(self) -> None:
+        layer, device = self.layer, self.device
         check_flashinfer_layer(layer)
         self._flashinfer = flashinfer_module()
         if torch.device(device).type != "cuda":
