@@ -22,6 +22,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from speccheck.checks.capability_docs import render_capability_docs
+from speccheck.checks.selftest import selftest_command
 from speccheck.checks.verify_command import verify_command
 from speccheck.checks.runtime_options import (
     AdvanceDraftPositionsOption,
@@ -240,6 +241,7 @@ def schema_command(
 
 
 app.command("verify")(verify_command)
+app.command("selftest")(selftest_command)
 
 
 def main() -> None:
