@@ -30,7 +30,7 @@ from speccheck.checks.comparisons import (
     kv_matches,
     kv_untouched,
 )
-from speccheck.checks.capture_probes import GuardedBuffer, HostSyncRecorder, IdentityGuard, check_zero_tail
+from speccheck.checks.probes import GuardedBuffer, HostSyncRecorder, IdentityGuard, check_zero_tail
 from speccheck.checks.state_walk import changed_paths
 from speccheck.checks.step_recorder import StepMetadataRecorder
 from speccheck.checks.strategies import BatchLimits, draft_batches

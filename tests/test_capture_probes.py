@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
-from speccheck.checks.capture_probes import (
+from speccheck.checks.probes import (
     ALLOCATION,
     GUARD_BAND,
     HOST_SYNC,
