@@ -53,7 +53,9 @@ def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
     if budget < max_blocks:
         raise ValueError(f"num_blocks={limits.num_blocks} cannot hold one full request row")
     n = draw(st.integers(1, limits.max_num_reqs))
-    contexts, news, rows_needed = [], [], []
+    contexts: list[int] = []
+    news: list[tuple[int, ...]] = []
+    rows_needed: list[int] = []
     for _ in range(n):
         q = draw(st.integers(1, limits.max_new_tokens))
         ctx = _context_len(draw, limits, q)

@@ -119,11 +119,11 @@ def verify_command(
     flags = " ".join(f"{option_flag(k)} {v}" for k, v in given.items() if v is not None)
     if num_speculative_steps:
         flags += f" {option_flag('num_speculative_steps')} {num_speculative_steps}"
+    reports: list[BackendReport] = []
     if config.dp_size > 1:
         reports = [_verify_data_parallel(name, config, examples, seed, console) for name in names]
         _finish(console, reports, json_path, junit, tier, device)
         return
-    reports: list[BackendReport] = []
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as progress:
         for name in names:

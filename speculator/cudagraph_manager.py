@@ -43,7 +43,8 @@ class CudaGraphManager:
         self.capture_sizes = sorted(set(capture_sizes))
         self.device = device
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
-        self._pool: object | None = None
+        self._pool: tuple[int, int] | None = None
+        """The memory pool every graph of this manager shares (a CUDA pool handle)."""
 
     def has(self, key: Hashable) -> bool:
         return key in self._graphs

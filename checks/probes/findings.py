@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from types import FrameType
 
 import torch
 
@@ -38,7 +39,7 @@ _PROBES_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 def call_site() -> tuple[str, str]:
     """``("file:line", function)`` of the innermost frame outside torch and the probes."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith((_TORCH_DIR, _PROBES_DIR)):
