@@ -32,14 +32,20 @@ class SelftestResult:
     recreates: str
 
 
-def verify_builder(builder: type[AttentionMetadataBuilder], device: torch.device, examples: int = 12) -> BackendReport:  # type: ignore[type-arg]
+def verify_builder(
+    builder: type[AttentionMetadataBuilder],  # type: ignore[type-arg]
+    device: torch.device,
+    examples: int = 12,
+    shrink_seconds: float = 120.0,
+) -> BackendReport:
     """Verify the reference backend with ``builder`` swapped in (small drafter, K = 4)."""
     gpu = device.type == "cuda"
     config = CPU_CONFIG.model_copy(
         update={"platform": "cuda", "cudagraph_mode": "full"} if gpu else {}
     )
     settings = VerifySettings("reference", config, examples=examples, steps=(4,), capture_sizes=(2, 4),
-                              vocab_size=64, builder_overrides=(("reference", builder),))
+                              vocab_size=64, builder_overrides=(("reference", builder),),
+                              shrink_seconds=shrink_seconds)
     report = BackendReport("reference", "gpu" if gpu else "cpu", "passed")
     BackendVerifier(settings, device).run(report, lambda i, e: None)
     return report

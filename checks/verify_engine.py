@@ -66,6 +66,8 @@ class VerifySettings:
     num_layers: int = 2
     builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...] = ()
     """(backend name, builder class) swaps: tests use them to plant known-bad builders."""
+    shrink_seconds: float = 120.0
+    """Time budget for shrinking a failure; past it the smallest failure so far is kept."""
     matrix_path: str | None = None
     """Capability matrix to verify against (default: the one shipped with speccheck); the
     fp32 reference always comes from the shipped matrix."""
@@ -359,8 +361,13 @@ class BackendVerifier:
         )
 
     def run(self, report: BackendReport, on_example: Callable[[int, Example], None]) -> None:
-        """Draw ``settings.examples`` examples; on a failure, shrink it and record it."""
-        state = {"shrinking": False}
+        """Draw ``settings.examples`` examples; on a failure, shrink it (within
+        ``settings.shrink_seconds``) and record the smallest failing example found.
+
+        ``on_example(index, example)`` is called before every example runs, shrink
+        candidates included (same index): a worker killed mid-example names the right one.
+        """
+        shrinking, shrink_started = False, 0.0
 
         @seed(self.settings.seed)
         @settings(
@@ -370,15 +377,19 @@ class BackendVerifier:
         )
         @given(self.example_strategy())
         def check(example: Example) -> None:
-            if not state["shrinking"]:
+            nonlocal shrinking, shrink_started
+            if not shrinking:
                 report.examples += 1
-                on_example(report.examples, example)
+            elif time.monotonic() - shrink_started > self.settings.shrink_seconds:
+                return  # budget spent: every further candidate "passes", ending the shrink
+            on_example(report.examples, example)
             outcomes = self.run_example(example)
             failed = [o for o in outcomes if o.result == "failed"]
             if failed:
-                state["shrinking"] = True
+                if not shrinking:
+                    shrinking, shrink_started = True, time.monotonic()
                 raise ExampleFailed(example, outcomes)
-            if not state["shrinking"]:
+            if not shrinking:
                 tally(report, outcomes)
 
         try:

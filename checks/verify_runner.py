@@ -52,8 +52,9 @@ def run_worker(
             lines = prog.read_text().splitlines()
             if len(lines) > seen:
                 seen, last_change = len(lines), time.monotonic()
-                last_example = json.loads(lines[-1])["example"]
-                progress.update(task, completed=len(lines) - 1)
+                latest = json.loads(lines[-1])
+                last_example = latest["example"]
+                progress.update(task, completed=latest["index"] - 1)
             elif time.monotonic() - last_change > example_timeout:
                 proc.kill()
                 hung = True

@@ -54,3 +54,10 @@ def test_selftest_command_reports_every_mutant_caught(tmp_path) -> None:
     rows = json.loads(out.read_text())
     assert [r["name"] for r in rows[1:]] == [m.name for m in MUTANTS]
     assert all(r["caught"] for r in rows)
+
+
+def test_a_spent_shrink_budget_keeps_the_failure_found() -> None:
+    report = verify_builder(StaleRefresh, torch.device("cpu"), shrink_seconds=0.0)
+    assert report.status == "failed"
+    assert any(f.check == "step_metadata" for f in report.failures)
+    assert report.minimal_example is not None
