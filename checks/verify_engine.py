@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis.errors import Flaky
 from hypothesis import strategies as st
 
 from speccheck.checks.comparisons import (
@@ -368,6 +369,7 @@ class BackendVerifier:
         candidates included (same index): a worker killed mid-example names the right one.
         """
         shrinking, shrink_started = False, 0.0
+        smallest: list[tuple[Example, list[Outcome]]] = []
 
         @seed(self.settings.seed)
         @settings(
@@ -388,14 +390,19 @@ class BackendVerifier:
             if failed:
                 if not shrinking:
                     shrinking, shrink_started = True, time.monotonic()
+                smallest[:] = [(example, outcomes)]  # hypothesis only tries smaller candidates
                 raise ExampleFailed(example, outcomes)
             if not shrinking:
                 tally(report, outcomes)
 
         try:
             check()
-        except ExampleFailed as failure:
-            self.record_failure(report, failure.example, failure.outcomes)
+        except (ExampleFailed, Flaky):
+            # Flaky: the final replay of the smallest failure passed because the shrink
+            # budget was spent; that failure is still the one to report.
+            if not smallest:
+                raise
+            self.record_failure(report, *smallest[0])
 
     def record_failure(self, report: BackendReport, example: Example, outcomes: list[Outcome]) -> None:
         tally(report, outcomes)
