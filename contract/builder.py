@@ -34,6 +34,16 @@ class AttentionLayerSpec:
     block_size: int
     max_model_len: int
 
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
+                f"{self.num_kv_heads} (grouped-query attention)"
+            )
+
     @property
     def max_blocks_per_req(self) -> int:
         return -(-self.max_model_len // self.block_size)

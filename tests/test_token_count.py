@@ -99,3 +99,4 @@ def test_varlen_metadata_in_eager_mode_covers_real_tokens() -> None:
     )
     assert md.num_actual_tokens == 6 and md.max_query_len == 3
     assert md.seq_lens_cpu_upper_bound.tolist() == [4, 5, 9]
+

@@ -80,11 +80,6 @@ def check_fa3_layer(layer: AttentionLayerSpec) -> None:
             f"fa3 backend: head_size={layer.head_size} is not supported; FA3 needs a multiple "
             f"of 8 up to {MAX_HEAD_SIZE} (it runs the next compiled size of 64/96/128/192/256)"
         )
-    if layer.num_heads % layer.num_kv_heads != 0:
-        raise ValueError(
-            f"fa3 backend: num_heads={layer.num_heads} must be a multiple of "
-            f"num_kv_heads={layer.num_kv_heads}"
-        )
 
 
 def scheduler_metadata_size_bound(num_reqs: int) -> int:

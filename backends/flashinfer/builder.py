@@ -73,11 +73,6 @@ def check_flashinfer_layer(layer: AttentionLayerSpec) -> None:
             f"flashinfer backend: dtype={layer.dtype} is not supported; supported: "
             f"{[str(d) for d in SUPPORTED_DTYPES]}"
         )
-    if layer.num_heads % layer.num_kv_heads != 0:
-        raise ValueError(
-            f"flashinfer backend: num_heads={layer.num_heads} must be a multiple of "
-            f"num_kv_heads={layer.num_kv_heads}"
-        )
 
 
 @dataclass(frozen=True)
