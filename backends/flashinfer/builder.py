@@ -256,19 +256,23 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         key = (kind, batch_size, *slot)
         cached = self._wrappers.get(key)
         if cached is None:
-            cached = self._new_wrapper(kind, batch_size)
+            cached = self._new_wrapper(kind, batch_size, slot)
             self._wrappers[key] = cached
         return cached
 
-    def _new_wrapper(self, kind: str, batch_size: int) -> _GraphWrapper:
+    def _new_wrapper(self, kind: str, batch_size: int, slot: tuple[str, int]) -> _GraphWrapper:
+        """A graph-mode wrapper over index buffers of its own, allocated as persistent
+        buffers (named ``KIND[bs=N,SLOT=I].FIELD``)."""
         fi = self._flashinfer
-        dev = self.device
-        indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+        prefix = f"{kind}[bs={batch_size},{slot[0]}={slot[1]}]"
+
+        def buffer(field: str, size: int) -> torch.Tensor:
+            return self.allocate_persistent(f"{prefix}.{field}", (size,), torch.int32)
+
+        indptr = buffer("paged_kv_indptr", batch_size + 1)
         # Largest page count the wrapper can ever see: every request at max_model_len.
-        indices = torch.zeros(
-            batch_size * self.layer.max_blocks_per_req, dtype=torch.int32, device=dev
-        )
-        last_page_len = torch.zeros(batch_size, dtype=torch.int32, device=dev)
+        indices = buffer("paged_kv_indices", batch_size * self.layer.max_blocks_per_req)
+        last_page_len = buffer("paged_kv_last_page_len", batch_size)
         if kind == "decode":
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace,
@@ -280,7 +284,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 paged_kv_last_page_len_buffer=last_page_len,
             )
             return _GraphWrapper(kind, wrapper, indptr, indices, last_page_len, None)
-        qo_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
+        qo_indptr = buffer("qo_indptr", batch_size + 1)
         wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace,
             kv_layout=self.kv_layout,
@@ -445,14 +449,3 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     def workspace_buffers(self) -> Mapping[str, torch.Tensor]:
         """The float workspace shared by every wrapper (split-KV partials)."""
         return {"float_workspace": self._workspace}
-
-    def persistent_buffers(self) -> dict[str, torch.Tensor]:
-        buffers: dict[str, torch.Tensor] = {}
-        for (kind, batch_size, slot_name, slot_index), gw in self._wrappers.items():
-            prefix = f"{kind}[bs={batch_size},{slot_name}={slot_index}]"
-            buffers[f"{prefix}.paged_kv_indptr"] = gw.paged_kv_indptr
-            buffers[f"{prefix}.paged_kv_indices"] = gw.paged_kv_indices
-            buffers[f"{prefix}.paged_kv_last_page_len"] = gw.paged_kv_last_page_len
-            if gw.qo_indptr is not None:
-                buffers[f"{prefix}.qo_indptr"] = gw.qo_indptr
-        return buffers
