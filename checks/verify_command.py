@@ -178,7 +178,9 @@ def _print_summary(console: Console, reports: list[BackendReport]) -> None:
         passed = sum(t.passed for t in r.checks.values())
         failed = sum(t.failed for t in r.checks.values())
         indet = sum(t.indeterminate for t in r.checks.values())
-        fused = "allowed" if r.fused_allowed else "not allowed"
+        fused = "-" if r.status in ("skipped", "crashed") else (
+            "allowed" if r.fused_allowed else "not allowed"
+        )
         table.add_row(r.backend, r.tier, r.status, fused, str(r.examples), str(passed), str(failed),
                       str(indet), f"{r.capture_seconds:.1f}", f"{r.seconds:.1f}")
     console.print(table)
