@@ -63,12 +63,3 @@ def require_module(import_name: str, package: str, hint: str) -> ModuleType:
             package, hint, import_name=import_name, reason=reason, error=exc
         )
     raise unavailable
-
-
-def module_available(import_name: str) -> bool:
-    """Whether ``import_name`` can be found, without importing it (it may still fail to
-    load, e.g. a CUDA extension on a CPU-only torch; :func:`require_module` is the test)."""
-    try:
-        return importlib.util.find_spec(import_name) is not None
-    except (ImportError, ValueError):
-        return False

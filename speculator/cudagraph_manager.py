@@ -46,9 +46,6 @@ class CudaGraphManager:
         self._pool: tuple[int, int] | None = None
         """The memory pool every graph of this manager shares (a CUDA pool handle)."""
 
-    def has(self, key: Hashable) -> bool:
-        return key in self._graphs
-
     def capture(self, key: Hashable, body: Callable[[], None], warmup_runs: int = 1) -> None:
         """Warm ``body`` up on a side stream, then capture it into the shared pool."""
         if self._pool is None:
