@@ -12,7 +12,6 @@ the package (``fa3_fwd_interface`` on a CPU-only torch, for instance, fails with
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from types import ModuleType
 
 
