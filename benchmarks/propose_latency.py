@@ -46,11 +46,7 @@ def measure(backend: str, path: str, k: int, batch: int, repeats: int) -> float:
         dtype="bfloat16" if gpu else "float32", head_size=128 if gpu else 32,
         num_heads=16 if gpu else 4, num_kv_heads=4 if gpu else 2,
     )
-    drafter = DrafterConfig(vocab_size=32000 if gpu else 256, num_layers=2,
-                            num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                            head_size=config.head_size,
-                            intermediate_size=2 * config.num_heads * config.head_size,
-                            dtype=config.dtype)
+    drafter = DrafterConfig.for_runtime(config, vocab_size=32000 if gpu else 256)
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64) if s <= max(batch, 1)) or (1,)
     options = SpeculatorOptions(capture_sizes=sizes, num_blocks=batch * 32 + 1,
                                 max_num_prefill_tokens=2 * batch)

@@ -22,8 +22,6 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from speccheck.checks.capability_docs import render_capability_docs
-from speccheck.checks.selftest import selftest_command
-from speccheck.checks.verify_command import verify_command
 from speccheck.checks.runtime_options import (
     AdvanceDraftPositionsOption,
     BlockSizeOption,
@@ -42,6 +40,8 @@ from speccheck.checks.runtime_options import (
     PlatformOption,
     build_runtime_config,
 )
+from speccheck.checks.selftest import selftest_command
+from speccheck.checks.verify_command import verify_command
 from speccheck.contract.matrix_loader import MatrixError, load_matrix
 from speccheck.contract.matrix_model import Matrix, render_matrix_json_schema
 from speccheck.contract.resolution import resolve_matrix

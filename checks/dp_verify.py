@@ -44,13 +44,14 @@ from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.resolution import resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import attention_token_count, uniform_query_start_loc
-from speccheck.speculator.attention_setup import build_attention_groups
+from speccheck.speculator.attention_setup import unrunnable_reason
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.dp_launch import RankFailed, rank_device, run_ranks
 from speccheck.speculator.dp_sync import agreed_descriptor, sync_dp_padding
-from speccheck.speculator.model import DraftModel, DrafterConfig
+from speccheck.speculator.factory import create_speculator
+from speccheck.speculator.model import DrafterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -173,11 +174,7 @@ class _RankPlan:
 def default_drafter(config: RuntimeConfig, seed: int = 0) -> DrafterConfig:
     """The drafter :func:`verify_dp` builds unless given one: the config's head layout and
     dtype, 2 layers, vocabulary 256, weights from ``seed``."""
-    return DrafterConfig(
-        vocab_size=256, num_layers=2, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-        head_size=config.head_size, intermediate_size=2 * config.num_heads * config.head_size,
-        seed=seed, dtype=config.dtype,
-    )
+    return DrafterConfig.for_runtime(config, seed=seed)
 
 
 def default_options(config: RuntimeConfig) -> SpeculatorOptions:
@@ -278,7 +275,7 @@ def verify_dp(
         backend, dp_size, config.model_copy(update={"dp_size": dp_size}), cuda, device, runnable,
         batches, skipped_modes=skipped_modes,
     )
-    result.skipped = _unrunnable(backend, "cuda" if cuda else "cpu")
+    result.skipped = unrunnable_reason(backend, "cuda" if cuda else "cpu")
     if result.skipped is None and runnable:
         plan = _RankPlan(backend, result.config, runnable, batches, drafter, options,
                          speculator_cls, seed)
@@ -296,24 +293,14 @@ def verify_dp(
     return result
 
 
-def _unrunnable(backend: str, platform: str) -> str | None:
-    """Why ``backend`` cannot run on ``platform`` according to the matrix, or ``None``."""
-    entry = load_matrix().backend(backend)
-    if entry.implementation is None:
-        return f"no adapter shipped in speccheck for {backend}"
-    if platform not in entry.platforms:
-        return f"{backend} runs on {', '.join(entry.platforms)}; this machine offers {platform}"
-    return None
-
-
 def _build(plan: _RankPlan, config: RuntimeConfig, device: torch.device) -> DFlashSpeculator:
     """The drafter of one rank: the matrix's builder for every layer, the plan's class."""
-    groups = build_attention_groups(
-        [plan.backend] * plan.drafter.num_layers,
-        plan.drafter.layer_spec(config.block_size, config.max_model_len),
-        config, device, plan.options.limits(config.num_speculative_steps + 1),
+    spec = create_speculator(
+        "dflash", [plan.backend] * plan.drafter.num_layers, config, plan.drafter, device,
+        plan.options, speculator_cls=plan.speculator_cls,
     )
-    return plan.speculator_cls(DraftModel(plan.drafter, device), groups, config, device, plan.options)
+    assert isinstance(spec, DFlashSpeculator)
+    return spec
 
 
 def _verify_rank(dp_rank: int, dp_size: int, plan: _RankPlan) -> list[DPOutcome]:

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
-from hypothesis.errors import Flaky
 from hypothesis import strategies as st
+from hypothesis.errors import Flaky
 
 from speccheck.checks.comparisons import (
     Outcome,
@@ -152,11 +152,9 @@ class BackendVerifier:
 
     # ------------------------------------------------------------ set-up
     def drafter(self, dtype: str) -> DrafterConfig:
-        c = self.config
-        return DrafterConfig(
-            vocab_size=self.settings.vocab_size, num_layers=self.settings.num_layers,
-            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_size=c.head_size,
-            intermediate_size=2 * c.num_heads * c.head_size, seed=self.settings.seed, dtype=dtype,
+        return DrafterConfig.for_runtime(
+            self.config, vocab_size=self.settings.vocab_size,
+            num_layers=self.settings.num_layers, seed=self.settings.seed, dtype=dtype,
         )
 
     def options(self) -> SpeculatorOptions:

@@ -31,6 +31,7 @@ from speccheck.checks.verify_report import BackendReport
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.resolution import resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.attention_setup import unrunnable_reason
 
 
 def _device_name(device: torch.device) -> str:
@@ -47,19 +48,14 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     device = torch.device("cuda" if gpu else "cpu")
     report = BackendReport(name, "gpu" if gpu else "cpu", "passed", device=_device_name(device),
                            runtime_config=config.model_dump())
-    entry = load_matrix(request.get("matrix")).backend(name)
-    resolution = resolve_backend(entry, config)
+    matrix = load_matrix(request.get("matrix"))
+    resolution = resolve_backend(matrix.backend(name), config)
     report.fused_allowed = resolution.fused_multi_step
     report.fused_reason = resolution.reason
     platform = "cuda" if gpu else "cpu"
-    if entry.implementation is None:
-        report.status, report.tier = "skipped", "none"
-        report.detail = f"no adapter shipped in speccheck for {name}"
-        return report
-    if platform not in entry.platforms:
-        report.status, report.tier = "skipped", "none"
-        report.detail = (f"{name} runs on {', '.join(entry.platforms)}; this machine offers "
-                         f"{platform}" + ("" if gpu else " (no CUDA device)"))
+    unrunnable = unrunnable_reason(name, platform, matrix)
+    if unrunnable is not None:
+        report.status, report.tier, report.detail = "skipped", "none", unrunnable
         return report
     settings = VerifySettings(backend=name, config=config, examples=request["examples"],
                               seed=request["seed"], steps=tuple(request["steps"]),

@@ -25,6 +25,19 @@ class BackendNotShipped(RuntimeError):
     """The matrix declares the backend but names no adapter to load."""
 
 
+def unrunnable_reason(backend_name: str, platform: str, matrix: Any = None) -> str | None:
+    """Why ``backend_name`` cannot be built on ``platform`` (``cuda``/``cpu``) according to
+    the matrix, or ``None`` when it can be."""
+    entry = (matrix or load_matrix()).backend(backend_name)
+    if entry.implementation is None:
+        return f"no adapter shipped in speccheck for {backend_name}"
+    if platform not in entry.platforms:
+        missing = " (no CUDA device)" if platform == "cpu" else ""
+        return (f"{backend_name} runs on {', '.join(entry.platforms)}; this machine offers "
+                f"{platform}{missing}")
+    return None
+
+
 def builder_class(backend_name: str, matrix: Any = None) -> type[AttentionMetadataBuilder[Any]]:
     """The builder class the matrix names for ``backend_name`` (``module:Class``)."""
     entry = (matrix or load_matrix()).backend(backend_name)

@@ -13,7 +13,7 @@ from speccheck.speculator.attention_setup import build_attention_groups
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.dflash import DFlashSpeculator
-from speccheck.speculator.model import DraftModel, DrafterConfig
+from speccheck.speculator.model import DrafterConfig, DraftModel
 
 
 def create_speculator(
@@ -27,9 +27,20 @@ def create_speculator(
     matrix: Any = None,
     builder_overrides: dict[str, type[AttentionMetadataBuilder[Any]]] | None = None,
     buffer_allocator: BufferAllocator = zeros_allocator,
+    speculator_cls: type[AutoregressiveSpeculator] | type[DFlashSpeculator] | None = None,
 ) -> AutoregressiveSpeculator | DFlashSpeculator:
     """``kind`` is ``"autoregressive"`` or ``"dflash"``; layer ``i`` of the drafter runs on
-    backend ``layer_backends[i]`` (one name repeats for a single-backend model)."""
+    backend ``layer_backends[i]`` (one name repeats for a single-backend model).
+    ``speculator_cls`` swaps in a subclass of the kind's speculator (the DP regression
+    plants the seed-004 bug with one)."""
+    kinds: dict[str, type[AutoregressiveSpeculator] | type[DFlashSpeculator]] = {
+        "autoregressive": AutoregressiveSpeculator, "dflash": DFlashSpeculator,
+    }
+    if kind not in kinds:
+        raise ValueError(f"unknown speculator kind {kind!r}; valid: autoregressive, dflash")
+    cls = speculator_cls or kinds[kind]
+    if not issubclass(cls, kinds[kind]):
+        raise TypeError(f"{cls.__name__} is not a {kinds[kind].__name__}")
     if len(layer_backends) != drafter.num_layers:
         raise ValueError(
             f"{len(layer_backends)} layer backends for a drafter of {drafter.num_layers} layers"
@@ -45,9 +56,4 @@ def create_speculator(
         builder_overrides=builder_overrides,
         buffer_allocator=buffer_allocator,
     )
-    model = DraftModel(drafter, device)
-    if kind == "autoregressive":
-        return AutoregressiveSpeculator(model, groups, config, device, options)
-    if kind == "dflash":
-        return DFlashSpeculator(model, groups, config, device, options)
-    raise ValueError(f"unknown speculator kind {kind!r}; valid: autoregressive, dflash")
+    return cls(DraftModel(drafter, device), groups, config, device, options)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from speccheck.contract.builder import AttentionImpl, AttentionLayerSpec
+from speccheck.contract.runtime_config import RuntimeConfig
 
 DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -35,6 +36,20 @@ class DrafterConfig:
     rms_eps: float = 1e-6
     seed: int = 0
     dtype: str = "float32"
+
+    @classmethod
+    def for_runtime(
+        cls, config: RuntimeConfig, *, vocab_size: int = 256, num_layers: int = 2, seed: int = 0,
+        dtype: str | None = None,
+    ) -> DrafterConfig:
+        """A drafter with ``config``'s head layout (SwiGLU width twice the hidden size) and
+        dtype, unless ``dtype`` overrides it."""
+        return cls(
+            vocab_size=vocab_size, num_layers=num_layers, num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads, head_size=config.head_size,
+            intermediate_size=2 * config.num_heads * config.head_size, seed=seed,
+            dtype=dtype or config.dtype,
+        )
 
     @property
     def hidden_size(self) -> int:
