@@ -121,7 +121,9 @@ def verify_command(
         flags += f" {option_flag('num_speculative_steps')} {num_speculative_steps}"
     reports: list[BackendReport] = []
     if config.dp_size > 1:
-        reports = [_verify_data_parallel(name, config, examples, seed, console) for name in names]
+        reports = [
+            _verify_data_parallel(name, config, examples, seed, tier, console) for name in names
+        ]
         _finish(console, reports, json_path, junit, tier, device)
         return
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
@@ -135,7 +137,7 @@ def verify_command(
 
 
 def _verify_data_parallel(
-    name: str, config: RuntimeConfig, examples: int, seed: int, console: Console
+    name: str, config: RuntimeConfig, examples: int, seed: int, tier: str, console: Console
 ) -> BackendReport:
     """``--dp-size N``: the DFlash drafter on N real ranks (their own processes), each with
     a different real batch size, in eager mode and, with CUDA, in FULL mode."""
@@ -143,7 +145,6 @@ def _verify_data_parallel(
     try:
         return verify_dp(name, config, config.dp_size, examples=examples, seed=seed).to_report()
     except RankError as exc:
-        tier = "gpu" if torch.cuda.is_available() else "cpu"
         return BackendReport(name, tier, "crashed", detail=str(exc))
 
 
