@@ -1,25 +1,38 @@
 """Propose latency of the draft-decode paths, side by side in one run.
 
     python benchmarks/propose_latency.py --backend flashinfer [--paths per_step preplanned]
-        [--steps 2 4 8] [--batches 1 64] [--json PATH]
+        [--steps 2 4 8] [--batches 1 64] [--repeats 20] [--json PATH]
 
-For each path, K and batch size: the median wall time of one ``propose`` (prefill pass,
-decode steps, results back on the host), and each path's ratio to the first path, measured
-side by side in one process. Host and GPU time are not separated. With CUDA the FULL graphs
-are captured first; without CUDA the eager loops run, which is useful only as a smoke test.
+For each path, K and batch size, three figures per ``propose`` (prefill pass, K-1 decode
+steps, draft tokens back on the host), measured side by side in one process:
+
+- ``wall``: median end-to-end time, without the profiler;
+- ``host``: time the host thread is not blocked on the device (planning, metadata builds,
+  launches), from a ``torch.profiler`` run: the profiled wall time minus the time spent in
+  the CUDA runtime's synchronising calls. It includes the profiler's own overhead, so it is
+  an upper bound;
+- ``gpu``: device busy time, the sum of the kernels, copies and memsets the profiler traced.
+
+The ratio column divides each path's wall time by the first path's. With CUDA the FULL
+graphs are captured first; without CUDA the eager loops run and ``gpu`` is absent, which is
+useful only as a smoke test.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
@@ -28,7 +41,21 @@ from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
 
-BLOCK_SIZE, CONTEXT = 16, 200
+log = logging.getLogger("speccheck.benchmarks.propose_latency")
+
+BLOCK_SIZE, CONTEXT, WARMUP = 16, 200, 3
+#: CUDA runtime calls in which the host waits for the device.
+BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                  "cudaMemcpy")
+
+
+@dataclass(frozen=True)
+class ProposeTiming:
+    """Per-``propose`` figures in milliseconds; ``gpu_ms`` is None without a device trace."""
+
+    wall_ms: float
+    host_ms: float
+    gpu_ms: float | None
 
 
 def _batch(num_reqs: int, max_model_len: int) -> DraftBatch:
@@ -37,8 +64,7 @@ def _batch(num_reqs: int, max_model_len: int) -> DraftBatch:
     return DraftBatch((CONTEXT,) * num_reqs, ((1, 2),) * num_reqs, rows, tuple(range(num_reqs)))
 
 
-def measure(backend: str, path: str, k: int, batch: int, repeats: int) -> float:
-    gpu = torch.cuda.is_available()
+def _speculator(backend: str, k: int, batch: int, gpu: bool) -> AutoregressiveSpeculator:
     device = torch.device("cuda" if gpu else "cpu")
     config = RuntimeConfig(
         platform="cuda" if gpu else "cpu", cudagraph_mode="full" if gpu else "none",
@@ -53,15 +79,44 @@ def measure(backend: str, path: str, k: int, batch: int, repeats: int) -> float:
     spec = create_speculator("autoregressive", [backend] * 2, config, drafter, device, options)
     assert isinstance(spec, AutoregressiveSpeculator)
     spec.capture()
-    work = _batch(batch, config.max_model_len)
-    times = []
-    for _ in range(repeats + 3):
+    return spec
+
+
+def _profiled(spec: AutoregressiveSpeculator, work: DraftBatch, path: str, repeats: int,
+              gpu: bool) -> tuple[float, float | None]:
+    """Host and device milliseconds per ``propose`` from one profiled loop."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    if gpu:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            spec.propose(work, path)  # type: ignore[arg-type]
+        wall_us = (time.perf_counter() - start) * 1e6
+    events = prof.events()
+    blocked_us = sum(e.time_range.elapsed_us() for e in events
+                     if e.device_type == DeviceType.CPU and e.name in BLOCKING_CALLS)
+    device_us = sum(e.time_range.elapsed_us() for e in events if e.device_type == DeviceType.CUDA)
+    if gpu and device_us == 0:
+        log.warning("the profiler traced no device activity (CUPTI missing?): no GPU time")
+    gpu_ms = device_us / repeats / 1e3 if device_us else None
+    return (wall_us - blocked_us) / repeats / 1e3, gpu_ms
+
+
+def measure(backend: str, path: str, k: int, batch: int, repeats: int) -> ProposeTiming:
+    """Capture a fresh speculator, warm it up, then time ``repeats`` proposes on ``path``."""
+    gpu = torch.cuda.is_available()
+    spec = _speculator(backend, k, batch, gpu)
+    work = _batch(batch, spec.config.max_model_len)
+    walls = []
+    for _ in range(repeats + WARMUP):
         if gpu:
             torch.cuda.synchronize()
         start = time.perf_counter()
         spec.propose(work, path)  # type: ignore[arg-type]
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[3:]) * 1e3
+        walls.append(time.perf_counter() - start)
+    host_ms, gpu_ms = _profiled(spec, work, path, repeats, gpu)
+    return ProposeTiming(statistics.median(walls[WARMUP:]) * 1e3, host_ms, gpu_ms)
 
 
 def main() -> None:
@@ -73,24 +128,38 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    rows = []
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    rows: list[dict[str, object]] = []
+    timings: dict[tuple[int, int, str], ProposeTiming] = {}
     for k in args.steps:
         for batch in args.batches:
-            row = {"k": k, "batch": batch}
             for path in args.paths:
-                row[path] = measure(args.backend, path, k, batch, args.repeats)
-            rows.append(row)
+                timings[k, batch, path] = measure(args.backend, path, k, batch, args.repeats)
+            rows.append({"k": k, "batch": batch,
+                         **{p: asdict(timings[k, batch, p]) for p in args.paths}})
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (eager, smoke test)"
-    table = Table(title=f"{args.backend} propose latency, ms ({device})")
-    for column in ("K", "batch", *args.paths, *(f"{p} / {args.paths[0]}" for p in args.paths[1:])):
-        table.add_column(column, justify="right")
-    for row in rows:
-        base = row[args.paths[0]]
-        table.add_row(str(row["k"]), str(row["batch"]), *(f"{row[p]:.3f}" for p in args.paths),
-                      *(f"{row[p] / base:.2f}" for p in args.paths[1:]))
-    Console().print(table)
+    table = Table(title=f"{args.backend} propose latency per call, ms ({device})")
+    table.add_column("K", justify="right")
+    table.add_column("batch", justify="right")
+    for p in args.paths:
+        for figure in ("wall", "host", "gpu"):
+            table.add_column(f"{p} {figure}", justify="right")
+    for p in args.paths[1:]:
+        table.add_column(f"{p} / {args.paths[0]} wall", justify="right")
+    for k in args.steps:
+        for batch in args.batches:
+            cells = [str(k), str(batch)]
+            for p in args.paths:
+                t = timings[k, batch, p]
+                cells += [f"{t.wall_ms:.3f}", f"{t.host_ms:.3f}",
+                          "-" if t.gpu_ms is None else f"{t.gpu_ms:.3f}"]
+            base = timings[k, batch, args.paths[0]].wall_ms
+            cells += [f"{timings[k, batch, p].wall_ms / base:.2f}" for p in args.paths[1:]]
+            table.add_row(*cells)
+    Console(width=200).print(table)
     if args.json:
-        args.json.write_text(json.dumps({"backend": args.backend, "device": device, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"backend": args.backend, "device": device,
+                                         "repeats": args.repeats, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,34 +1,71 @@
 #!/usr/bin/env bash
 # Produce the GPU-tier evidence committed under docs/verification/ (run on the H200 machine,
-# from the repository root, with the wheels of ../shared/gpu/fetch-wheels.sh in .gpu-wheels/).
-#   scripts/gpu_evidence.sh OUTDIR [--no-bench]
+# from the repository root). Two suites, because the FA3 and FlashInfer wheels do not fit in
+# one 64 MiB device call together:
+#   scripts/gpu_evidence.sh OUTDIR core [--no-bench]
+#       wheels in .gpu-wheels/core (../shared/gpu/fetch-wheels.sh): reference, triton_attn and
+#       FA3 kernel tests and verify runs, DP on the reference, the attention-latency benchmark
+#   scripts/gpu_evidence.sh OUTDIR flashinfer [--no-bench]
+#       wheels in .gpu-wheels/fi: pydantic, apache-tvm-ffi and flashinfer-slim.zip (made by
+#       scripts/slim_flashinfer_wheel.py); an optional .gpu-wheels/fi-jit/cache.tar.gz from
+#       an earlier run skips FlashInfer's JIT compile. FlashInfer kernel and DP tests, verify
+#       with per-step and preplanned graphs, verify --dp-size 2, the propose-latency benchmark
 set -uo pipefail
-out=${1:?usage: scripts/gpu_evidence.sh OUTDIR}
+out=${1:?usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer [--no-bench]}
+suite=${2:?usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer [--no-bench]}
+bench=${3:-}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 COLUMNS=160
+case $suite in
+  core) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
+  flashinfer)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
+    python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
+    # -m: restored objects get the current time, newer than the sources just extracted,
+    # so FlashInfer's ninja build sees them up to date.
+    [ -f .gpu-wheels/fi-jit/cache.tar.gz ] && tar -xzmf .gpu-wheels/fi-jit/cache.tar.gz -C "$HOME" ;;
+  *) echo "unknown suite $suite (core or flashinfer)" >&2; exit 2 ;;
+esac
 python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . >/dev/null
 commit=$(cat .evidence-commit 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
 export SPECCHECK_COMMIT=$commit
 {
-  echo "commit: $commit"; date -u; nvidia-smi -L
+  echo "commit: $commit"; echo "suite: $suite"; date -u; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-} > "$out/device.txt" 2>&1
-timeout 240 python3 -m pytest -q -m cuda tests/test_speculator.py tests/test_gpu_kernels.py \
-  tests/test_verifier_mutants.py tests/test_gpu_verifier.py tests/test_dp_dflash.py \
-  > "$out/pytest-cuda.txt" 2>&1
-echo "pytest exit $?" >> "$out/pytest-cuda.txt"
-run() {  # NAME ARGS...
-  local name=$1; shift
-  { echo "\$ speccheck verify $*"; timeout 150 speccheck verify "$@" --json "$out/gpu-$name.json"
-    echo "exit $?"; } >> "$out/verify-console.txt" 2>&1
+  [ "$suite" = flashinfer ] && python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+} > "$out/device-$suite.txt" 2>&1
+
+run() {  # NAME TIMEOUT ARGS...
+  local name=$1 limit=$2; shift 2
+  { echo "\$ speccheck verify $*"; timeout "$limit" speccheck verify "$@" --json "$out/gpu-$name.json"
+    echo "exit $?"; } >> "$out/verify-console-$suite.txt" 2>&1
 }
-run reference --backend reference --examples 200
-run triton_attn --backend triton_attn --examples 200
-run fa3 --backend fa3 --block-size 512 --max-model-len 512 --examples 200
-run fa3-dcp2 --backend fa3 --block-size 512 --max-model-len 512 --dcp-world-size 2 --examples 50
-run reference-dp2 --backend reference --dp-size 2 --num-speculative-steps 3 --examples 8
-[ "${2:-}" = "--no-bench" ] && exit 0
-timeout 200 python3 benchmarks/attention_latency.py --json "$out/attention-latency.json" \
-  > "$out/attention-latency.txt" 2>&1
-echo "benchmark exit $?" >> "$out/attention-latency.txt"
+
+if [ "$suite" = core ]; then
+  timeout 300 python3 -m pytest -rA -q -m cuda tests/test_speculator.py tests/test_gpu_kernels.py \
+    tests/test_triton_attn.py tests/test_verifier_mutants.py tests/test_gpu_verifier.py \
+    tests/test_dp_dflash.py -k "not flashinfer" > "$out/pytest-cuda-core.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-core.txt"
+  run reference 150 --backend reference --examples 200
+  run triton_attn 150 --backend triton_attn --examples 200
+  run fa3 150 --backend fa3 --block-size 512 --max-model-len 512 --examples 200
+  run fa3-dcp2 90 --backend fa3 --block-size 512 --max-model-len 512 --dcp-world-size 2 --examples 50
+  run reference-dp2 90 --backend reference --dp-size 2 --num-speculative-steps 3 --examples 8
+  [ "$bench" = --no-bench ] && exit 0
+  timeout 200 python3 benchmarks/attention_latency.py --json "$out/attention-latency.json" \
+    > "$out/attention-latency.txt" 2>&1
+  echo "benchmark exit $?" >> "$out/attention-latency.txt"
+else
+  timeout 330 python3 -m pytest -rA -q -m cuda tests/test_gpu_kernels.py tests/test_host_preplanned.py \
+    tests/test_speculator.py tests/test_dp_dflash.py -k "flashinfer or preplanned" \
+    > "$out/pytest-cuda-flashinfer.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-flashinfer.txt"
+  mkdir -p "$out/fi-jit"
+  tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
+  run flashinfer 150 --backend flashinfer --examples 100
+  run flashinfer-dp2 120 --backend flashinfer --dp-size 2 --num-speculative-steps 3 --examples 8
+  [ "$bench" = --no-bench ] && exit 0
+  timeout 200 python3 benchmarks/propose_latency.py --backend flashinfer \
+    --json "$out/propose-latency-flashinfer.json" > "$out/propose-latency-flashinfer.txt" 2>&1
+  echo "benchmark exit $?" >> "$out/propose-latency-flashinfer.txt"
+fi

@@ -177,8 +177,8 @@ def test_full_mode_pads_attention_too_on_cuda(correct: DPVerifyResult, variant: 
 @pytest.mark.cuda
 def test_padded_count_variant_crashes_flashinfer(repo_on_path: None) -> None:
     pytest.importorskip("flashinfer")
-    config = CONFIG.model_copy(update={"platform": "cuda", "dtype": "bfloat16", "head_size": 64})
-    drafter = replace(DRAFTER, head_size=64, dtype="bfloat16")
+    config = CONFIG.model_copy(update={"platform": "cuda", "dtype": "bfloat16", "head_size": 128})
+    drafter = replace(DRAFTER, head_size=128, dtype="bfloat16")
     bad = verify_dp("flashinfer", config, 2, FIXED, ("none",), drafter=drafter,
                     speculator_cls=PaddedCountDFlash, timeout_s=600)
     crash = bad.select(rank=0, check=CHECK_MATCHES_SINGLE_RANK)[0]
