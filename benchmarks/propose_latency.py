@@ -1,10 +1,11 @@
 """Propose latency of the draft-decode paths, side by side in one run.
 
     python benchmarks/propose_latency.py --backend flashinfer [--paths per_step preplanned]
-        [--steps 2 4 8] [--batches 1 64] [--repeats 20] [--json PATH]
+        [--steps 2 4 8] [--batches 1 64] [--repeats 20] [--json PATH] [--breakdown PATH]
 
-For each path, K and batch size, three figures per ``propose`` (prefill pass, K-1 decode
-steps, draft tokens back on the host), measured side by side in one process:
+For each path, K and batch size, three figures per ``propose_tokens`` (prefill pass, K-1
+decode steps, draft tokens back on the host; the logits stay on the device, as in a serving
+loop), measured side by side in one process:
 
 - ``wall``: median end-to-end time, without the profiler;
 - ``host``: time the host thread is not blocked on the device (planning, metadata builds,
@@ -13,7 +14,8 @@ steps, draft tokens back on the host), measured side by side in one process:
   an upper bound;
 - ``gpu``: device busy time, the sum of the kernels, copies and memsets the profiler traced.
 
-The ratio column divides each path's wall time by the first path's. With CUDA the FULL
+The ratio column divides each path's wall time by the first path's. ``--breakdown`` writes
+the profiler's tables per configuration (operators by host time, kernels by device time). With CUDA the FULL
 graphs are captured first; without CUDA the eager loops run and ``gpu`` is absent, which is
 useful only as a smoke test.
 """
@@ -51,7 +53,7 @@ BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSy
 
 @dataclass(frozen=True)
 class ProposeTiming:
-    """Per-``propose`` figures in milliseconds; ``gpu_ms`` is None without a device trace."""
+    """Per-call figures in milliseconds; ``gpu_ms`` is None without a device trace."""
 
     wall_ms: float
     host_ms: float
@@ -83,15 +85,16 @@ def _speculator(backend: str, k: int, batch: int, gpu: bool) -> AutoregressiveSp
 
 
 def _profiled(spec: AutoregressiveSpeculator, work: DraftBatch, path: str, repeats: int,
-              gpu: bool) -> tuple[float, float | None]:
-    """Host and device milliseconds per ``propose`` from one profiled loop."""
+              gpu: bool) -> tuple[float, float | None, str]:
+    """Host and device milliseconds per ``propose_tokens`` from one profiled loop, and the
+    profiler's tables of it."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     if gpu:
         torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, acc_events=True) as prof:
         start = time.perf_counter()
         for _ in range(repeats):
-            spec.propose(work, path)  # type: ignore[arg-type]
+            spec.propose_tokens(work, path)  # type: ignore[arg-type]
         wall_us = (time.perf_counter() - start) * 1e6
     events = prof.events()
     blocked_us = sum(e.time_range.elapsed_us() for e in events
@@ -100,11 +103,16 @@ def _profiled(spec: AutoregressiveSpeculator, work: DraftBatch, path: str, repea
     if gpu and device_us == 0:
         log.warning("the profiler traced no device activity (CUPTI missing?): no GPU time")
     gpu_ms = device_us / repeats / 1e3 if device_us else None
-    return (wall_us - blocked_us) / repeats / 1e3, gpu_ms
+    averages = prof.key_averages()
+    tables = averages.table(sort_by="self_cpu_time_total", row_limit=15)
+    if device_us:
+        tables += "\n" + averages.table(sort_by="self_device_time_total", row_limit=10)
+    return (wall_us - blocked_us) / repeats / 1e3, gpu_ms, tables
 
 
-def measure(backend: str, path: str, k: int, batch: int, repeats: int) -> ProposeTiming:
-    """Capture a fresh speculator, warm it up, then time ``repeats`` proposes on ``path``."""
+def measure(backend: str, path: str, k: int, batch: int, repeats: int) -> tuple[ProposeTiming, str]:
+    """Capture a fresh speculator, warm it up, then time ``repeats`` proposals on ``path``;
+    the timing and the profiler's tables."""
     gpu = torch.cuda.is_available()
     spec = _speculator(backend, k, batch, gpu)
     work = _batch(batch, spec.config.max_model_len)
@@ -113,10 +121,10 @@ def measure(backend: str, path: str, k: int, batch: int, repeats: int) -> Propos
         if gpu:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        spec.propose(work, path)  # type: ignore[arg-type]
+        spec.propose_tokens(work, path)  # type: ignore[arg-type]
         walls.append(time.perf_counter() - start)
-    host_ms, gpu_ms = _profiled(spec, work, path, repeats, gpu)
-    return ProposeTiming(statistics.median(walls[WARMUP:]) * 1e3, host_ms, gpu_ms)
+    host_ms, gpu_ms, tables = _profiled(spec, work, path, repeats, gpu)
+    return ProposeTiming(statistics.median(walls[WARMUP:]) * 1e3, host_ms, gpu_ms), tables
 
 
 def main() -> None:
@@ -127,14 +135,17 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--breakdown", type=Path, help="write the profiler tables here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     rows: list[dict[str, object]] = []
     timings: dict[tuple[int, int, str], ProposeTiming] = {}
+    breakdown: list[str] = []
     for k in args.steps:
         for batch in args.batches:
             for path in args.paths:
-                timings[k, batch, path] = measure(args.backend, path, k, batch, args.repeats)
+                timings[k, batch, path], tables = measure(args.backend, path, k, batch, args.repeats)
+                breakdown.append(f"== K={k} batch={batch} path={path}, {args.repeats} calls\n{tables}")
             rows.append({"k": k, "batch": batch,
                          **{p: asdict(timings[k, batch, p]) for p in args.paths}})
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (eager, smoke test)"
@@ -157,6 +168,8 @@ def main() -> None:
             cells += [f"{timings[k, batch, p].wall_ms / base:.2f}" for p in args.paths[1:]]
             table.add_row(*cells)
     Console(width=200).print(table)
+    if args.breakdown:
+        args.breakdown.write_text("\n".join(breakdown))
     if args.json:
         args.json.write_text(json.dumps({"backend": args.backend, "device": device,
                                          "repeats": args.repeats, "rows": rows}, indent=2))

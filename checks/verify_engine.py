@@ -236,6 +236,7 @@ class BackendVerifier:
 
         oracle = spec.propose(batch, "per_step", use_graphs=False)
         oracle_steps = h.recorder.collect(lanes)
+        oracle_storage = dict(h.recorder.storage_of)
         oracle_kv = spec.kv_cache.snapshot()
         bs, mml = self.config.block_size, self.config.max_model_len
         written = expected_slots(batch, k, bs, mml)
@@ -263,7 +264,7 @@ class BackendVerifier:
                 oracle_steps, steps, name, metadata_only=name.startswith("preplanned")
             )
             outcomes += self._zero_tails(spec, h.recorder, name)
-        outcomes += self._declared_fields(spec, h.recorder, oracle_steps)
+        outcomes += self._declared_fields(spec, oracle_steps, oracle_storage)
         outcomes += self._probe_outcomes
         self._probe_outcomes = []
         outcomes += self._guard_bands()
@@ -280,13 +281,16 @@ class BackendVerifier:
 
     # ------------------------------------------------------------ checks
     def _declared_fields(
-        self, spec: AutoregressiveSpeculator, recorder: StepMetadataRecorder,
-        oracle: dict[int, dict[str, torch.Tensor]],
+        self, spec: AutoregressiveSpeculator, oracle: dict[int, dict[str, torch.Tensor]],
+        storage_of: dict[str, int],
     ) -> list[Outcome]:
-        """Claims audit: derived tensors that change between steps must be declared in the
-        builder's ``step_dependent_fields``, and every declared field must exist. Views of
-        the speculator's own input buffers are not derived (the speculator advances them),
-        and a persistent buffer behind a declared field is covered by that declaration."""
+        """Claims audit of the oracle run: derived tensors that change between its steps
+        must be declared in the builder's ``step_dependent_fields``, and every declared
+        field must exist. Views of the speculator's own input buffers are not derived (the
+        speculator advances them), and a persistent buffer behind a declared field is
+        covered by that declaration. ``storage_of`` maps paths to storage addresses as the
+        oracle run saw them: a candidate may bind the same field to another buffer (one
+        per preplanned step)."""
         if len(oracle) < 2:
             return [Outcome("declared_fields", "skipped", "fewer than two draft steps")]
         snapshots = [oracle[s] for s in sorted(oracle)]
@@ -301,9 +305,9 @@ class BackendVerifier:
                 out.append(Outcome("declared_fields", "failed",
                                    f"{builder} declares step-dependent field {path[len(prefix):]!r}, "
                                    "which its metadata does not have", field=path))
-            covered = inputs | {recorder.storage_of[p] for p in declared if p in recorder.storage_of}
+            covered = inputs | {storage_of[p] for p in declared if p in storage_of}
             for path in sorted(changed - declared):
-                if path.startswith(group.backend_name + ".") and recorder.storage_of[path] not in covered:
+                if path.startswith(group.backend_name + ".") and storage_of[path] not in covered:
                     out.append(Outcome("declared_fields", "failed",
                                        f"{path} changes between draft steps but {builder}"
                                        ".step_dependent_fields does not declare it", field=path))

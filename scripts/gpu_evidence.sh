@@ -66,6 +66,7 @@ else
   run flashinfer-dp2 120 --backend flashinfer --dp-size 2 --num-speculative-steps 3 --examples 8
   [ "$bench" = --no-bench ] && exit 0
   timeout 200 python3 benchmarks/propose_latency.py --backend flashinfer \
-    --json "$out/propose-latency-flashinfer.json" > "$out/propose-latency-flashinfer.txt" 2>&1
+    --json "$out/propose-latency-flashinfer.json" --breakdown "$out/propose-latency-flashinfer-profile.txt" \
+    > "$out/propose-latency-flashinfer.txt" 2>&1
   echo "benchmark exit $?" >> "$out/propose-latency-flashinfer.txt"
 fi

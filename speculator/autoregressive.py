@@ -254,13 +254,29 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     def propose(
         self, batch: DraftBatch, path: DecodePath = "auto", use_graphs: bool = True
     ) -> DraftResult:
-        """Draft ``num_speculative_steps`` tokens for every request of ``batch``.
+        """Draft ``num_speculative_steps`` tokens for every request of ``batch``; tokens and
+        logits come back on the host.
 
         ``path="auto"`` takes :attr:`auto_path`; ``"fused"``, ``"per_step"`` and
         ``"preplanned"`` force a path (the verifier runs them all). Forcing ``"fused"`` on a
         backend without an in-graph refresh raises the builder's ``NotImplementedError``.
         ``use_graphs=False`` runs the chosen loop eagerly even when graphs are captured.
         """
+        r = self._draft(batch, path, use_graphs)
+        return DraftResult(
+            draft_tokens=self.draft_tokens[:r].cpu().clone(),
+            logits=self.draft_logits[:r].cpu().clone(),
+        )
+
+    def propose_tokens(self, batch: DraftBatch, path: DecodePath = "auto") -> torch.Tensor:
+        """The serving loop's form of :meth:`propose`: only the ``[R, K]`` draft tokens come
+        back to the host; the logits stay in :attr:`draft_logits` on the device."""
+        r = self._draft(batch, path, use_graphs=True)
+        return self.draft_tokens[:r].cpu()
+
+    def _draft(self, batch: DraftBatch, path: DecodePath, use_graphs: bool) -> int:
+        """Run the prefill pass and the chosen decode loop; the results are left in
+        :attr:`draft_tokens` and :attr:`draft_logits`. Returns the number of requests."""
         self._validate(batch, extra_positions=self.num_steps - 1)
         chosen = self.auto_path if path == "auto" else path
         r = batch.num_reqs
@@ -276,10 +292,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 self._preplanned_multi_step_decode(desc, r, base, replay)
             else:
                 self._multi_step_decode(desc, r, base, replay)
-        return DraftResult(
-            draft_tokens=self.draft_tokens[:r].cpu().clone(),
-            logits=self.draft_logits[:r].cpu().clone(),
-        )
+        return r
 
     def _prefill(self, batch: DraftBatch) -> None:
         """Draft token 0: one eager pass over each request's new tokens."""

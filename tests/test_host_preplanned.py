@@ -39,20 +39,23 @@ class PlannedMetadata(ReferenceMetadata):
 
 
 class PlannedBuilder(ReferenceMetadataBuilder):
-    """Plans ``kv_lens_plus_one`` on the host: row 0 for per-step builds, row ``i`` for
-    draft step ``i`` of a preplanned run."""
+    """Plans ``kv_lens_plus_one`` on the host into persistent buffers of their own, as
+    FlashInfer's wrappers do: ``planned[0]`` for per-step builds, ``planned[i]`` for draft
+    step ``i`` of a preplanned run."""
 
     step_dependent_fields = ("kv_lens_plus_one",)
 
     def setup(self) -> None:
-        rows = (self.config.num_speculative_steps + 1, self.limits.max_num_reqs)
-        self.planned = self.allocate_persistent("planned", rows, torch.int32)
+        self.planned = [
+            self.allocate_persistent(f"planned[{row}]", (self.limits.max_num_reqs,), torch.int32)
+            for row in range(self.config.num_speculative_steps + 1)
+        ]
 
     def _plan(self, common: CommonAttentionMetadata, row: int) -> PlannedMetadata:
         n = common.num_reqs
         self.planned[row].zero_()
-        self.planned[row, :n].copy_(common.seq_lens_cpu_upper_bound[:n] + 1)
-        return PlannedMetadata(**vars(super().build(common)), kv_lens_plus_one=self.planned[row, :n])
+        self.planned[row][:n].copy_(common.seq_lens_cpu_upper_bound[:n] + 1)
+        return PlannedMetadata(**vars(super().build(common)), kv_lens_plus_one=self.planned[row][:n])
 
     def build(self, common: CommonAttentionMetadata) -> PlannedMetadata:
         return self._plan(common, 0)
