@@ -1,7 +1,7 @@
 """Propose latency of the draft-decode paths, side by side in one run.
 
     python benchmarks/propose_latency.py --backend flashinfer [--paths per_step preplanned]
-        [--steps 2 4 8] [--batches 1 64] [--repeats 20] [--json PATH] [--breakdown PATH]
+        [--steps 2 4 8] [--batches 1 64] [--repeats 30] [--json PATH] [--breakdown PATH]
 
 For each path, K and batch size, three figures per ``propose_tokens`` (prefill pass, K-1
 decode steps, draft tokens back on the host; the logits stay on the device, as in a serving
@@ -110,21 +110,28 @@ def _profiled(spec: AutoregressiveSpeculator, work: DraftBatch, path: str, repea
     return (wall_us - blocked_us) / repeats / 1e3, gpu_ms, tables
 
 
-def measure(backend: str, path: str, k: int, batch: int, repeats: int) -> tuple[ProposeTiming, str]:
-    """Capture a fresh speculator, warm it up, then time ``repeats`` proposals on ``path``;
-    the timing and the profiler's tables."""
+def measure(backend: str, paths: list[str], k: int, batch: int,
+            repeats: int) -> dict[str, tuple[ProposeTiming, str]]:
+    """Capture one speculator (its graphs serve every path), warm it up, time ``repeats``
+    rounds in which every path runs once (the order rotates each round, so drift and
+    order effects fall on all paths alike), then profile each path. Per path: the timing
+    and the profiler's tables."""
     gpu = torch.cuda.is_available()
     spec = _speculator(backend, k, batch, gpu)
     work = _batch(batch, spec.config.max_model_len)
-    walls = []
-    for _ in range(repeats + WARMUP):
-        if gpu:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        spec.propose_tokens(work, path)  # type: ignore[arg-type]
-        walls.append(time.perf_counter() - start)
-    host_ms, gpu_ms, tables = _profiled(spec, work, path, repeats, gpu)
-    return ProposeTiming(statistics.median(walls[WARMUP:]) * 1e3, host_ms, gpu_ms), tables
+    walls: dict[str, list[float]] = {p: [] for p in paths}
+    for i in range(repeats + WARMUP):
+        for path in paths[i % len(paths):] + paths[: i % len(paths)]:
+            if gpu:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            spec.propose_tokens(work, path)  # type: ignore[arg-type]
+            walls[path].append(time.perf_counter() - start)
+    out = {}
+    for path in paths:
+        host_ms, gpu_ms, tables = _profiled(spec, work, path, repeats, gpu)
+        out[path] = ProposeTiming(statistics.median(walls[path][WARMUP:]) * 1e3, host_ms, gpu_ms), tables
+    return out
 
 
 def main() -> None:
@@ -133,7 +140,7 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", default=["per_step", "preplanned"])
     parser.add_argument("--steps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--breakdown", type=Path, help="write the profiler tables here")
     args = parser.parse_args()
@@ -143,8 +150,8 @@ def main() -> None:
     breakdown: list[str] = []
     for k in args.steps:
         for batch in args.batches:
-            for path in args.paths:
-                timings[k, batch, path], tables = measure(args.backend, path, k, batch, args.repeats)
+            for path, (timing, tables) in measure(args.backend, args.paths, k, batch, args.repeats).items():
+                timings[k, batch, path] = timing
                 breakdown.append(f"== K={k} batch={batch} path={path}, {args.repeats} calls\n{tables}")
             rows.append({"k": k, "batch": batch,
                          **{p: asdict(timings[k, batch, p]) for p in args.paths}})
