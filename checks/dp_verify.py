@@ -132,7 +132,7 @@ class DPVerifyResult:
         report.fused_allowed, report.fused_reason = resolution.fused_multi_step, resolution.reason
         notes = [f"{mode}: not run ({why})" for mode, why in self.skipped_modes.items()]
         if self.skipped is not None or not self.modes:
-            report.status, report.tier = "skipped", "none"
+            report.status = "skipped"
             report.detail = "; ".join([self.skipped] if self.skipped else notes)
             return report
         report.detail = "; ".join(notes)

@@ -61,13 +61,16 @@ TIER_LINE = {
 
 
 def _commit() -> str:
-    """The commit under verification: ``git rev-parse HEAD``, else ``$SPECCHECK_COMMIT``
-    (copies of the tree without ``.git``, as on the GPU machine), else ``unknown``."""
+    """The commit under verification: ``$SPECCHECK_COMMIT`` when set (copies of the tree
+    whose ``.git`` is missing or stale, as on the GPU machine), else ``git rev-parse HEAD``,
+    else ``unknown``."""
+    if os.environ.get("SPECCHECK_COMMIT"):
+        return os.environ["SPECCHECK_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("SPECCHECK_COMMIT", "unknown")
+        return "unknown"
 
 
 def verify_command(
@@ -121,6 +124,8 @@ def verify_command(
         flags += f" {option_flag('num_speculative_steps')} {num_speculative_steps}"
     reports: list[BackendReport] = []
     if config.dp_size > 1:
+        if num_speculative_steps:
+            config = config.model_copy(update={"num_speculative_steps": num_speculative_steps})
         reports = [
             _verify_data_parallel(name, config, examples, seed, tier, console) for name in names
         ]

@@ -95,3 +95,29 @@ def test_triton_backend_runs_in_the_interpreter_on_the_cpu_tier(tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (backend,) = json.loads(out.read_text())["backends"]
     assert backend["status"] == "passed" and backend["checks"]["step_metadata"]["passed"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU tier's report")
+def test_dp_run_honours_the_step_count_and_records_the_given_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "dp.json"
+    env_commit = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("SPECCHECK_COMMIT", env_commit)
+    proc = _verify("--backend", "reference", "--dp-size", "2", "--num-speculative-steps", "2",
+                   "--examples", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["commit"] == env_commit
+    (backend,) = report["backends"]
+    assert backend["runtime_config"]["num_speculative_steps"] == 2
+    assert backend["checks"]["dp_token_count"]["passed"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU-only skips")
+def test_dp_skip_reports_the_machine_tier(tmp_path: Path) -> None:
+    out = tmp_path / "dp.json"
+    proc = _verify("--backend", "flashinfer", "--dp-size", "2", "--examples", "2", "--json", str(out))
+    assert proc.returncode == 3, proc.stdout
+    (backend,) = json.loads(out.read_text())["backends"]
+    assert (backend["status"], backend["tier"]) == ("skipped", "cpu")
