@@ -211,16 +211,18 @@ class BackendVerifier:
 
     def candidates(self) -> list[str]:
         """What is compared with the eager per-step oracle: the fused body when the matrix
-        allows it, else the host_preplanned body where it applies, else (GPU) per-step
-        graph replays; each as a graph replay on the GPU and eagerly."""
+        allows it, else the host_preplanned body where it applies, each as a graph replay on
+        the GPU and eagerly; and on the GPU, when fused decoding is not allowed, the per-step
+        graph replays the speculator falls back to."""
         spec = self.harness(self.settings.steps[0]).spec
+        fallback = [] if spec.use_fused_multi_step_decode or not self.gpu else ["per_step_graph"]
         if spec.use_fused_multi_step_decode:
             path = "fused"
         elif spec.preplanned_capable:
             path = "preplanned"
         else:
-            return ["per_step_graph"] if self.gpu else []
-        return [f"{path}_graph", f"{path}_eager"] if self.gpu else [f"{path}_eager"]
+            return fallback
+        return [f"{path}_graph", f"{path}_eager", *fallback] if self.gpu else [f"{path}_eager"]
 
     # ------------------------------------------------------------ one example
     def run_example(self, example: Example) -> list[Outcome]:
