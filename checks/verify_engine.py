@@ -136,6 +136,24 @@ class GuardedAllocator:
         return [v for b in self.buffers for v in b.violations()]
 
 
+def candidate_names(multi_step_path: str | None, gpu: bool) -> list[str]:
+    """The candidates of one example, in the order they run after the oracle.
+
+    ``multi_step_path`` is ``"fused"`` when the matrix allows fused decoding,
+    ``"preplanned"`` when the host_preplanned strategy applies, else ``None``. The multi-step
+    body runs as a graph replay on the GPU and eagerly everywhere. On the GPU, when fused
+    decoding is not allowed, the per-step graph replays the speculator falls back to are a
+    candidate too, and they run first: their step comparison covers every persistent
+    buffer, and a preplanned candidate rewrites its per-step buffers, which the oracle saw
+    holding the previous example's plans.
+    """
+    fallback = ["per_step_graph"] if gpu and multi_step_path != "fused" else []
+    if multi_step_path is None:
+        return fallback
+    body = [f"{multi_step_path}_graph", f"{multi_step_path}_eager"] if gpu else [f"{multi_step_path}_eager"]
+    return fallback + body
+
+
 class BackendVerifier:
     """Verifies ``settings.backend`` under ``settings.config`` on ``device``."""
 
@@ -210,19 +228,12 @@ class BackendVerifier:
         return self.harness(self.settings.steps[0]).spec.use_fused_multi_step_decode
 
     def candidates(self) -> list[str]:
-        """What is compared with the eager per-step oracle: the fused body when the matrix
-        allows it, else the host_preplanned body where it applies, each as a graph replay on
-        the GPU and eagerly; and on the GPU, when fused decoding is not allowed, the per-step
-        graph replays the speculator falls back to."""
+        """What is compared with the eager per-step oracle, in order: see
+        :func:`candidate_names`."""
         spec = self.harness(self.settings.steps[0]).spec
-        fallback = [] if spec.use_fused_multi_step_decode or not self.gpu else ["per_step_graph"]
         if spec.use_fused_multi_step_decode:
-            path = "fused"
-        elif spec.preplanned_capable:
-            path = "preplanned"
-        else:
-            return fallback
-        return [f"{path}_graph", f"{path}_eager", *fallback] if self.gpu else [f"{path}_eager"]
+            return candidate_names("fused", self.gpu)
+        return candidate_names("preplanned" if spec.preplanned_capable else None, self.gpu)
 
     # ------------------------------------------------------------ one example
     def run_example(self, example: Example) -> list[Outcome]:

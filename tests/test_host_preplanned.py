@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
 from speccheck.checks.strategies import BatchLimits, draft_batches
-from speccheck.checks.verify_engine import BackendVerifier, VerifySettings
+from speccheck.checks.verify_engine import BackendVerifier, VerifySettings, candidate_names
 from speccheck.checks.verify_report import BackendReport
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -149,3 +149,40 @@ def test_preplanned_full_graph_is_one_replay() -> None:
     spec.capture()
     spec.propose(BATCH, "preplanned")
     assert (spec.counters.eager_step_calls, spec.counters.graph_replays) == (0, 1)
+
+
+def test_gpu_candidates_run_the_per_step_graphs_first() -> None:
+    assert candidate_names("preplanned", gpu=True) == ["per_step_graph", "preplanned_graph", "preplanned_eager"]
+    assert candidate_names("preplanned", gpu=False) == ["preplanned_eager"]
+    assert candidate_names("fused", gpu=True) == ["fused_graph", "fused_eager"]
+    assert candidate_names(None, gpu=True) == ["per_step_graph"]
+    assert candidate_names(None, gpu=False) == []
+
+
+class _OrderedVerifier(BackendVerifier):
+    """Runs a per-step candidate (eagerly: no graphs on the CPU) beside the preplanned one,
+    in the order given, to show why the per-step candidate must come first."""
+
+    order: list[str] = []
+
+    def candidates(self) -> list[str]:
+        return self.order
+
+
+@pytest.mark.parametrize("per_step_first", [True, False])
+def test_a_per_step_candidate_after_a_preplanned_one_sees_rewritten_step_buffers(
+    per_step_first: bool,
+) -> None:
+    settings_ = VerifySettings("flashinfer", CONFIG.model_copy(update={"head_size": 16}), examples=6,
+                               steps=(4,), capture_sizes=(2, 4), vocab_size=64,
+                               builder_overrides=(("flashinfer", PlannedBuilder),))
+    verifier = _OrderedVerifier(settings_, DEVICE)
+    pair = ["per_step_eager", "preplanned_eager"]
+    verifier.order = pair if per_step_first else pair[::-1]
+    report = BackendReport("flashinfer", "cpu", "passed")
+    verifier.run(report, lambda i, e: None)
+    if per_step_first:
+        assert report.status == "passed", report.failures
+    else:
+        stale = [f for f in report.failures if f.check == "step_metadata"]
+        assert stale and stale[0].field is not None and "planned[" in stale[0].field, report.failures
