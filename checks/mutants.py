@@ -9,6 +9,7 @@ thing done wrong. :class:`DerivedBuilder` does it right and must pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -29,7 +30,7 @@ class DerivedBuilder(ReferenceMetadataBuilder):
     """Derives ``kv_lens_plus_one`` from ``seq_lens`` into a persistent buffer whose tail is
     zeroed, declares it, and recomputes it in place between draft steps."""
 
-    step_dependent_fields = ("kv_lens_plus_one",)
+    step_dependent_fields: ClassVar[tuple[str, ...]] = ("kv_lens_plus_one",)
 
     def setup(self) -> None:
         self.derived = self.allocate_persistent("derived", (self.limits.max_num_reqs,), torch.int32)

@@ -76,7 +76,7 @@ def tensor_identity(t: torch.Tensor) -> TensorIdentity:
     return TensorIdentity(
         obj_id=id(t),
         data_ptr=t.data_ptr(),
-        storage_offset=t.storage_offset(),
+        storage_offset=int(t.storage_offset()),
         shape=tuple(t.shape),
         stride=tuple(t.stride()),
     )

@@ -35,7 +35,9 @@ def run_worker(
     request: dict[str, object], progress: Progress, example_timeout: float, tier: str
 ) -> BackendReport:
     backend = str(request["backend"])
-    task = progress.add_task(backend, total=int(request["examples"]) if not request["reproduce"] else 1)
+    examples = request["examples"]
+    assert isinstance(examples, int)
+    task = progress.add_task(backend, total=examples if not request["reproduce"] else 1)
     with tempfile.TemporaryDirectory(prefix="speccheck-") as tmp:
         req, res, prog = (Path(tmp) / n for n in ("request.json", "result.json", "progress.jsonl"))
         req.write_text(json.dumps(request))

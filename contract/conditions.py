@@ -379,11 +379,15 @@ def _evaluate(node: ast.expr, config: BaseModel) -> Value:
     if isinstance(node, ast.UnaryOp):
         if isinstance(node.op, ast.Not):
             return not _evaluate(node.operand, config)
-        return -_literal(node.operand)
+        operand = _literal(node.operand)
+        if isinstance(operand, str):
+            raise TypeError(f"unchecked negation of {operand!r} reached the evaluator")
+        return -operand
     if isinstance(node, ast.Compare):
         left = _evaluate(node.left, config)
         for op, right_node in zip(node.ops, node.comparators, strict=True):
             if isinstance(op, _MEMBERSHIP_OPS):
+                assert isinstance(right_node, (ast.List, ast.Tuple))
                 members = [_evaluate(element, config) for element in right_node.elts]
                 return _compare(op, left, members)
             right = _evaluate(right_node, config)
@@ -443,6 +447,7 @@ def _words(node: ast.expr, *, top: bool = False) -> str:
         for op, right in zip(node.ops, node.comparators, strict=True):
             words = _COMPARE_WORDS[type(op)]
             if isinstance(op, _MEMBERSHIP_OPS):
+                assert isinstance(right, (ast.List, ast.Tuple))
                 members = ", ".join(_words(element) for element in right.elts)
                 parts.append(f"{_words(left)} {words} {members}")
             elif isinstance(left, ast.Name) and isinstance(right, ast.Name) and type(op) in (

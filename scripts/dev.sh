@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # speccheck developer entry point.
 #   scripts/dev.sh verify [ARGS]  set up .venv if needed, then `speccheck verify` (default backend)
-#   scripts/dev.sh test   [ARGS]  set up .venv if needed, then the whole test suite and the
-#                                 generated-file checks
+#   scripts/dev.sh test   [ARGS]  set up .venv if needed, then the generated-file checks,
+#                                 mypy, and the whole test suite
 # Needs only Python 3.11+. On a machine without an NVIDIA GPU it installs the CPU build of
 # torch 2.13 (a bare `torch` requirement could pull a multi-GB CUDA build).
 set -euo pipefail
@@ -12,7 +12,7 @@ venv="$root/.venv"
 py="$venv/bin/python"
 
 setup() {
-    if [ -x "$py" ] && "$py" -c "import speccheck.checks.cli, pytest" 2>/dev/null; then
+    if [ -x "$py" ] && "$py" -c "import speccheck.checks.cli, pytest, mypy" 2>/dev/null; then
         return
     fi
     python3 -m venv "$venv"
@@ -36,6 +36,7 @@ case "$cmd" in
         setup
         "$venv/bin/speccheck" docs --check
         "$venv/bin/speccheck" schema --check
+        "$py" -m mypy contract backends speculator checks
         set +e
         "$py" -m pytest -q "$@"
         status=$?

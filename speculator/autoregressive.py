@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -217,13 +218,11 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self._in_capture = True
         try:
             for n in self.graphs.capture_sizes:
-                self._capture_one(("step", n), lambda md, n=n: self._generate_draft(n, md, 0, False))
+                self._capture_one(("step", n), partial(self._generate_draft, n, step=0, observe=False))
                 if self.use_fused_multi_step_decode:
-                    self._capture_one(("fused", n), lambda md, n=n: self._generate_fused_drafts(n, md))
+                    self._capture_one(("fused", n), partial(self._generate_fused_drafts, n))
                 if self.preplanned_capable:
-                    self._capture_one(
-                        ("preplanned", n), lambda md, n=n: self._generate_preplanned_drafts(n, md)
-                    )
+                    self._capture_one(("preplanned", n), partial(self._generate_preplanned_drafts, n))
         finally:
             self._in_capture = False
             self._reset_index_buffers()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -43,7 +44,8 @@ class CudaGraphManager:
         self.capture_sizes = sorted(set(capture_sizes))
         self.device = device
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
-        self._pool: tuple[int, int] | None = None
+        self._pool: Any = None
+        """The graphs' shared memory-pool handle (opaque to Python)."""
         """The memory pool every graph of this manager shares (a CUDA pool handle)."""
 
     def capture(self, key: Hashable, body: Callable[[], None], warmup_runs: int = 1) -> None:

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any, ClassVar
+from types import MethodType, ModuleType
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -179,7 +179,7 @@ class FlashInferMetadata:
     @property
     def wrapper(self) -> Any:
         """The planned wrapper itself (``None`` for an empty batch)."""
-        return None if self.run is None else self.run.__self__
+        return None if self.run is None else cast(MethodType, self.run).__self__
 
 
 class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
