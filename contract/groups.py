@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speccheck.contract.builder import AttentionMetadataBuilder
+from speccheck.contract.matrix_model import CudaGraphSupport
 from speccheck.contract.metadata import CommonAttentionMetadata
 
 
@@ -23,6 +24,9 @@ class AttentionGroup:
     refresh_strategy: str = "none_needed"
     """The matrix's draft-decode refresh strategy for this backend: ``in_graph``,
     ``none_needed`` or ``host_preplanned``."""
+    cudagraph_support: CudaGraphSupport = CudaGraphSupport.ALWAYS
+    """The matrix's ``cudagraph_support`` for this backend: which batches its attention may
+    be captured for."""
 
     @property
     def supports_draft_decode_metadata_update(self) -> bool:

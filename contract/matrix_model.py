@@ -113,6 +113,12 @@ class CudaGraphSupport(_DescribedEnum):
             return NotImplemented
         return self.rank < other.rank
 
+    @classmethod
+    def needed_for(cls, tokens_per_req: int) -> CudaGraphSupport:
+        """The least support that captures uniform batches of ``tokens_per_req`` query
+        tokens per request: single-token decode steps, or blocks such as DFlash's 1 + K."""
+        return cls.UNIFORM_SINGLE_TOKEN_DECODE if tokens_per_req == 1 else cls.UNIFORM_BATCH
+
 
 class RefreshStrategy(_DescribedEnum):
     """How a backend's step-dependent attention metadata stays correct across draft steps."""

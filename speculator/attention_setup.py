@@ -69,13 +69,16 @@ def build_attention_groups(
     for index, name in enumerate(layer_backends):
         if name not in groups:
             cls = (builder_overrides or {}).get(name) or builder_class(name, matrix)
-            resolution = resolve_backend(matrix.backend(name), config)
+            entry = matrix.backend(name)
+            resolution = resolve_backend(entry, config)
             builder = cls(
                 layer, config, device, limits,
                 supports_draft_decode_metadata_update=resolution.fused_multi_step,
                 buffer_allocator=buffer_allocator,
             )
-            groups[name] = AttentionGroup(name, builder, (), resolution.refresh_strategy)
+            groups[name] = AttentionGroup(
+                name, builder, (), resolution.refresh_strategy, entry.cudagraph_support
+            )
         group = groups[name]
         group.layer_indices = (*group.layer_indices, index)
     return list(groups.values())

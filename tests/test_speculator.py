@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from speccheck.backends.reference.builder import ReferenceMetadataBuilder
 from speccheck.checks.strategies import BatchLimits, draft_batches
+from speccheck.contract.groups import AttentionGroup
+from speccheck.contract.matrix_model import CudaGraphSupport
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
-from speccheck.speculator.base import SpeculatorOptions
+from speccheck.speculator.base import SpeculatorOptions, graph_support_shortfall
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.cudagraph_manager import CudaGraphUnavailable
 from speccheck.speculator.factory import create_speculator
@@ -184,3 +186,26 @@ def _full_speculator(k: int) -> AutoregressiveSpeculator:
     assert isinstance(spec, AutoregressiveSpeculator)
     spec.capture()
     return spec
+
+
+def test_graph_support_shortfall_follows_the_matrix_levels() -> None:
+    def group(name: str, support: CudaGraphSupport) -> AttentionGroup:
+        return AttentionGroup(name, None, (0,), cudagraph_support=support)  # type: ignore[arg-type]
+
+    decode_only = [group("reference", CudaGraphSupport.ALWAYS),
+                   group("decode_only", CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)]
+    assert graph_support_shortfall(decode_only, tokens_per_req=1) is None
+    note = graph_support_shortfall(decode_only, tokens_per_req=5)
+    assert note is not None and note.startswith("decode_only cannot capture batches of 5 query")
+    uniform = [group("flashinfer", CudaGraphSupport.UNIFORM_BATCH)]
+    assert graph_support_shortfall(uniform, tokens_per_req=5) is None
+    assert CudaGraphSupport.needed_for(1) is CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    assert CudaGraphSupport.needed_for(4) is CudaGraphSupport.UNIFORM_BATCH
+
+
+def test_groups_carry_the_matrix_graph_support() -> None:
+    spec = create_speculator("autoregressive", ["reference", "flashinfer"], _config(4), DRAFTER,
+                             DEVICE, OPTIONS, builder_overrides={"flashinfer": _Unsupported})
+    support = {g.backend_name: g.cudagraph_support for g in spec.groups}
+    assert support == {"reference": CudaGraphSupport.ALWAYS, "flashinfer": CudaGraphSupport.UNIFORM_BATCH}
+    assert spec.graph_mode_note is None
