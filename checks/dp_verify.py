@@ -376,7 +376,7 @@ def _attempt(call: Callable[..., T], *args: Any) -> tuple[T | None, str | None]:
     """``(call(*args), None)``, or ``(None, "Type: first line of the message")``."""
     try:
         return call(*args), None
-    except Exception as exc:  # noqa: BLE001 - a raising propose is a finding, not a crash
+    except Exception as exc:  # a raising propose is a finding, not a crash
         logger.debug("propose raised", exc_info=True)
         first_line = (str(exc).splitlines() or [""])[0]
         return None, f"{type(exc).__name__}: {first_line}"

@@ -20,7 +20,7 @@ import functools
 import json
 from collections import Counter
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, Self, Union
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -229,10 +229,8 @@ ConditionText = Annotated[
     ),
 ]
 Supported = Annotated[
-    Union[
-        Annotated[StrictBool, Tag("supported-bool")],
-        Annotated[ConditionText, Tag("supported-condition")],
-    ],
+    Annotated[StrictBool, Tag("supported-bool")]
+    | Annotated[ConditionText, Tag("supported-condition")],
     Discriminator(
         _supported_kind,
         custom_error_type="bool_or_condition",
@@ -263,10 +261,8 @@ class MultipleOf(StrictModel):
 
 
 SizeSpec = Annotated[
-    Union[
-        Annotated[tuple[PositiveInt, ...], Tag("size-list")],
-        Annotated[MultipleOf, Tag("size-multiple-of")],
-    ],
+    Annotated[tuple[PositiveInt, ...], Tag("size-list")]
+    | Annotated[MultipleOf, Tag("size-multiple-of")],
     Discriminator(
         _size_kind,
         custom_error_type="size_spec",

@@ -9,6 +9,7 @@ the agreed token count, but in eager mode attention covers only the real tokens.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -92,7 +93,7 @@ class DFlashSpeculator(DraftModelSpeculator):
                 md = self._build_block_metadata(desc, n, np.zeros(n, np.int64), capture=True)
                 self._compute_slot_mappings(n * q, 0)
                 self._captured_metadata[n] = md
-                self.graphs.capture(("block", n), lambda n=n, md=md: self._block_forward(n * q, md))
+                self.graphs.capture(("block", n), partial(self._block_forward, n * q, md))
         finally:
             self._in_capture = False
             self._reset_index_buffers()

@@ -27,13 +27,13 @@ def create_speculator(
     matrix: Any = None,
     builder_overrides: dict[str, type[AttentionMetadataBuilder[Any]]] | None = None,
     buffer_allocator: BufferAllocator = zeros_allocator,
-    speculator_cls: type[AutoregressiveSpeculator] | type[DFlashSpeculator] | None = None,
+    speculator_cls: type[AutoregressiveSpeculator | DFlashSpeculator] | None = None,
 ) -> AutoregressiveSpeculator | DFlashSpeculator:
     """``kind`` is ``"autoregressive"`` or ``"dflash"``; layer ``i`` of the drafter runs on
     backend ``layer_backends[i]`` (one name repeats for a single-backend model).
     ``speculator_cls`` swaps in a subclass of the kind's speculator (the DP regression
     plants the seed-004 bug with one)."""
-    kinds: dict[str, type[AutoregressiveSpeculator] | type[DFlashSpeculator]] = {
+    kinds: dict[str, type[AutoregressiveSpeculator | DFlashSpeculator]] = {
         "autoregressive": AutoregressiveSpeculator, "dflash": DFlashSpeculator,
     }
     if kind not in kinds:

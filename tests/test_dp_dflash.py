@@ -27,8 +27,8 @@ from speccheck.checks.dp_verify import (
     CHECK_MATCHES_SINGLE_RANK,
     CHECK_TOKEN_COUNT,
     DPVerifyResult,
-    dflash_batch_limits,
     default_options,
+    dflash_batch_limits,
     draw_dp_rounds,
     verify_dp,
 )

@@ -163,7 +163,9 @@ class _OrderedVerifier(BackendVerifier):
     """Runs a per-step candidate (eagerly: no graphs on the CPU) beside the preplanned one,
     in the order given, to show why the per-step candidate must come first."""
 
-    order: list[str] = []
+    def __init__(self, settings_: VerifySettings, order: list[str]) -> None:
+        super().__init__(settings_, DEVICE)
+        self.order = order
 
     def candidates(self) -> list[str]:
         return self.order
@@ -176,9 +178,8 @@ def test_a_per_step_candidate_after_a_preplanned_one_sees_rewritten_step_buffers
     settings_ = VerifySettings("flashinfer", CONFIG.model_copy(update={"head_size": 16}), examples=6,
                                steps=(4,), capture_sizes=(2, 4), vocab_size=64,
                                builder_overrides=(("flashinfer", PlannedBuilder),))
-    verifier = _OrderedVerifier(settings_, DEVICE)
     pair = ["per_step_eager", "preplanned_eager"]
-    verifier.order = pair if per_step_first else pair[::-1]
+    verifier = _OrderedVerifier(settings_, pair if per_step_first else pair[::-1])
     report = BackendReport("flashinfer", "cpu", "passed")
     verifier.run(report, lambda i, e: None)
     if per_step_first:
