@@ -4,6 +4,7 @@ counts and loop order, gating from the matrix, and graph-mode errors without CUD
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import cache
 
 import pytest
@@ -20,6 +21,7 @@ from speccheck.speculator.autoregressive import AutoregressiveSpeculator
 from speccheck.speculator.base import SpeculatorOptions, graph_support_shortfall
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.cudagraph_manager import CudaGraphUnavailable
+from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
 
@@ -209,3 +211,32 @@ def test_groups_carry_the_matrix_graph_support() -> None:
     support = {g.backend_name: g.cudagraph_support for g in spec.groups}
     assert support == {"reference": CudaGraphSupport.ALWAYS, "flashinfer": CudaGraphSupport.UNIFORM_BATCH}
     assert spec.graph_mode_note is None
+
+
+class _EagerCapture:
+    """Stands in for the CUDA-graph manager on the CPU: runs each capture body once,
+    eagerly, and records its key, so the capture wiring is exercised without a device."""
+
+    def __init__(self, capture_sizes: tuple[int, ...]) -> None:
+        self.capture_sizes = sorted(capture_sizes)
+        self.keys: list[tuple[str, int]] = []
+
+    def reset(self) -> None:
+        self.keys.clear()
+
+    def capture(self, key: tuple[str, int], body: Callable[[], None]) -> None:
+        body()
+        self.keys.append(key)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-in for the graph manager")
+def test_capture_bodies_run_for_every_bucket_and_path() -> None:
+    auto = create_speculator("autoregressive", ["reference"] * 2, _config(3), DRAFTER, DEVICE, OPTIONS)
+    auto.graphs = _EagerCapture(OPTIONS.capture_sizes)  # type: ignore[assignment]
+    auto.capture()
+    assert auto.graphs.keys == [(kind, n) for n in (1, 2, 4) for kind in ("step", "fused")]  # type: ignore[union-attr]
+    dflash = create_speculator("dflash", ["reference"] * 2, _config(3), DRAFTER, DEVICE, OPTIONS)
+    assert isinstance(dflash, DFlashSpeculator)
+    dflash.graphs = _EagerCapture(OPTIONS.capture_sizes)  # type: ignore[assignment]
+    dflash.capture()
+    assert dflash.graphs.keys == [("block", n) for n in (1, 2, 4)]  # type: ignore[union-attr]
