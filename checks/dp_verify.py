@@ -41,8 +41,7 @@ from speccheck.checks.verify_engine import TOLERANCE, example_json
 from speccheck.checks.verify_report import BackendReport, CheckTally, Failure
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.matrix_loader import load_matrix
-from speccheck.contract.matrix_model import CudaGraphSupport
-from speccheck.contract.resolution import resolve_backend
+from speccheck.contract.resolution import graph_capture_shortfall, resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import attention_token_count, uniform_query_start_loc
 from speccheck.speculator.attention_setup import unrunnable_reason
@@ -269,12 +268,12 @@ def verify_dp(
             f"batches_per_rank must hold one equally long list per rank ({dp_size}), got lengths "
             f"{[len(rank) for rank in batches]}"
         )
-    support = load_matrix().backend(backend).cudagraph_support
-    needed = CudaGraphSupport.needed_for(config.num_speculative_steps + 1)
     skipped_modes = {m: "needs a CUDA device" for m in wanted if m == "full" and not cuda}
-    if "full" in wanted and cuda and support < needed:
-        skipped_modes["full"] = (f"cudagraph_support {support.value} cannot capture DFlash blocks "
-                                 f"(needs {needed.value})")
+    shortfall = graph_capture_shortfall(
+        {backend: load_matrix().backend(backend).cudagraph_support}, config.num_speculative_steps + 1
+    )
+    if "full" in wanted and cuda and shortfall is not None:
+        skipped_modes["full"] = shortfall
     runnable = tuple(m for m in wanted if m not in skipped_modes)
     device = torch.cuda.get_device_name(rank_device(0)) if cuda else "CPU (no CUDA device)"
     result = DPVerifyResult(

@@ -97,7 +97,8 @@ def verify_command(
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
     given = {"dcp_world_size": dcp_world_size, "dp_size": dp_size, "block_size": block_size,
              "max_model_len": max_model_len, "dtype": dtype, "head_size": head_size,
-             "num_heads": num_heads, "num_kv_heads": num_kv_heads}
+             "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+             "num_speculative_steps": num_speculative_steps}
     tier = "gpu" if torch.cuda.is_available() else "cpu"
     config = build_runtime_config(**{**TIER_DEFAULTS[tier], **{k: v for k, v in given.items() if v is not None}})
     try:
@@ -120,12 +121,8 @@ def verify_command(
     device = torch.cuda.get_device_name() if tier == "gpu" else "CPU"
     console.print(TIER_LINE[tier].format(device=device), markup=False)
     flags = " ".join(f"{option_flag(k)} {v}" for k, v in given.items() if v is not None)
-    if num_speculative_steps:
-        flags += f" {option_flag('num_speculative_steps')} {num_speculative_steps}"
     reports: list[BackendReport] = []
     if config.dp_size > 1:
-        if num_speculative_steps:
-            config = config.model_copy(update={"num_speculative_steps": num_speculative_steps})
         reports = [
             _verify_data_parallel(name, config, examples, seed, tier, console) for name in names
         ]

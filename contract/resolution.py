@@ -12,7 +12,7 @@ Two questions, two functions:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from speccheck.contract.conditions import evaluate_condition, explain_unmet, parse_condition
@@ -205,3 +205,16 @@ def decide_fused_multi_step(
         "Fused multi-step draft decode is on: every attention group supports draft-decode "
         f"metadata update (backends: {names}).",
     )
+
+
+def graph_capture_shortfall(
+    supports: Mapping[str, CudaGraphSupport], tokens_per_req: int
+) -> str | None:
+    """Why backends with these ``cudagraph_support`` levels (by name) cannot be captured for
+    uniform batches of ``tokens_per_req`` query tokens per request, or None when all can."""
+    needed = CudaGraphSupport.needed_for(tokens_per_req)
+    short = [name for name, support in supports.items() if support < needed]
+    if not short:
+        return None
+    return (f"{', '.join(short)} cannot capture batches of {tokens_per_req} query tokens per "
+            f"request (cudagraph_support below {needed.value})")

@@ -18,8 +18,8 @@ import torch
 from speccheck.contract.builder import AttentionImpl, BuilderLimits
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.groups import AttentionGroup
-from speccheck.contract.matrix_model import CudaGraphSupport
 from speccheck.contract.metadata import AttentionInputBuffers
+from speccheck.contract.resolution import graph_capture_shortfall
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_attention_metadata
 from speccheck.speculator.batch import DraftBatch
@@ -67,18 +67,6 @@ class StepCounters:
     graph_replays: int = 0
 
 
-def graph_support_shortfall(groups: Sequence[AttentionGroup], tokens_per_req: int) -> str | None:
-    """Why these groups' attention cannot be captured for uniform batches of
-    ``tokens_per_req`` query tokens per request (the matrix's ``cudagraph_support``), or
-    None when every group can."""
-    needed = CudaGraphSupport.needed_for(tokens_per_req)
-    short = [g.backend_name for g in groups if g.cudagraph_support < needed]
-    if not short:
-        return None
-    return (f"{', '.join(short)} cannot capture batches of {tokens_per_req} query tokens per "
-            f"request (cudagraph_support below {needed.value}); running eagerly")
-
-
 class DraftModelSpeculator:
     """A :class:`DraftModel`, its attention groups, KV cache and persistent buffers."""
 
@@ -107,9 +95,12 @@ class DraftModelSpeculator:
         self.graph_mode_note: str | None = None
         """Why FULL was downgraded to eager (the matrix's ``cudagraph_support``), else None."""
         if self.cg_mode == CUDAGraphMode.FULL:
-            self.graph_mode_note = graph_support_shortfall(groups, tokens_per_req)
+            self.graph_mode_note = graph_capture_shortfall(
+                {g.backend_name: g.cudagraph_support for g in groups}, tokens_per_req
+            )
             if self.graph_mode_note is not None:
-                logger.warning("cudagraph_mode full -> none: %s", self.graph_mode_note)
+                logger.warning("cudagraph_mode full -> none, running eagerly: %s",
+                               self.graph_mode_note)
                 self.cg_mode = CUDAGraphMode.NONE
         cfg = model.cfg
         self.vocab_size = cfg.vocab_size

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from speccheck.backends.reference.builder import ReferenceMetadataBuilder
 from speccheck.checks.strategies import BatchLimits, draft_batches
-from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.matrix_model import CudaGraphSupport
+from speccheck.contract.resolution import graph_capture_shortfall
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
-from speccheck.speculator.base import SpeculatorOptions, graph_support_shortfall
+from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.cudagraph_manager import CudaGraphUnavailable
 from speccheck.speculator.dflash import DFlashSpeculator
@@ -190,17 +190,14 @@ def _full_speculator(k: int) -> AutoregressiveSpeculator:
     return spec
 
 
-def test_graph_support_shortfall_follows_the_matrix_levels() -> None:
-    def group(name: str, support: CudaGraphSupport) -> AttentionGroup:
-        return AttentionGroup(name, None, (0,), cudagraph_support=support)  # type: ignore[arg-type]
-
-    decode_only = [group("reference", CudaGraphSupport.ALWAYS),
-                   group("decode_only", CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE)]
-    assert graph_support_shortfall(decode_only, tokens_per_req=1) is None
-    note = graph_support_shortfall(decode_only, tokens_per_req=5)
+def test_graph_capture_shortfall_follows_the_matrix_levels() -> None:
+    decode_only = {"reference": CudaGraphSupport.ALWAYS,
+                   "decode_only": CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE}
+    assert graph_capture_shortfall(decode_only, tokens_per_req=1) is None
+    note = graph_capture_shortfall(decode_only, tokens_per_req=5)
     assert note is not None and note.startswith("decode_only cannot capture batches of 5 query")
-    uniform = [group("flashinfer", CudaGraphSupport.UNIFORM_BATCH)]
-    assert graph_support_shortfall(uniform, tokens_per_req=5) is None
+    uniform = {"flashinfer": CudaGraphSupport.UNIFORM_BATCH}
+    assert graph_capture_shortfall(uniform, tokens_per_req=5) is None
     assert CudaGraphSupport.needed_for(1) is CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE
     assert CudaGraphSupport.needed_for(4) is CudaGraphSupport.UNIFORM_BATCH
 
