@@ -117,11 +117,14 @@ def test_preplanned_loop_order_and_one_metadata_object_per_step() -> None:
     assert len({i for _, i in seen}) == 3, "each step runs with its own planned metadata"
 
 
+def _settings(builder: type, examples: int) -> VerifySettings:
+    return VerifySettings("flashinfer", CONFIG.model_copy(update={"head_size": 16}), examples=examples,
+                          steps=(4,), capture_sizes=(2, 4), vocab_size=64,
+                          builder_overrides=(("flashinfer", builder),))
+
+
 def _verify(builder: type) -> BackendReport:
-    settings_ = VerifySettings("flashinfer", CONFIG.model_copy(update={"head_size": 16}), examples=12,
-                               steps=(4,), capture_sizes=(2, 4), vocab_size=64,
-                               builder_overrides=(("flashinfer", builder),))
-    verifier = BackendVerifier(settings_, DEVICE)
+    verifier = BackendVerifier(_settings(builder, examples=12), DEVICE)
     assert verifier.candidates() == ["preplanned_eager"]
     report = BackendReport("flashinfer", "cpu", "passed")
     verifier.run(report, lambda i, e: None)
@@ -175,11 +178,9 @@ class _OrderedVerifier(BackendVerifier):
 def test_a_per_step_candidate_after_a_preplanned_one_sees_rewritten_step_buffers(
     per_step_first: bool,
 ) -> None:
-    settings_ = VerifySettings("flashinfer", CONFIG.model_copy(update={"head_size": 16}), examples=6,
-                               steps=(4,), capture_sizes=(2, 4), vocab_size=64,
-                               builder_overrides=(("flashinfer", PlannedBuilder),))
     pair = ["per_step_eager", "preplanned_eager"]
-    verifier = _OrderedVerifier(settings_, pair if per_step_first else pair[::-1])
+    verifier = _OrderedVerifier(_settings(PlannedBuilder, examples=6),
+                                pair if per_step_first else pair[::-1])
     report = BackendReport("flashinfer", "cpu", "passed")
     verifier.run(report, lambda i, e: None)
     if per_step_first:
