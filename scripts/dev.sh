@@ -12,7 +12,7 @@ venv="$root/.venv"
 py="$venv/bin/python"
 
 setup() {
-    if [ -x "$py" ] && "$py" -c "import speccheck.checks.cli, pytest, mypy" 2>/dev/null; then
+    if [ -x "$py" ] && "$py" -c "import speccheck.checks.cli.app, pytest, mypy" 2>/dev/null; then
         return
     fi
     python3 -m venv "$venv"

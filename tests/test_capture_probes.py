@@ -24,7 +24,7 @@ from speccheck.checks.probes import (
     ProbeFinding,
     check_zero_tail,
 )
-from speccheck.checks.state_walk import changed_paths, snapshot, walk_tensors
+from speccheck.checks.verify.state_walk import changed_paths, snapshot, walk_tensors
 from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
 from speccheck.contract.runtime_config import RuntimeConfig
 

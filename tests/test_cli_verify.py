@@ -18,7 +18,7 @@ FAULTY_MATRIX = ROOT / "tests" / "fixtures" / "adapters" / "matrix.yaml"
 def _verify(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     return subprocess.run(
-        [sys.executable, "-c", "from speccheck.checks.cli import main; main()", "verify", *args],
+        [sys.executable, "-c", "from speccheck.checks.cli.app import main; main()", "verify", *args],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
     )
 
@@ -69,7 +69,7 @@ def test_unknown_backend_is_a_clear_error() -> None:
 
 
 def test_reproduce_runs_exactly_one_example(tmp_path: Path) -> None:
-    from speccheck.checks.verify_engine import encode_example
+    from speccheck.checks.verify.engine import encode_example
     from speccheck.speculator.batch import DraftBatch
 
     blob = encode_example((3, DraftBatch((5,), ((1, 2),), ((1, 2, 3),), (7,))))

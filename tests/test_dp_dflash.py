@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from speccheck.checks.dp_verify import (
+from speccheck.checks.verify.data_parallel import (
     CHECK_MATCHES_SINGLE_RANK,
     CHECK_TOKEN_COUNT,
     DPVerifyResult,
@@ -32,7 +32,7 @@ from speccheck.checks.dp_verify import (
     draw_dp_rounds,
     verify_dp,
 )
-from speccheck.checks.verify_report import BackendReport
+from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.batch import DraftBatch

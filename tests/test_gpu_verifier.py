@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speccheck.checks.verify_engine import BackendVerifier, VerifySettings
-from speccheck.checks.verify_report import BackendReport
+from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
+from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.runtime_config import RuntimeConfig
 
 pytestmark = pytest.mark.cuda

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
-from speccheck.checks.strategies import BatchLimits, draft_batches
-from speccheck.checks.verify_engine import BackendVerifier, VerifySettings, candidate_names
-from speccheck.checks.verify_report import BackendReport
+from speccheck.checks.verify.strategies import BatchLimits, draft_batches
+from speccheck.checks.verify.engine import BackendVerifier, VerifySettings, candidate_names
+from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator

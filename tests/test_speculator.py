@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speccheck.backends.reference.builder import ReferenceMetadataBuilder
-from speccheck.checks.strategies import BatchLimits, draft_batches
+from speccheck.checks.verify.strategies import BatchLimits, draft_batches
 from speccheck.contract.matrix_model import CudaGraphSupport
 from speccheck.contract.resolution import graph_capture_shortfall
 from speccheck.contract.runtime_config import RuntimeConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import find, given, settings
 
-from speccheck.checks.strategies import BatchLimits, draft_batches
+from speccheck.checks.verify.strategies import BatchLimits, draft_batches
 
 LIMITS = BatchLimits(max_num_reqs=4, block_size=4, max_model_len=40, num_blocks=48,
                      extra_positions=3, vocab_size=64)

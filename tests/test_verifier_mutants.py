@@ -10,10 +10,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from speccheck.checks.cli import app
-from speccheck.checks.mutants import MUTANTS, DerivedBuilder, Mutant, StaleRefresh
-from speccheck.checks.selftest import verify_builder
-from speccheck.checks.verify_engine import decode_example, encode_example, example_from_json
+from speccheck.checks.cli.app import app
+from speccheck.checks.selftest.mutants import MUTANTS, DerivedBuilder, Mutant, StaleRefresh
+from speccheck.checks.selftest.run import verify_builder
+from speccheck.checks.verify.engine import decode_example, encode_example, example_from_json
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speccheck.checks.state_walk import same_value
+from speccheck.checks.verify.state_walk import same_value
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.kv_cache import SINK_BLOCK
 

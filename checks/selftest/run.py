@@ -13,9 +13,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from speccheck.checks.mutants import MUTANTS, DerivedBuilder
-from speccheck.checks.verify_engine import BackendVerifier, VerifySettings
-from speccheck.checks.verify_report import BackendReport
+from speccheck.checks.selftest.mutants import MUTANTS, DerivedBuilder
+from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
+from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.runtime_config import RuntimeConfig
 

@@ -1,5 +1,5 @@
-"""The process that verifies one backend: ``python -m speccheck.checks.verify_worker
-REQUEST.json RESULT.json PROGRESS.jsonl``. Run by :mod:`speccheck.checks.verify_runner`.
+"""The process that verifies one backend: ``python -m speccheck.checks.verify.worker
+REQUEST.json RESULT.json PROGRESS.jsonl``. Run by :mod:`speccheck.checks.verify.runner`.
 
 Writes one JSON line per example to PROGRESS before running it (so a parent that kills a
 hung or crashed worker knows the last example), and the :class:`BackendReport` to RESULT.
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from speccheck.backends.availability import BackendUnavailable
-from speccheck.checks.verify_engine import (
+from speccheck.checks.verify.engine import (
     BackendVerifier,
     Example,
     VerifySettings,
@@ -27,7 +27,7 @@ from speccheck.checks.verify_engine import (
     example_from_json,
     tally,
 )
-from speccheck.checks.verify_report import BackendReport
+from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.resolution import resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig

@@ -17,8 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from speccheck import __version__
-from speccheck.checks.dp_verify import verify_dp
-from speccheck.checks.runtime_options import (
+from speccheck.checks.verify.data_parallel import verify_dp
+from speccheck.checks.cli.runtime_options import (
     BlockSizeOption,
     DcpWorldSizeOption,
     DpSizeOption,
@@ -32,9 +32,9 @@ from speccheck.checks.runtime_options import (
     build_runtime_config,
     option_flag,
 )
-from speccheck.checks.verify_engine import decode_example
-from speccheck.checks.verify_report import CHECK_NAMES, BackendReport, write_json, write_junit
-from speccheck.checks.verify_runner import run_worker, worker_request
+from speccheck.checks.verify.engine import decode_example
+from speccheck.checks.verify.report import CHECK_NAMES, BackendReport, write_json, write_junit
+from speccheck.checks.verify.runner import run_worker, worker_request
 from speccheck.contract.matrix_loader import MatrixError, load_matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.dp_launch import RankError

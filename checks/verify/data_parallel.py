@@ -36,9 +36,9 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from speccheck.backends.availability import BackendUnavailable
-from speccheck.checks.strategies import BatchLimits, draft_batches
-from speccheck.checks.verify_engine import TOLERANCE, example_json
-from speccheck.checks.verify_report import BackendReport, CheckTally, Failure
+from speccheck.checks.verify.strategies import BatchLimits, draft_batches
+from speccheck.checks.verify.engine import TOLERANCE, example_json
+from speccheck.checks.verify.report import BackendReport, CheckTally, Failure
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.resolution import graph_capture_shortfall, resolve_backend

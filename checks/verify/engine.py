@@ -2,7 +2,7 @@
 per-step, metadata rebuilt before every step) and the candidates (fused FULL-graph replay
 on a GPU, and the eager fused loop) from identical state, and compare.
 
-Run it through :mod:`speccheck.checks.verify_runner`, which gives each backend a process
+Run it through :mod:`speccheck.checks.verify.runner`, which gives each backend a process
 of its own: an illegal memory access breaks a CUDA context for good.
 """
 
@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
-from speccheck.checks.comparisons import (
+from speccheck.checks.verify.comparisons import (
     Outcome,
     compare_drafts,
     compare_steps,
@@ -32,10 +32,10 @@ from speccheck.checks.comparisons import (
     kv_untouched,
 )
 from speccheck.checks.probes import GuardedBuffer, HostSyncRecorder, IdentityGuard, check_zero_tail
-from speccheck.checks.state_walk import changed_paths
-from speccheck.checks.step_recorder import StepMetadataRecorder
-from speccheck.checks.strategies import BatchLimits, draft_batches
-from speccheck.checks.verify_report import BackendReport, CheckTally, Failure
+from speccheck.checks.verify.state_walk import changed_paths
+from speccheck.checks.verify.step_recorder import StepMetadataRecorder
+from speccheck.checks.verify.strategies import BatchLimits, draft_batches
+from speccheck.checks.verify.report import BackendReport, CheckTally, Failure
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.matrix_loader import load_matrix

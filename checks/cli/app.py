@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from speccheck.checks.capability_docs import render_capability_docs
-from speccheck.checks.runtime_options import (
+from speccheck.checks.docgen.capabilities import render_capability_docs
+from speccheck.checks.cli.runtime_options import (
     AdvanceDraftPositionsOption,
     BlockSizeOption,
     ComputeCapabilityOption,
@@ -40,8 +40,8 @@ from speccheck.checks.runtime_options import (
     PlatformOption,
     build_runtime_config,
 )
-from speccheck.checks.selftest import selftest_command
-from speccheck.checks.verify_command import verify_command
+from speccheck.checks.selftest.run import selftest_command
+from speccheck.checks.cli.verify import verify_command
 from speccheck.contract.matrix_loader import MatrixError, load_matrix
 from speccheck.contract.matrix_model import Matrix, render_matrix_json_schema
 from speccheck.contract.resolution import resolve_matrix

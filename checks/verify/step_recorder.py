@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from speccheck.checks.state_walk import walk_tensors
+from speccheck.checks.verify.state_walk import walk_tensors
 from speccheck.contract.groups import AttentionGroup
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from speccheck.checks.verify_report import BackendReport
+from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.runtime_config import RuntimeConfig
 
 
@@ -25,7 +25,7 @@ def worker_request(
     backend: str, config: RuntimeConfig, examples: int, seed: int, steps: Sequence[int],
     reproduce: str | None, reproduce_prefix: str, matrix: Path | None = None,
 ) -> dict[str, object]:
-    """What :mod:`speccheck.checks.verify_worker` reads: JSON-serialisable settings."""
+    """What :mod:`speccheck.checks.verify.worker` reads: JSON-serialisable settings."""
     return {"backend": backend, "config": config.model_dump(), "examples": examples,
             "seed": seed, "steps": list(steps), "reproduce": reproduce,
             "reproduce_prefix": reproduce_prefix, "matrix": str(matrix) if matrix else None}
@@ -43,7 +43,7 @@ def run_worker(
         req.write_text(json.dumps(request))
         prog.touch()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "speccheck.checks.verify_worker", str(req), str(res), str(prog)],
+            [sys.executable, "-m", "speccheck.checks.verify.worker", str(req), str(res), str(prog)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         last_example: str | None = None
