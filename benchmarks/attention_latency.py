@@ -47,7 +47,7 @@ def bench(backend: str, batch: int, seq_len: int) -> float | str:
                            num_heads=HEADS, num_kv_heads=KV_HEADS, cudagraph_mode="none")
     limits = BuilderLimits(batch, batch)
     try:
-        builder = builder_class(backend)(layer, config, device, limits)
+        builder = builder_class(backend, load_matrix())(layer, config, device, limits)
     except BackendUnavailable as exc:
         return f"skipped: {exc.package} not installed"
     blocks_per_req = layer.max_blocks_per_req

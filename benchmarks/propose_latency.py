@@ -42,6 +42,9 @@ from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
+from speccheck.contract.matrix_loader import load_matrix
+
+MATRIX = load_matrix()
 
 log = logging.getLogger("speccheck.benchmarks.propose_latency")
 
@@ -78,7 +81,7 @@ def _speculator(backend: str, k: int, batch: int, gpu: bool) -> AutoregressiveSp
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64) if s <= max(batch, 1)) or (1,)
     options = SpeculatorOptions(capture_sizes=sizes, num_blocks=batch * 32 + 1,
                                 max_num_prefill_tokens=2 * batch)
-    spec = create_speculator("autoregressive", [backend] * 2, config, drafter, device, options)
+    spec = create_speculator("autoregressive", [backend] * 2, config, drafter, device, options, matrix=MATRIX)
     assert isinstance(spec, AutoregressiveSpeculator)
     spec.capture()
     return spec

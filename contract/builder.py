@@ -108,14 +108,15 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     draft-decode graph (or the eager fused loop), between draft steps, after the speculator
     has advanced ``seq_lens``/``positions``/``slot_mapping`` in place.
 
-    Subclasses declare, in ``step_dependent_fields``, the attributes of ``M`` (or dotted
-    paths into it) that depend on the draft step and that a fresh ``build`` would compute
-    differently at each step; the verifier snapshots them after every step.
+    Which attributes of ``M`` depend on the draft step is declared once, in the backend's
+    matrix entry (``draft_decode.refreshed_fields``), not here: the verifier snapshots
+    those after every step and fails any other derived field that changes between steps.
+    Configuration constraints (dtypes, head and block sizes, …) are matrix data too, enforced
+    before a builder is constructed.
     """
 
     backend_name: ClassVar[str]
     impl_cls: ClassVar[type[AttentionImpl]]
-    step_dependent_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,

@@ -15,6 +15,20 @@ Conditions are type-checked when they are parsed: ``<`` and friends need integer
 needs operands of one type, a string compared with a ``Literal`` field must be one of that
 field's allowed values, and the whole condition must be boolean. Nothing is ever passed to
 ``eval`` or ``exec``; evaluation walks the checked tree.
+
+Two rules go beyond Python's own reading, and both are errors, not warnings (a matrix that
+loads is one whose conditions mean what they say):
+
+- Names are ASCII. Python reads identifiers through Unicode NFKC normalisation, so
+  ``ｄｃｐ_world_size == 1`` (full-width letters) would silently mean
+  ``dcp_world_size == 1``; a field must be written exactly as it is named. String literals
+  may hold any character (they are compared as written).
+- Nothing is constant. Every comparison, and each link of a chained one, must read a
+  runtime-config field (``1 == 1``, ``'a' in ['a']`` and the ``1 < 2`` of ``1 < 2 < x`` are
+  refused), and ``True`` or ``False`` may only be compared with a field, never stand as a
+  condition or an operand of ``and``/``or``/``not``. A constant part is always true or
+  always false, so it either hides the rest of the condition or is dead; to allow something
+  unconditionally, the matrix says ``true`` rather than a condition.
 """
 
 from __future__ import annotations
@@ -183,13 +197,9 @@ def _parse_cached(source: str, schema: type[BaseModel]) -> Condition:
         raise ConditionError(source, f"cannot be parsed: {exc}") from None
     checker = _Checker(source, _vocabulary(schema), indent)
     try:
-        result = checker.check(expression.body)
+        checker.check_condition(expression.body, None)
     except RecursionError:
         raise ConditionError(source, "the condition is nested too deeply") from None
-    if result.kind != "bool":
-        raise ConditionError(
-            source, f"a condition must be true or false, but this is {_KIND_WORDS[result.kind]}"
-        )
     return Condition(source=source, names=tuple(sorted(checker.names)), tree=expression.body)
 
 
@@ -198,22 +208,42 @@ class _Checker:
 
     def __init__(self, source: str, vocabulary: Mapping[str, ValueType], indent: int) -> None:
         self.source = source
+        self.parsed = source.strip()
         self.vocabulary = vocabulary
         self.indent = indent
         self.names: set[str] = set()
 
     def fail(self, node: ast.AST, message: str) -> typing.NoReturn:
-        column = getattr(node, "col_offset", None)
-        where = None if column is None else column + 1 + self.indent
+        offset = getattr(node, "col_offset", None)  # in UTF-8 bytes of the parsed text
+        where = None
+        if offset is not None:
+            characters = len(self.parsed.encode()[:offset].decode("utf-8", "ignore"))
+            where = characters + 1 + self.indent
         raise ConditionError(self.source, message, where)
+
+    def check_condition(self, node: ast.expr, operator: str | None) -> None:
+        """``node`` is the whole condition (``operator`` is ``None``) or an operand of
+        ``and``/``or``/``not``: it must be boolean and not a bare ``True``/``False``."""
+        if isinstance(node, ast.Constant) and isinstance(node.value, bool):
+            self.fail(node, f"{node.value} on its own is a constant; a condition must depend "
+                      "on a runtime-config field")
+        kind = self.check(node).kind
+        if kind == "bool":
+            return
+        if operator is None:
+            raise ConditionError(
+                self.source, f"a condition must be true or false, but this is {_KIND_WORDS[kind]}"
+            )
+        self.fail(node, f"the operand of '{operator}' must be true or false, not "
+                  f"{_KIND_WORDS[kind]}")
 
     def check(self, node: ast.expr) -> ValueType:
         if isinstance(node, ast.BoolOp):
             for operand in node.values:
-                self.expect_bool(operand, "and" if isinstance(node.op, ast.And) else "or")
+                self.check_condition(operand, "and" if isinstance(node.op, ast.And) else "or")
             return ValueType("bool")
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            self.expect_bool(node.operand, "not")
+            self.check_condition(node.operand, "not")
             return ValueType("bool")
         if isinstance(node, ast.Compare):
             return self.check_compare(node)
@@ -223,14 +253,12 @@ class _Checker:
             self.fail(node, "a list or tuple may only appear on the right of 'in' or 'not in'")
         self.fail(node, f"{_describe_node(node)} is not allowed in a condition")
 
-    def expect_bool(self, node: ast.expr, operator: str) -> None:
-        kind = self.check(node).kind
-        if kind != "bool":
-            self.fail(node, f"the operand of '{operator}' must be true or false, not "
-                      f"{_KIND_WORDS[kind]}")
-
     def check_atom(self, node: ast.expr) -> ValueType:
         if isinstance(node, ast.Name):
+            written = ast.get_source_segment(self.parsed, node) or node.id
+            if not written.isascii():
+                self.fail(node, f"name {written!r} is not ASCII; Python would read it as "
+                          f"{node.id!r}, but names must be written exactly as the field is")
             value_type = self.vocabulary.get(node.id)
             if value_type is None:
                 known = ", ".join(sorted(self.vocabulary))
@@ -281,6 +309,10 @@ class _Checker:
         right_type: ValueType,
         op: ast.cmpop,
     ) -> None:
+        if not _reads_a_field(left) and not _reads_a_field(right):
+            self.fail(left, f"{_source_of(left)} {symbol} {_source_of(right)} compares literals "
+                      "only, so it is always true or always false; compare a runtime-config "
+                      "field")
         if isinstance(op, _ORDERING_OPS):
             for operand, operand_type in ((left, left_type), (right, right_type)):
                 if operand_type.kind != "int":
@@ -299,6 +331,10 @@ class _Checker:
     ) -> None:
         if not isinstance(right, (ast.List, ast.Tuple)):
             self.fail(right, f"the right side of '{symbol}' must be a list or tuple literal")
+        if not _reads_a_field(left):
+            self.fail(left, f"the left side of '{symbol}' must read a runtime-config field; "
+                      f"{_source_of(left)} {symbol} a list of literals is always true or always "
+                      "false")
         if not right.elts:
             self.fail(right, f"the list after '{symbol}' is empty")
         for element in right.elts:
@@ -350,6 +386,10 @@ def _describe_node(node: ast.AST) -> str:
 
 def _source_of(node: ast.expr) -> str:
     return ast.unparse(node)
+
+
+def _reads_a_field(node: ast.expr) -> bool:
+    return any(isinstance(child, ast.Name) for child in ast.walk(node))
 
 
 def evaluate_condition(condition: Condition | str, config: BaseModel) -> bool:
@@ -494,8 +534,6 @@ def explain_unmet(condition: Condition | str, config: BaseModel) -> str:
         for name in _names_in(node):
             if name not in names:
                 names.append(name)
-    if not names:
-        return f"requires {clauses}, which is always false"
     values = " and ".join(f"{name} is {getattr(config, name)!r}" for name in names)
     return f"requires {clauses}, but {values}"
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from speccheck.contract.builder import AttentionMetadataBuilder
-from speccheck.contract.matrix_model import CudaGraphSupport
+from speccheck.contract.matrix_model import CudaGraphSupport, RefreshStrategy
 from speccheck.contract.metadata import CommonAttentionMetadata
 
 
@@ -14,23 +14,31 @@ from speccheck.contract.metadata import CommonAttentionMetadata
 class AttentionGroup:
     """Layers ``layer_indices`` run ``backend_name`` through one builder.
 
-    The group passes the builder's capability through and routes the refresh call to it,
+    The group carries what the matrix says of its backend (refresh strategy, CUDA-graph
+    support, step-dependent fields) next to the builder, and routes the refresh call to it,
     so the speculator never needs to know which backend a group uses.
     """
 
     backend_name: str
     builder: AttentionMetadataBuilder[Any]
     layer_indices: tuple[int, ...]
-    refresh_strategy: str = "none_needed"
-    """The matrix's draft-decode refresh strategy for this backend: ``in_graph``,
-    ``none_needed`` or ``host_preplanned``."""
+    refresh_strategy: RefreshStrategy = RefreshStrategy.NONE_NEEDED
+    """The matrix's draft-decode refresh strategy for this backend."""
     cudagraph_support: CudaGraphSupport = CudaGraphSupport.ALWAYS
     """The matrix's ``cudagraph_support`` for this backend: which batches its attention may
     be captured for."""
+    step_dependent_fields: tuple[str, ...] = ()
+    """The matrix's declaration of the metadata fields that depend on the draft step
+    (:attr:`~speccheck.contract.matrix_model.DraftDecode.step_dependent_fields`)."""
 
     @property
     def supports_draft_decode_metadata_update(self) -> bool:
         return self.builder.supports_draft_decode_metadata_update
+
+    @property
+    def plans_on_host(self) -> bool:
+        """Whether the group plans each draft step ahead on the host (``host_preplanned``)."""
+        return self.refresh_strategy is RefreshStrategy.HOST_PREPLANNED
 
     def build(self, common: CommonAttentionMetadata) -> Any:
         return self.builder.build(common)

@@ -8,14 +8,25 @@ together as one :class:`MatrixError`. Each problem renders as one line::
 
 where the backend and field parts are left out when they do not apply (a syntax error, a
 problem at the top level) and ``:LINE`` when no line is known (a missing file).
+
+Nothing but :class:`MatrixError` ever leaves :func:`load_matrix` and :func:`parse_matrix`,
+whatever the input, and the work is bounded: only regular files are read (no FIFO, device or
+directory), at most :data:`MAX_MATRIX_BYTES` of them, checked before reading and enforced by
+the read itself; the YAML loader bounds nesting, scalar lengths and alias and merge-key
+expansion and refuses unusual tags and out-of-range integers, each with its line (see
+:mod:`speccheck.contract.yaml_positions`). Lines are counted at ``\n``, ``\r\n`` and
+``\r``, as editors do.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib.resources
+import json
 import logging
+import os
 import re
+import stat
 import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,12 +37,24 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from speccheck.contract.matrix_model import CONSISTENCY_ERROR_TYPE, Matrix
-from speccheck.contract.yaml_positions import LoadedYaml, NodePosition, load_yaml_with_positions
+from speccheck.contract.yaml_positions import (
+    LoadedYaml,
+    NodePosition,
+    RejectedYaml,
+    line_at,
+    load_yaml_with_positions,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MATRIX_RESOURCE = "matrix.yaml"
 """Name of the packaged default matrix inside the ``speccheck`` package."""
+
+MAX_MATRIX_BYTES = 1 << 20
+"""Largest matrix file (or text given to :func:`parse_matrix`) accepted: 1 MiB."""
+
+MAX_PROBLEMS = 100
+"""Most problems a :class:`MatrixError` lists one by one; one more line counts the rest."""
 
 _MAX_SHOWN_INPUT = 60
 _BACKEND_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -92,7 +115,8 @@ class MatrixError(Exception):
 def load_matrix(path: str | Path | None = None) -> Matrix:
     """Load and validate a matrix file; ``None`` loads the packaged ``matrix.yaml``.
 
-    Raises :class:`MatrixError` listing every problem, including an unreadable file.
+    ``path`` must name a regular file of at most :data:`MAX_MATRIX_BYTES`. Raises
+    :class:`MatrixError` listing every problem, including an unreadable file.
     """
     if path is None:
         resource = importlib.resources.files("speccheck") / DEFAULT_MATRIX_RESOURCE
@@ -100,35 +124,75 @@ def load_matrix(path: str | Path | None = None) -> Matrix:
         try:
             raw = resource.read_bytes()
         except OSError as exc:
-            raise MatrixError([_file_problem(label, exc)]) from None
+            raise MatrixError([_file_problem(label, exc.strerror or str(exc))]) from None
     else:
-        label = str(path)
-        try:
-            raw = Path(path).read_bytes()
-        except OSError as exc:
-            raise MatrixError([_file_problem(label, exc)]) from None
+        label = printable_path(path)
+        raw = _read_regular_file(Path(path), label)
     logger.debug("loading capability matrix from %s", label)
     return parse_matrix(raw, path=label)
 
 
-def _file_problem(label: str, exc: OSError) -> MatrixProblem:
-    reason = exc.strerror or str(exc)
+def printable_path(path: str | Path) -> str:
+    """``path`` as messages show it: as given, but with everything escaped (``ascii``) when
+    any character is unprintable (a newline, an undecodable byte), so a message stays one
+    printable line."""
+    text = str(path)
+    return text if text.isprintable() else ascii(text)[1:-1]
+
+
+def _read_regular_file(path: Path, label: str) -> bytes:
+    """The bytes of ``path``, refusing anything but a regular file of at most
+    :data:`MAX_MATRIX_BYTES` before reading (a FIFO is opened without blocking) and never
+    reading more than one byte past the limit (a file that grows meanwhile)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(descriptor, "rb") as stream:
+            info = os.fstat(stream.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise MatrixError([_file_problem(label, f"it is {_file_kind(info.st_mode)}, "
+                                                        "not a regular file")])
+            if info.st_size > MAX_MATRIX_BYTES:
+                raise MatrixError([_too_large(label)])
+            raw = stream.read(MAX_MATRIX_BYTES + 1)
+    except OSError as exc:
+        raise MatrixError([_file_problem(label, exc.strerror or str(exc))]) from None
+    if len(raw) > MAX_MATRIX_BYTES:
+        raise MatrixError([_too_large(label)])
+    return raw
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((word for test, word in kinds if test(mode)), "a special file")
+
+
+def _file_problem(label: str, reason: str) -> MatrixProblem:
     return MatrixProblem(label, None, None, None, f"cannot read the matrix file: {reason}")
 
 
-def parse_matrix(source: str | bytes, *, path: str = "<matrix>") -> Matrix:
-    """Validate matrix text (``bytes`` must be UTF-8); ``path`` names it in problems.
+def _too_large(label: str) -> MatrixProblem:
+    return MatrixProblem(label, None, None, None, f"the matrix is larger than {MAX_MATRIX_BYTES} "
+                         "bytes (1 MiB), the most accepted")
 
-    Raises :class:`MatrixError` listing every problem found.
+
+def parse_matrix(source: str | bytes, *, path: str = "<matrix>") -> Matrix:
+    """Validate matrix text (``bytes`` must be UTF-8) of at most :data:`MAX_MATRIX_BYTES`
+    bytes (characters, for ``str``); ``path`` names it in problems.
+
+    Raises :class:`MatrixError` listing every problem found, and nothing else.
     """
+    if len(source) > MAX_MATRIX_BYTES:
+        raise MatrixError([_too_large(path)])
     if isinstance(source, bytes):
         try:
             text = source.decode("utf-8")
         except UnicodeDecodeError as exc:
-            line = source[: exc.start].count(b"\n") + 1
+            before = source[: exc.start].decode("utf-8")
             raise MatrixError(
-                [MatrixProblem(path, line, None, None, f"the file is not valid UTF-8 ({exc.reason} "
-                               f"at byte {exc.start})")]
+                [MatrixProblem(path, line_at(before, len(before)), None, None,
+                               f"the file is not valid UTF-8 ({exc.reason} at byte {exc.start})")]
             ) from None
     else:
         text = source
@@ -136,14 +200,12 @@ def parse_matrix(source: str | bytes, *, path: str = "<matrix>") -> Matrix:
         loaded = load_yaml_with_positions(text)
     except yaml.YAMLError as exc:
         raise MatrixError([_yaml_problem(path, text, exc)]) from None
-    except RecursionError:
-        raise MatrixError(
-            [MatrixProblem(path, None, None, None, "the YAML document is nested too deeply")]
-        ) from None
     return _validate(loaded, path)
 
 
 def _yaml_problem(path: str, text: str, exc: yaml.YAMLError) -> MatrixProblem:
+    if isinstance(exc, RejectedYaml):
+        return MatrixProblem(path, exc.problem_mark.line + 1, None, None, exc.problem)
     if isinstance(exc, yaml.MarkedYAMLError):
         mark = exc.problem_mark or exc.context_mark
         line = None if mark is None else mark.line + 1
@@ -154,9 +216,8 @@ def _yaml_problem(path: str, text: str, exc: yaml.YAMLError) -> MatrixProblem:
             message += f" ({exc.context}{where})"
         return MatrixProblem(path, line, None, None, message)
     if isinstance(exc, yaml.reader.ReaderError):
-        line = text[: exc.position].count("\n") + 1
         return MatrixProblem(
-            path, line, None, None,
+            path, line_at(text, exc.position), None, None,
             f"YAML syntax error: unacceptable character {exc.character!r}: {exc.reason}",
         )
     return MatrixProblem(path, None, None, None, f"YAML syntax error: {exc}")
@@ -184,12 +245,22 @@ def _validate(loaded: LoadedYaml, path: str) -> Matrix:
     except ValidationError as exc:
         for error in exc.errors():
             problems.extend(locator.problems_for(error))
-    except RecursionError:
-        problems.append(MatrixProblem(path, None, None, None,
-                                      "the YAML document is nested too deeply or is recursive"))
     if problems:
-        raise MatrixError(sorted(problems, key=lambda problem: problem.line or 0))
+        raise MatrixError(_capped(sorted(problems, key=lambda problem: problem.line or 0)))
     return matrix
+
+
+def _capped(problems: list[MatrixProblem]) -> list[MatrixProblem]:
+    """The first :data:`MAX_PROBLEMS` problems, then one line saying how many more there
+    are, at the line of the first one left out."""
+    if len(problems) <= MAX_PROBLEMS:
+        return problems
+    first_left_out = problems[MAX_PROBLEMS]
+    more = len(problems) - MAX_PROBLEMS
+    return [*problems[:MAX_PROBLEMS], MatrixProblem(
+        first_left_out.path, first_left_out.line, None, None,
+        f"{more} more problems from here on are not shown (at most {MAX_PROBLEMS} are listed)",
+    )]
 
 
 class _Locator:
@@ -202,6 +273,8 @@ class _Locator:
 
     def problems_for(self, error: ErrorDetails) -> Iterable[MatrixProblem]:
         loc = _data_loc(error["loc"])
+        if error["type"] == "extra_forbidden":
+            loc = (*_data_loc(error["loc"][:-1]), error["loc"][-1])  # the key as written
         if error["type"] == "too_short" and _has_enough_items(error):
             return  # the items are there but invalid; their own errors say why
         if error["type"] == CONSISTENCY_ERROR_TYPE:
@@ -299,11 +372,14 @@ def _data_loc(loc: Sequence[int | str]) -> tuple[object, ...]:
 
 def _render_field(loc: Sequence[object]) -> str:
     """``("draft_decode", "refreshed_fields", 0)`` -> ``draft_decode.refreshed_fields[0]``;
-    a key that is not an identifier is shown as ``[repr]`` so the line stays one line."""
+    a key that is not an identifier is shown as ``["key"]`` (JSON, with ``'`` escaped too),
+    so the line stays one line and the field stays inside its quotes."""
     text = ""
     for part in loc:
         if isinstance(part, str) and part.isidentifier():
             text += f".{part}" if text else part
+        elif isinstance(part, str):
+            text += f"[{json.dumps(part)}]".replace("'", "\\u0027")
         else:
             text += f"[{part!r}]"
     return text

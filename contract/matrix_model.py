@@ -306,8 +306,11 @@ class DraftDecode(StrictModel):
     )
     refreshed_fields: tuple[DottedName, ...] = Field(
         (),
-        description="Metadata fields (attribute names or dotted paths) recomputed between "
-        "draft steps. Must be empty for `none_needed`.",
+        description="Metadata fields (attribute names or dotted paths) that depend on the "
+        "draft step: recomputed between draft steps (`in_graph`) or planned per step "
+        "(`host_preplanned`). This is the only declaration of them: builders do not repeat "
+        "it, and `speccheck verify` fails a backend whose metadata changes anything else "
+        "derived between steps. Must be empty for `none_needed`.",
     )
     invalidated_caches: tuple[DottedName, ...] = Field(
         (),
@@ -365,6 +368,13 @@ class DraftDecode(StrictModel):
         _reject(violations)
         return self
 
+    @property
+    def step_dependent_fields(self) -> tuple[str, ...]:
+        """The one declaration of the backend's step-dependent state: the refreshed fields,
+        then the invalidated caches (paths into the metadata). The verifier snapshots them
+        after every draft step and audits that nothing else derived changes."""
+        return (*self.refreshed_fields, *self.invalidated_caches)
+
 
 class ConditionConstraint(StrictModel):
     """A free-form constraint: a condition that must hold, and why."""
@@ -373,10 +383,41 @@ class ConditionConstraint(StrictModel):
     reason: NonEmptyText = Field(description="Why the backend needs the condition to hold.")
 
 
+class ConstraintReasons(StrictModel):
+    """Why the backend needs each structured constraint, keyed by the constraint's name.
+
+    A reason may only explain a constraint that is set. It is rendered with the constraint
+    in the docs and appended, in parentheses, to every refusal the constraint causes.
+    """
+
+    dtypes: NonEmptyText | None = Field(
+        None, description="Why only the listed `dtypes` are accepted."
+    )
+    kv_cache_dtypes: NonEmptyText | None = Field(
+        None, description="Why only the listed `kv_cache_dtypes` are accepted."
+    )
+    head_sizes: NonEmptyText | None = Field(
+        None, description="Why only the `head_sizes` given are accepted."
+    )
+    block_sizes: NonEmptyText | None = Field(
+        None, description="Why only the `block_sizes` given are accepted."
+    )
+    kv_layout: NonEmptyText | None = Field(
+        None, description="Why the KV cache must have this `kv_layout`."
+    )
+
+
+STRUCTURED_CONSTRAINTS: tuple[str, ...] = tuple(ConstraintReasons.model_fields)
+"""The fields of :class:`Constraints` that :class:`ConstraintReasons` can explain, in
+declaration order: ``dtypes``, ``kv_cache_dtypes``, ``head_sizes``, ``block_sizes``,
+``kv_layout``."""
+
+
 class Constraints(StrictModel):
     """Runtime configurations the backend can serve at all. Each restriction that is left
     out allows every value; a violated constraint disables the backend (so also fused draft
-    decode) for that configuration."""
+    decode) for that configuration, and building the backend for it is refused with the
+    constraint and its reason (:mod:`speccheck.contract.constraints`)."""
 
     dtypes: tuple[DtypeName, ...] | None = Field(
         None, description="Activation dtypes the backend accepts."
@@ -396,6 +437,23 @@ class Constraints(StrictModel):
     conditions: tuple[ConditionConstraint, ...] = Field(
         (), description="Further conditions over the runtime config, each with a reason."
     )
+    reasons: ConstraintReasons = Field(
+        default_factory=ConstraintReasons,
+        description="Why the backend needs each structured constraint above, keyed by its "
+        "name (e.g. `head_sizes: FA3 runs the next compiled size ...`); each key must name "
+        "a constraint that is set. Conditions carry their own reason.",
+    )
+
+    def reason_for(self, name: str) -> str | None:
+        """The matrix's reason for the structured constraint ``name`` (one of
+        :data:`STRUCTURED_CONSTRAINTS`), or ``None`` when none is written."""
+        if name not in STRUCTURED_CONSTRAINTS:
+            raise KeyError(
+                f"{name!r} is not a structured constraint; valid: "
+                f"{', '.join(STRUCTURED_CONSTRAINTS)}"
+            )
+        reason: str | None = getattr(self.reasons, name)
+        return reason
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -411,6 +469,12 @@ class Constraints(StrictModel):
                 )
             for value in _duplicates(values):
                 violations.append(((name,), f"lists {value!r} more than once"))
+        for name in STRUCTURED_CONSTRAINTS:
+            if getattr(self.reasons, name) is not None and getattr(self, name) is None:
+                violations.append(
+                    (("reasons", name), f"explains {name}, which is not set; set {name} or "
+                     "remove this reason")
+                )
         _reject(violations)
         return self
 
@@ -508,6 +572,13 @@ class Matrix(StrictModel):
     def names(self) -> tuple[str, ...]:
         """Backend names in file order."""
         return tuple(entry.name for entry in self.backends)
+
+    def replacing(self, entry: BackendEntry) -> Matrix:
+        """This matrix with the entry of the same name replaced by ``entry`` (validated like
+        any matrix); ``KeyError`` when there is no such entry."""
+        self.backend(entry.name)
+        backends = tuple(entry if e.name == entry.name else e for e in self.backends)
+        return Matrix(version=self.version, backends=backends)
 
     def backend(self, name: str) -> BackendEntry:
         """The entry called ``name``; ``KeyError`` naming the valid options otherwise."""

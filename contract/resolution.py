@@ -11,40 +11,77 @@ Two questions, two functions:
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from speccheck.contract.adapter_status import AdapterStatus, adapter_status
 
 from speccheck.contract.conditions import evaluate_condition, explain_unmet, parse_condition
+from speccheck.contract.constraints import constraint_failures, platform_failures
 from speccheck.contract.matrix_model import (
     BackendEntry,
     CudaGraphSupport,
     Matrix,
-    MultipleOf,
+    RefreshStrategy,
 )
 from speccheck.contract.runtime_config import RuntimeConfig
 
 logger = logging.getLogger(__name__)
 
 
+class FusedVerdict(enum.Enum):
+    """May a backend run fused multi-step draft decoding under a config?"""
+
+    YES = "yes"
+    NO = "no"
+    DECLARED_UNVERIFIED = "declared, unverified"
+    """The declaration allows it, but no adapter stands behind the entry (none shipped, or
+    its module is not found), so nothing has ever verified the claim."""
+
+
 @dataclass(frozen=True)
 class BackendResolution:
     """The verdict for one backend under one runtime config.
 
-    ``fused_multi_step`` is true only if every check passed; ``failures`` lists each failed
-    check in words with the actual values (e.g. "requires dcp_world_size == 1, but
-    dcp_world_size is 2"), and ``reason`` joins them (or says why fusing is allowed).
-    ``refresh_strategy`` is the declared strategy (``in_graph``, ``none_needed`` or
-    ``host_preplanned``) whatever the verdict.
+    ``verdict`` is ``yes`` only if every check passed and an adapter stands behind the
+    entry; ``failures`` lists each failed check in words with the actual values (e.g.
+    "requires dcp_world_size == 1, but dcp_world_size is 2"), and ``reason`` joins them
+    (or says why fusing is allowed, or why the claim is unverified). ``refresh_strategy``
+    is the declared strategy whatever the verdict.
     """
 
     name: str
-    fused_multi_step: bool
-    refresh_strategy: str
+    verdict: FusedVerdict
+    refresh_strategy: RefreshStrategy
     reason: str
     failures: tuple[str, ...] = ()
-    cudagraph_support: str | None = None
+    cudagraph_support: CudaGraphSupport | None = None
     implementation: str | None = None
+    adapter: AdapterStatus = AdapterStatus.FOUND
+
+    @property
+    def fused_multi_step(self) -> bool:
+        """Whether the fused path may run: the verdict is ``yes``."""
+        return self.verdict is FusedVerdict.YES
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready fields, enums by value, plus ``fused_multi_step``."""
+        return {
+            "name": self.name,
+            "fused_multi_step": self.fused_multi_step,
+            "verdict": self.verdict.value,
+            "refresh_strategy": self.refresh_strategy.value,
+            "reason": self.reason,
+            "failures": list(self.failures),
+            "cudagraph_support": (
+                self.cudagraph_support.value if self.cudagraph_support is not None else None
+            ),
+            "implementation": self.implementation,
+            "adapter": self.adapter.value,
+        }
 
 
 @dataclass(frozen=True)
@@ -57,39 +94,11 @@ class FusedDecision:
     blocking_backends: tuple[str, ...] = ()
 
 
-def describe_sizes(spec: tuple[int, ...] | MultipleOf) -> str:
-    """A size restriction in words: "16, 32" or "a multiple of 64 (at most 256)"."""
-    if isinstance(spec, MultipleOf):
-        cap = f" (at most {spec.max})" if spec.max is not None else ""
-        return f"a multiple of {spec.multiple_of}{cap}"
-    return ", ".join(str(size) for size in spec)
-
-
-def sizes_allow(spec: tuple[int, ...] | MultipleOf, size: int) -> bool:
-    """Whether ``size`` satisfies the restriction ``spec``."""
-    if isinstance(spec, MultipleOf):
-        within = spec.max is None or size <= spec.max
-        return size >= 1 and size % spec.multiple_of == 0 and within
-    return size in spec
-
-
 def backend_failures(entry: BackendEntry, config: RuntimeConfig) -> tuple[str, ...]:
     """Every reason why ``entry`` cannot run fused multi-step draft decode under
     ``config``, in check order: platform, compute capability, constraints, CUDA-graph
     support, then the draft-decode declaration. Empty when fusing is allowed."""
-    failures: list[str] = []
-    if config.platform not in entry.platforms:
-        failures.append(
-            f"requires platform in {list(entry.platforms)!r}, but platform is "
-            f"{config.platform!r}"
-        )
-    minimum = entry.min_compute_capability
-    if minimum is not None and config.platform == "cuda" and config.compute_capability < minimum:
-        failures.append(
-            f"requires compute_capability >= {minimum}, but compute_capability is "
-            f"{config.compute_capability}"
-        )
-    failures.extend(_constraint_failures(entry, config))
+    failures = [*platform_failures(entry, config), *constraint_failures(entry, config)]
     if config.cudagraph_mode == "full" and entry.cudagraph_support is CudaGraphSupport.NEVER:
         failures.append(
             "requires CUDA-graph support for cudagraph_mode 'full', but cudagraph_support is "
@@ -105,55 +114,42 @@ def backend_failures(entry: BackendEntry, config: RuntimeConfig) -> tuple[str, .
     return tuple(failures)
 
 
-def _constraint_failures(entry: BackendEntry, config: RuntimeConfig) -> list[str]:
-    constraints = entry.constraints
-    failures: list[str] = []
-    for field, allowed in (
-        ("dtype", constraints.dtypes),
-        ("kv_cache_dtype", constraints.kv_cache_dtypes),
-    ):
-        value = getattr(config, field)
-        if allowed is not None and value not in allowed:
-            failures.append(f"requires {field} in {list(allowed)!r}, but {field} is {value!r}")
-    sized = (("head_size", constraints.head_sizes), ("block_size", constraints.block_sizes))
-    for field, spec in sized:
-        value = getattr(config, field)
-        if spec is not None and not sizes_allow(spec, value):
-            if isinstance(spec, MultipleOf):
-                wanted = f"to be {describe_sizes(spec)}"
-            else:
-                wanted = f"in {list(spec)}"
-            failures.append(f"requires {field} {wanted}, but {field} is {value}")
-    for constraint in constraints.conditions:
-        condition = parse_condition(constraint.condition)
-        if not evaluate_condition(condition, config):
-            failures.append(f"{explain_unmet(condition, config)} ({constraint.reason})")
-    return failures
-
-
-def resolve_backend(entry: BackendEntry, config: RuntimeConfig) -> BackendResolution:
+def resolve_backend(
+    entry: BackendEntry, config: RuntimeConfig, adapter: AdapterStatus | None = None
+) -> BackendResolution:
     """Resolve one matrix entry against ``config`` (see :class:`BackendResolution`).
 
-    Fused is false if the platform does not match, the compute capability is too low, a
-    constraint fails, a full CUDA graph is requested from a backend that supports none, or
-    the draft-decode declaration is false for ``config``.
+    The verdict is ``no`` if the platform does not match, the compute capability is too
+    low, a constraint fails, a full CUDA graph is requested from a backend that supports
+    none, or the draft-decode declaration is false for ``config``; else ``declared,
+    unverified`` when no adapter stands behind the entry (``adapter``, looked up when not
+    given); else ``yes``.
     """
+    adapter = adapter_status(entry) if adapter is None else adapter
     failures = backend_failures(entry, config)
-    strategy = entry.draft_decode.refresh_strategy.value
+    strategy = entry.draft_decode.refresh_strategy
+    verdict = FusedVerdict.YES
     if failures:
-        reason = "; ".join(failures)
+        verdict, reason = FusedVerdict.NO, "; ".join(failures)
+    elif adapter is not AdapterStatus.FOUND:
+        what = ("no adapter is shipped (implementation: null)"
+                if adapter is AdapterStatus.NOT_SHIPPED
+                else f"its implementation module ({entry.implementation}) is not found")
+        verdict = FusedVerdict.DECLARED_UNVERIFIED
+        reason = f"declared fused-capable, but {what}: nothing has verified the claim"
     elif isinstance(entry.draft_decode.supported, str):
-        reason = f"{entry.draft_decode.supported} holds; refresh strategy {strategy}"
+        reason = f"{entry.draft_decode.supported} holds; refresh strategy {strategy.value}"
     else:
-        reason = f"draft_decode.supported is true; refresh strategy {strategy}"
+        reason = f"draft_decode.supported is true; refresh strategy {strategy.value}"
     return BackendResolution(
         name=entry.name,
-        fused_multi_step=not failures,
+        verdict=verdict,
         refresh_strategy=strategy,
         reason=reason,
         failures=failures,
-        cudagraph_support=entry.cudagraph_support.value,
+        cudagraph_support=entry.cudagraph_support,
         implementation=entry.implementation,
+        adapter=adapter,
     )
 
 

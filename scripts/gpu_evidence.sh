@@ -10,21 +10,26 @@
 #       scripts/slim_flashinfer_wheel.py); an optional .gpu-wheels/fi-jit/cache.tar.gz from
 #       an earlier run skips FlashInfer's JIT compile. FlashInfer kernel and DP tests, verify
 #       with per-step and preplanned graphs, verify --dp-size 2, the propose-latency benchmark
+#   scripts/gpu_evidence.sh OUTDIR audit-core | audit-flashinfer
+#       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
+#       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
+#       verify runs of every shipped backend (no false positives), and the self-test
 set -uo pipefail
-out=${1:?usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer [--no-bench]}
-suite=${2:?usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer [--no-bench]}
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|audit-core|audit-flashinfer [--no-bench]"
+out=${1:?$usage}
+suite=${2:?$usage}
 bench=${3:-}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
-  core) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
-  flashinfer)
+  core|audit-core) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
+  flashinfer|audit-flashinfer)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
     # -m: restored objects get the current time, newer than the sources just extracted,
     # so FlashInfer's ninja build sees them up to date.
     [ -f .gpu-wheels/fi-jit/cache.tar.gz ] && tar -xzmf .gpu-wheels/fi-jit/cache.tar.gz -C "$HOME" ;;
-  *) echo "unknown suite $suite (core or flashinfer)" >&2; exit 2 ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac
 python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . >/dev/null
 commit=$(cat .evidence-commit 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
@@ -32,7 +37,7 @@ export SPECCHECK_COMMIT=$commit
 {
   echo "commit: $commit"; echo "suite: $suite"; date -u; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  [ "$suite" = flashinfer ] && python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+  case $suite in *flashinfer) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
 } > "$out/device-$suite.txt" 2>&1
 
 run() {  # NAME TIMEOUT ARGS...
@@ -41,6 +46,22 @@ run() {  # NAME TIMEOUT ARGS...
     echo "exit $?"; } >> "$out/verify-console-$suite.txt" 2>&1
 }
 
+if [ "$suite" = audit-core ]; then
+  timeout 230 python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py tests/test_verifier_mutants.py \
+    > "$out/pytest-cuda-verifier.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-verifier.txt"
+  run fa3-dcp2-audit 150 --backend fa3 --block-size 512 --max-model-len 512 --dcp-world-size 2 \
+    --audit-claims --examples 60
+  run fa3 90 --backend fa3 --block-size 512 --max-model-len 512 --examples 100
+  run triton_attn 90 --backend triton_attn --examples 100
+  exit 0
+fi
+if [ "$suite" = audit-flashinfer ]; then
+  run flashinfer-audit 400 --backend flashinfer --audit-claims --examples 60
+  mkdir -p "$out/fi-jit"
+  tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
+  exit 0
+fi
 if [ "$suite" = core ]; then
   timeout 300 python3 -m pytest -rA -q -m cuda tests/test_speculator.py tests/test_gpu_kernels.py \
     tests/test_triton_attn.py tests/test_verifier_mutants.py tests/test_gpu_verifier.py \

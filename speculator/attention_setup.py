@@ -15,8 +15,9 @@ from speccheck.contract.builder import (
     BuilderLimits,
     zeros_allocator,
 )
+from speccheck.contract.constraints import enforce_constraints, layer_config
 from speccheck.contract.groups import AttentionGroup
-from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.resolution import resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
 
@@ -25,10 +26,10 @@ class BackendNotShipped(RuntimeError):
     """The matrix declares the backend but names no adapter to load."""
 
 
-def unrunnable_reason(backend_name: str, platform: str, matrix: Any = None) -> str | None:
+def unrunnable_reason(backend_name: str, platform: str, matrix: Matrix) -> str | None:
     """Why ``backend_name`` cannot be built on ``platform`` (``cuda``/``cpu``) according to
-    the matrix, or ``None`` when it can be."""
-    entry = (matrix or load_matrix()).backend(backend_name)
+    ``matrix``, or ``None`` when it can be."""
+    entry = matrix.backend(backend_name)
     if entry.implementation is None:
         return f"no adapter shipped in speccheck for {backend_name}"
     if platform not in entry.platforms:
@@ -38,9 +39,9 @@ def unrunnable_reason(backend_name: str, platform: str, matrix: Any = None) -> s
     return None
 
 
-def builder_class(backend_name: str, matrix: Any = None) -> type[AttentionMetadataBuilder[Any]]:
-    """The builder class the matrix names for ``backend_name`` (``module:Class``)."""
-    entry = (matrix or load_matrix()).backend(backend_name)
+def builder_class(backend_name: str, matrix: Matrix) -> type[AttentionMetadataBuilder[Any]]:
+    """The builder class ``matrix`` names for ``backend_name`` (``module:Class``)."""
+    entry = matrix.backend(backend_name)
     if entry.implementation is None:
         raise BackendNotShipped(f"backend {backend_name!r} has no adapter shipped in speccheck")
     module_name, _, class_name = entry.implementation.partition(":")
@@ -54,30 +55,35 @@ def build_attention_groups(
     device: torch.device,
     limits: BuilderLimits,
     *,
-    matrix: Any = None,
+    matrix: Matrix,
     builder_overrides: dict[str, type[AttentionMetadataBuilder[Any]]] | None = None,
     buffer_allocator: BufferAllocator = zeros_allocator,
+    claim_fused: bool = False,
 ) -> list[AttentionGroup]:
     """One group per distinct backend, in order of first use; layer ``i`` runs
-    ``layer_backends[i]``. Each builder's ``supports_draft_decode_metadata_update`` is the
-    matrix's answer for ``config``. ``builder_overrides`` swaps the class of a backend
-    (the verifier's mutants) while keeping the matrix's capability for its name;
-    ``buffer_allocator`` backs the builders' persistent buffers.
+    ``layer_backends[i]``. Each builder's ``supports_draft_decode_metadata_update`` is
+    ``matrix``'s answer for ``config``, and each group carries the entry's refresh strategy,
+    CUDA-graph support and step-dependent fields. ``builder_overrides`` swaps the class of a
+    backend (the verifier's mutants) while keeping the matrix's capability for its name;
+    ``buffer_allocator`` backs the builders' persistent buffers. ``claim_fused`` grants
+    every builder the refresh capability whatever the matrix says: the claims audit
+    (``speccheck verify --audit-claims``) uses it to try a fused path the matrix forbids.
     """
-    matrix = matrix or load_matrix()
     groups: dict[str, AttentionGroup] = {}
     for index, name in enumerate(layer_backends):
         if name not in groups:
             cls = (builder_overrides or {}).get(name) or builder_class(name, matrix)
             entry = matrix.backend(name)
             resolution = resolve_backend(entry, config)
+            enforce_constraints(entry, layer_config(config, layer))
             builder = cls(
                 layer, config, device, limits,
-                supports_draft_decode_metadata_update=resolution.fused_multi_step,
+                supports_draft_decode_metadata_update=claim_fused or resolution.fused_multi_step,
                 buffer_allocator=buffer_allocator,
             )
             groups[name] = AttentionGroup(
-                name, builder, (), resolution.refresh_strategy, entry.cudagraph_support
+                name, builder, (), entry.draft_decode.refresh_strategy,
+                entry.cudagraph_support, entry.draft_decode.step_dependent_fields,
             )
         group = groups[name]
         group.layer_indices = (*group.layer_indices, index)

@@ -13,10 +13,11 @@ step in one body (one replay) that only recomputes slot mappings between steps.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +34,21 @@ from speccheck.speculator.sampling import sample_tokens
 
 logger = logging.getLogger(__name__)
 
-DecodePath = Literal["auto", "fused", "per_step", "preplanned"]
+
+
+class DecodePath(enum.StrEnum):
+    """How :meth:`AutoregressiveSpeculator.propose` runs the K - 1 decode steps."""
+
+    AUTO = "auto"
+    """The path the matrix allows: :attr:`AutoregressiveSpeculator.auto_path`."""
+    FUSED = "fused"
+    """Build once, refresh in-graph between steps; one replay in FULL mode."""
+    PER_STEP = "per_step"
+    """Rebuild metadata on the host before every step (the verifier's oracle)."""
+    PREPLANNED = "preplanned"
+    """Plan every step on the host first, then one body (``host_preplanned`` backends)."""
+
+
 RefreshHook = Callable[[AttentionGroup, Any], None]
 """Stands in for ``group.update_draft_decode_metadata(metadata)`` and must call it; the
 verifier wraps the call in capture-safety probes."""
@@ -78,14 +93,12 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     def preplanned_capable(self) -> bool:
         """Every group either refreshes in-graph or plans each step ahead, and at least one
         plans ahead: the host_preplanned path applies."""
-        strategies = [g.refresh_strategy for g in self.groups]
         return (
             self.num_steps > 1
             and self.config.advance_draft_positions
-            and "host_preplanned" in strategies
+            and any(g.plans_on_host for g in self.groups)
             and all(
-                g.supports_draft_decode_metadata_update or g.refresh_strategy == "host_preplanned"
-                for g in self.groups
+                g.supports_draft_decode_metadata_update or g.plans_on_host for g in self.groups
             )
         )
 
@@ -95,13 +108,13 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         preplanned when ``options.host_preplanned`` asks for it and it applies, else
         per-step."""
         if self.use_fused_multi_step_decode:
-            return "fused"
+            return DecodePath.FUSED
         if self.options.host_preplanned and self.preplanned_capable:
-            return "preplanned"
-        return "per_step"
+            return DecodePath.PREPLANNED
+        return DecodePath.PER_STEP
 
     # ------------------------------------------------------------- metadata
-    def _decode_descriptor(self, num_reqs: int) -> BatchExecutionDescriptor:
+    def decode_descriptor(self, num_reqs: int) -> BatchExecutionDescriptor:
         """FULL over the bucket when graphs (or padded eager runs) are in use: the eager
         loops then compute exactly what the graphs hold, padding lanes included."""
         if not self.pads_to_buckets:
@@ -181,7 +194,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 continue
             self._compute_slot_mappings(n, step + 1)
             for group, md in zip(self.groups, group_metadata, strict=True):
-                if group.refresh_strategy != "host_preplanned":
+                if not group.plans_on_host:
                     group.update_draft_decode_metadata(md)
                     self._record("refresh", id(md))
 
@@ -200,7 +213,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         ]
         per_group: list[list[Any]] = []
         for group in self.groups:
-            if group.refresh_strategy == "host_preplanned":
+            if group.plans_on_host:
                 per_group.append(group.builder.plan_draft_steps(commons))
             else:
                 build = group.build_for_cudagraph_capture if for_capture else group.build
@@ -220,9 +233,11 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             for n in self.graphs.capture_sizes:
                 self._capture_one(("step", n), partial(self._generate_draft, n, step=0, observe=False))
                 if self.use_fused_multi_step_decode:
-                    self._capture_one(("fused", n), partial(self._generate_fused_drafts, n))
+                    self._capture_one((DecodePath.FUSED, n), partial(self._generate_fused_drafts, n))
                 if self.preplanned_capable:
-                    self._capture_one(("preplanned", n), partial(self._generate_preplanned_drafts, n))
+                    self._capture_one(
+                        (DecodePath.PREPLANNED, n), partial(self._generate_preplanned_drafts, n)
+                    )
         finally:
             self._in_capture = False
             self._reset_index_buffers()
@@ -241,7 +256,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, n, n, 1)
         base = np.zeros(n, np.int64)
         md: list[Any]
-        if key[0] == "preplanned":
+        if key[0] == DecodePath.PREPLANNED:
             md = self._build_preplanned_metadata(desc, n, base, for_capture=True)
         else:
             md = self._build_decode_metadata(desc, n, base, 1, for_capture=True)
@@ -251,7 +266,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
 
     # --------------------------------------------------------------- propose
     def propose(
-        self, batch: DraftBatch, path: DecodePath = "auto", use_graphs: bool = True
+        self, batch: DraftBatch, path: DecodePath = DecodePath.AUTO, use_graphs: bool = True
     ) -> DraftResult:
         """Draft ``num_speculative_steps`` tokens for every request of ``batch``; tokens and
         logits come back on the host.
@@ -267,7 +282,9 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             logits=self.draft_logits[:r].cpu().clone(),
         )
 
-    def propose_tokens(self, batch: DraftBatch, path: DecodePath = "auto") -> torch.Tensor:
+    def propose_tokens(
+        self, batch: DraftBatch, path: DecodePath = DecodePath.AUTO
+    ) -> torch.Tensor:
         """The serving loop's form of :meth:`propose`: only the ``[R, K]`` draft tokens come
         back to the host; the logits stay in :attr:`draft_logits` on the device."""
         r = self._draft(batch, path, use_graphs=True)
@@ -277,17 +294,18 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         """Run the prefill pass and the chosen decode loop; the results are left in
         :attr:`draft_tokens` and :attr:`draft_logits`. Returns the number of requests."""
         self._validate(batch, extra_positions=self.num_steps - 1)
-        chosen = self.auto_path if path == "auto" else path
+        path = DecodePath(path)
+        chosen = self.auto_path if path is DecodePath.AUTO else path
         r = batch.num_reqs
         self._prefill(batch)
         if self.num_steps > 1:
-            desc = self._decode_descriptor(r)
+            desc = self.decode_descriptor(r)
             replay = use_graphs and self.graphs is not None
             base = batch.seq_lens_after_prefill()
             self._prepare_decode_inputs(batch, desc.num_tokens)
-            if chosen == "fused":
+            if chosen is DecodePath.FUSED:
                 self._fused_multi_step_decode(desc, r, base, replay)
-            elif chosen == "preplanned":
+            elif chosen is DecodePath.PREPLANNED:
                 self._preplanned_multi_step_decode(desc, r, base, replay)
             else:
                 self._multi_step_decode(desc, r, base, replay)
@@ -352,7 +370,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             self._generate_fused_drafts(n, md)
             return
         assert self.graphs is not None
-        self.graphs.replay(("fused", n))
+        self.graphs.replay((DecodePath.FUSED, n))
         self.counters.graph_replays += 1
 
     def _preplanned_multi_step_decode(
@@ -367,5 +385,5 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             self._generate_preplanned_drafts(n, per_step)
             return
         assert self.graphs is not None
-        self.graphs.replay(("preplanned", n))
+        self.graphs.replay((DecodePath.PREPLANNED, n))
         self.counters.graph_replays += 1

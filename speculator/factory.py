@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from speccheck.contract.builder import AttentionMetadataBuilder, BufferAllocator, zeros_allocator
+from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import build_attention_groups
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
@@ -24,15 +25,17 @@ def create_speculator(
     device: torch.device,
     options: SpeculatorOptions = SpeculatorOptions(),
     *,
-    matrix: Any = None,
+    matrix: Matrix,
     builder_overrides: dict[str, type[AttentionMetadataBuilder[Any]]] | None = None,
     buffer_allocator: BufferAllocator = zeros_allocator,
     speculator_cls: type[AutoregressiveSpeculator | DFlashSpeculator] | None = None,
+    claim_fused: bool = False,
 ) -> AutoregressiveSpeculator | DFlashSpeculator:
     """``kind`` is ``"autoregressive"`` or ``"dflash"``; layer ``i`` of the drafter runs on
-    backend ``layer_backends[i]`` (one name repeats for a single-backend model).
-    ``speculator_cls`` swaps in a subclass of the kind's speculator (the DP regression
-    plants the seed-004 bug with one)."""
+    backend ``layer_backends[i]`` (one name repeats for a single-backend model), as
+    ``matrix`` declares it. ``speculator_cls`` swaps in a subclass of the kind's speculator
+    (the DP regression plants the seed-004 bug with one); ``builder_overrides`` and
+    ``claim_fused`` are passed to :func:`build_attention_groups`."""
     kinds: dict[str, type[AutoregressiveSpeculator | DFlashSpeculator]] = {
         "autoregressive": AutoregressiveSpeculator, "dflash": DFlashSpeculator,
     }
@@ -55,5 +58,6 @@ def create_speculator(
         matrix=matrix,
         builder_overrides=builder_overrides,
         buffer_allocator=buffer_allocator,
+        claim_fused=claim_fused,
     )
     return cls(DraftModel(drafter, device), groups, config, device, options)

@@ -2,8 +2,9 @@
 
 Their modules must import everywhere (the matrix names their builders); constructing a
 builder or running an impl must fail with :class:`BackendUnavailable` carrying the install
-hint, not with a raw ``ImportError`` from inside the package. Layer checks that need no
-package (FA3's bf16-only and one-row-per-request rules) run before the import.
+hint, not with a raw ``ImportError`` from inside the package. Configurations their matrix
+entries refuse (FA3's bf16-only and one-row-per-request rules, FlashInfer's fp16/bf16 rule)
+are refused by ``build_attention_groups`` from the matrix, before the import.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import torch
 
 from speccheck.backends.availability import BackendUnavailable, require_module
 from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
+from speccheck.contract.constraints import ConstraintViolation
+from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.attention_setup import build_attention_groups
 
 
 def _importable(name: str) -> bool:
@@ -68,13 +72,9 @@ def test_modules_import_without_kernel_packages() -> None:
     fa3 = importlib.import_module("speccheck.backends.fa3.builder")
     fi = importlib.import_module("speccheck.backends.flashinfer.builder")
     assert fa3.FA3MetadataBuilder.backend_name == "fa3"
-    assert fa3.FA3MetadataBuilder.step_dependent_fields == ("scheduler_metadata",)
     assert fi.FlashInferMetadataBuilder.backend_name == "flashinfer"
-    assert fi.FlashInferMetadataBuilder.step_dependent_fields == (
-        "paged_kv_indptr",
-        "paged_kv_indices",
-        "paged_kv_last_page_len",
-    )
+    # step-dependent fields are declared once, in the matrix, never on the builder class
+    assert not hasattr(fa3.FA3MetadataBuilder, "step_dependent_fields")
     # the packages re-export the builders (matrix.yaml names the builder modules)
     assert importlib.import_module("speccheck.backends.fa3").FA3MetadataBuilder is (
         fa3.FA3MetadataBuilder
@@ -120,19 +120,21 @@ def test_fa3_impl_without_package_raises_install_hint() -> None:
         impl.forward(q, kv, kv, cache, cache.clone(), None, torch.empty_like(q))  # type: ignore[arg-type]
 
 
-def test_fa3_rejects_other_dtypes_before_importing() -> None:
-    from speccheck.backends.fa3.builder import FA3MetadataBuilder
+def _build(backend: str, layer: AttentionLayerSpec) -> None:
+    build_attention_groups(
+        [backend], layer, RuntimeConfig(), torch.device("cpu"), LIMITS, matrix=load_matrix()
+    )
 
+
+def test_fa3_rejects_other_dtypes_before_importing() -> None:
     for dtype in (torch.float16, torch.float32):
-        with pytest.raises(ValueError, match="bfloat16 only"):
-            FA3MetadataBuilder(_fa3_layer(dtype), RuntimeConfig(), torch.device("cpu"), LIMITS)
+        with pytest.raises(ConstraintViolation, match="bfloat16 only"):
+            _build("fa3", _fa3_layer(dtype))
 
 
 def test_fa3_requires_one_cache_row_per_request() -> None:
-    from speccheck.backends.fa3.builder import FA3MetadataBuilder
-
-    with pytest.raises(ValueError, match="must equal max_model_len"):
-        FA3MetadataBuilder(_fa3_layer(block_size=16), RuntimeConfig(), torch.device("cpu"), LIMITS)
+    with pytest.raises(ConstraintViolation, match="requires block_size == max_model_len"):
+        _build("fa3", _fa3_layer(block_size=16))
 
 
 def test_fa3_scheduler_metadata_size_bound() -> None:
@@ -167,12 +169,8 @@ def test_flashinfer_impl_without_package_raises_install_hint() -> None:
 
 
 def test_flashinfer_rejects_fp32_before_importing() -> None:
-    from speccheck.backends.flashinfer.builder import FlashInferMetadataBuilder
-
-    with pytest.raises(ValueError, match="not supported"):
-        FlashInferMetadataBuilder(
-            _fi_layer(torch.float32), RuntimeConfig(), torch.device("cpu"), LIMITS
-        )
+    with pytest.raises(ConstraintViolation, match="not float32"):
+        _build("flashinfer", _fi_layer(torch.float32))
 
 
 def test_flashinfer_paged_kv_layout() -> None:

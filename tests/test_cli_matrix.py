@@ -51,7 +51,8 @@ def test_matrix_json_applies_runtime_options() -> None:
     assert by_name["fa3"]["reason"].startswith(
         "requires dcp_world_size == 1, but dcp_world_size is 2"
     )
-    assert by_name["sparse_swa"]["fused_multi_step"] is True
+    assert by_name["sparse_swa"]["fused_multi_step"] is False
+    assert by_name["sparse_swa"]["verdict"] == "declared, unverified"
     result = invoke("matrix", "--json", "--block-size", "4096", "--max-model-len", "4096")
     assert {item["name"]: item for item in json.loads(result.stdout)}["fa3"]["fused_multi_step"]
 
@@ -143,7 +144,8 @@ def test_docs_content() -> None:
         in text
     assert "- Refreshed fields: `swa_indices`, `swa_lens`, `tile_scheduler_metadata`" in text
     assert "- Invalidated caches: `sparse_index_cache`" in text
-    assert "- Implementation: none; no adapter shipped yet (declared only)." in text
+    assert "- Implementation: none; no adapter shipped yet: the claims below are declared, unverified." in text
+    assert "| declared, unverified |" in text
     assert "- Variant of: [`sparse_swa`](#sparse_swa)" in text
     for name in load_matrix().names:
         assert f"\n## {name}\n" in text

@@ -12,6 +12,9 @@ from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
+from speccheck.contract.matrix_loader import load_matrix
+
+MATRIX = load_matrix()
 
 DRAFTER = DrafterConfig(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_size=16,
                         intermediate_size=64, seed=5)
@@ -22,7 +25,7 @@ CONFIG = RuntimeConfig(platform="cpu", cudagraph_mode="none", num_speculative_st
 
 def _dflash() -> DFlashSpeculator:
     spec = create_speculator("dflash", ["reference"] * 2, CONFIG, DRAFTER, torch.device("cpu"),
-                             SpeculatorOptions(capture_sizes=(1, 2, 4, 8), num_blocks=64))
+                             SpeculatorOptions(capture_sizes=(1, 2, 4, 8), num_blocks=64), matrix=MATRIX)
     assert isinstance(spec, DFlashSpeculator)
     spec.kv_cache.fill_random_(torch.Generator().manual_seed(0))
     return spec

@@ -38,6 +38,9 @@ from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.model import DrafterConfig
+from speccheck.checks.verify.context import MatrixContext
+
+MATRICES = MatrixContext.load(None)
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTER = DrafterConfig(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_size=16,
@@ -94,13 +97,13 @@ def repo_on_path() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def correct(repo_on_path: None) -> DPVerifyResult:
-    return verify_dp("reference", CONFIG, 2, _rounds(), drafter=DRAFTER, timeout_s=120)
+    return verify_dp("reference", CONFIG, 2, _rounds(), drafter=DRAFTER, timeout_s=120, matrices=MATRICES)
 
 
 @pytest.fixture(scope="module")
 def variant(repo_on_path: None) -> DPVerifyResult:
     return verify_dp("reference", CONFIG, 2, _rounds(), drafter=DRAFTER,
-                     speculator_cls=PaddedCountDFlash, timeout_s=120)
+                     speculator_cls=PaddedCountDFlash, timeout_s=120, matrices=MATRICES)
 
 
 def _padding_ranks(result: DPVerifyResult, round_index: int) -> set[int]:
@@ -180,10 +183,10 @@ def test_padded_count_variant_crashes_flashinfer(repo_on_path: None) -> None:
     config = CONFIG.model_copy(update={"platform": "cuda", "dtype": "bfloat16", "head_size": 128})
     drafter = replace(DRAFTER, head_size=128, dtype="bfloat16")
     bad = verify_dp("flashinfer", config, 2, FIXED, ("none",), drafter=drafter,
-                    speculator_cls=PaddedCountDFlash, timeout_s=600)
+                    speculator_cls=PaddedCountDFlash, timeout_s=600, matrices=MATRICES)
     crash = bad.select(rank=0, check=CHECK_MATCHES_SINGLE_RANK)[0]
     assert crash.result == "failed"
     assert "raised ValueError" in crash.diagnosis and "does not match qo_indptr" in crash.diagnosis
-    good = verify_dp("flashinfer", config, 2, FIXED, ("none",), drafter=drafter, timeout_s=600)
+    good = verify_dp("flashinfer", config, 2, FIXED, ("none",), drafter=drafter, timeout_s=600, matrices=MATRICES)
     assert good.passed, [o.diagnosis for o in good.failures()]
 

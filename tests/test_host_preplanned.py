@@ -15,15 +15,30 @@ from hypothesis import strategies as st
 
 from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
 from speccheck.checks.verify.strategies import BatchLimits, draft_batches
-from speccheck.checks.verify.engine import BackendVerifier, VerifySettings, candidate_names
+from speccheck.checks.verify.engine import BackendVerifier, VerifySettings, candidates_for
 from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.vocabulary import Candidate
+from speccheck.contract.matrix_model import Constraints, DraftDecode
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.speculator.autoregressive import AutoregressiveSpeculator
+from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
+from speccheck.contract.matrix_loader import load_matrix
+from speccheck.checks.verify.context import MatrixContext
+
+SHIPPED = load_matrix()
+_FLASHINFER = SHIPPED.backend("flashinfer")
+MATRIX = SHIPPED.replacing(_FLASHINFER.model_copy(update={
+    "platforms": ("cuda", "cpu"), "constraints": Constraints(),
+    "draft_decode": DraftDecode(
+        supported=False, reason=_FLASHINFER.draft_decode.reason,
+        refresh_strategy="host_preplanned", refreshed_fields=("kv_lens_plus_one",))}))
+"""The flashinfer entry as the stand-in adapter below declares it: any platform and dtype
+(it is reference attention), ``kv_lens_plus_one`` planned per step."""
+MATRICES = MatrixContext(MATRIX, None, SHIPPED)
 
 DEVICE = torch.device("cpu")
 DRAFTER = DrafterConfig(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_size=16,
@@ -42,8 +57,6 @@ class PlannedBuilder(ReferenceMetadataBuilder):
     """Plans ``kv_lens_plus_one`` on the host into persistent buffers of their own, as
     FlashInfer's wrappers do: ``planned[0]`` for per-step builds, ``planned[i]`` for draft
     step ``i`` of a preplanned run."""
-
-    step_dependent_fields = ("kv_lens_plus_one",)
 
     def setup(self) -> None:
         self.planned = [
@@ -74,8 +87,7 @@ def _speculator(builder: type = PlannedBuilder, **options) -> AutoregressiveSpec
     spec = create_speculator(
         "autoregressive", ["reference", "flashinfer"], CONFIG, DRAFTER, DEVICE,
         SpeculatorOptions(capture_sizes=(1, 2, 4), num_blocks=48, **options),
-        builder_overrides={"flashinfer": builder},
-    )
+        builder_overrides={"flashinfer": builder}, matrix=MATRIX)
     assert isinstance(spec, AutoregressiveSpeculator)
     return spec
 
@@ -120,12 +132,12 @@ def test_preplanned_loop_order_and_one_metadata_object_per_step() -> None:
 def _settings(builder: type, examples: int) -> VerifySettings:
     return VerifySettings("flashinfer", CONFIG.model_copy(update={"head_size": 16}), examples=examples,
                           steps=(4,), capture_sizes=(2, 4), vocab_size=64,
-                          builder_overrides=(("flashinfer", builder),))
+                          builder_overrides=(("flashinfer", builder),), matrices=MATRICES)
 
 
 def _verify(builder: type) -> BackendReport:
     verifier = BackendVerifier(_settings(builder, examples=12), DEVICE)
-    assert verifier.candidates() == ["preplanned_eager"]
+    assert [c.name for c in verifier.candidates()] == ["preplanned_eager"]
     report = BackendReport("flashinfer", "cpu", "passed")
     verifier.run(report, lambda i, e: None)
     return report
@@ -148,29 +160,32 @@ def test_preplanned_full_graph_is_one_replay() -> None:
     config = CONFIG.model_copy(update={"platform": "cuda", "cudagraph_mode": "full"})
     spec = create_speculator("autoregressive", ["reference", "flashinfer"], config, DRAFTER,
                              torch.device("cuda"), SpeculatorOptions(capture_sizes=(1, 2, 4), num_blocks=48),
-                             builder_overrides={"flashinfer": PlannedBuilder})
+                             builder_overrides={"flashinfer": PlannedBuilder}, matrix=MATRIX)
     spec.capture()
     spec.propose(BATCH, "preplanned")
     assert (spec.counters.eager_step_calls, spec.counters.graph_replays) == (0, 1)
 
 
 def test_gpu_candidates_run_the_per_step_graphs_first() -> None:
-    assert candidate_names("preplanned", gpu=True) == ["per_step_graph", "preplanned_graph", "preplanned_eager"]
-    assert candidate_names("preplanned", gpu=False) == ["preplanned_eager"]
-    assert candidate_names("fused", gpu=True) == ["fused_graph", "fused_eager"]
-    assert candidate_names(None, gpu=True) == ["per_step_graph"]
-    assert candidate_names(None, gpu=False) == []
+    def names(path: DecodePath | None, gpu: bool) -> list[str]:
+        return [candidate.name for candidate in candidates_for(path, gpu)]
+
+    assert names(DecodePath.PREPLANNED, gpu=True) == ["per_step_graph", "preplanned_graph", "preplanned_eager"]
+    assert names(DecodePath.PREPLANNED, gpu=False) == ["preplanned_eager"]
+    assert names(DecodePath.FUSED, gpu=True) == ["fused_graph", "fused_eager"]
+    assert names(None, gpu=True) == ["per_step_graph"]
+    assert names(None, gpu=False) == []
 
 
 class _OrderedVerifier(BackendVerifier):
     """Runs a per-step candidate (eagerly: no graphs on the CPU) beside the preplanned one,
     in the order given, to show why the per-step candidate must come first."""
 
-    def __init__(self, settings_: VerifySettings, order: list[str]) -> None:
+    def __init__(self, settings_: VerifySettings, order: list[Candidate]) -> None:
         super().__init__(settings_, DEVICE)
         self.order = order
 
-    def candidates(self) -> list[str]:
+    def candidates(self) -> list[Candidate]:
         return self.order
 
 
@@ -178,7 +193,7 @@ class _OrderedVerifier(BackendVerifier):
 def test_a_per_step_candidate_after_a_preplanned_one_sees_rewritten_step_buffers(
     per_step_first: bool,
 ) -> None:
-    pair = ["per_step_eager", "preplanned_eager"]
+    pair = [Candidate(DecodePath.PER_STEP, graphs=False), Candidate(DecodePath.PREPLANNED, graphs=False)]
     verifier = _OrderedVerifier(_settings(PlannedBuilder, examples=6),
                                 pair if per_step_first else pair[::-1])
     report = BackendReport("flashinfer", "cpu", "passed")

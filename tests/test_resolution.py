@@ -6,16 +6,17 @@ from typing import Any
 
 import pytest
 
+from speccheck.contract.constraints import describe_sizes, sizes_allow
 from speccheck.contract.matrix_loader import load_matrix
-from speccheck.contract.matrix_model import BackendEntry, Matrix, MultipleOf
+from speccheck.contract.adapter_status import AdapterStatus
+from speccheck.contract.matrix_model import BackendEntry, Matrix, MultipleOf, RefreshStrategy
 from speccheck.contract.resolution import (
     BackendResolution,
     FusedDecision,
+    FusedVerdict,
     decide_fused_multi_step,
-    describe_sizes,
     resolve_backend,
     resolve_matrix,
-    sizes_allow,
 )
 from speccheck.contract.runtime_config import RuntimeConfig
 
@@ -30,7 +31,7 @@ def resolve(name: str, **config: Any) -> BackendResolution:
 def test_fa3_fuses_at_dcp_1_with_one_cache_row_per_request() -> None:
     resolution = resolve("fa3", dcp_world_size=1, **FA3_OK)
     assert resolution.fused_multi_step is True
-    assert resolution.refresh_strategy == "in_graph"
+    assert resolution.refresh_strategy is RefreshStrategy.IN_GRAPH
     assert resolution.failures == ()
     assert resolution.reason == "dcp_world_size == 1 holds; refresh strategy in_graph"
 
@@ -38,7 +39,7 @@ def test_fa3_fuses_at_dcp_1_with_one_cache_row_per_request() -> None:
 def test_fa3_does_not_fuse_under_dcp_and_says_why_with_values() -> None:
     resolution = resolve("fa3", dcp_world_size=2, **FA3_OK)
     assert resolution.fused_multi_step is False
-    assert resolution.refresh_strategy == "in_graph"
+    assert resolution.refresh_strategy is RefreshStrategy.IN_GRAPH
     assert resolution.reason.startswith("requires dcp_world_size == 1, but dcp_world_size is 2 (")
     assert "decode context parallelism" in resolution.reason
 
@@ -84,30 +85,57 @@ def test_rocm_sparse_swa_never_fuses(platform: str, dcp_world_size: int) -> None
 def test_flashinfer_never_fuses_because_plan_runs_on_the_host() -> None:
     resolution = resolve("flashinfer")
     assert resolution.fused_multi_step is False
-    assert resolution.refresh_strategy == "host_preplanned"
+    assert resolution.refresh_strategy is RefreshStrategy.HOST_PREPLANNED
     assert resolution.reason == (
         "draft_decode.supported is false: The wrappers' plan() runs on the host and cannot be "
         "captured, so the metadata cannot be refreshed inside the graph between draft steps."
     )
 
 
-@pytest.mark.parametrize(
-    ("name", "strategy"),
-    [("triton_attn", "none_needed"), ("sparse_swa", "in_graph"), ("reference", "none_needed")],
-)
+@pytest.mark.parametrize(("name", "strategy"), [("triton_attn", "none_needed"), ("reference", "none_needed")])
 @pytest.mark.parametrize("dcp_world_size", [1, 2])
 def test_always_supported_backends_fuse_on_cuda(
     name: str, strategy: str, dcp_world_size: int
 ) -> None:
     resolution = resolve(name, platform="cuda", dcp_world_size=dcp_world_size)
-    assert resolution.fused_multi_step is True
-    assert resolution.refresh_strategy == strategy
+    assert resolution.verdict is FusedVerdict.YES and resolution.fused_multi_step is True
+    assert resolution.refresh_strategy.value == strategy
     assert resolution.reason == f"draft_decode.supported is true; refresh strategy {strategy}"
 
 
-@pytest.mark.parametrize(("dcp_world_size", "fused"), [(1, True), (2, False)])
-def test_triton_mla_follows_its_dcp_condition(dcp_world_size: int, fused: bool) -> None:
-    assert resolve("triton_mla", dcp_world_size=dcp_world_size).fused_multi_step is fused
+@pytest.mark.parametrize(("dcp_world_size", "verdict"), [
+    (1, FusedVerdict.DECLARED_UNVERIFIED), (2, FusedVerdict.NO)])
+def test_triton_mla_follows_its_dcp_condition_but_is_unverified(
+    dcp_world_size: int, verdict: FusedVerdict
+) -> None:
+    resolution = resolve("triton_mla", dcp_world_size=dcp_world_size)
+    assert resolution.verdict is verdict and resolution.fused_multi_step is False
+
+
+def test_entry_without_adapter_is_declared_unverified_not_yes() -> None:
+    resolution = resolve("sparse_swa", platform="cuda")
+    assert resolution.verdict is FusedVerdict.DECLARED_UNVERIFIED
+    assert resolution.adapter is AdapterStatus.NOT_SHIPPED
+    assert resolution.fused_multi_step is False
+    assert "no adapter is shipped" in resolution.reason
+    assert resolution.to_json()["verdict"] == "declared, unverified"
+
+
+def test_entry_whose_module_is_missing_is_declared_unverified() -> None:
+    entry = _entry(implementation="speccheck.backends.nowhere.builder:Missing")
+    resolution = resolve_backend(entry, RuntimeConfig())
+    assert resolution.adapter is AdapterStatus.NOT_FOUND
+    assert resolution.verdict is FusedVerdict.DECLARED_UNVERIFIED
+    assert "speccheck.backends.nowhere.builder" in resolution.reason
+
+
+def test_adapter_lookup_imports_nothing() -> None:
+    import sys
+
+    entry = _entry(implementation="tests.fixtures.adapters.faulty:DyingBuilder")
+    before = set(sys.modules)
+    assert resolve_backend(entry, RuntimeConfig(platform="cpu")).adapter is AdapterStatus.FOUND
+    assert "tests.fixtures.adapters.faulty" not in set(sys.modules) - before
 
 
 def test_cpu_backends() -> None:
@@ -120,7 +148,7 @@ def test_resolve_matrix_keeps_file_order_and_fields() -> None:
     resolutions = resolve_matrix(MATRIX, RuntimeConfig())
     assert [r.name for r in resolutions] == list(MATRIX.names)
     fa3 = resolutions[MATRIX.names.index("fa3")]
-    assert fa3.cudagraph_support == "always"
+    assert fa3.cudagraph_support is not None and fa3.cudagraph_support.value == "always"
     assert fa3.implementation == "speccheck.backends.fa3.builder:FA3MetadataBuilder"
 
 
@@ -129,7 +157,7 @@ def _entry(**overrides: Any) -> BackendEntry:
         "name": "alpha",
         "display_name": "Alpha",
         "description": "A test backend.",
-        "implementation": None,
+        "implementation": "speccheck.backends.reference.builder:ReferenceMetadataBuilder",
         "platforms": ["cuda"],
         "package": {"distribution": "alpha", "import_name": "alpha"},
         "cudagraph_support": "always",

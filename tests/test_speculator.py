@@ -24,6 +24,14 @@ from speccheck.speculator.cudagraph_manager import CudaGraphUnavailable
 from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
+from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.matrix_model import Constraints
+
+SHIPPED = load_matrix()
+MATRIX = SHIPPED.replacing(SHIPPED.backend("flashinfer").model_copy(
+    update={"platforms": ("cuda", "cpu"), "constraints": Constraints()}))
+"""The shipped matrix, with the flashinfer entry open to any platform and dtype: tests
+stand reference attention in under its name (its refresh strategy is what matters)."""
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DRAFTER = DrafterConfig(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_size=16,
@@ -42,7 +50,7 @@ def _config(k: int, mode: str = "none", **kw) -> RuntimeConfig:
 def _speculator(k: int, sampling: str = "argmax") -> AutoregressiveSpeculator:
     options = SpeculatorOptions(OPTIONS.capture_sizes, OPTIONS.max_num_prefill_tokens,
                                 OPTIONS.num_blocks, sampling)
-    spec = create_speculator("autoregressive", ["reference"] * 2, _config(k), DRAFTER, DEVICE, options)
+    spec = create_speculator("autoregressive", ["reference"] * 2, _config(k), DRAFTER, DEVICE, options, matrix=MATRIX)
     assert isinstance(spec, AutoregressiveSpeculator)
     return spec
 
@@ -124,8 +132,7 @@ def test_gating_truth_table(k, advance, backends, fused, caplog) -> None:
     caplog.set_level(logging.INFO, logger="speccheck.speculator.autoregressive")
     spec = create_speculator(
         "autoregressive", backends, _config(k, advance_draft_positions=advance), DRAFTER,
-        DEVICE, OPTIONS, builder_overrides={"flashinfer": _Unsupported},
-    )
+        DEVICE, OPTIONS, builder_overrides={"flashinfer": _Unsupported}, matrix=MATRIX)
     assert spec.use_fused_multi_step_decode is fused
     fallback_logged = "falling back" in caplog.text and "flashinfer" in caplog.text
     assert fallback_logged is (k > 1 and advance and "flashinfer" in backends)
@@ -133,7 +140,7 @@ def test_gating_truth_table(k, advance, backends, fused, caplog) -> None:
 
 def test_auto_path_falls_back_to_per_step_rebuilds() -> None:
     spec = create_speculator("autoregressive", ["reference", "flashinfer"], _config(4), DRAFTER,
-                             DEVICE, OPTIONS, builder_overrides={"flashinfer": _Unsupported})
+                             DEVICE, OPTIONS, builder_overrides={"flashinfer": _Unsupported}, matrix=MATRIX)
     spec.trace = []
     spec.propose(_batch())
     names = [e for e, _ in spec.trace]
@@ -144,7 +151,7 @@ def test_auto_path_falls_back_to_per_step_rebuilds() -> None:
 @pytest.mark.parametrize("mode", ["full", "piecewise"])
 def test_graph_modes_without_cuda_are_clear_errors(mode: str) -> None:
     with pytest.raises((CudaGraphUnavailable, ValueError), match=mode):
-        create_speculator("autoregressive", ["reference"] * 2, _config(4, mode), DRAFTER, DEVICE, OPTIONS)
+        create_speculator("autoregressive", ["reference"] * 2, _config(4, mode), DRAFTER, DEVICE, OPTIONS, matrix=MATRIX)
 
 
 def test_batch_validation_names_request() -> None:
@@ -158,7 +165,7 @@ def test_batch_validation_names_request() -> None:
 @pytest.mark.parametrize(("path", "expected"), [("per_step", (0, 3)), ("fused", (0, 1))])
 def test_counts_full_graphs_k4(path: str, expected) -> None:
     spec = create_speculator("autoregressive", ["reference"] * 2, _config(4, "full"), DRAFTER,
-                             DEVICE, OPTIONS)
+                             DEVICE, OPTIONS, matrix=MATRIX)
     spec.capture()
     spec.propose(_batch(), path)  # type: ignore[arg-type]
     assert (spec.counters.eager_step_calls, spec.counters.graph_replays) == expected
@@ -184,7 +191,7 @@ def test_full_graph_fused_equals_per_step(data, k) -> None:
 @cache
 def _full_speculator(k: int) -> AutoregressiveSpeculator:
     spec = create_speculator("autoregressive", ["reference"] * 2, _config(k, "full"), DRAFTER,
-                             DEVICE, OPTIONS)
+                             DEVICE, OPTIONS, matrix=MATRIX)
     assert isinstance(spec, AutoregressiveSpeculator)
     spec.capture()
     return spec
@@ -204,7 +211,7 @@ def test_graph_capture_shortfall_follows_the_matrix_levels() -> None:
 
 def test_groups_carry_the_matrix_graph_support() -> None:
     spec = create_speculator("autoregressive", ["reference", "flashinfer"], _config(4), DRAFTER,
-                             DEVICE, OPTIONS, builder_overrides={"flashinfer": _Unsupported})
+                             DEVICE, OPTIONS, builder_overrides={"flashinfer": _Unsupported}, matrix=MATRIX)
     support = {g.backend_name: g.cudagraph_support for g in spec.groups}
     assert support == {"reference": CudaGraphSupport.ALWAYS, "flashinfer": CudaGraphSupport.UNIFORM_BATCH}
     assert spec.graph_mode_note is None
@@ -228,11 +235,11 @@ class _EagerCapture:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-in for the graph manager")
 def test_capture_bodies_run_for_every_bucket_and_path() -> None:
-    auto = create_speculator("autoregressive", ["reference"] * 2, _config(3), DRAFTER, DEVICE, OPTIONS)
+    auto = create_speculator("autoregressive", ["reference"] * 2, _config(3), DRAFTER, DEVICE, OPTIONS, matrix=MATRIX)
     auto.graphs = _EagerCapture(OPTIONS.capture_sizes)  # type: ignore[assignment]
     auto.capture()
     assert auto.graphs.keys == [(kind, n) for n in (1, 2, 4) for kind in ("step", "fused")]  # type: ignore[union-attr]
-    dflash = create_speculator("dflash", ["reference"] * 2, _config(3), DRAFTER, DEVICE, OPTIONS)
+    dflash = create_speculator("dflash", ["reference"] * 2, _config(3), DRAFTER, DEVICE, OPTIONS, matrix=MATRIX)
     assert isinstance(dflash, DFlashSpeculator)
     dflash.graphs = _EagerCapture(OPTIONS.capture_sizes)  # type: ignore[assignment]
     dflash.capture()

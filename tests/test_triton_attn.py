@@ -280,7 +280,6 @@ def test_builder_contract():
     limits = BuilderLimits(max_num_reqs=64, max_num_tokens=256)
     builder = TritonAttnMetadataBuilder(layer, RuntimeConfig(), torch.device("cpu"), limits)
     assert builder.backend_name == "triton_attn"
-    assert builder.step_dependent_fields == ()
     assert builder.supports_draft_decode_metadata_update is False
     bufs = builder.workspace_buffers()
     assert bufs["part_max"].shape == (256, 8, 8)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from speccheck.checks.cli.app import app
 from speccheck.checks.selftest.mutants import MUTANTS, DerivedBuilder, Mutant, StaleRefresh
 from speccheck.checks.selftest.run import verify_builder
-from speccheck.checks.verify.engine import decode_example, encode_example, example_from_json
+from speccheck.checks.verify.examples import decode_example, encode_example, example_from_json
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -29,7 +29,7 @@ def test_the_correct_builder_passes(device: str) -> None:
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_each_check_catches_its_mutant(device: str, mutant: Mutant) -> None:
     check, phrase = mutant.expected(gpu=device == "cuda")
-    report = verify_builder(mutant.builder, torch.device(device))
+    report = verify_builder(mutant.builder, torch.device(device), declares=mutant.declares)
     assert report.status == "failed"
     matching = [f for f in report.failures if f.check == check]
     assert matching, f"{check} did not fail; failures: {report.failures}"

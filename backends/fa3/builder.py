@@ -1,9 +1,13 @@
 """FlashAttention-3 through the ``fa3-fwd`` wheel: metadata builder and impl.
 
-What this build of FA3 can do, and what follows from it:
+What this build of FA3 can do, and what follows from it. The configuration rules (bf16
+only, head sizes a multiple of 8 up to 256, ``block_size == max_model_len``, KV cache in the
+query dtype, sm90) are stated once, as the ``fa3`` entry's constraints in ``matrix.yaml``,
+and enforced from there before the builder is constructed
+(:func:`speccheck.contract.constraints.enforce_constraints`); the builder does not re-check
+them.
 
-- **bf16 only.** ``fa3-fwd`` 0.0.3 is compiled with ``FLASHATTENTION_DISABLE_FP16``; the
-  builder refuses any other layer dtype at construction.
+- **bf16 only.** ``fa3-fwd`` 0.0.3 is compiled with ``FLASHATTENTION_DISABLE_FP16``.
 - **No paged KV.** ``FLASHATTENTION_DISABLE_PAGEDKV`` is set, so ``page_table`` cannot be
   used. The layer's KV cache ``[num_blocks, block_size, num_kv_heads, head_size]`` is used
   with ``block_size == max_model_len``: every block is one request's whole cache row, the
@@ -28,7 +32,7 @@ What this build of FA3 can do, and what follows from it:
 
 Stale scheduler metadata gives the *same outputs* as refreshed metadata in every mix that
 was measured, so comparing outputs cannot catch a missing refresh: the verifier must compare
-``scheduler_metadata`` itself (declared in ``step_dependent_fields``) with a fresh build.
+``scheduler_metadata`` itself (the matrix's ``refreshed_fields``) with a fresh build.
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ from speccheck.backends.availability import require_module
 from speccheck.backends.kv_cache_write import write_kv_cache
 from speccheck.contract.builder import (
     AttentionImpl,
-    AttentionLayerSpec,
     AttentionMetadataBuilder,
 )
 from speccheck.contract.metadata import CommonAttentionMetadata
@@ -52,34 +55,11 @@ FA3_IMPORT_NAME = "fa3_fwd_interface"
 FA3_PACKAGE = "fa3-fwd"
 FA3_INSTALL_HINT = "pip install 'speccheck[fa3]' (fa3-fwd, CUDA, sm90)"
 
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
-MAX_HEAD_SIZE = 256
-
 
 def fa3_interface() -> ModuleType:
     """The ``fa3_fwd_interface`` module, or :class:`BackendUnavailable` with the install
     hint. Imported lazily: this module must import on machines without the wheel."""
     return require_module(FA3_IMPORT_NAME, FA3_PACKAGE, FA3_INSTALL_HINT)
-
-
-def check_fa3_layer(layer: AttentionLayerSpec) -> None:
-    """Reject layers this build of FA3 cannot run, saying what to change."""
-    if layer.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"fa3 backend: dtype={layer.dtype} is not supported; fa3-fwd 0.0.3 is built with "
-            "FP16 disabled and runs bfloat16 only (set the model dtype to torch.bfloat16)"
-        )
-    if layer.block_size != layer.max_model_len:
-        raise ValueError(
-            f"fa3 backend: block_size={layer.block_size} must equal max_model_len="
-            f"{layer.max_model_len}; fa3-fwd has paged KV compiled out, so each KV-cache block "
-            "is one request's whole cache row (addressed through cache_batch_idx)"
-        )
-    if layer.head_size % 8 != 0 or not 0 < layer.head_size <= MAX_HEAD_SIZE:
-        raise ValueError(
-            f"fa3 backend: head_size={layer.head_size} is not supported; FA3 needs a multiple "
-            f"of 8 up to {MAX_HEAD_SIZE} (it runs the next compiled size of 64/96/128/192/256)"
-        )
 
 
 def scheduler_metadata_size_bound(num_reqs: int) -> int:
@@ -171,11 +151,15 @@ class FA3AttentionImpl(AttentionImpl[FA3Metadata]):
 
 class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
     """Refresh strategy ``in_graph``: the only step-dependent derived state is the AOT
-    scheduler metadata, recomputed in place by :meth:`update_draft_decode_metadata`."""
+    scheduler metadata, recomputed in place by :meth:`update_draft_decode_metadata`.
+
+    Constraints on the layer and config (dtype, head size, ``block_size == max_model_len``,
+    KV-cache dtype, platform, compute capability) are enforced from the ``fa3`` matrix entry
+    before construction; :meth:`setup` checks only that the package and a CUDA device are
+    there."""
 
     backend_name = "fa3"
     impl_cls = FA3AttentionImpl
-    step_dependent_fields = ("scheduler_metadata",)
 
     max_num_splits_for_cuda_graph: ClassVar[int] = 32
     """Split-KV bound pinned while CUDA graphs are in use (vLLM's default): it sizes the
@@ -185,7 +169,6 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
 
     def setup(self) -> None:
         layer, config, device = self.layer, self.config, self.device
-        check_fa3_layer(layer)
         fa3_interface()  # BackendUnavailable with the install hint, before any device work
         if torch.device(device).type != "cuda":
             raise ValueError(f"fa3 backend runs on CUDA devices only, got device={device}")

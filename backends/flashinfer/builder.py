@@ -44,7 +44,6 @@ from speccheck.backends.availability import require_module
 from speccheck.backends.kv_cache_write import write_kv_cache
 from speccheck.contract.builder import (
     AttentionImpl,
-    AttentionLayerSpec,
     AttentionMetadataBuilder,
 )
 from speccheck.contract.metadata import CommonAttentionMetadata
@@ -56,7 +55,6 @@ FLASHINFER_INSTALL_HINT = (
     "kernels are JIT-built with nvcc on first use)"
 )
 
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
@@ -64,15 +62,6 @@ def flashinfer_module() -> ModuleType:
     """The ``flashinfer`` module, or :class:`BackendUnavailable` with the install hint.
     Imported lazily: this module must import on machines without the package."""
     return require_module(FLASHINFER_IMPORT_NAME, FLASHINFER_PACKAGE, FLASHINFER_INSTALL_HINT)
-
-
-def check_flashinfer_layer(layer: AttentionLayerSpec) -> None:
-    """Reject layers the wrappers cannot run, saying what to change."""
-    if layer.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"flashinfer backend: dtype={layer.dtype} is not supported; supported: "
-            f"{[str(d) for d in SUPPORTED_DTYPES]}"
-        )
 
 
 @dataclass(frozen=True)
@@ -225,18 +214,20 @@ def _same_scale(a: float, b: float) -> bool:
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     """Refresh strategy ``host_preplanned`` (see :meth:`plan_draft_steps`); in-graph refresh
-    is impossible because ``plan()`` runs on the host."""
+    is impossible because ``plan()`` runs on the host.
+
+    Constraints on the layer and config (fp16/bf16 only, KV cache in the activation dtype,
+    platform) are enforced from the ``flashinfer`` matrix entry before construction;
+    :meth:`setup` checks only that the package and a CUDA device are there."""
 
     backend_name = "flashinfer"
     impl_cls = FlashInferAttentionImpl
-    step_dependent_fields = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
 
     workspace_bytes: ClassVar[int] = WORKSPACE_BYTES
     kv_layout: ClassVar[str] = "NHD"
 
     def setup(self) -> None:
         layer, device = self.layer, self.device
-        check_flashinfer_layer(layer)
         self._flashinfer = flashinfer_module()
         if torch.device(device).type != "cuda":
             raise ValueError(f"flashinfer backend runs on CUDA devices only, got device={device}")

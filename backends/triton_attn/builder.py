@@ -199,11 +199,14 @@ class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
 
     Persistent state: the :class:`SplitKVScratch`, allocated here once for
     ``limits.max_num_tokens`` tokens and handed to every metadata object.
+
+    What the kernels need of the layer and config (power-of-two head sizes from 16 to 256,
+    KV cache in the activation dtype) is stated as the ``triton_attn`` matrix entry's
+    constraints and enforced from there before construction.
     """
 
     backend_name = "triton_attn"
     impl_cls = TritonAttnImpl
-    step_dependent_fields = ()
 
     def __init__(
         self,

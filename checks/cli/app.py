@@ -8,43 +8,32 @@ to stdout and nothing else does in those modes; messages and logs go to stderr.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.resources
 import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from speccheck.checks.docgen.capabilities import render_capability_docs
+from speccheck.checks.cli.paths import output_path_problem
 from speccheck.checks.cli.runtime_options import (
-    AdvanceDraftPositionsOption,
-    BlockSizeOption,
-    ComputeCapabilityOption,
-    CudaGraphModeOption,
-    DcpWorldSizeOption,
-    DpSizeOption,
-    DtypeOption,
-    HeadSizeOption,
-    KvCacheDtypeOption,
     MatrixPathOption,
-    MaxModelLenOption,
-    NumHeadsOption,
-    NumKvHeadsOption,
-    NumSpeculativeStepsOption,
-    PlatformOption,
+    RuntimeOverrides,
     build_runtime_config,
+    with_runtime_options,
 )
-from speccheck.checks.selftest.run import selftest_command
+from speccheck.checks.cli.selftest import selftest_command
 from speccheck.checks.cli.verify import verify_command
+from speccheck.checks.docgen.capabilities import render_capability_docs
+from speccheck.checks.docgen.checks import render_check_docs
 from speccheck.contract.matrix_loader import MatrixError, load_matrix
 from speccheck.contract.matrix_model import Matrix, render_matrix_json_schema
-from speccheck.contract.resolution import resolve_matrix
+from speccheck.contract.resolution import FusedVerdict, resolve_matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 
 logger = logging.getLogger(__name__)
@@ -52,6 +41,7 @@ logger = logging.getLogger(__name__)
 EXIT_STALE = 1
 EXIT_BAD_INPUT = 2
 DEFAULT_DOCS_PATH = Path("docs/capabilities.md")
+DEFAULT_CHECKS_DOCS_PATH = Path("docs/checks.md")
 SCHEMA_RESOURCE = "matrix.schema.json"
 
 app = typer.Typer(
@@ -64,11 +54,11 @@ app = typer.Typer(
 
 
 def _stdout() -> Console:
-    return Console(highlight=False)
+    return Console(highlight=False, emoji=False)
 
 
 def _stderr() -> Console:
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return Console(stderr=True, highlight=False, emoji=False, soft_wrap=True)
 
 
 def configure_logging(verbose: bool) -> None:
@@ -102,53 +92,42 @@ def _load_or_exit(path: Path | None) -> Matrix:
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
 
+def _exit_on_bad_output(flag: str, path: Path, *, create_parents: bool = False) -> None:
+    """Exit 2 with one line when ``path`` cannot be written, before any work is done."""
+    problem = output_path_problem(path, create_parents=create_parents)
+    if problem is not None:
+        _stderr().print(f"{flag}: {problem}", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT)
+
+
 def _config_summary(config: RuntimeConfig) -> str:
     return ", ".join(f"{name}={value}" for name, value in config.model_dump().items())
 
 
+VERDICT_STYLE = {
+    FusedVerdict.YES: "[green]yes[/green]",
+    FusedVerdict.NO: "[red]no[/red]",
+    FusedVerdict.DECLARED_UNVERIFIED: "[yellow]declared, unverified[/yellow]",
+}
+
+
 @app.command("matrix")
+@with_runtime_options()
 def matrix_command(
     matrix: MatrixPathOption = None,
-    platform: PlatformOption = None,
-    compute_capability: ComputeCapabilityOption = None,
-    dcp_world_size: DcpWorldSizeOption = None,
-    dp_size: DpSizeOption = None,
-    cudagraph_mode: CudaGraphModeOption = None,
-    num_speculative_steps: NumSpeculativeStepsOption = None,
-    advance_draft_positions: AdvanceDraftPositionsOption = None,
-    block_size: BlockSizeOption = None,
-    max_model_len: MaxModelLenOption = None,
-    kv_cache_dtype: KvCacheDtypeOption = None,
-    dtype: DtypeOption = None,
-    head_size: HeadSizeOption = None,
-    num_heads: NumHeadsOption = None,
-    num_kv_heads: NumKvHeadsOption = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print a JSON list on stdout instead of a table.")
     ] = False,
+    *,
+    runtime: RuntimeOverrides,
 ) -> None:
     """Resolve every backend of the matrix against a runtime configuration: may it run
     fused multi-step draft decoding, with which refresh strategy, and why (not)."""
-    config = build_runtime_config(
-        platform=platform,
-        compute_capability=compute_capability,
-        dcp_world_size=dcp_world_size,
-        dp_size=dp_size,
-        cudagraph_mode=cudagraph_mode,
-        num_speculative_steps=num_speculative_steps,
-        advance_draft_positions=advance_draft_positions,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        kv_cache_dtype=kv_cache_dtype,
-        dtype=dtype,
-        head_size=head_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-    )
+    config = build_runtime_config(runtime)
     resolutions = resolve_matrix(_load_or_exit(matrix), config)
     logger.debug("resolved %d backends under %s", len(resolutions), _config_summary(config))
     if as_json:
-        payload = [dataclasses.asdict(resolution) for resolution in resolutions]
+        payload = [resolution.to_json() for resolution in resolutions]
         sys.stdout.write(json.dumps(payload, indent=2) + "\n")
         return
     table = Table(
@@ -161,11 +140,10 @@ def matrix_command(
     table.add_column("Refresh", no_wrap=True)
     table.add_column("Reason")
     for resolution in resolutions:
-        fused = "[green]yes[/green]" if resolution.fused_multi_step else "[red]no[/red]"
         table.add_row(
             resolution.name,
-            fused,
-            resolution.refresh_strategy,
+            VERDICT_STYLE[resolution.verdict],
+            resolution.refresh_strategy.value,
             resolution.reason,
         )
     _stdout().print(table)
@@ -196,18 +174,38 @@ def docs_command(
     check: Annotated[
         bool, typer.Option("--check", help="Exit 1 if the file differs from what would be written.")
     ] = False,
+    checks: Annotated[
+        bool, typer.Option("--checks", help="Render the check table (docs/checks.md) instead "
+                           "of the capability docs.")
+    ] = False,
     output: Annotated[
-        Path, typer.Option("--output", help="Markdown file to write or check.", dir_okay=False)
-    ] = DEFAULT_DOCS_PATH,
+        Optional[Path],  # noqa: UP045 - typer on the GPU image needs Optional
+        typer.Option("--output", help="Markdown file to write (or, with --check, to check) "
+                     "instead of printing to stdout; --check defaults to docs/capabilities.md "
+                     "or docs/checks.md.", dir_okay=False, show_default=False),
+    ] = None,
     matrix: MatrixPathOption = None,
 ) -> None:
-    """Generate the capability docs (docs/capabilities.md) from the matrix."""
-    text = render_capability_docs(_load_or_exit(matrix))
+    """Generate the capability docs from the matrix, or the check table from the check
+    registry."""
+    if output is not None and not check:
+        _exit_on_bad_output("--output", output, create_parents=True)
+    if checks:
+        text, default = render_check_docs(), DEFAULT_CHECKS_DOCS_PATH
+    else:
+        text, default = render_capability_docs(_load_or_exit(matrix)), DEFAULT_DOCS_PATH
     if check:
-        _check_file(output, text, "speccheck docs")
+        _check_file(output or default, text, "speccheck docs" + (" --checks" if checks else ""))
         return
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(text, encoding="utf-8")
+    if output is None:
+        sys.stdout.write(text)
+        return
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        _stderr().print(f"--output: cannot write {output}: {exc.strerror or exc}", markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     _stderr().print(f"wrote {output}", markup=False)
 
 
@@ -234,6 +232,7 @@ def schema_command(
         _check_file(committed, text, "speccheck schema --output matrix.schema.json")
         return
     if output is not None:
+        _exit_on_bad_output("--output", output)
         output.write_text(text, encoding="utf-8")
         _stderr().print(f"wrote {output}", markup=False)
         return

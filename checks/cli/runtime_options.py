@@ -1,40 +1,49 @@
-"""Command-line options shared by every command that needs a runtime configuration.
+"""Runtime-configuration options, generated from :class:`RuntimeConfig`.
 
-Each option is an ``Annotated`` alias that a typer command uses as a parameter type, with
-``None`` as the default meaning "keep :class:`RuntimeConfig`'s default". Help texts come from
-the ``RuntimeConfig`` field descriptions, so the model stays the single source. A command
-passes its option values to :func:`build_runtime_config`::
+A runtime option is declared once, as a ``RuntimeConfig`` field (its type, default and
+description); :func:`with_runtime_options` turns fields into typer options of a command, so
+a new field reaches ``speccheck matrix``, ``speccheck verify``, the config and the docs
+without touching a command::
 
     @app.command()
-    def verify(platform: PlatformOption = None, dcp_world_size: DcpWorldSizeOption = None):
-        config = build_runtime_config(platform=platform, dcp_world_size=dcp_world_size)
+    @with_runtime_options()
+    def matrix(as_json: bool = False, *, runtime: RuntimeOverrides) -> None:
+        config = build_runtime_config(runtime)
+
+The wrapped command receives the options the user gave as ``runtime`` (field name to
+value; options left out are absent), and decides the defaults itself (``verify`` has one
+set per tier).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 from pydantic import ValidationError
 
-from speccheck.contract.runtime_config import (
-    CudaGraphModeName,
-    DtypeName,
-    KvCacheDtypeName,
-    Platform,
-    RuntimeConfig,
-)
+from speccheck.contract.runtime_config import RuntimeConfig
 
 RUNTIME_PANEL = "Runtime configuration"
+RuntimeOverrides = dict[str, Any]
+"""Runtime options given on the command line, by ``RuntimeConfig`` field name."""
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-def _help(field: str) -> str:
-    return RuntimeConfig.model_fields[field].description or field
-
-
-def _default(field: str) -> str:
-    return str(RuntimeConfig.model_fields[field].default)
+MatrixPathOption = Annotated[
+    Optional[Path],  # noqa: UP045 - typer on the GPU image needs Optional
+    typer.Option(
+        "--matrix",
+        help="Capability matrix to read.",
+        dir_okay=False,
+        show_default="the matrix.yaml shipped with speccheck",
+    ),
+]
 
 
 def option_flag(field: str) -> str:
@@ -43,58 +52,81 @@ def option_flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def _option(field: str) -> typer.models.OptionInfo:
-    return typer.Option(
-        option_flag(field),
-        help=_help(field),
+def _option_type(annotation: Any) -> Any:
+    """The typer parameter type of a field annotation (``Literal`` choices are kept)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return typing.get_args(annotation)[0]
+    return annotation
+
+
+def _parameter(field: str, shown_default: object) -> inspect.Parameter:
+    info = RuntimeConfig.model_fields[field]
+    kind = _option_type(info.annotation)
+    decls = (
+        [f"{option_flag(field)}/--no-{field.replace('_', '-')}"]
+        if kind is bool else [option_flag(field)]
+    )
+    option = typer.Option(
+        *decls,
+        help=info.description or field,
         rich_help_panel=RUNTIME_PANEL,
-        show_default=_default(field),
+        show_default=str(shown_default),
+    )
+    return inspect.Parameter(
+        field, inspect.Parameter.KEYWORD_ONLY, default=None,
+        annotation=Annotated[Optional[kind], option],  # noqa: UP045 - see above
     )
 
 
-MatrixPathOption = Annotated[
-    Optional[Path],
-    typer.Option(
-        "--matrix",
-        help="Capability matrix to read.",
-        dir_okay=False,
-        show_default="the matrix.yaml shipped with speccheck",
-    ),
-]
-PlatformOption = Annotated[Optional[Platform], _option("platform")]
-ComputeCapabilityOption = Annotated[Optional[int], _option("compute_capability")]
-DcpWorldSizeOption = Annotated[Optional[int], _option("dcp_world_size")]
-DpSizeOption = Annotated[Optional[int], _option("dp_size")]
-CudaGraphModeOption = Annotated[Optional[CudaGraphModeName], _option("cudagraph_mode")]
-NumSpeculativeStepsOption = Annotated[Optional[int], _option("num_speculative_steps")]
-AdvanceDraftPositionsOption = Annotated[
-    Optional[bool],
-    typer.Option(
-        "--advance-draft-positions/--no-advance-draft-positions",
-        help=_help("advance_draft_positions"),
-        rich_help_panel=RUNTIME_PANEL,
-        show_default=_default("advance_draft_positions"),
-    ),
-]
-BlockSizeOption = Annotated[Optional[int], _option("block_size")]
-MaxModelLenOption = Annotated[Optional[int], _option("max_model_len")]
-KvCacheDtypeOption = Annotated[Optional[KvCacheDtypeName], _option("kv_cache_dtype")]
-DtypeOption = Annotated[Optional[DtypeName], _option("dtype")]
-HeadSizeOption = Annotated[Optional[int], _option("head_size")]
-NumHeadsOption = Annotated[Optional[int], _option("num_heads")]
-NumKvHeadsOption = Annotated[Optional[int], _option("num_kv_heads")]
+def with_runtime_options(
+    fields: tuple[str, ...] | None = None, defaults: Mapping[str, object] | None = None
+) -> Callable[[F], F]:
+    """Add one option per ``RuntimeConfig`` field in ``fields`` (all fields when ``None``)
+    to a typer command, which must take a keyword-only ``runtime`` parameter.
+
+    ``defaults`` are what ``--help`` shows for a field (the command applies them itself);
+    otherwise ``RuntimeConfig``'s own default is shown.
+    """
+    names = tuple(RuntimeConfig.model_fields) if fields is None else fields
+    unknown = sorted(set(names) - set(RuntimeConfig.model_fields))
+    if unknown:
+        raise ValueError(f"not RuntimeConfig fields: {', '.join(unknown)}")
+    shown = {name: RuntimeConfig.model_fields[name].default for name in names}
+    shown.update(defaults or {})
+
+    def decorate(command: F) -> F:
+        signature = inspect.signature(command, eval_str=True)
+        if "runtime" not in signature.parameters:
+            raise TypeError(f"{command.__name__} must take a keyword-only 'runtime' parameter")
+        kept = [p for p in signature.parameters.values() if p.name != "runtime"]
+        added = [_parameter(name, shown[name]) for name in names]
+
+        @functools.wraps(command)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            given = {name: kwargs.pop(name) for name in names if kwargs.get(name) is not None}
+            for name in names:
+                kwargs.pop(name, None)
+            return command(*args, runtime=given, **kwargs)
+
+        parameters = kept + added
+        wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+        del wrapper.__wrapped__  # typer must see the new signature, not the command's
+        return typing.cast(F, wrapper)
+
+    return decorate
 
 
-def build_runtime_config(**options: object) -> RuntimeConfig:
-    """A :class:`RuntimeConfig` from option values keyed by field name; ``None`` values
-    keep the defaults.
+def build_runtime_config(
+    runtime: RuntimeOverrides, defaults: Mapping[str, object] | None = None
+) -> RuntimeConfig:
+    """A :class:`RuntimeConfig` from ``defaults`` overridden by the options given.
 
     Raises ``typer.BadParameter`` (exit status 2) naming the flag, the expected range and
     the value given when the config rejects a value (e.g. ``--dcp-world-size 0``).
     """
-    values = {field: value for field, value in options.items() if value is not None}
     try:
-        return RuntimeConfig(**values)
+        return RuntimeConfig(**{**(defaults or {}), **runtime})
     except ValidationError as exc:
         lines = []
         for error in exc.errors():
@@ -102,3 +134,15 @@ def build_runtime_config(**options: object) -> RuntimeConfig:
             message = error["msg"].replace("Input should be", "should be", 1)
             lines.append(f"{option_flag(field)} {message}, got {error['input']!r}")
         raise typer.BadParameter("; ".join(lines)) from None
+
+
+def runtime_flags(runtime: RuntimeOverrides) -> str:
+    """The options given, as they would be typed again (for reproduce commands)."""
+    parts = []
+    for name, value in runtime.items():
+        if isinstance(value, bool):
+            parts.append(option_flag(name) if value else f"--no-{name.replace('_', '-')}")
+        else:
+            parts.append(f"{option_flag(name)} {value}")
+    return " ".join(parts)
+

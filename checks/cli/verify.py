@@ -1,4 +1,8 @@
-"""``speccheck verify``: verify backends in their own processes and report the results."""
+"""``speccheck verify``: verify backends in their own processes and report the results.
+
+Importing this module does not import torch: the command imports the verify engine when it
+runs, so ``speccheck matrix``, ``docs`` and ``schema`` start without it.
+"""
 
 from __future__ import annotations
 
@@ -8,56 +12,73 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
-import torch
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from speccheck import __version__
-from speccheck.checks.verify.data_parallel import verify_dp
+from speccheck.checks.cli.paths import output_path_problem
 from speccheck.checks.cli.runtime_options import (
-    BlockSizeOption,
-    DcpWorldSizeOption,
-    DpSizeOption,
-    DtypeOption,
-    HeadSizeOption,
     MatrixPathOption,
-    MaxModelLenOption,
-    NumHeadsOption,
-    NumKvHeadsOption,
-    NumSpeculativeStepsOption,
+    RuntimeOverrides,
     build_runtime_config,
-    option_flag,
+    runtime_flags,
+    with_runtime_options,
 )
-from speccheck.checks.verify.engine import decode_example
-from speccheck.checks.verify.report import CHECK_NAMES, BackendReport, write_json, write_junit
-from speccheck.checks.verify.runner import run_worker, worker_request
-from speccheck.contract.matrix_loader import MatrixError, load_matrix
+from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.speculator.dp_launch import RankError
+
+if TYPE_CHECKING:
+    from speccheck.checks.verify.context import MatrixContext
+    from speccheck.checks.verify.report import BackendReport
 
 EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
 EXIT_NOTHING_VERIFIED = 3
 
-TIER_DEFAULTS = {
-    "gpu": {"platform": "cuda", "cudagraph_mode": "full", "dtype": "bfloat16", "head_size": 128,
-            "num_heads": 16, "num_kv_heads": 4, "block_size": 16, "max_model_len": 1024},
-    "cpu": {"platform": "cpu", "cudagraph_mode": "none", "dtype": "float32", "head_size": 32,
-            "num_heads": 4, "num_kv_heads": 2, "block_size": 4, "max_model_len": 64},
+TIER_DEFAULTS: dict[Tier, dict[str, object]] = {
+    Tier.GPU: {"platform": "cuda", "cudagraph_mode": "full", "dtype": "bfloat16",
+               "head_size": 128, "num_heads": 16, "num_kv_heads": 4, "block_size": 16,
+               "max_model_len": 1024},
+    Tier.CPU: {"platform": "cpu", "cudagraph_mode": "none", "dtype": "float32",
+               "head_size": 32, "num_heads": 4, "num_kv_heads": 2, "block_size": 4,
+               "max_model_len": 64},
 }
 """Runtime defaults per tier, overridden by any option given: a small drafter on the CPU,
 a realistic head layout on the GPU."""
 
+VERIFY_FIELDS = ("dcp_world_size", "dp_size", "num_speculative_steps", "block_size",
+                 "max_model_len", "kv_cache_dtype", "dtype", "head_size", "num_heads",
+                 "num_kv_heads")
+"""The runtime options ``verify`` takes; platform, compute capability and graph mode come
+from the machine."""
+
+
+def _shown_default(field: str) -> str:
+    gpu, cpu = TIER_DEFAULTS[Tier.GPU].get(field), TIER_DEFAULTS[Tier.CPU].get(field)
+    if gpu is None and cpu is None:
+        return str(RuntimeConfig.model_fields[field].default)
+    return f"GPU tier {gpu}, CPU tier {cpu}"
+
+
 TIER_LINE = {
-    "gpu": "tier: GPU ({device}) — real CUDA graphs: fused FULL-graph replay and the eager fused "
-           "loop against the eager per-step oracle",
-    "cpu": "tier: CPU (no CUDA device) — eager fused loop against the eager per-step oracle, "
-           "padding lanes included, and capture-safety probes by tracing; no CUDA graph is "
-           "captured and no GPU result is claimed",
+    Tier.GPU: "tier: GPU ({device}) — real CUDA graphs: fused FULL-graph replay and the eager "
+              "fused loop against the eager per-step oracle",
+    Tier.CPU: "tier: CPU (no CUDA device) — eager fused loop against the eager per-step "
+              "oracle, padding lanes included, and capture-safety probes by tracing; no CUDA "
+              "graph is captured and no GPU result is claimed",
 }
+
+
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False, emoji=False, soft_wrap=True)
+
+
+def _bad_input(message: str) -> typer.Exit:
+    _stderr().print(message, markup=False)
+    return typer.Exit(EXIT_BAD_INPUT)
 
 
 def _commit() -> str:
@@ -73,103 +94,139 @@ def _commit() -> str:
         return "unknown"
 
 
+@with_runtime_options(VERIFY_FIELDS, {field: _shown_default(field) for field in VERIFY_FIELDS})
 def verify_command(
-    backend: Annotated[str, typer.Option("--backend", help="Backend name from matrix.yaml, or 'all'.")] = "reference",
+    backend: Annotated[str, typer.Option("--backend", help="Backend name from the matrix, or 'all'.")] = "reference",
     examples: Annotated[int, typer.Option("--examples", min=1, help="Examples per backend.")] = 50,
     seed: Annotated[int, typer.Option("--seed", help="Hypothesis seed.")] = 0,
-    reproduce: Annotated[Optional[str], typer.Option("--reproduce", help="Run exactly this example (from a failure report).")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.")] = None,
-    junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report here.")] = None,
+    reproduce: Annotated[Optional[str], typer.Option("--reproduce", help="Run exactly this example (from a failure report).")] = None,  # noqa: UP045
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.")] = None,  # noqa: UP045
+    junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report here.")] = None,  # noqa: UP045
     example_timeout: Annotated[float, typer.Option("--example-timeout", help="Seconds without progress before a worker counts as hung.")] = 300.0,
+    audit_claims: Annotated[bool, typer.Option("--audit-claims", help="For a backend the matrix does not allow to fuse under the config, also run the fused path (in its own worker) and report whether the claim is too strict or confirmed.")] = False,
     matrix_path: MatrixPathOption = None,
-    dcp_world_size: DcpWorldSizeOption = None,
-    dp_size: DpSizeOption = None,
-    num_speculative_steps: NumSpeculativeStepsOption = None,
-    block_size: BlockSizeOption = None,
-    max_model_len: MaxModelLenOption = None,
-    dtype: DtypeOption = None,
-    head_size: HeadSizeOption = None,
-    num_heads: NumHeadsOption = None,
-    num_kv_heads: NumKvHeadsOption = None,
+    *,
+    runtime: RuntimeOverrides,
 ) -> None:
     """Capture real CUDA graphs (or, without CUDA, run the CPU tier), replay them on
     hypothesis-drawn batches and compare with eager per-step metadata rebuilds."""
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
-    given = {"dcp_world_size": dcp_world_size, "dp_size": dp_size, "block_size": block_size,
-             "max_model_len": max_model_len, "dtype": dtype, "head_size": head_size,
-             "num_heads": num_heads, "num_kv_heads": num_kv_heads,
-             "num_speculative_steps": num_speculative_steps}
-    tier = "gpu" if torch.cuda.is_available() else "cpu"
-    config = build_runtime_config(**{**TIER_DEFAULTS[tier], **{k: v for k, v in given.items() if v is not None}})
+    import torch
+
+    from speccheck.checks.verify.context import MatrixContext
+    from speccheck.checks.verify.examples import decode_example
+    from speccheck.contract.matrix_loader import MatrixError
+
+    for flag, path in (("--json", json_path), ("--junit", junit)):
+        unwritable = output_path_problem(path) if path is not None else None
+        if unwritable is not None:
+            raise _bad_input(f"{flag}: {unwritable}")
+    tier = Tier.GPU if torch.cuda.is_available() else Tier.CPU
+    config = build_runtime_config(runtime, TIER_DEFAULTS[tier])
     try:
-        matrix = load_matrix(matrix_path)
+        matrices = MatrixContext.load(matrix_path)
     except MatrixError as exc:
         for problem in exc.problems:
-            Console(stderr=True, highlight=False).print(problem.render(), markup=False)
-        raise typer.Exit(2) from None
-    names = matrix.names if backend == "all" else [backend]
-    if backend != "all" and backend not in matrix.names:
-        console.print(f"unknown backend {backend!r}; valid: {', '.join(matrix.names)}, all", markup=False)
-        raise typer.Exit(2)
+            _stderr().print(problem.render(), markup=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    names = list(matrices.matrix.names) if backend == "all" else [backend]
+    if backend != "all" and backend not in matrices.matrix.names:
+        raise _bad_input(f"unknown backend {backend!r}; valid: {', '.join(matrices.matrix.names)}, all")
     if reproduce is not None:
         try:
             decode_example(reproduce)
         except ValueError as exc:
-            console.print(str(exc), markup=False)
-            raise typer.Exit(2) from None
-    steps = (num_speculative_steps,) if num_speculative_steps else tuple(range(2, 9))
-    device = torch.cuda.get_device_name() if tier == "gpu" else "CPU"
+            raise _bad_input(str(exc)) from None
+    console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 150)
+    device = torch.cuda.get_device_name() if tier is Tier.GPU else "CPU"
     console.print(TIER_LINE[tier].format(device=device), markup=False)
-    flags = " ".join(f"{option_flag(k)} {v}" for k, v in given.items() if v is not None)
-    reports: list[BackendReport] = []
+    console.print("runtime config: " + ", ".join(
+        f"{name}={value}" for name, value in config.model_dump().items()), markup=False)
     if config.dp_size > 1:
-        reports = [
-            _verify_data_parallel(name, config, examples, seed, tier, console) for name in names
-        ]
-        _finish(console, reports, json_path, junit, tier, device)
-        return
+        reports = [_verify_data_parallel(name, config, matrices, examples, seed, tier, console)
+                   for name in names]
+    else:
+        steps = ((config.num_speculative_steps,) if "num_speculative_steps" in runtime
+                 else tuple(range(2, 9)))
+        prefix = f"speccheck verify --seed {seed}{matrices.flag} {runtime_flags(runtime)}".strip()
+        reports = _verify_in_workers(names, config, matrices, examples, seed, steps, reproduce,
+                                     prefix, example_timeout, tier, audit_claims, console)
+    _finish(console, reports, json_path, junit, tier, device, matrices)
+
+
+def _verify_in_workers(
+    names: list[str], config: RuntimeConfig, matrices: MatrixContext, examples: int, seed: int,
+    steps: tuple[int, ...], reproduce: str | None, prefix: str, example_timeout: float,
+    tier: Tier, audit_claims: bool, console: Console,
+) -> list[BackendReport]:
+    """One worker per backend; with ``audit_claims``, a second worker runs the fused path
+    of each backend that the matrix does not allow to fuse."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from speccheck.checks.verify.report import ClaimAudit
+    from speccheck.checks.verify.runner import run_worker, worker_request
+
+    reports = []
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as progress:
         for name in names:
-            matrix_flag = f" --matrix {shlex.quote(str(matrix_path))}" if matrix_path else ""
-            prefix = f"speccheck verify --backend {name} --seed {seed}{matrix_flag} {flags}".strip()
-            request = worker_request(name, config, examples, seed, steps, reproduce, prefix, matrix_path)
-            reports.append(run_worker(request, progress, example_timeout, tier))
-    _finish(console, reports, json_path, junit, tier, device)
+            reproduce_prefix = prefix.replace("speccheck verify", f"speccheck verify --backend {name}", 1)
+            request = worker_request(name, config, examples, seed, steps, reproduce,
+                                     reproduce_prefix, matrices.path)
+            report = run_worker(request, progress, example_timeout, tier)
+            if audit_claims and not report.fused_allowed and report.status in (Status.PASSED, Status.FAILED):
+                audit_request = {**request, "claim_fused": True,
+                                 "reproduce_prefix": reproduce_prefix + " --audit-claims"}
+                audited = run_worker(audit_request, progress, example_timeout, tier)
+                report.claim_audit = ClaimAudit(audited.status, audited.examples,
+                                                audited.failures, audited.detail)
+            reports.append(report)
+    return reports
 
 
 def _verify_data_parallel(
-    name: str, config: RuntimeConfig, examples: int, seed: int, tier: str, console: Console
+    name: str, config: RuntimeConfig, matrices: MatrixContext, examples: int, seed: int,
+    tier: Tier, console: Console,
 ) -> BackendReport:
     """``--dp-size N``: the DFlash drafter on N real ranks (their own processes), each with
     a different real batch size, in eager mode and, with CUDA, in FULL mode."""
+    from speccheck.checks.verify.data_parallel import verify_dp
+    from speccheck.checks.verify.report import BackendReport
+    from speccheck.speculator.dp_launch import RankError
+
     console.print(f"{name}: data-parallel DFlash drafting on {config.dp_size} ranks", markup=False)
     try:
-        return verify_dp(name, config, config.dp_size, examples=examples, seed=seed).to_report()
+        return verify_dp(name, config, config.dp_size, examples=examples, seed=seed,
+                         matrices=matrices).to_report()
     except RankError as exc:
-        return BackendReport(name, tier, "crashed", detail=str(exc))
+        return BackendReport(name, tier, Status.CRASHED, detail=str(exc))
 
 
 def _finish(
     console: Console, reports: list[BackendReport], json_path: Path | None, junit: Path | None,
-    tier: str, device: str,
+    tier: Tier, device: str, matrices: MatrixContext,
 ) -> None:
     """Print the summary, write the reports, and exit with a status CI can trust."""
+    from speccheck.checks.verify.report import write_json, write_junit
+
     _print_summary(console, reports)
     if json_path:
-        write_json(reports, json_path, {"speccheck": __version__, "commit": _commit(), "tier": tier,
-                                         "device": device, "command": "speccheck verify " + shlex.join(_argv())})
+        write_json(reports, json_path, {
+            "speccheck": __version__, "commit": _commit(), "tier": tier.value, "device": device,
+            "command": "speccheck verify " + shlex.join(sys.argv[2:]),
+        })
     if junit:
-        write_junit(reports, junit)
+        write_junit(reports, junit, str(matrices.path or "matrix.yaml"))
     statuses = {r.status for r in reports}
-    if statuses & {"failed", "crashed"}:
+    if statuses & {Status.FAILED, Status.CRASHED}:
         raise typer.Exit(EXIT_FAILED)
-    if "passed" not in statuses:
+    if Status.PASSED not in statuses:
         raise typer.Exit(EXIT_NOTHING_VERIFIED)
-
-
-def _argv() -> list[str]:
-    return sys.argv[2:] if len(sys.argv) > 2 else []
 
 
 def _print_summary(console: Console, reports: list[BackendReport]) -> None:
@@ -181,28 +238,30 @@ def _print_summary(console: Console, reports: list[BackendReport]) -> None:
         passed = sum(t.passed for t in r.checks.values())
         failed = sum(t.failed for t in r.checks.values())
         indet = sum(t.indeterminate for t in r.checks.values())
-        fused = "-" if r.status in ("skipped", "crashed") else (
+        fused = "-" if r.status in (Status.SKIPPED, Status.CRASHED) else (
             "allowed" if r.fused_allowed else "not allowed"
         )
-        table.add_row(r.backend, r.tier, r.status, fused, str(r.examples), str(passed), str(failed),
-                      str(indet), f"{r.capture_seconds:.1f}", f"{r.seconds:.1f}")
+        table.add_row(r.backend, r.tier.value, r.status.value, fused, str(r.examples), str(passed),
+                      str(failed), str(indet), f"{r.capture_seconds:.1f}", f"{r.seconds:.1f}")
     console.print(table)
     for r in reports:
-        if not r.fused_allowed and r.status in ("passed", "failed"):
+        if not r.fused_allowed and r.status in (Status.PASSED, Status.FAILED):
             how = ("host_preplanned path verified against the per-step oracle"
                    if any(c.startswith("preplanned") for c in r.candidates)
                    else "verified on the per-step path only")
             console.print(f"{r.backend}: fused: not allowed ({r.fused_reason}); {how}", markup=False)
-        if r.status in ("skipped", "crashed"):
-            console.print(f"{r.backend}: {r.status}: {r.detail}", markup=False)
+        if r.claim_audit is not None:
+            console.print(f"{r.backend}: audit: {r.claim_audit.verdict}", markup=False)
+        if r.status in (Status.SKIPPED, Status.CRASHED):
+            console.print(f"{r.backend}: {r.status.value}: {r.detail}", markup=False)
         for f in r.failures:
             where = "".join(
                 [f" step {f.step}" if f.step is not None else "", f" field {f.field}" if f.field else ""]
             )
             console.print(f"FAIL {r.backend} {f.check}{where}: {f.diagnosis}", markup=False)
         if r.minimal_example is not None:
-            console.print(f"minimal example: {json.dumps(r.minimal_example)}", markup=False)
+            console.print(f"minimal example: {json.dumps(r.minimal_example)}", markup=False,
+                          soft_wrap=True)
         if r.reproduce:
-            console.print(f"reproduce: {r.reproduce}", markup=False)
-    checks = ", ".join(CHECK_NAMES)
-    console.print(f"checks: {checks}", markup=False)
+            console.print(f"reproduce: {r.reproduce}", markup=False, soft_wrap=True)
+    console.print(f"checks: {', '.join(check.value for check in Check)}", markup=False)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from speccheck.checks.verify.state_walk import same_value
+from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.kv_cache import SINK_BLOCK
 
@@ -21,10 +22,11 @@ StepSnapshots = dict[int, dict[str, torch.Tensor]]
 
 @dataclass
 class Outcome:
-    """One check on one example: ``result`` is passed, failed, indeterminate or skipped."""
+    """One check on one example. ``candidate`` names the candidate compared (``None`` for
+    the oracle's own checks); ``step`` and ``field`` point at where it diverged."""
 
-    check: str
-    result: str
+    check: Check
+    result: Result
     diagnosis: str = ""
     candidate: str | None = None
     step: int | None = None
@@ -33,7 +35,7 @@ class Outcome:
 
 def compare_drafts(
     oracle: DraftResult, cand: DraftResult, name: str, tol: float,
-    *, token_check: str = "draft_tokens", logit_check: str = "logits",
+    *, token_check: Check = Check.DRAFT_TOKENS, logit_check: Check = Check.LOGITS,
 ) -> list[Outcome]:
     """Per request, step by step until the first divergence (later steps ran on different
     inputs): the logits must agree within ``tol`` (scaled for large logits), and the tokens
@@ -49,18 +51,18 @@ def compare_drafts(
             diff = float((expected - cand.logits[r, step]).abs().max())
             bound = tol * max(1.0, float(expected.abs().max()) / 10)
             if diff > bound:
-                out.append(Outcome(logit_check, "failed",
+                out.append(Outcome(logit_check, Result.FAILED,
                                    f"{name}: request {r} step {step}: logits differ by {diff:.3g} "
                                    f"(tolerance {bound:.3g})", name, step))
                 break
-            out.append(Outcome(logit_check, "passed", candidate=name))
+            out.append(Outcome(logit_check, Result.PASSED, candidate=name))
             if o_tok == c_tok:
-                out.append(Outcome(token_check, "passed", candidate=name))
+                out.append(Outcome(token_check, Result.PASSED, candidate=name))
                 continue
             if float(gap[r, step]) < 2 * tol:
-                out.append(Outcome(token_check, "indeterminate", candidate=name, step=step))
+                out.append(Outcome(token_check, Result.INDETERMINATE, candidate=name, step=step))
             else:
-                out.append(Outcome(token_check, "failed",
+                out.append(Outcome(token_check, Result.FAILED,
                                    f"{name}: request {r} step {step}: draft token {c_tok}, oracle "
                                    f"{o_tok} (oracle top-2 gap {float(gap[r, step]):.3g})", name, step))
             break
@@ -100,11 +102,11 @@ def kv_untouched(
                 f"{'request ' + str(owner[s // bs]) if s // bs in owner else 'unowned'})"
                 for s in stray[:4]
             )
-            return [Outcome("kv_cache", "failed",
+            return [Outcome(Check.KV_CACHE, Result.FAILED,
                             f"{name}: layer {layer} wrote {len(stray)} slot(s) outside the expected "
                             f"ones: {where} — a padding lane or a stale slot mapping writes a live block",
                             name)]
-    return [Outcome("kv_cache", "passed", candidate=name)]
+    return [Outcome(Check.KV_CACHE, Result.PASSED, candidate=name)]
 
 
 def first_divergence(oracle: DraftResult, cand: DraftResult, k: int) -> list[int]:
@@ -124,10 +126,10 @@ def kv_matches(slots: set[int], oracle_kv: KVSnapshot, kv: KVSnapshot, tol: floa
             diff = (a.flatten(0, 1)[index].float().cpu() - b.flatten(0, 1)[index].float().cpu()).abs()
             if diff.numel() and float(diff.max()) > tol:
                 bad = int(index[diff.flatten(1).amax(1).argmax()])
-                return [Outcome("kv_cache", "failed",
+                return [Outcome(Check.KV_CACHE, Result.FAILED,
                                 f"{name}: layer {layer} {label} at slot {bad} differ from the oracle "
                                 f"by {float(diff.max()):.3g}", name)]
-    return [Outcome("kv_cache", "passed", candidate=name)]
+    return [Outcome(Check.KV_CACHE, Result.PASSED, candidate=name)]
 
 
 def compare_steps(
@@ -137,10 +139,10 @@ def compare_steps(
     ``metadata_only`` compares the metadata each step runs with but not the builders' raw
     buffers (a preplanned run keeps each step in storage of its own, by design)."""
     if not oracle:
-        return [Outcome("step_metadata", "skipped", "single draft step", name)]
+        return [Outcome(Check.STEP_METADATA, Result.SKIPPED, "single draft step", name)]
     for step in sorted(oracle):
         if step not in cand:
-            return [Outcome("step_metadata", "failed",
+            return [Outcome(Check.STEP_METADATA, Result.FAILED,
                             f"{name}: no metadata observed before draft step {step}", name, step)]
         for path, expected in oracle[step].items():
             if metadata_only and ".metadata" not in path:
@@ -148,11 +150,11 @@ def compare_steps(
             got = cand[step].get(path)
             if got is None or not same_value(expected, got):
                 detail = "missing" if got is None else describe_difference(expected, got)
-                return [Outcome("step_metadata", "failed",
+                return [Outcome(Check.STEP_METADATA, Result.FAILED,
                                 f"{name}: before draft step {step}, {path} differs from a fresh "
                                 f"eager build ({detail}) — the refresh does not recompute it",
                                 name, step, path)]
-    return [Outcome("step_metadata", "passed", candidate=name)]
+    return [Outcome(Check.STEP_METADATA, Result.PASSED, candidate=name)]
 
 
 def describe_difference(expected: torch.Tensor, got: torch.Tensor) -> str:

@@ -37,10 +37,13 @@ from hypothesis import strategies as st
 
 from speccheck.backends.availability import BackendUnavailable
 from speccheck.checks.verify.strategies import BatchLimits, draft_batches
-from speccheck.checks.verify.engine import TOLERANCE, example_json
-from speccheck.checks.verify.report import BackendReport, CheckTally, Failure
+from speccheck.checks.verify.engine import TOLERANCE
+from speccheck.checks.verify.examples import example_json
+from speccheck.checks.verify.context import MatrixContext
+from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
+from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
-from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.resolution import graph_capture_shortfall, resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import attention_token_count, uniform_query_start_loc
@@ -55,8 +58,8 @@ from speccheck.speculator.model import DrafterConfig
 
 logger = logging.getLogger(__name__)
 
-CHECK_TOKEN_COUNT = "dp_token_count"
-CHECK_MATCHES_SINGLE_RANK = "dp_matches_single_rank"
+CHECK_TOKEN_COUNT = Check.DP_TOKEN_COUNT
+CHECK_MATCHES_SINGLE_RANK = Check.DP_MATCHES_SINGLE_RANK
 DP_MODES = ("none", "full")
 """Graph modes :func:`verify_dp` can test; ``full`` only where CUDA is available."""
 
@@ -70,10 +73,10 @@ class DPOutcome:
     rank: int
     mode: str
     round: int
-    check: str
+    check: Check
     """:data:`CHECK_TOKEN_COUNT` or :data:`CHECK_MATCHES_SINGLE_RANK`."""
-    result: str
-    """``passed``, ``failed`` or ``indeterminate``."""
+    result: Result
+    """Passed, failed or indeterminate."""
     diagnosis: str = ""
     """One line; empty when passed."""
 
@@ -97,6 +100,9 @@ class DPVerifyResult:
     skipped_modes: dict[str, str] = field(default_factory=dict)
     skipped: str | None = None
     seconds: float = 0.0
+    fused_allowed: bool = False
+    """The matrix's verdict for the backend under ``config``."""
+    fused_reason: str = ""
 
     @property
     def passed(self) -> bool:
@@ -104,10 +110,10 @@ class DPVerifyResult:
         return self.skipped is None and bool(self.outcomes) and not self.failures()
 
     def failures(self) -> list[DPOutcome]:
-        return [o for o in self.outcomes if o.result == "failed"]
+        return [o for o in self.outcomes if o.result is Result.FAILED]
 
     def select(
-        self, *, rank: int | None = None, mode: str | None = None, check: str | None = None
+        self, *, rank: int | None = None, mode: str | None = None, check: Check | None = None
     ) -> list[DPOutcome]:
         """The outcomes matching every filter given."""
         return [
@@ -122,26 +128,22 @@ class DPVerifyResult:
         diagnosis names the rank, mode and round; ``minimal_example`` holds the first
         failing round's batches, one per rank."""
         report = BackendReport(
-            self.backend, "gpu" if self.gpu else "cpu", "passed", device=self.device,
+            self.backend, Tier.GPU if self.gpu else Tier.CPU, Status.PASSED, device=self.device,
             runtime_config=self.config.model_dump(), seconds=self.seconds,
             examples=len(self.batches_per_rank[0]) if self.batches_per_rank else 0,
             candidates=[f"dp{self.dp_size}_{mode}" for mode in self.modes],
         )
-        entry = load_matrix().backend(self.backend)
-        resolution = resolve_backend(entry, self.config)
-        report.fused_allowed, report.fused_reason = resolution.fused_multi_step, resolution.reason
+        report.fused_allowed, report.fused_reason = self.fused_allowed, self.fused_reason
         notes = [f"{mode}: not run ({why})" for mode, why in self.skipped_modes.items()]
         if self.skipped is not None or not self.modes:
-            report.status = "skipped"
+            report.status = Status.SKIPPED
             report.detail = "; ".join([self.skipped] if self.skipped else notes)
             return report
         report.detail = "; ".join(notes)
-        for o in self.outcomes:
-            tally: CheckTally = report.checks[o.check]
-            setattr(tally, o.result, getattr(tally, o.result) + 1)
+        report.tally(self.outcomes)
         failed = self.failures()
         if failed:
-            report.status = "failed"
+            report.status = Status.FAILED
             report.failures = [
                 Failure(o.check, f"rank {o.rank}, mode {o.mode}, round {o.round}: {o.diagnosis}",
                         candidate=f"dp{self.dp_size}_{o.mode}")
@@ -169,6 +171,7 @@ class _RankPlan:
     options: SpeculatorOptions
     speculator_cls: type[DFlashSpeculator]
     seed: int
+    matrix: Matrix
 
 
 def default_drafter(config: RuntimeConfig, seed: int = 0) -> DrafterConfig:
@@ -221,6 +224,7 @@ def verify_dp(
     batches_per_rank: Sequence[Sequence[DraftBatch]] | None = None,
     modes: Sequence[str] | None = None,
     *,
+    matrices: MatrixContext,
     examples: int = 8,
     seed: int = 0,
     drafter: DrafterConfig | None = None,
@@ -234,7 +238,7 @@ def verify_dp(
     same number of rounds); ``None`` draws ``examples`` rounds with hypothesis from ``seed``
     (:func:`draw_dp_rounds`). ``modes`` are graph modes from :data:`DP_MODES` (``None``:
     all of them); ``"full"`` on a machine without CUDA is recorded in ``skipped_modes``,
-    not run. ``config``'s ``cudagraph_mode`` (per mode) and ``dp_size`` are replaced; its
+    not run. ``matrices.matrix`` declares ``backend``. ``config``'s ``cudagraph_mode`` (per mode) and ``dp_size`` are replaced; its
     ``num_speculative_steps`` is K (blocks of 1 + K tokens).
 
     ``drafter``/``options`` default to :func:`default_drafter`/:func:`default_options`
@@ -269,8 +273,9 @@ def verify_dp(
             f"{[len(rank) for rank in batches]}"
         )
     skipped_modes = {m: "needs a CUDA device" for m in wanted if m == "full" and not cuda}
+    entry = matrices.matrix.backend(backend)
     shortfall = graph_capture_shortfall(
-        {backend: load_matrix().backend(backend).cudagraph_support}, config.num_speculative_steps + 1
+        {backend: entry.cudagraph_support}, config.num_speculative_steps + 1
     )
     if "full" in wanted and cuda and shortfall is not None:
         skipped_modes["full"] = shortfall
@@ -280,10 +285,12 @@ def verify_dp(
         backend, dp_size, config.model_copy(update={"dp_size": dp_size}), cuda, device, runnable,
         batches, skipped_modes=skipped_modes,
     )
-    result.skipped = unrunnable_reason(backend, "cuda" if cuda else "cpu")
+    resolution = resolve_backend(entry, result.config)
+    result.fused_allowed, result.fused_reason = resolution.fused_multi_step, resolution.reason
+    result.skipped = unrunnable_reason(backend, "cuda" if cuda else "cpu", matrices.matrix)
     if result.skipped is None and runnable:
         plan = _RankPlan(backend, result.config, runnable, batches, drafter, options,
-                         speculator_cls, seed)
+                         speculator_cls, seed, matrices.matrix)
         try:
             per_rank = run_ranks(_verify_rank, dp_size, (plan,), timeout_s=timeout_s)
         except RankFailed as exc:
@@ -302,7 +309,7 @@ def _build(plan: _RankPlan, config: RuntimeConfig, device: torch.device) -> DFla
     """The drafter of one rank: the matrix's builder for every layer, the plan's class."""
     spec = create_speculator(
         "dflash", [plan.backend] * plan.drafter.num_layers, config, plan.drafter, device,
-        plan.options, speculator_cls=plan.speculator_cls,
+        plan.options, matrix=plan.matrix, speculator_cls=plan.speculator_cls,
     )
     assert isinstance(spec, DFlashSpeculator)
     return spec
@@ -340,28 +347,28 @@ def _verify_round(
     spec.last_common_metadata = None
     padded, padded_error = _attempt(spec.propose, batch, desc)
 
-    def outcome(check: str, result: str, diagnosis: str = "") -> DPOutcome:
+    def outcome(check: Check, result: Result, diagnosis: str = "") -> DPOutcome:
         return DPOutcome(dp_rank, mode, index, check, result, diagnosis)
 
     real = int(uniform_query_start_loc(r, q)[-1])
     expected = attention_token_count(desc, uniform_query_start_loc(r, q))
     md = spec.last_common_metadata
     if md is None:
-        count = outcome(CHECK_TOKEN_COUNT, "failed",
+        count = outcome(CHECK_TOKEN_COUNT, Result.FAILED,
                         f"no attention metadata was built for the padded pass ({padded_error})")
     elif md.num_actual_tokens != expected:
         rule = "FULL: the padded count" if desc.cg_mode == CUDAGraphMode.FULL else (
             f"{desc.cg_mode.name}: the real query_start_loc[-1]")
-        count = outcome(CHECK_TOKEN_COUNT, "failed",
+        count = outcome(CHECK_TOKEN_COUNT, Result.FAILED,
                         f"attention covers {md.num_actual_tokens} tokens but the rule says {expected} "
                         f"({rule}); the input is padded to {desc.num_tokens}, real tokens {real}")
     else:
-        count = outcome(CHECK_TOKEN_COUNT, "passed")
+        count = outcome(CHECK_TOKEN_COUNT, Result.PASSED)
 
     if alone_error is not None:
-        match = outcome(CHECK_MATCHES_SINGLE_RANK, "failed", f"the single-rank run raised {alone_error}")
+        match = outcome(CHECK_MATCHES_SINGLE_RANK, Result.FAILED, f"the single-rank run raised {alone_error}")
     elif padded_error is not None:
-        match = outcome(CHECK_MATCHES_SINGLE_RANK, "failed",
+        match = outcome(CHECK_MATCHES_SINGLE_RANK, Result.FAILED,
                         f"the run padded to {desc.num_tokens} tokens ({desc.cg_mode.name}) raised "
                         f"{padded_error}")
     else:
@@ -381,12 +388,12 @@ def _attempt(call: Callable[..., T], *args: Any) -> tuple[T | None, str | None]:
         return None, f"{type(exc).__name__}: {first_line}"
 
 
-def _compare_drafts(alone: DraftResult, padded: DraftResult, tol: float) -> tuple[str, str]:
+def _compare_drafts(alone: DraftResult, padded: DraftResult, tol: float) -> tuple[Result, str]:
     """Exact tokens. The first difference is indeterminate when the single-rank run's top-2
     logits there are closer than ``2 * tol`` (a near-tie), else a failure."""
     differ = (alone.draft_tokens != padded.draft_tokens).nonzero()
     if differ.numel() == 0:
-        return "passed", ""
+        return Result.PASSED, ""
     req, step = (int(v) for v in differ[0])
     top2 = alone.logits[req, step].topk(2).values
     gap = float(top2[0] - top2[1])
@@ -394,4 +401,4 @@ def _compare_drafts(alone: DraftResult, padded: DraftResult, tol: float) -> tupl
     text = (f"request {req} step {step}: draft token {int(padded.draft_tokens[req, step])} with "
             f"DP padding, {int(alone.draft_tokens[req, step])} alone (top-2 gap {gap:.3g}, "
             f"logits differ by up to {diff:.3g})")
-    return ("indeterminate" if gap < 2 * tol else "failed"), text
+    return (Result.INDETERMINATE if gap < 2 * tol else Result.FAILED), text

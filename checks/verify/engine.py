@@ -8,13 +8,13 @@ of its own: an illegal memory access breaks a CUDA context for good.
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import time
+import traceback
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,15 +34,22 @@ from speccheck.checks.verify.comparisons import (
 from speccheck.checks.probes import GuardedBuffer, HostSyncRecorder, IdentityGuard, check_zero_tail
 from speccheck.checks.verify.state_walk import changed_paths
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder
-from speccheck.checks.verify.strategies import BatchLimits, draft_batches
-from speccheck.checks.verify.report import BackendReport, CheckTally, Failure
+from speccheck.checks.verify.breakpoints import Breakpoints, discover_breakpoints
+from speccheck.checks.verify.strategies import (
+    BatchLimits,
+    derived_step_changes,
+    draft_batches,
+    target_derived_changes,
+)
+from speccheck.checks.verify.context import MatrixContext
+from speccheck.checks.verify.examples import Example, encode_example, example_json
+from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Status
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.groups import AttentionGroup
-from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.speculator.autoregressive import AutoregressiveSpeculator
+from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
 from speccheck.speculator.base import SpeculatorOptions
-from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
 
@@ -51,9 +58,6 @@ logger = logging.getLogger(__name__)
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 """Absolute logit / KV tolerance per dtype; a top-2 logit gap below twice this makes the
 oracle's token choice indeterminate."""
-
-Example = tuple[int, DraftBatch]
-
 
 @dataclass(frozen=True)
 class VerifySettings:
@@ -69,9 +73,14 @@ class VerifySettings:
     """(backend name, builder class) swaps: tests use them to plant known-bad builders."""
     shrink_seconds: float = 120.0
     """Time budget for shrinking a failure; past it the smallest failure so far is kept."""
-    matrix_path: str | None = None
-    """Capability matrix to verify against (default: the one shipped with speccheck); the
-    fp32 reference always comes from the shipped matrix."""
+    claim_fused: bool = False
+    """Run the fused candidate even where the matrix forbids it (``--audit-claims``)."""
+    matrices: MatrixContext = field(kw_only=True)
+    """The matrix under verification, and the shipped one for the fp32 reference."""
+
+
+class RefreshRaised(Exception):
+    """The traced refresh raised; the probe recorded it as a ``refresh_error`` outcome."""
 
 
 class ExampleFailed(Exception):
@@ -79,32 +88,6 @@ class ExampleFailed(Exception):
         super().__init__(f"{sum(o.result == 'failed' for o in outcomes)} checks failed")
         self.example = example
         self.outcomes = outcomes
-
-
-def encode_example(example: Example) -> str:
-    """A compact, URL-safe blob for ``--reproduce``."""
-    return base64.urlsafe_b64encode(zlib.compress(json.dumps(example_json(example)).encode())).decode()
-
-
-def decode_example(blob: str) -> Example:
-    try:
-        return example_from_json(json.loads(zlib.decompress(base64.urlsafe_b64decode(blob.encode()))))
-    except (ValueError, KeyError, TypeError, zlib.error) as exc:
-        raise ValueError(f"--reproduce: not an example blob ({exc})") from None
-
-
-def example_json(example: Example) -> dict[str, Any]:
-    k, batch = example
-    return {"num_speculative_steps": k, "context_lens": list(batch.context_lens),
-            "new_tokens": [list(r) for r in batch.new_tokens],
-            "block_table": [list(r) for r in batch.block_table], "seeds": list(batch.seeds)}
-
-
-def example_from_json(data: dict[str, Any]) -> Example:
-    return int(data["num_speculative_steps"]), DraftBatch(
-        tuple(data["context_lens"]), tuple(tuple(r) for r in data["new_tokens"]),
-        tuple(tuple(r) for r in data["block_table"]), tuple(data["seeds"]),
-    )
 
 
 @dataclass
@@ -136,22 +119,23 @@ class GuardedAllocator:
         return [v for b in self.buffers for v in b.violations()]
 
 
-def candidate_names(multi_step_path: str | None, gpu: bool) -> list[str]:
+def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
     """The candidates of one example, in the order they run after the oracle.
 
-    ``multi_step_path`` is ``"fused"`` when the matrix allows fused decoding,
-    ``"preplanned"`` when the host_preplanned strategy applies, else ``None``. The multi-step
-    body runs as a graph replay on the GPU and eagerly everywhere. On the GPU, when fused
-    decoding is not allowed, the per-step graph replays the speculator falls back to are a
-    candidate too, and they run first: their step comparison covers every persistent
-    buffer, and a preplanned candidate rewrites its per-step buffers, which the oracle saw
-    holding the previous example's plans.
+    ``multi_step`` is ``FUSED`` when the speculator fuses, ``PREPLANNED`` when the
+    host_preplanned strategy applies, else ``None``. The multi-step body runs as a graph
+    replay on the GPU and eagerly everywhere. On the GPU, when fused decoding is not
+    allowed, the per-step graph replays the speculator falls back to are a candidate too,
+    and they run first: their step comparison covers every persistent buffer, and a
+    preplanned candidate rewrites its per-step buffers, which the oracle saw holding the
+    previous example's plans.
     """
-    fallback = ["per_step_graph"] if gpu and multi_step_path != "fused" else []
-    if multi_step_path is None:
+    fallback = ([Candidate(DecodePath.PER_STEP, graphs=True)]
+                if gpu and multi_step is not DecodePath.FUSED else [])
+    if multi_step is None:
         return fallback
-    body = [f"{multi_step_path}_graph", f"{multi_step_path}_eager"] if gpu else [f"{multi_step_path}_eager"]
-    return fallback + body
+    body = [Candidate(multi_step, graphs=True)] if gpu else []
+    return fallback + body + [Candidate(multi_step, graphs=False)]
 
 
 class BackendVerifier:
@@ -166,6 +150,9 @@ class BackendVerifier:
         self._harness: dict[int, _Harness] = {}
         self.capture_seconds = 0.0
         self._probe_outcomes: list[Outcome] = []
+        self._breakpoints: Breakpoints | None = None
+        self.last_derived_changes = 0
+        """Derived metadata elements that changed between the last oracle run's steps."""
         self.guards = GuardedAllocator()
 
     # ------------------------------------------------------------ set-up
@@ -197,9 +184,10 @@ class BackendVerifier:
             spec = create_speculator(
                 "autoregressive", [self.settings.backend] * self.settings.num_layers, config,
                 self.drafter(config.dtype), self.device, self.options(),
-                matrix=load_matrix(self.settings.matrix_path),
+                matrix=self.settings.matrices.matrix,
                 builder_overrides=dict(self.settings.builder_overrides),
                 buffer_allocator=self.guards,
+                claim_fused=self.settings.claim_fused,
             )
             assert isinstance(spec, AutoregressiveSpeculator)
             recorder = StepMetadataRecorder(spec.groups)
@@ -217,6 +205,7 @@ class BackendVerifier:
                 ref = create_speculator(
                     "autoregressive", ["reference"] * self.settings.num_layers, ref_config,
                     self.drafter("float32"), self.device, self.options(),
+                    matrix=self.settings.matrices.shipped,
                 )
                 assert isinstance(ref, AutoregressiveSpeculator)
                 reference = ref
@@ -227,44 +216,47 @@ class BackendVerifier:
     def fused_allowed(self) -> bool:
         return self.harness(self.settings.steps[0]).spec.use_fused_multi_step_decode
 
-    def candidates(self) -> list[str]:
+    def candidates(self) -> list[Candidate]:
         """What is compared with the eager per-step oracle, in order: see
-        :func:`candidate_names`."""
+        :func:`candidates_for`."""
         spec = self.harness(self.settings.steps[0]).spec
         if spec.use_fused_multi_step_decode:
-            return candidate_names("fused", self.gpu)
-        return candidate_names("preplanned" if spec.preplanned_capable else None, self.gpu)
+            return candidates_for(DecodePath.FUSED, self.gpu)
+        return candidates_for(DecodePath.PREPLANNED if spec.preplanned_capable else None, self.gpu)
 
     # ------------------------------------------------------------ one example
     def run_example(self, example: Example) -> list[Outcome]:
         k, batch = example
         h = self.harness(k)
         if h.capture_error is not None:
-            return [Outcome("capture", "failed", h.capture_error)]
+            return [Outcome(Check.CAPTURE, Result.FAILED, h.capture_error)]
         spec = h.spec
         lanes = spec.bucket_for(batch.num_reqs)
         generator = torch.Generator().manual_seed(zlib.crc32(encode_example(example).encode()))
         spec.kv_cache.fill_random_(generator)
         start = spec.kv_cache.snapshot()
 
-        oracle = spec.propose(batch, "per_step", use_graphs=False)
+        oracle = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
         oracle_steps = h.recorder.collect(lanes)
         oracle_storage = dict(h.recorder.storage_of)
+        self.last_derived_changes = derived_step_changes(
+            oracle_steps, oracle_storage, input_storages(spec))
         oracle_kv = spec.kv_cache.snapshot()
         bs, mml = self.config.block_size, self.config.max_model_len
         written = expected_slots(batch, k, bs, mml)
         outcomes = kv_untouched(batch, written, bs, start, oracle_kv, "oracle")
         if self.gpu:
-            outcomes.append(Outcome("capture", "passed"))
+            outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 
-        for name in self.candidates():
+        for candidate in self.candidates():
+            name = candidate.name
             spec.kv_cache.restore(start)
-            spec.refresh_hook = self._probing_refresh if name == "fused_eager" else None
+            probed = candidate == Candidate(DecodePath.FUSED, graphs=False)
+            spec.refresh_hook = self._probing_refresh if probed else None
             try:
-                result = spec.propose(
-                    batch, name.rsplit("_", 1)[0],  # type: ignore[arg-type]
-                    use_graphs=name.endswith("graph"),
-                )
+                result = spec.propose(batch, candidate.path, use_graphs=candidate.graphs)
+            except RefreshRaised:
+                continue  # reported by the probe; nothing else of this candidate to compare
             finally:
                 spec.refresh_hook = None
             steps = h.recorder.collect(lanes)
@@ -274,7 +266,8 @@ class BackendVerifier:
             agreed = expected_slots(batch, k, bs, mml, first_divergence(oracle, result, k))
             outcomes += kv_matches(agreed, oracle_kv, kv, self.tol, name)
             outcomes += compare_steps(
-                oracle_steps, steps, name, metadata_only=name.startswith("preplanned")
+                oracle_steps, steps, name,
+                metadata_only=candidate.path is DecodePath.PREPLANNED,
             )
             outcomes += self._zero_tails(spec, h.recorder, name)
         outcomes += self._declared_fields(spec, oracle_steps, oracle_storage)
@@ -283,13 +276,13 @@ class BackendVerifier:
         outcomes += self._guard_bands()
         if h.reference is not None:
             h.reference.kv_cache.restore(start)
-            expected = h.reference.propose(batch, "per_step")
+            expected = h.reference.propose(batch, DecodePath.PER_STEP)
             outcomes += compare_drafts(
                 expected, oracle, "oracle vs fp32 reference", 4 * self.tol,
-                token_check="vs_fp32_reference", logit_check="vs_fp32_reference",
+                token_check=Check.VS_FP32_REFERENCE, logit_check=Check.VS_FP32_REFERENCE,
             )
         else:
-            outcomes.append(Outcome("vs_fp32_reference", "skipped", "the oracle is the fp32 reference"))
+            outcomes.append(Outcome(Check.VS_FP32_REFERENCE, Result.SKIPPED, "the oracle is the fp32 reference"))
         return outcomes
 
     # ------------------------------------------------------------ checks
@@ -298,33 +291,35 @@ class BackendVerifier:
         storage_of: dict[str, int],
     ) -> list[Outcome]:
         """Claims audit of the oracle run: derived tensors that change between its steps
-        must be declared in the builder's ``step_dependent_fields``, and every declared
-        field must exist. Views of the speculator's own input buffers are not derived (the
+        must be declared in the matrix entry's step-dependent fields (``refreshed_fields``,
+        ``invalidated_caches``), and every declared field must exist. Views of the speculator's own input buffers are not derived (the
         speculator advances them), and a persistent buffer behind a declared field is
         covered by that declaration. ``storage_of`` maps paths to storage addresses as the
         oracle run saw them: a candidate may bind the same field to another buffer (one
         per preplanned step)."""
         if len(oracle) < 2:
-            return [Outcome("declared_fields", "skipped", "fewer than two draft steps")]
+            return [Outcome(Check.DECLARED_FIELDS, Result.SKIPPED, "fewer than two draft steps")]
         snapshots = [oracle[s] for s in sorted(oracle)]
         changed = changed_paths(snapshots)
-        inputs = {t.untyped_storage().data_ptr() for t in vars(spec.buffers).values()}
+        inputs = input_storages(spec)
         out: list[Outcome] = []
         for group in spec.groups:
             builder = type(group.builder).__name__
+            where = f"the matrix entry {group.backend_name!r} (draft_decode.refreshed_fields)"
             prefix = f"{group.backend_name}.metadata."
-            declared = {prefix + f for f in type(group.builder).step_dependent_fields}
+            declared = {prefix + f for f in group.step_dependent_fields}
             for path in sorted(declared - set(snapshots[0])):
-                out.append(Outcome("declared_fields", "failed",
-                                   f"{builder} declares step-dependent field {path[len(prefix):]!r}, "
-                                   "which its metadata does not have", field=path))
+                out.append(Outcome(Check.DECLARED_FIELDS, Result.FAILED,
+                                   f"{where} declares step-dependent field "
+                                   f"{path[len(prefix):]!r}, which the metadata of {builder} "
+                                   "does not have", field=path))
             covered = inputs | {storage_of[p] for p in declared if p in storage_of}
             for path in sorted(changed - declared):
                 if path.startswith(group.backend_name + ".") and storage_of[path] not in covered:
-                    out.append(Outcome("declared_fields", "failed",
-                                       f"{path} changes between draft steps but {builder}"
-                                       ".step_dependent_fields does not declare it", field=path))
-        return out or [Outcome("declared_fields", "passed")]
+                    out.append(Outcome(Check.DECLARED_FIELDS, Result.FAILED,
+                                       f"{path} changes between draft steps but {where} does "
+                                       "not declare it", field=path))
+        return out or [Outcome(Check.DECLARED_FIELDS, Result.PASSED)]
 
     def _zero_tails(
         self, spec: AutoregressiveSpeculator, recorder: StepMetadataRecorder, name: str
@@ -339,41 +334,64 @@ class BackendVerifier:
             for buffer_name, used in group.builder.persistent_buffer_extents(md).items():
                 problem = check_zero_tail(buffers[buffer_name], used, name=buffer_name)
                 if problem:
-                    out.append(Outcome("zero_tails", "failed", f"{name}: {group.backend_name}: {problem}", name))
+                    out.append(Outcome(Check.ZERO_TAILS, Result.FAILED, f"{name}: {group.backend_name}: {problem}", name))
                 else:
-                    out.append(Outcome("zero_tails", "passed", candidate=name))
+                    out.append(Outcome(Check.ZERO_TAILS, Result.PASSED, candidate=name))
         return out
 
     def _guard_bands(self) -> list[Outcome]:
         """No write landed in the poisoned bands around any persistent buffer."""
         if not self.guards.buffers:
-            return [Outcome("guard_bands", "skipped", "no persistent buffers")]
+            return [Outcome(Check.GUARD_BANDS, Result.SKIPPED, "no persistent buffers")]
         violations = self.guards.violations()
         if violations:
-            return [Outcome("guard_bands", "failed", "; ".join(violations[:3]))]
-        return [Outcome("guard_bands", "passed")]
+            return [Outcome(Check.GUARD_BANDS, Result.FAILED, "; ".join(violations[:3]))]
+        return [Outcome(Check.GUARD_BANDS, Result.PASSED)]
 
     def _probing_refresh(self, group: AttentionGroup, metadata: Any) -> None:
-        """The refresh, traced: host synchronisations and replaced tensors are findings."""
+        """The refresh, traced: host synchronisations and replaced tensors are findings; an
+        exception is a finding of its own (:class:`RefreshRaised` ends the candidate)."""
         roots = {"metadata": metadata, "builder": group.builder}
+        name = Candidate(DecodePath.FUSED, graphs=False).name
         try:
             with HostSyncRecorder(cuda_sync_debug=self.gpu) as syncs, IdentityGuard(roots) as ident:
                 group.update_draft_decode_metadata(metadata)
-        except RuntimeError as exc:
-            self._probe_outcomes.append(Outcome("host_sync", "failed", f"refresh raised: {exc}", "fused_eager"))
-            raise
-        for check, findings in (("host_sync", syncs.findings()), ("in_place", ident.findings())):
+        except Exception as exc:
+            frames = traceback.format_exception(exc)
+            tail = " | ".join(line.strip() for line in "".join(frames[-3:]).splitlines()[-4:])
+            self._probe_outcomes.append(Outcome(
+                Check.REFRESH_ERROR, Result.FAILED,
+                f"{group.backend_name}: the refresh raised {type(exc).__name__}: {exc} "
+                f"[{tail}]", name))
+            raise RefreshRaised from exc
+        self._probe_outcomes.append(Outcome(Check.REFRESH_ERROR, Result.PASSED, candidate=name))
+        for check, findings in ((Check.HOST_SYNC, syncs.findings()),
+                                (Check.IN_PLACE, ident.findings())):
             if findings:
                 self._probe_outcomes.append(
-                    Outcome(check, "failed", f"{group.backend_name}: {findings[0]}", "fused_eager")
+                    Outcome(check, Result.FAILED, f"{group.backend_name}: {findings[0]}", name)
                 )
             else:
-                self._probe_outcomes.append(Outcome(check, "passed", candidate="fused_eager"))
+                self._probe_outcomes.append(Outcome(check, Result.PASSED, candidate=name))
 
     # ------------------------------------------------------------ the run
+    @property
+    def breakpoints(self) -> Breakpoints:
+        """Where the backend's derived metadata changes as one request grows (probed once,
+        on the eager build, before any example): the strategy aims draft steps across them."""
+        if self._breakpoints is None:
+            spec = self.harness(self.settings.steps[0]).spec
+            group = spec.groups[0]
+            self._breakpoints = discover_breakpoints(
+                group.builder, group.step_dependent_fields, descriptor_for=spec.decode_descriptor)
+            logger.info("%s", self._breakpoints.describe())
+        return self._breakpoints
+
     def example_strategy(self) -> st.SearchStrategy[Example]:
+        lengths = self.breakpoints.lengths
         return st.sampled_from(self.settings.steps).flatmap(
-            lambda k: st.tuples(st.just(k), draft_batches(self.limits(k)))
+            lambda k: st.tuples(st.just(k), draft_batches(
+                dataclasses.replace(self.limits(k), breakpoints=lengths)))
         )
 
     def run(self, report: BackendReport, on_example: Callable[[int, Example], None]) -> None:
@@ -385,11 +403,12 @@ class BackendVerifier:
         """
         shrinking, shrink_started = False, 0.0
         smallest: list[tuple[Example, list[Outcome]]] = []
+        report.breakpoints = self.breakpoints.to_json()
 
         @seed(self.settings.seed)
         @settings(
             max_examples=self.settings.examples, database=None, deadline=None,
-            phases=(Phase.generate, Phase.shrink), report_multiple_bugs=False,
+            phases=(Phase.generate, Phase.target, Phase.shrink), report_multiple_bugs=False,
             suppress_health_check=list(HealthCheck), print_blob=False,
         )
         @given(self.example_strategy())
@@ -401,14 +420,15 @@ class BackendVerifier:
                 return  # budget spent: every further candidate "passes", ending the shrink
             on_example(report.examples, example)
             outcomes = self.run_example(example)
-            failed = [o for o in outcomes if o.result == "failed"]
+            target_derived_changes(self.last_derived_changes)
+            failed = [o for o in outcomes if o.result is Result.FAILED]
             if failed:
                 if not shrinking:
                     shrinking, shrink_started = True, time.monotonic()
                 smallest[:] = [(example, outcomes)]  # hypothesis only tries smaller candidates
                 raise ExampleFailed(example, outcomes)
             if not shrinking:
-                tally(report, outcomes)
+                report.tally(outcomes)
 
         try:
             check()
@@ -420,15 +440,16 @@ class BackendVerifier:
             self.record_failure(report, *smallest[0])
 
     def record_failure(self, report: BackendReport, example: Example, outcomes: list[Outcome]) -> None:
-        tally(report, outcomes)
+        report.tally(outcomes)
         report.failures = [
-            Failure(o.check, o.diagnosis, o.candidate, o.step, o.field) for o in outcomes if o.result == "failed"
+            Failure(o.check, o.diagnosis, o.candidate, o.step, o.field)
+            for o in outcomes if o.result is Result.FAILED
         ]
         report.minimal_example = example_json(example)
-        report.status = "failed"
+        report.status = Status.FAILED
 
 
-def tally(report: BackendReport, outcomes: list[Outcome]) -> None:
-    for o in outcomes:
-        t: CheckTally = report.checks[o.check]
-        setattr(t, o.result, getattr(t, o.result) + 1)
+def input_storages(spec: AutoregressiveSpeculator) -> set[int]:
+    """Storage addresses of the speculator's own input buffers: metadata views of them are
+    advanced by the speculator, not derived by the backend."""
+    return {t.untyped_storage().data_ptr() for t in vars(spec.buffers).values()}

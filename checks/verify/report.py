@@ -1,4 +1,5 @@
-"""What a verification run found: per-check tallies, failures, and their renderings."""
+"""What a verification run found: per-check tallies, failures, the claims audit, and their
+renderings as JSON and JUnit XML."""
 
 from __future__ import annotations
 
@@ -8,37 +9,35 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
-CHECK_NAMES = (
-    "capture",
-    "draft_tokens",
-    "logits",
-    "kv_cache",
-    "step_metadata",
-    "declared_fields",
-    "vs_fp32_reference",
-    "host_sync",
-    "in_place",
-    "zero_tails",
-    "guard_bands",
-    "dp_token_count",
-    "dp_matches_single_rank",
-)
-"""Every check, in report order. See docs/verification.md for what each compares."""
+from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
 
 
 @dataclass
 class CheckTally:
+    """How often one check gave each :class:`Result` over a run."""
+
     passed: int = 0
     failed: int = 0
     indeterminate: int = 0
     skipped: int = 0
+
+    def add(self, result: Result) -> None:
+        match result:
+            case Result.PASSED:
+                self.passed += 1
+            case Result.FAILED:
+                self.failed += 1
+            case Result.INDETERMINATE:
+                self.indeterminate += 1
+            case Result.SKIPPED:
+                self.skipped += 1
 
 
 @dataclass
 class Failure:
     """One failed check on the minimal (shrunk) example."""
 
-    check: str
+    check: Check
     diagnosis: str
     candidate: str | None = None
     step: int | None = None
@@ -46,17 +45,47 @@ class Failure:
 
 
 @dataclass
+class ClaimAudit:
+    """``--audit-claims``: the fused path run although the matrix does not allow it under
+    the config, to learn whether the claim is too strict or confirmed."""
+
+    status: Status
+    """``passed``: the claim is too strict; ``failed``: confirmed; ``skipped``/``crashed``:
+    no answer (``detail`` says why)."""
+    examples: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    detail: str = ""
+
+    @property
+    def verdict(self) -> str:
+        """One line for the summary and the docs."""
+        if self.status is Status.PASSED:
+            return f"claim too strict: the fused path passed {self.examples} examples"
+        if self.status is Status.FAILED and self.failures:
+            first = self.failures[0]
+            return f"claim confirmed: the fused path fails ({first.check}: {first.diagnosis})"
+        return f"claim not audited: {self.status.value}: {self.detail}"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ClaimAudit:
+        return cls(Status(data["status"]), data["examples"],
+                   [_failure_from_json(f) for f in data["failures"]], data["detail"])
+
+
+def _failure_from_json(data: dict[str, Any]) -> Failure:
+    return Failure(**{**data, "check": Check.parse(data["check"])})
+
+
+@dataclass
 class BackendReport:
     backend: str
-    tier: str
-    """``gpu`` (real CUDA graphs), ``cpu`` (eager loops, probes by tracing), or ``none``."""
-    status: str
-    """``passed``, ``failed``, ``skipped`` or ``crashed``."""
+    tier: Tier
+    status: Status
     fused_allowed: bool = False
     fused_reason: str = ""
     candidates: list[str] = field(default_factory=list)
     examples: int = 0
-    checks: dict[str, CheckTally] = field(default_factory=lambda: {n: CheckTally() for n in CHECK_NAMES})
+    checks: dict[Check, CheckTally] = field(default_factory=lambda: {c: CheckTally() for c in Check})
     failures: list[Failure] = field(default_factory=list)
     minimal_example: dict[str, Any] | None = None
     reproduce: str | None = None
@@ -65,6 +94,15 @@ class BackendReport:
     seconds: float = 0.0
     device: str = ""
     runtime_config: dict[str, Any] = field(default_factory=dict)
+    claim_audit: ClaimAudit | None = None
+    breakpoints: dict[str, Any] | None = None
+    """Where the backend's derived metadata changes with one request's length
+    (:meth:`~speccheck.checks.verify.breakpoints.Breakpoints.to_json`)."""
+
+    def tally(self, outcomes: Any) -> None:
+        """Count every outcome (anything with ``check`` and ``result``) in its check."""
+        for outcome in outcomes:
+            self.checks[outcome.check].add(outcome.result)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,8 +110,11 @@ class BackendReport:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> BackendReport:
         data = dict(data)
-        data["checks"] = {k: CheckTally(**v) for k, v in data["checks"].items()}
-        data["failures"] = [Failure(**f) for f in data["failures"]]
+        data["tier"], data["status"] = Tier(data["tier"]), Status(data["status"])
+        data["checks"] = {Check.parse(k): CheckTally(**v) for k, v in data["checks"].items()}
+        data["failures"] = [_failure_from_json(f) for f in data["failures"]]
+        if data.get("claim_audit") is not None:
+            data["claim_audit"] = ClaimAudit.from_json(data["claim_audit"])
         return cls(**data)
 
 
@@ -82,32 +123,49 @@ def write_json(reports: list[BackendReport], path: Path, meta: dict[str, Any]) -
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
 
 
-def write_junit(reports: list[BackendReport], path: Path) -> None:
-    """One test case per (backend, check); a skipped backend is one skipped case."""
+def write_junit(reports: list[BackendReport], path: Path, source: str = "matrix.yaml") -> None:
+    """One test suite per backend and one test case per check (``CHECK[TIER]``); a skipped
+    or crashed backend is one case, skipped or in error. Suites carry ``tests``,
+    ``failures``, ``errors``, ``skipped`` and ``time``; cases carry ``file`` (``source``,
+    the matrix the backend was declared in) and ``time``."""
     suites = ElementTree.Element("testsuites", name="speccheck verify")
+    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     for report in reports:
         suite = ElementTree.SubElement(suites, "testsuite", name=f"speccheck.{report.backend}")
-        cases = 0
-        failures = 0
-        if report.status in ("skipped", "crashed"):
-            case = ElementTree.SubElement(suite, "testcase", classname=report.backend, name="verify")
-            tag = "skipped" if report.status == "skipped" else "error"
-            ElementTree.SubElement(case, tag, message=report.detail)
-            cases, failures = 1, int(report.status == "crashed")
-        for name, tally in report.checks.items():
-            if report.status in ("skipped", "crashed"):
-                break
-            cases += 1
-            case = ElementTree.SubElement(
-                suite, "testcase", classname=report.backend, name=f"{name}[{report.tier}]"
-            )
-            failed = [f for f in report.failures if f.check == name]
-            if failed:
-                failures += 1
-                el = ElementTree.SubElement(case, "failure", message=failed[0].diagnosis)
-                el.text = "\n".join(f.diagnosis for f in failed) + f"\nreproduce: {report.reproduce}"
-            elif tally.passed == 0 and tally.indeterminate == 0:
-                ElementTree.SubElement(case, "skipped", message="not applicable")
-        suite.set("tests", str(cases))
-        suite.set("failures", str(failures))
+        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+
+        def case(name: str, seconds: float = 0.0) -> ElementTree.Element:
+            counts["tests"] += 1
+            return ElementTree.SubElement(suite, "testcase", classname=report.backend,
+                                          name=name, file=source, time=f"{seconds:.3f}")
+
+        if report.status in (Status.SKIPPED, Status.CRASHED):
+            element = case("verify", report.seconds)
+            if report.status is Status.SKIPPED:
+                counts["skipped"] += 1
+                ElementTree.SubElement(element, "skipped", message=report.detail)
+            else:
+                counts["errors"] += 1
+                error = ElementTree.SubElement(element, "error", message=report.detail)
+                error.text = f"reproduce: {report.reproduce}" if report.reproduce else None
+        else:
+            for check, tally in report.checks.items():
+                element = case(f"{check.value}[{report.tier.value}]")
+                failed = [f for f in report.failures if f.check == check]
+                if failed:
+                    counts["failures"] += 1
+                    failure = ElementTree.SubElement(element, "failure",
+                                                     message=failed[0].diagnosis)
+                    failure.text = "\n".join(f.diagnosis for f in failed) + (
+                        f"\nreproduce: {report.reproduce}" if report.reproduce else "")
+                elif tally.passed == 0 and tally.indeterminate == 0:
+                    counts["skipped"] += 1
+                    ElementTree.SubElement(element, "skipped", message="not applicable")
+        for key, value in counts.items():
+            suite.set(key, str(value))
+            totals[key] += value
+        suite.set("time", f"{report.seconds:.3f}")
+    for key, value in totals.items():
+        suites.set(key, str(value))
+    suites.set("time", f"{sum(r.seconds for r in reports):.3f}")
     ElementTree.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)

@@ -1,12 +1,18 @@
-"""Hypothesis strategies for draft batches that differ from what graphs were captured on."""
+"""Hypothesis strategies for draft batches that differ from what graphs were captured on,
+and the target that steers the search towards batches whose derived metadata changes
+between draft steps."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from hypothesis import strategies as st
+from hypothesis import target
 
+from speccheck.checks.verify.state_walk import same_value
 from speccheck.speculator.batch import DraftBatch
 
 
@@ -24,13 +30,34 @@ class BatchLimits:
     max_new_tokens: int = 3
     room_for_block: bool = False
     """Require ``context + new + extra_positions <= max_model_len`` (DFlash blocks)."""
+    breakpoints: tuple[int, ...] = ()
+    """Ascending sequence lengths at which the backend's derived metadata changes
+    (:attr:`speccheck.checks.verify.breakpoints.Breakpoints.lengths`): requests of the
+    ``"breakpoint"`` kind are placed so that their draft steps cross one. Empty: no such
+    kind is drawn."""
+
+    def __post_init__(self) -> None:
+        ascending = list(self.breakpoints) == sorted(set(self.breakpoints))
+        if not ascending or any(b < 1 for b in self.breakpoints):
+            raise ValueError(
+                f"breakpoints must be ascending positive lengths, got {self.breakpoints}"
+            )
+
+
+CONTEXT_KINDS = ("anywhere", "boundary", "clamp")
+"""Context placements drawn for every backend; ``"breakpoint"`` follows when the limits
+carry breakpoints. Hypothesis shrinks towards the first kind."""
 
 
 def _context_len(draw: st.DrawFn, limits: BatchLimits, q: int) -> int:
-    """A context length of one of three kinds: anywhere, just before a block boundary (so
-    the draft steps cross it), or near ``max_model_len`` (so the steps hit the clamp)."""
+    """A context length of one of these kinds: anywhere, just before a block boundary (so
+    the draft steps cross it), near ``max_model_len`` (so the steps hit the clamp), or just
+    below a breakpoint (so the refreshes between draft steps cross it: see
+    :func:`_below_breakpoint`)."""
     top = limits.max_model_len - q - (limits.extra_positions if limits.room_for_block else 0)
-    kind = draw(st.sampled_from(["anywhere", "boundary", "clamp"]))
+    kind = draw(st.sampled_from(CONTEXT_KINDS + (("breakpoint",) if limits.breakpoints else ())))
+    if kind == "breakpoint":
+        return _below_breakpoint(draw, limits, q, top)
     if kind == "anywhere":
         return draw(st.integers(0, top))
     if kind == "clamp":
@@ -38,6 +65,27 @@ def _context_len(draw: st.DrawFn, limits: BatchLimits, q: int) -> int:
     bs = limits.block_size
     boundary = draw(st.integers(1, max(1, top // bs))) * bs
     return int(np.clip(boundary - q - draw(st.integers(0, 1)), 0, top))
+
+
+def _below_breakpoint(draw: st.DrawFn, limits: BatchLimits, q: int, top: int) -> int:
+    """A context ``ctx`` in ``0..top`` whose draft steps cross a breakpoint ``b``.
+
+    The arithmetic of the autoregressive speculator: with ``q`` new tokens, the prefill
+    pass runs at length ``ctx + q`` and decode step ``s`` (``1..K-1``) at ``ctx + q + s``
+    (clamped at ``max_model_len``, which no breakpoint exceeds); metadata is built for step
+    1 and refreshed before steps ``2..K-1``. A refresh that should change a field at ``b``
+    is exercised when ``ctx + q + 1 < b <= ctx + q + K - 1``, i.e. ``ctx = b - q - d`` with
+    ``2 <= d <= K - 1 = extra_positions``. ``d`` shrinks towards 2 (step 1 runs at
+    ``b - 1``, step 2 at ``b``) and ``b`` towards the first breakpoint this ``q`` and
+    ``top`` can reach. With ``K <= 2`` there is no refresh, and ``d = 2`` puts step 1 just
+    below ``b``. Where no breakpoint can be reached, the context is drawn anywhere.
+    """
+    most = max(2, limits.extra_positions)
+    reachable = [b for b in limits.breakpoints if max(2, b - q - top) <= min(most, b - q)]
+    if not reachable:
+        return draw(st.integers(0, top))
+    b = draw(st.sampled_from(reachable))
+    return b - q - draw(st.integers(max(2, b - q - top), min(most, b - q)))
 
 
 @st.composite
@@ -74,3 +122,50 @@ def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
         start += count
     seeds = tuple(draw(st.integers(0, 2**31 - 1)) for _ in contexts)
     return DraftBatch(tuple(contexts), tuple(news), tuple(rows), seeds)
+
+
+TARGET_LABEL = "derived elements changed between draft steps"
+
+
+def derived_step_changes(
+    steps: Mapping[int, Mapping[str, torch.Tensor]],
+    storage_of: Mapping[str, int],
+    input_storages: Collection[int],
+) -> int:
+    """How many derived elements change between consecutive draft steps of one run,
+    summed over the step pairs: the quantity a stale refresh would get wrong.
+
+    ``steps`` is ``{step: {path: tensor}}`` as :meth:`StepMetadataRecorder.collect
+    <speccheck.checks.verify.step_recorder.StepMetadataRecorder.collect>` returns it (the
+    oracle's), ``storage_of`` the recorder's path -> storage address, ``input_storages``
+    the storages of the speculator's input buffers, whose views are not derived (the
+    speculator advances them). Each storage counts once, under its first path in walk order
+    (a metadata field before the persistent buffer behind it). A tensor whose shape changes
+    counts every element of the larger one.
+    """
+    ordered = [steps[s] for s in sorted(steps)]
+    if len(ordered) < 2:
+        return 0
+    counted: set[int] = set(input_storages)
+    paths: list[str] = []
+    for path in ordered[0]:
+        storage = storage_of.get(path)
+        if storage is not None and storage not in counted:
+            counted.add(storage)
+            paths.append(path)
+    total = 0
+    for before, after in zip(ordered, ordered[1:]):
+        for path in paths:
+            a, b = before.get(path), after.get(path)
+            if a is None or b is None or same_value(a, b):
+                continue
+            total += max(a.numel(), b.numel()) if a.shape != b.shape else int((a != b).sum())
+    return total
+
+
+def target_derived_changes(count: int) -> None:
+    """Steer hypothesis towards examples where more derived elements change between
+    draft steps (where a stale refresh shows). Call it from inside the ``@given`` test
+    function, once per example, with :func:`derived_step_changes`; targeting runs only
+    when ``Phase.target`` is among the settings' phases."""
+    target(float(count), label=TARGET_LABEL)

@@ -18,17 +18,16 @@ from typing import Any
 import torch
 
 from speccheck.backends.availability import BackendUnavailable
-from speccheck.checks.verify.engine import (
-    BackendVerifier,
+from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
+from speccheck.checks.verify.examples import (
     Example,
-    VerifySettings,
     decode_example,
     encode_example,
     example_from_json,
-    tally,
 )
+from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport
-from speccheck.contract.matrix_loader import load_matrix
+from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.contract.resolution import resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import unrunnable_reason
@@ -46,27 +45,27 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     config = RuntimeConfig(**request["config"])
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
-    report = BackendReport(name, "gpu" if gpu else "cpu", "passed", device=_device_name(device),
-                           runtime_config=config.model_dump())
-    matrix = load_matrix(request.get("matrix"))
-    resolution = resolve_backend(matrix.backend(name), config)
+    report = BackendReport(name, Tier.GPU if gpu else Tier.CPU, Status.PASSED,
+                           device=_device_name(device), runtime_config=config.model_dump())
+    matrices = MatrixContext.load(request.get("matrix"))
+    resolution = resolve_backend(matrices.matrix.backend(name), config)
     report.fused_allowed = resolution.fused_multi_step
     report.fused_reason = resolution.reason
     platform = "cuda" if gpu else "cpu"
-    unrunnable = unrunnable_reason(name, platform, matrix)
+    unrunnable = unrunnable_reason(name, platform, matrices.matrix)
     if unrunnable is not None:
-        report.status, report.tier, report.detail = "skipped", "none", unrunnable
+        report.status, report.tier, report.detail = Status.SKIPPED, Tier.NONE, unrunnable
         return report
     settings = VerifySettings(backend=name, config=config, examples=request["examples"],
                               seed=request["seed"], steps=tuple(request["steps"]),
-                              matrix_path=request.get("matrix"))
+                              claim_fused=bool(request.get("claim_fused")), matrices=matrices)
     started = time.perf_counter()
     try:
         verifier = BackendVerifier(settings, device)
         report.fused_allowed = verifier.fused_allowed
-        report.candidates = verifier.candidates()
+        report.candidates = [candidate.name for candidate in verifier.candidates()]
     except BackendUnavailable as exc:
-        report.status, report.tier, report.detail = "skipped", "none", str(exc)
+        report.status, report.tier, report.detail = Status.SKIPPED, Tier.NONE, str(exc)
         return report
     with progress_path.open("a") as progress:
         def on_example(index: int, example: Example) -> None:
@@ -78,10 +77,10 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
             on_example(1, example)
             report.examples = 1
             outcomes = verifier.run_example(example)
-            if any(o.result == "failed" for o in outcomes):
+            if any(o.result is Result.FAILED for o in outcomes):
                 verifier.record_failure(report, example, outcomes)
             else:
-                tally(report, outcomes)
+                report.tally(outcomes)
         else:
             verifier.run(report, on_example)
     report.capture_seconds = verifier.capture_seconds

@@ -1,0 +1,42 @@
+"""``speccheck selftest``: prove the verifier catches every known-bad builder.
+
+Importing this module does not import torch; the command imports the self-test when it runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def selftest_command(
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results here.")] = None,  # noqa: UP045
+) -> None:
+    """Prove the verifier catches every known-bad builder (exit 1 if one slips through)."""
+    import torch
+
+    from speccheck.checks.selftest.run import run_selftest
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    console = Console(highlight=False, emoji=False)
+    results = run_selftest(device)
+    tier = "GPU, real graphs" if device.type == "cuda" else "CPU tier"
+    table = Table(title=f"speccheck selftest ({tier})")
+    for column in ("mutant", "must be caught by", "result", "re-creates"):
+        table.add_column(column)
+    for r in results:
+        table.add_row(r.name, r.expected_check, "ok" if r.caught else "MISSED", r.recreates)
+    console.print(table)
+    for r in results:
+        if not r.caught:
+            console.print(f"MISSED {r.name}: {r.detail}", markup=False)
+    if json_path:
+        json_path.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    if not all(r.caught for r in results):
+        raise typer.Exit(1)

@@ -1,0 +1,166 @@
+"""Examples of ``speccheck verify`` (a step count K and a :class:`DraftBatch`) as JSON and as
+the ``--reproduce`` blobs that failure reports print.
+
+A blob is URL-safe base64 of zlib-compressed JSON. Blobs arrive on command lines, so
+decoding treats them as untrusted: :func:`decode_example` either returns an example that
+satisfies every invariant of :class:`DraftBatch` that does not depend on the runtime
+configuration, or raises ``ValueError`` with one line starting ``--reproduce:``; never
+another exception, and within bounded time and memory. The bounds: at most
+:data:`MAX_BLOB_CHARS` characters of blob and :data:`MAX_JSON_BYTES` bytes once inflated;
+strict JSON types (an integer is a JSON integer, never a float, a string or ``true``; a list
+is a JSON array, never a string); the value ranges and list lengths of :class:`ExampleData`;
+nesting beyond what the schema needs fails in the JSON parser (pydantic's, which has a
+recursion limit), not in Python's. Whether the batch fits a particular configuration
+(``max_model_len``, the number of blocks) is checked by ``DraftBatch.validate`` where the
+configuration is known.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import zlib
+from typing import Annotated, Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from speccheck.speculator.batch import DraftBatch
+
+Example = tuple[int, DraftBatch]
+"""``(num_speculative_steps, batch)``."""
+
+MAX_BLOB_CHARS = 131_072
+"""Longest blob accepted: Linux's limit on one command-line argument."""
+
+MAX_JSON_BYTES = 1 << 20
+"""Most bytes a blob may inflate to (1 MiB)."""
+
+MAX_STEPS = 64
+"""Largest ``num_speculative_steps`` (K)."""
+
+MAX_REQUESTS = 1024
+"""Most requests in one batch."""
+
+MAX_NEW_TOKENS = 1024
+"""Most new tokens of one request."""
+
+MAX_BLOCKS_PER_REQUEST = 1 << 16
+"""Longest block-table row."""
+
+MAX_POSITION = 1 << 24
+"""Largest context length, token id and block id (16 Mi)."""
+
+MAX_SEED = 2**63 - 1
+"""Largest sampling seed."""
+
+_Position = Annotated[int, Field(ge=0, le=MAX_POSITION)]
+_Block = Annotated[int, Field(ge=1, le=MAX_POSITION)]
+_Rows = Field(min_length=1, max_length=MAX_REQUESTS)
+
+
+class ExampleData(BaseModel):
+    """The JSON form of an example, strictly typed and bounded. Invariants checked here:
+    every per-request list has one row per request, every request has at least one new
+    token and one block, and no physical block belongs to two requests (block 0, the sink,
+    to none)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    num_speculative_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)]
+    context_lens: Annotated[list[_Position], _Rows]
+    new_tokens: Annotated[
+        list[Annotated[list[_Position], Field(min_length=1, max_length=MAX_NEW_TOKENS)]], _Rows
+    ]
+    block_table: Annotated[
+        list[Annotated[list[_Block], Field(min_length=1, max_length=MAX_BLOCKS_PER_REQUEST)]],
+        _Rows,
+    ]
+    seeds: Annotated[list[Annotated[int, Field(ge=0, le=MAX_SEED)]], _Rows]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        requests = len(self.context_lens)
+        for name in ("new_tokens", "block_table", "seeds"):
+            rows = len(getattr(self, name))
+            if rows != requests:
+                raise PydanticCustomError(
+                    "rows", "{name} has {rows} rows but context_lens has {requests}",
+                    {"name": name, "rows": rows, "requests": requests},
+                )
+        blocks = [block for row in self.block_table for block in row]
+        if len(blocks) != len(set(blocks)):
+            raise PydanticCustomError("shared_blocks", "block_table rows share physical blocks")
+        return self
+
+    def example(self) -> Example:
+        """The example this describes."""
+        return self.num_speculative_steps, DraftBatch(
+            tuple(self.context_lens),
+            tuple(tuple(row) for row in self.new_tokens),
+            tuple(tuple(row) for row in self.block_table),
+            tuple(self.seeds),
+        )
+
+
+def example_json(example: Example) -> dict[str, Any]:
+    """The JSON-serialisable form of ``example`` (lists, not tuples)."""
+    k, batch = example
+    return {"num_speculative_steps": k, "context_lens": list(batch.context_lens),
+            "new_tokens": [list(r) for r in batch.new_tokens],
+            "block_table": [list(r) for r in batch.block_table], "seeds": list(batch.seeds)}
+
+
+def example_from_json(data: dict[str, Any]) -> Example:
+    """The example :func:`example_json` made ``data`` from; raises ``ValueError`` with one
+    line (``not an example: ...``) when ``data`` is not a valid :class:`ExampleData`."""
+    try:
+        return ExampleData.model_validate(data).example()
+    except ValidationError as exc:
+        raise ValueError(f"not an example: {_first_error(exc)}") from None
+
+
+def encode_example(example: Example) -> str:
+    """A compact, URL-safe blob for ``--reproduce``."""
+    raw = json.dumps(example_json(example)).encode()
+    return base64.urlsafe_b64encode(zlib.compress(raw)).decode()
+
+
+def decode_example(blob: str) -> Example:
+    """The example of a ``--reproduce`` blob. Raises ``ValueError`` with one line,
+    ``--reproduce: not an example blob (WHY)``, for anything else (see the module
+    docstring), and nothing but ``ValueError``."""
+    if len(blob) > MAX_BLOB_CHARS:
+        raise _not_a_blob(f"{len(blob)} characters; at most {MAX_BLOB_CHARS} are accepted")
+    try:
+        compressed = base64.urlsafe_b64decode(blob)
+    except ValueError:
+        raise _not_a_blob("not URL-safe base64") from None
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(compressed, MAX_JSON_BYTES + 1)
+    except zlib.error:
+        raise _not_a_blob("not zlib-compressed data") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise _not_a_blob(f"it inflates to more than {MAX_JSON_BYTES} bytes")
+    if not inflater.eof:
+        raise _not_a_blob("the compressed data is truncated")
+    try:
+        return ExampleData.model_validate_json(raw).example()
+    except ValidationError as exc:
+        raise _not_a_blob(_first_error(exc)) from None
+
+
+def _not_a_blob(why: str) -> ValueError:
+    return ValueError(f"--reproduce: not an example blob ({why})")
+
+
+def _first_error(exc: ValidationError) -> str:
+    """``FIELD[INDEX]: message`` of the first error, plus how many more there are; one line."""
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0]
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in first["loc"])
+    message = " ".join(first["msg"].split())
+    text = f"{where.lstrip('.')}: {message}" if where else message
+    more = len(errors) - 1
+    return text + (f" (and {more} more problem{'s' if more != 1 else ''})" if more else "")

@@ -1,0 +1,160 @@
+"""The verifier's vocabulary, as records: every check (the registry the docs' check table and
+the reports are generated from), the result of one check, a backend's status, the tier, and
+the candidates compared with the oracle.
+
+Members are ``StrEnum``s, so reports serialise them as their plain values.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:  # imports torch; this module is imported by torch-free commands
+    from speccheck.speculator.autoregressive import DecodePath
+
+
+class Check(enum.StrEnum):
+    """Every check the verifier runs, in report order; each carries what must hold.
+
+    Declared as ``NAME = ("value", "what must hold")``. Adding a member adds a row to the
+    generated docs (``docs/checks.md``), a tally to every report and a JUnit test case.
+    """
+
+    description: str
+
+    def __new__(cls, value: str, description: str) -> Self:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.description = description
+        return member
+
+    @classmethod
+    def parse(cls, value: str) -> Check:
+        """The check whose value is ``value`` (reports store checks by value)."""
+        return cls._value2member_map_[value]  # type: ignore[return-value]
+
+    CAPTURE = (
+        "capture",
+        "(GPU) capturing the draft-decode graphs succeeds; a host sync or pageable copy inside "
+        "the captured refresh makes it fail",
+    )
+    DRAFT_TOKENS = (
+        "draft_tokens",
+        "candidate tokens equal the oracle's exactly; where the oracle's top-2 logits are within "
+        "2× the dtype tolerance and the tokens differ, the position is *indeterminate* (counted, "
+        "never passed), and the request's later steps are not compared",
+    )
+    LOGITS = (
+        "logits",
+        "within the dtype tolerance (fp32 1e-4, fp16 2e-2, bf16 6e-2, scaled for large logits) "
+        "up to each request's first divergence",
+    )
+    KV_CACHE = (
+        "kv_cache",
+        "the expected slots hold the oracle's values; nothing else changed, except the sink "
+        "block (so no padding lane and no stale slot mapping wrote a live slot)",
+    )
+    STEP_METADATA = (
+        "step_metadata",
+        "before every draft step, every tensor reachable from the metadata and the builder's "
+        "persistent buffers equals the oracle's fresh eager build for that step (snapshotted "
+        "with in-place copies inside the captured graph)",
+    )
+    DECLARED_FIELDS = (
+        "declared_fields",
+        "claims audit: a derived tensor that changes between the oracle's steps must be listed "
+        "in the matrix entry's `draft_decode.refreshed_fields` (or `invalidated_caches`), and "
+        "every listed field must exist in the metadata (views of the speculator's input buffers "
+        "are not derived)",
+    )
+    VS_FP32_REFERENCE = (
+        "vs_fp32_reference",
+        "the oracle agrees with the fp32 `reference` backend (graph and eager can agree and "
+        "both be wrong)",
+    )
+    REFRESH_ERROR = (
+        "refresh_error",
+        "the refresh (`update_draft_decode_metadata`, run eagerly in the fused loop) raises "
+        "nothing; an exception is reported once, with the last frames of its traceback",
+    )
+    HOST_SYNC = (
+        "host_sync",
+        "the refresh makes no host synchronisation (`.item()`, `.tolist()`, `nonzero`, "
+        "`bool(t)`, device-to-host copies, …; traced with torch dispatch and function modes, "
+        "and CUDA sync-debug mode on a GPU)",
+    )
+    IN_PLACE = (
+        "in_place",
+        "the refresh rebinds no metadata or builder tensor to a new object or address",
+    )
+    ZERO_TAILS = (
+        "zero_tails",
+        "rows of a persistent buffer past what the metadata uses are zero (builders declare "
+        "the extents)",
+    )
+    GUARD_BANDS = (
+        "guard_bands",
+        "nothing was written into the poisoned bands the verifier places around every "
+        "persistent buffer (builders allocate them through `allocate_persistent`)",
+    )
+    DP_TOKEN_COUNT = (
+        "dp_token_count",
+        "(`--dp-size N`) on every rank, the attention metadata covers the token count the "
+        "seed-004 rule gives: FULL, the padded count; eager, the real `query_start_loc[-1]`",
+    )
+    DP_MATCHES_SINGLE_RANK = (
+        "dp_matches_single_rank",
+        "(`--dp-size N`) on every rank, the drafts of the padded pass equal a single-rank run "
+        "of the same requests (a difference at a near-tie is indeterminate)",
+    )
+
+
+class Result(enum.StrEnum):
+    """The result of one check on one example."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    INDETERMINATE = "indeterminate"
+    """Could not be decided (a near-tie of the oracle's logits): counted, never passed."""
+    SKIPPED = "skipped"
+
+
+class Status(enum.StrEnum):
+    """A backend's verdict in a verify run."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    """Nothing ran: no adapter, another platform, or a missing kernel package."""
+    CRASHED = "crashed"
+    """The worker died or hung; the report names the last example it started."""
+
+
+class Tier(enum.StrEnum):
+    """What a verify run could exercise on this machine."""
+
+    GPU = "gpu"
+    """Real CUDA graphs."""
+    CPU = "cpu"
+    """Eager loops, probes by tracing; no graph result is claimed."""
+    NONE = "none"
+    """Nothing ran."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A draft path compared with the eager per-step oracle, replayed from captured graphs
+    or run eagerly."""
+
+    path: DecodePath
+    graphs: bool
+
+    @property
+    def name(self) -> str:
+        """``fused_graph``, ``preplanned_eager``, ``per_step_graph``, …"""
+        return f"{self.path.value}_{'graph' if self.graphs else 'eager'}"
+
+    def __str__(self) -> str:
+        return self.name
