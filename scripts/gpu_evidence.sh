@@ -47,13 +47,13 @@ run() {  # NAME TIMEOUT ARGS...
 }
 
 if [ "$suite" = audit-core ]; then
-  timeout 230 python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py tests/test_verifier_mutants.py \
+  timeout 200 python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py tests/test_verifier_mutants.py \
     > "$out/pytest-cuda-verifier.txt" 2>&1
   echo "pytest exit $?" >> "$out/pytest-cuda-verifier.txt"
   run fa3-dcp2-audit 150 --backend fa3 --block-size 512 --max-model-len 512 --dcp-world-size 2 \
     --audit-claims --examples 60
-  run fa3 90 --backend fa3 --block-size 512 --max-model-len 512 --examples 100
-  run triton_attn 90 --backend triton_attn --examples 100
+  run fa3 80 --backend fa3 --block-size 512 --max-model-len 512 --examples 100
+  run triton_attn 80 --backend triton_attn --examples 100
   exit 0
 fi
 if [ "$suite" = audit-flashinfer ]; then
