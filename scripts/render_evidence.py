@@ -34,6 +34,28 @@ def _report_rows(path: Path) -> list[str]:
     return rows
 
 
+def _audit_lines(reports: list[Path]) -> list[str]:
+    """One line per claims audit (``verify --audit-claims``) and per breakpoint probe."""
+    lines = []
+    for path in reports:
+        for b in json.loads(path.read_text())["backends"]:
+            audit = b.get("claim_audit")
+            if audit is not None:
+                if audit["status"] == "passed":
+                    verdict = f"claim too strict: the fused path passed {audit['examples']} examples"
+                elif audit["status"] == "failed" and audit["failures"]:
+                    first = audit["failures"][0]
+                    verdict = f"claim confirmed: the fused path fails ({first['check']}: {first['diagnosis']})"
+                else:
+                    verdict = f"not audited: {audit['status']}: {audit['detail']}"
+                lines.append(f"- `{path.name}`, {b['backend']}, claims audit: {verdict}")
+            found = (b.get("breakpoints") or {}).get("lengths")
+            if found:
+                lines.append(f"- `{path.name}`, {b['backend']}, breakpoints probed: lengths "
+                             f"{', '.join(map(str, found[:12]))}{' …' if len(found) > 12 else ''}")
+    return lines + ([""] if lines else [])
+
+
 def _run_section(folder: Path) -> list[str]:
     lines = [f"## `{folder.name}/`", ""]
     about = folder / "about.txt"
@@ -47,6 +69,7 @@ def _run_section(folder: Path) -> list[str]:
         for path in reports:
             lines += _report_rows(path)
         lines.append("")
+        lines += _audit_lines(reports)
     for path in sorted(folder.glob("*.txt")):
         if path.name == "about.txt" or path.name.startswith("device"):
             continue
