@@ -195,3 +195,18 @@ def test_console_script_end_to_end() -> None:
     assert failed.stdout == ""
     assert "Traceback" not in failed.stderr
     assert failed.stderr.startswith(f"{bad}:")
+
+
+@pytest.mark.parametrize("command", [["matrix", "--json"], ["schema"], ["docs"], ["docs", "--checks"]])
+def test_torch_free_commands_start_without_importing_torch(command: list[str]) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c",
+         "from speccheck.checks.cli.app import main; main()", *command],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "triton" not in imported
