@@ -6,10 +6,12 @@ The output is a pure function of the matrix (no dates, no paths), so ``speccheck
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable
 
 from speccheck.contract.adapter_status import AdapterStatus, adapter_status
 from speccheck.contract.conditions import describe_condition
+from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.matrix_model import (
     BackendEntry,
     Constraints,
@@ -92,9 +94,31 @@ def render_capability_docs(matrix: Matrix) -> str:
     lines += [f"- `{level.value}`: {level.description}" for level in CudaGraphSupport]
     lines += ["", "Refresh strategies:", ""]
     lines += [f"- `{strategy.value}`: {strategy.description}" for strategy in RefreshStrategy]
+    lines += ["", *_runtime_config_lines()]
     for entry in matrix.backends:
         lines += ["", *_backend_section(entry)]
     return "\n".join(lines) + "\n"
+
+
+def _runtime_config_lines() -> list[str]:
+    """The runtime configuration: the names conditions may use, and the options of
+    ``speccheck matrix`` (one per field, generated from the same declaration)."""
+    lines = [
+        "## Runtime configuration",
+        "",
+        "Conditions in `matrix.yaml` are expressions over these fields; `speccheck matrix` "
+        "takes each as an option (`dcp_world_size` is `--dcp-world-size`).",
+        "",
+        "| field | type | default | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, info in RuntimeConfig.model_fields.items():
+        kind = getattr(info.annotation, "__name__", None) or str(info.annotation)
+        if typing.get_origin(info.annotation) is typing.Literal:
+            kind = " \\| ".join(f"`{value}`" for value in typing.get_args(info.annotation))
+        row = [f"`{name}`", kind, f"`{info.default}`", info.description or ""]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def _backend_section(entry: BackendEntry) -> list[str]:
