@@ -28,7 +28,7 @@ import os
 import re
 import stat
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,12 +112,27 @@ class MatrixError(Exception):
         return "\n".join(problem.render() for problem in self.problems)
 
 
+@dataclass(frozen=True)
+class LocatedMatrix:
+    """A validated matrix and where it came from: ``path`` as problems name it, and the
+    1-based line of each backend entry's ``name`` (for problems that span files)."""
+
+    matrix: Matrix
+    path: str
+    name_lines: Mapping[str, int]
+
+
 def load_matrix(path: str | Path | None = None) -> Matrix:
     """Load and validate a matrix file; ``None`` loads the packaged ``matrix.yaml``.
 
     ``path`` must name a regular file of at most :data:`MAX_MATRIX_BYTES`. Raises
     :class:`MatrixError` listing every problem, including an unreadable file.
     """
+    return load_located_matrix(path).matrix
+
+
+def load_located_matrix(path: str | Path | None = None) -> LocatedMatrix:
+    """:func:`load_matrix`, keeping the file's name and the line of each entry's name."""
     if path is None:
         resource = importlib.resources.files("speccheck") / DEFAULT_MATRIX_RESOURCE
         label = str(resource)
@@ -129,7 +144,27 @@ def load_matrix(path: str | Path | None = None) -> Matrix:
         label = printable_path(path)
         raw = _read_regular_file(Path(path), label)
     logger.debug("loading capability matrix from %s", label)
-    return parse_matrix(raw, path=label)
+    return _parse(raw, label)
+
+
+def merge_matrices(parts: Sequence[LocatedMatrix]) -> Matrix:
+    """One matrix holding the entries of every part, in order (the shipped matrix first,
+    then plug-in fragments). A backend name declared by two parts is a :class:`MatrixError`
+    with one problem per clash, at the later declaration, naming the earlier one's file and
+    line."""
+    first: dict[str, LocatedMatrix] = {}
+    problems = []
+    for part in parts:
+        for name in part.matrix.names:
+            earlier = first.setdefault(name, part)
+            if earlier is not part:
+                problems.append(MatrixProblem(
+                    part.path, part.name_lines[name], name, "name",
+                    f"{name!r} is already declared by {earlier.path}:{earlier.name_lines[name]}; "
+                    "backend names must be unique across the matrix and its plug-ins"))
+    if problems:
+        raise MatrixError(problems)
+    return Matrix(version=1, backends=tuple(e for part in parts for e in part.matrix.backends))
 
 
 def printable_path(path: str | Path) -> str:
@@ -183,6 +218,10 @@ def parse_matrix(source: str | bytes, *, path: str = "<matrix>") -> Matrix:
 
     Raises :class:`MatrixError` listing every problem found, and nothing else.
     """
+    return _parse(source, path).matrix
+
+
+def _parse(source: str | bytes, path: str) -> LocatedMatrix:
     if len(source) > MAX_MATRIX_BYTES:
         raise MatrixError([_too_large(path)])
     if isinstance(source, bytes):
@@ -200,7 +239,10 @@ def parse_matrix(source: str | bytes, *, path: str = "<matrix>") -> Matrix:
         loaded = load_yaml_with_positions(text)
     except yaml.YAMLError as exc:
         raise MatrixError([_yaml_problem(path, text, exc)]) from None
-    return _validate(loaded, path)
+    matrix = _validate(loaded, path)
+    lines = {entry.name: loaded.positions[("backends", index, "name")].line
+             for index, entry in enumerate(matrix.backends)}
+    return LocatedMatrix(matrix, path, lines)
 
 
 def _yaml_problem(path: str, text: str, exc: yaml.YAMLError) -> MatrixProblem:

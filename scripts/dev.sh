@@ -2,7 +2,9 @@
 # speccheck developer entry point.
 #   scripts/dev.sh verify [ARGS]  set up .venv if needed, then `speccheck verify` (default backend)
 #   scripts/dev.sh test   [ARGS]  set up .venv if needed, then the generated-file checks,
-#                                 mypy, and the whole test suite
+#                                 mypy, and the whole test suite (which also installs
+#                                 examples/adapter_template into a temporary folder and gates
+#                                 it, and a broken copy of it, through the pytest plugin)
 # Needs only Python 3.11+. On a machine without an NVIDIA GPU it installs the CPU build of
 # torch 2.13 (a bare `torch` requirement could pull a multi-GB CUDA build).
 set -euo pipefail
@@ -25,6 +27,15 @@ setup() {
     "$py" -m pip install -q -e ".[test]"
 }
 
+refresh_entry_points() {
+    # Entry points (the console script, the pytest plugin) are recorded when speccheck is
+    # installed: a .venv made before one was added is missing it. Offline, from this tree.
+    # -P: the installed metadata, not a stale speccheck.egg-info in the working directory.
+    if ! "$py" -P -c "import importlib.metadata as m, sys; sys.exit(not m.entry_points(group='pytest11', name='speccheck'))"; then
+        "$py" -m pip install -q --no-deps --no-build-isolation -e .
+    fi
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -34,7 +45,9 @@ case "$cmd" in
         ;;
     test)
         setup
-        "$venv/bin/speccheck" docs --check
+        refresh_entry_points
+        # --matrix: the shipped matrix alone, whatever plug-in backends this .venv holds.
+        "$venv/bin/speccheck" docs --check --matrix "$root/matrix.yaml"
         "$venv/bin/speccheck" docs --checks --check
         "$venv/bin/speccheck" schema --check
         # mypy must see the tree as the `speccheck` package (the editable install's import

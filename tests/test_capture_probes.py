@@ -23,6 +23,7 @@ from speccheck.checks.probes import (
     IdentityGuard,
     ProbeFinding,
     check_zero_tail,
+    poison_,
 )
 from speccheck.checks.verify.state_walk import changed_paths, snapshot, walk_tensors
 from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
@@ -467,6 +468,24 @@ def test_check_zero_tail_edge_cases() -> None:
         check_zero_tail(grid, 5)
     with pytest.raises(ValueError, match="0-dim"):
         check_zero_tail(torch.tensor(1.0), 0)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.bool]
+)
+def test_a_poisoned_buffer_is_all_tail_until_a_build_claims_its_rows(dtype: torch.dtype) -> None:
+    """What the verifier does before every example: the poison is non-zero in every dtype,
+    so a build that writes its live rows but leaves the rest is caught on the spot."""
+    buf = torch.zeros(6, 2, dtype=dtype)
+    poison_(buf)
+    assert check_zero_tail(buf, 0) is not None
+    buf[:2].fill_(1)
+    diagnosis = check_zero_tail(buf, 2, name="derived")
+    assert diagnosis is not None and "4 row(s), the first at row 2" in diagnosis
+    buf[2:].zero_()
+    assert check_zero_tail(buf, 2) is None
+    poison_(buf, sentinel=1)
+    assert bool((buf == 1).all())
 
 
 # --- guard bands ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -10,6 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from speccheck.checks.verify.runner import PlainProgress, run_worker, worker_request
+from speccheck.contract.runtime_config import RuntimeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY_MATRIX = ROOT / "tests" / "fixtures" / "adapters" / "matrix.yaml"
@@ -30,6 +36,8 @@ def test_reference_passes_and_reports_every_check(tmp_path: Path) -> None:
     proc = _verify("--backend", "reference", "--examples", "8", "--json", str(out), "--junit", str(junit))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[0].startswith("tier: CPU (no CUDA device)")
+    assert "progress: reference: started, 8 example(s)" in proc.stdout
+    assert "progress: reference (passed): 8/8 examples in " in proc.stdout
     report = json.loads(out.read_text())
     assert report["tier"] == "cpu"
     (backend,) = report["backends"]
@@ -45,13 +53,52 @@ def test_gpu_only_backend_is_skipped_and_nothing_verified_exits_3() -> None:
     proc = _verify("--backend", "fa3", "--examples", "2")
     assert proc.returncode == 3, proc.stdout
     assert "fa3: skipped" in proc.stdout
+    assert "progress: fa3 (skipped): 0/2 examples in " in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a backend the CPU tier skips")
+def test_the_progress_bar_of_a_skipped_backend_ends_where_it_stopped() -> None:
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    request = worker_request("fa3", RuntimeConfig(platform="cpu", cudagraph_mode="none"), 5, 0,
+                             [2], None, "speccheck verify --backend fa3")
+    with Progress(console=console) as progress:
+        report = run_worker(request, progress, 60.0, "cpu")
+    (task,) = progress.tasks
+    assert report.status == "skipped"
+    assert (task.completed, task.total, task.description) == (0, 5, "fa3 (skipped)")
+
+
+def test_plain_progress_prints_a_line_per_interval_and_where_it_ended() -> None:
+    out = io.StringIO()
+    now = [100.0]
+    plain = PlainProgress(Console(file=out, width=200), interval=10.0, clock=lambda: now[0])
+    task = plain.add_task("reference", total=50)
+    for second, done in ((4, 3), (11, 7), (15, 9), (22, 12)):
+        now[0] = 100.0 + second
+        plain.update(task, completed=done)
+    plain.update(task, completed=12, description="reference (failed)")
+    plain.stop_task(task)
+    assert out.getvalue().splitlines() == [
+        "progress: reference: started, 50 example(s)",
+        "progress: reference: 7/50 examples, 11s elapsed",
+        "progress: reference: 12/50 examples, 22s elapsed",
+        "progress: reference (failed): 12/50 examples in 22s",
+    ]
+
+
+def test_importing_the_verify_command_imports_no_torch() -> None:
+    code = ("import sys, speccheck.checks.cli.verify; "
+            "print(sorted(m for m in ('torch', 'speccheck.checks.verify.engine') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
 def test_dying_worker_is_a_reported_crash_with_the_last_example() -> None:
     proc = _verify("--backend", "dying", "--matrix", str(FAULTY_MATRIX), "--examples", "3")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "dying: crashed: worker exited with status 139" in proc.stdout
-    assert "reproduce: speccheck verify --backend dying" in proc.stdout
+    assert ("reproduce (checked: fails the same way in a fresh worker): "
+            "speccheck verify --backend dying") in proc.stdout
     assert "--reproduce " in proc.stdout
 
 

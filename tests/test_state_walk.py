@@ -1,25 +1,35 @@
-"""The state walker: paths, coverage, cycles, identities, snapshots and change detection."""
+"""The state walker: paths, coverage, cycles, identities, snapshots and change detection;
+host values (walked, compared and described like tensors); and the step comparison over
+both."""
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from speccheck.checks.verify.comparisons import compare_steps
 from speccheck.checks.verify.state_walk import (
     TensorIdentity,
     changed_paths,
+    describe_host_value,
+    same_host_value,
     same_value,
     snapshot,
     tensor_identity,
+    walk_host_values,
     walk_tensors,
 )
+from speccheck.checks.verify.step_recorder import StepSnapshots
 
 
 @dataclass
@@ -122,6 +132,114 @@ def test_walk_stops_at_max_depth_with_a_warning(caplog: pytest.LogCaptureFixture
         assert walk_tensors(deep, prefix="d", max_depth=4) == {}
     assert "max_depth=4" in caplog.text
     assert list(walk_tensors(deep, prefix="d", max_depth=10)) == ["d" + "[0]" * 10]
+
+
+class Mode(enum.Enum):
+    FAST = 1
+
+
+@dataclass
+class HostFields:
+    max_seq_len: int
+    scale: float
+    causal: bool
+    name: str
+    mode: Mode
+    missing: None
+    splits: tuple[int, ...]
+    lens: np.ndarray
+    nested: dict[str, object]
+    tensor: torch.Tensor
+    labels: np.ndarray
+
+
+def _host_fields() -> HostFields:
+    return HostFields(
+        max_seq_len=17, scale=0.5, causal=True, name="fa3", mode=Mode.FAST, missing=None,
+        splits=(1, 2, 3), lens=np.array([4, 5], dtype=np.int32),
+        nested={"plan": [np.int64(3), (0.5, 1)], "size": torch.Size([2, 3]), "fn": len},
+        tensor=torch.zeros(2), labels=np.array(["a"]),
+    )
+
+
+def test_host_values_are_plain_data_at_the_paths_tensors_would_have() -> None:
+    md = _host_fields()
+    found = walk_host_values(md, prefix="m")
+    assert list(found) == [
+        "m.max_seq_len", "m.scale", "m.causal", "m.name", "m.mode", "m.missing", "m.splits",
+        "m.lens", "m.nested['plan'][0]", "m.nested['plan'][1]", "m.nested['size']",
+    ]
+    shown = {path: describe_host_value(value) for path, value in found.items()}
+    assert shown == {
+        "m.max_seq_len": "17", "m.scale": "0.5", "m.causal": "True", "m.name": "'fa3'",
+        "m.mode": "<Mode.FAST: 1>", "m.missing": "None", "m.splits": "(1, 2, 3)",
+        "m.lens": "(4, 5)", "m.nested['plan'][0]": "3", "m.nested['plan'][1]": "(0.5, 1.0)",
+        "m.nested['size']": "(2, 3)",
+    }
+    assert found["m.lens"].dtype == np.int32
+    md.lens[0] = 9
+    assert found["m.lens"][0] == 4, "values are copies"
+    # the same containers, in the same order, as the tensor walk
+    assert walk_tensors(_metadata(), prefix="m").keys().isdisjoint(walk_host_values(_metadata(), "m"))
+    assert list(walk_host_values(_metadata(), prefix="m")) == [
+        "m.groups[0].num_reqs", "m.groups[1].num_reqs", "m.pair.second",
+    ]
+
+
+def test_same_host_value_needs_the_same_dtype_shape_and_elements() -> None:
+    def value(x: object) -> np.ndarray:
+        return walk_host_values({"x": x})["['x']"]
+
+    assert same_host_value(value(3), value(3))
+    assert not same_host_value(value(3), value(3.0))
+    assert not same_host_value(value(True), value(1))
+    assert not same_host_value(value(None), value("None"))
+    assert not same_host_value(value((1, 2)), value((1, 2, 3)))
+    assert same_host_value(value(math.nan), value(math.nan))
+    assert same_host_value(value(-0.0), value(0.0))
+    assert same_host_value(value(2**70), value(2**70))
+    assert not same_host_value(value(2**70), value(2**70 + 1))
+    assert describe_host_value(value(tuple(range(10)))) == "(0, 1, 2, 3, 4, 5, 6, 7, ...)"
+    assert describe_host_value(value(np.zeros((2, 2), dtype=np.int8))) == (
+        "(0, 0, 0, 0) (shape (2, 2))")
+
+
+def _steps(host: dict[int, dict[str, object]]) -> StepSnapshots:
+    """Snapshots of an ``fa3`` metadata object with the given host fields at each step (and
+    one tensor, the same at every step)."""
+    tensors = {step: {"fa3.metadata.seq_lens": torch.tensor([3])} for step in host}
+    return StepSnapshots(tensors, {
+        step: walk_host_values(SimpleNamespace(**fields), prefix="fa3.metadata")
+        for step, fields in host.items()
+    })
+
+
+def test_compare_steps_reports_the_first_host_value_that_differs_with_both_values() -> None:
+    oracle = _steps({1: {"max_seq_len": 5, "causal": True}, 2: {"max_seq_len": 6, "causal": True}})
+    baked = _steps({1: {"max_seq_len": 5, "causal": True}, 2: {"max_seq_len": 5, "causal": True}})
+    (outcome,) = compare_steps(oracle, baked, "fused_graph")
+    assert (outcome.check, outcome.result) == ("step_metadata", "failed")
+    assert (outcome.candidate, outcome.step, outcome.field) == (
+        "fused_graph", 2, "fa3.metadata.max_seq_len")
+    assert outcome.diagnosis.startswith(
+        "fused_graph: before draft step 2, host value fa3.metadata.max_seq_len is 5, a fresh "
+        "eager build's is 6 — ")
+    fresh = _steps({1: {"max_seq_len": 5, "causal": True}, 2: {"max_seq_len": 6, "causal": True}})
+    assert compare_steps(oracle, fresh, "fused_eager")[0].result == "passed"
+    (missing,) = compare_steps(oracle, _steps({1: {"causal": True}, 2: {}}), "fused_eager")
+    assert missing.step == 1
+    assert "host value fa3.metadata.max_seq_len is missing, a fresh eager build's is 5" in (
+        missing.diagnosis)
+
+
+def test_tensors_are_compared_before_host_values_and_preplanned_runs_skip_host_values() -> None:
+    oracle = _steps({1: {"draft_step": None}})
+    planned = _steps({1: {"draft_step": 1}})
+    assert compare_steps(oracle, planned, "preplanned_eager", metadata_only=True)[0].result == (
+        "passed")
+    assert compare_steps(oracle, planned, "fused_eager")[0].field == "fa3.metadata.draft_step"
+    planned[1]["fa3.metadata.seq_lens"] = torch.tensor([7])
+    assert compare_steps(oracle, planned, "fused_eager")[0].field == "fa3.metadata.seq_lens"
 
 
 def test_tensor_identity_tracks_object_address_and_layout() -> None:

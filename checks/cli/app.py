@@ -31,8 +31,9 @@ from speccheck.checks.cli.selftest import selftest_command
 from speccheck.checks.cli.verify import verify_command
 from speccheck.checks.docgen.capabilities import render_capability_docs
 from speccheck.checks.docgen.checks import render_check_docs
-from speccheck.contract.matrix_loader import MatrixError, load_matrix
+from speccheck.contract.matrix_loader import MatrixError
 from speccheck.contract.matrix_model import Matrix, render_matrix_json_schema
+from speccheck.contract.plugins import load_matrix_with_plugins
 from speccheck.contract.resolution import FusedVerdict, resolve_matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 
@@ -82,9 +83,10 @@ def _app_options(
 
 
 def _load_or_exit(path: Path | None) -> Matrix:
-    """Load the matrix; on failure print every problem, one line each, and exit 2."""
+    """Load the matrix (``path`` alone, or the shipped one merged with the installed
+    plug-ins' fragments); on failure print every problem, one line each, and exit 2."""
     try:
-        return load_matrix(path)
+        return load_matrix_with_plugins(path)
     except MatrixError as exc:
         console = _stderr()
         for problem in exc.problems:

@@ -39,9 +39,9 @@ MatrixPathOption = Annotated[
     Optional[Path],  # noqa: UP045 - typer on the GPU image needs Optional
     typer.Option(
         "--matrix",
-        help="Capability matrix to read.",
+        help="Capability matrix to read: that file alone.",
         dir_okay=False,
-        show_default="the matrix.yaml shipped with speccheck",
+        show_default="the matrix.yaml shipped with speccheck plus installed plug-in fragments",
     ),
 ]
 

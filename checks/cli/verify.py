@@ -2,6 +2,12 @@
 
 Importing this module does not import torch: the command imports the verify engine when it
 runs, so ``speccheck matrix``, ``docs`` and ``schema`` start without it.
+
+A ``--reproduce`` example is checked against the run's limits before any worker starts
+(exit 2, one line naming the limit and the option that raises it). A failure's reproduce
+command is re-run in a fresh worker before it is printed, and the summary says whether it
+failed the same way there. Without a terminal, progress is a plain line per backend every
+few seconds instead of a live bar.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ import os
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -32,7 +40,9 @@ from speccheck.contract.runtime_config import RuntimeConfig
 
 if TYPE_CHECKING:
     from speccheck.checks.verify.context import MatrixContext
+    from speccheck.checks.verify.examples import Example
     from speccheck.checks.verify.report import BackendReport
+    from speccheck.checks.verify.runner import ProgressDisplay
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -104,6 +114,7 @@ def verify_command(
     junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report here.")] = None,  # noqa: UP045
     example_timeout: Annotated[float, typer.Option("--example-timeout", help="Seconds without progress before a worker counts as hung.")] = 300.0,
     audit_claims: Annotated[bool, typer.Option("--audit-claims", help="For a backend the matrix does not allow to fuse under the config, also run the fused path (in its own worker) and report whether the claim is too strict or confirmed.")] = False,
+    capture_sizes: Annotated[Optional[str], typer.Option("--capture-sizes", help="Padded request counts to capture graphs for (and pad eager runs to), comma-separated; the largest bounds the requests and prefill tokens of an example.", show_default="1,2,4,8")] = None,  # noqa: UP045
     matrix_path: MatrixPathOption = None,
     *,
     runtime: RuntimeOverrides,
@@ -113,13 +124,14 @@ def verify_command(
     import torch
 
     from speccheck.checks.verify.context import MatrixContext
-    from speccheck.checks.verify.examples import decode_example
+    from speccheck.checks.verify.examples import BadExample, decode_example
     from speccheck.contract.matrix_loader import MatrixError
 
     for flag, path in (("--json", json_path), ("--junit", junit)):
         unwritable = output_path_problem(path) if path is not None else None
         if unwritable is not None:
             raise _bad_input(f"{flag}: {unwritable}")
+    sizes = _parse_capture_sizes(capture_sizes) if capture_sizes is not None else None
     tier = Tier.GPU if torch.cuda.is_available() else Tier.CPU
     config = build_runtime_config(runtime, TIER_DEFAULTS[tier])
     try:
@@ -132,34 +144,117 @@ def verify_command(
     if backend != "all" and backend not in matrices.matrix.names:
         raise _bad_input(f"unknown backend {backend!r}; valid: {', '.join(matrices.matrix.names)}, all")
     if reproduce is not None:
+        if config.dp_size > 1:
+            raise _bad_input("--reproduce runs one example in one worker; it cannot be combined "
+                             "with --dp-size")
         try:
-            decode_example(reproduce)
+            example = decode_example(reproduce)
         except ValueError as exc:
             raise _bad_input(str(exc)) from None
+        unfit = _example_problem(example, names[0], config, sizes, matrices, tier)
+        if unfit is not None:
+            raise _bad_input(unfit)
     console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 150)
     device = torch.cuda.get_device_name() if tier is Tier.GPU else "CPU"
     console.print(TIER_LINE[tier].format(device=device), markup=False)
     console.print("runtime config: " + ", ".join(
         f"{name}={value}" for name, value in config.model_dump().items()), markup=False)
+    notes: dict[str, str] = {}
     if config.dp_size > 1:
         reports = [_verify_data_parallel(name, config, matrices, examples, seed, tier, console)
                    for name in names]
     else:
         steps = ((config.num_speculative_steps,) if "num_speculative_steps" in runtime
                  else tuple(range(2, 9)))
-        prefix = f"speccheck verify --seed {seed}{matrices.flag} {runtime_flags(runtime)}".strip()
-        reports = _verify_in_workers(names, config, matrices, examples, seed, steps, reproduce,
-                                     prefix, example_timeout, tier, audit_claims, console)
-    _finish(console, reports, json_path, junit, tier, device, matrices)
+        sizes_flag = f" --capture-sizes {','.join(map(str, sizes))}" if sizes else ""
+        prefix = (f"speccheck verify --seed {seed}{matrices.flag}{sizes_flag} "
+                  f"{runtime_flags(runtime)}").strip()
+        try:
+            reports, notes = _verify_in_workers(
+                names, config, matrices, examples, seed, steps, reproduce, prefix,
+                example_timeout, tier, audit_claims, sizes, console)
+        except BadExample as exc:
+            raise _bad_input(str(exc)) from None
+    _finish(console, reports, json_path, junit, tier, device, matrices, notes)
+
+
+def _parse_capture_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` -> ``(1, 2, 4, 8)``: distinct request counts, 1 up to the most requests
+    an example may have, ascending; anything else is bad input (exit 2)."""
+    from speccheck.checks.verify.examples import MAX_REQUESTS
+
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdecimal() and part.isascii() for part in parts):
+        raise _bad_input(f"--capture-sizes: expected comma-separated request counts such as "
+                         f"1,2,4,8, got {text!r}")
+    digits = len(str(MAX_REQUESTS))
+    sizes = sorted({int(part) if len(part) <= digits else MAX_REQUESTS + 1 for part in parts})
+    if sizes[0] < 1 or sizes[-1] > MAX_REQUESTS:
+        raise _bad_input(f"--capture-sizes: request counts must lie in 1..{MAX_REQUESTS}, "
+                         f"got {text!r}")
+    return tuple(sizes)
+
+
+def _example_problem(
+    example: Example, backend: str, config: RuntimeConfig,
+    capture_sizes: tuple[int, ...] | None, matrices: MatrixContext, tier: Tier,
+) -> str | None:
+    """Why the ``--reproduce`` example does not fit this run (one line naming the limit
+    and the option that raises it), before any worker starts: the engine's own check
+    (``BackendVerifier.example_problem``) on the settings the workers will get. The
+    limits do not depend on the backend."""
+    import torch
+
+    from speccheck.checks.verify.engine import (
+        DEFAULT_CAPTURE_SIZES,
+        BackendVerifier,
+        VerifySettings,
+    )
+
+    settings = VerifySettings(backend, config, capture_sizes=capture_sizes or DEFAULT_CAPTURE_SIZES,
+                              matrices=matrices)
+    device = torch.device("cuda" if tier is Tier.GPU else "cpu")
+    return BackendVerifier(settings, device).example_problem(example)
 
 
 def _verify_in_workers(
     names: list[str], config: RuntimeConfig, matrices: MatrixContext, examples: int, seed: int,
     steps: tuple[int, ...], reproduce: str | None, prefix: str, example_timeout: float,
-    tier: Tier, audit_claims: bool, console: Console,
-) -> list[BackendReport]:
+    tier: Tier, audit_claims: bool, capture_sizes: tuple[int, ...] | None, console: Console,
+) -> tuple[list[BackendReport], dict[str, str]]:
     """One worker per backend; with ``audit_claims``, a second worker runs the fused path
-    of each backend that the matrix does not allow to fuse."""
+    of each backend that the matrix does not allow to fuse. A failure's reproduce command
+    is re-run in a fresh worker (:func:`~speccheck.checks.verify.runner.confirm_reproduce`).
+    Returns the reports, and for each backend whose reproduce command did not fail the
+    same way there, why not."""
+    from speccheck.checks.verify.report import ClaimAudit
+    from speccheck.checks.verify.runner import confirm_reproduce, run_worker, worker_request
+
+    reports, notes = [], {}
+    with _progress_display(console) as progress:
+        for name in names:
+            reproduce_prefix = prefix.replace("speccheck verify", f"speccheck verify --backend {name}", 1)
+            request = worker_request(name, config, examples, seed, steps, reproduce,
+                                     reproduce_prefix, matrices.path, capture_sizes)
+            report = run_worker(request, progress, example_timeout, tier)
+            why = confirm_reproduce(request, report, progress, example_timeout, tier)
+            if why is not None:
+                notes[name] = why
+            if audit_claims and not report.fused_allowed and report.status in (Status.PASSED, Status.FAILED):
+                audit_request = {**request, "claim_fused": True,
+                                 "reproduce_prefix": reproduce_prefix + " --audit-claims"}
+                audited = run_worker(audit_request, progress, example_timeout, tier,
+                                     label=f"{name} audit")
+                report.claim_audit = ClaimAudit(audited.status, audited.examples,
+                                                audited.failures, audited.detail)
+            reports.append(report)
+    return reports, notes
+
+
+@contextmanager
+def _progress_display(console: Console) -> Iterator[ProgressDisplay]:
+    """A live progress bar on a terminal; plain progress lines (every 10 s or so) for
+    logs."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -168,25 +263,14 @@ def _verify_in_workers(
         TimeElapsedColumn,
     )
 
-    from speccheck.checks.verify.report import ClaimAudit
-    from speccheck.checks.verify.runner import run_worker, worker_request
+    from speccheck.checks.verify.runner import PlainProgress
 
-    reports = []
+    if not console.is_terminal:
+        yield PlainProgress(console)
+        return
     with Progress(TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as progress:
-        for name in names:
-            reproduce_prefix = prefix.replace("speccheck verify", f"speccheck verify --backend {name}", 1)
-            request = worker_request(name, config, examples, seed, steps, reproduce,
-                                     reproduce_prefix, matrices.path)
-            report = run_worker(request, progress, example_timeout, tier)
-            if audit_claims and not report.fused_allowed and report.status in (Status.PASSED, Status.FAILED):
-                audit_request = {**request, "claim_fused": True,
-                                 "reproduce_prefix": reproduce_prefix + " --audit-claims"}
-                audited = run_worker(audit_request, progress, example_timeout, tier)
-                report.claim_audit = ClaimAudit(audited.status, audited.examples,
-                                                audited.failures, audited.detail)
-            reports.append(report)
-    return reports
+        yield progress
 
 
 def _verify_data_parallel(
@@ -209,12 +293,14 @@ def _verify_data_parallel(
 
 def _finish(
     console: Console, reports: list[BackendReport], json_path: Path | None, junit: Path | None,
-    tier: Tier, device: str, matrices: MatrixContext,
+    tier: Tier, device: str, matrices: MatrixContext, notes: dict[str, str],
 ) -> None:
-    """Print the summary, write the reports, and exit with a status CI can trust."""
+    """Print the summary, write the reports, and exit with a status CI can trust.
+    ``notes``: why a backend's reproduce command did not fail the same way in a fresh
+    worker."""
     from speccheck.checks.verify.report import write_json, write_junit
 
-    _print_summary(console, reports)
+    _print_summary(console, reports, notes)
     if json_path:
         write_json(reports, json_path, {
             "speccheck": __version__, "commit": _commit(), "tier": tier.value, "device": device,
@@ -229,7 +315,9 @@ def _finish(
         raise typer.Exit(EXIT_NOTHING_VERIFIED)
 
 
-def _print_summary(console: Console, reports: list[BackendReport]) -> None:
+def _print_summary(
+    console: Console, reports: list[BackendReport], notes: dict[str, str]
+) -> None:
     table = Table(title="speccheck verify")
     for column in ("backend", "tier", "status", "fused", "examples", "passed", "failed",
                    "indeterminate", "capture s", "total s"):
@@ -263,5 +351,16 @@ def _print_summary(console: Console, reports: list[BackendReport]) -> None:
             console.print(f"minimal example: {json.dumps(r.minimal_example)}", markup=False,
                           soft_wrap=True)
         if r.reproduce:
-            console.print(f"reproduce: {r.reproduce}", markup=False, soft_wrap=True)
+            console.print(f"{_reproduce_label(r, notes)}: {r.reproduce}", markup=False,
+                          soft_wrap=True)
     console.print(f"checks: {', '.join(check.value for check in Check)}", markup=False)
+
+
+def _reproduce_label(report: BackendReport, notes: dict[str, str]) -> str:
+    """``reproduce``, saying whether the command failed the same way in a fresh worker."""
+    if report.reproduced is None:
+        return "reproduce"
+    if report.reproduced:
+        return "reproduce (checked: fails the same way in a fresh worker)"
+    why = notes.get(report.backend, "it ended differently there")
+    return f"reproduce (NOT reproduced in a fresh worker: {why})"

@@ -10,7 +10,9 @@ probes find the ways it can break that contract:
 - :class:`IdentityGuard` — metadata tensors replaced by new objects instead of written in place.
 - :func:`check_zero_tail` — persistent buffers whose unused tail must stay zero.
 - :class:`GuardedBuffer` — poison-filled guard bands around a persistent buffer, to catch
-  writes past either end.
+  writes past either end; :func:`poison_` — the poison, also laid over every buffer under
+  the zero-tail rule before every example, so that a tail a builder fails to zero shows at
+  once.
 
 The recorders trace with ``TorchFunctionMode`` and ``TorchDispatchMode``, so they work on CPU
 tensors: on CPU CI the CPU plays the device, and a call that would synchronise on a GPU is
@@ -26,6 +28,7 @@ from speccheck.checks.probes.buffers import (
     DEFAULT_GUARD_ELEMENTS,
     GuardedBuffer,
     check_zero_tail,
+    poison_,
 )
 from speccheck.checks.probes.findings import (
     ALLOCATION,
@@ -53,4 +56,5 @@ __all__ = [
     "IdentityGuard",
     "ProbeFinding",
     "check_zero_tail",
+    "poison_",
 ]

@@ -47,14 +47,29 @@ def check_zero_tail(buffer: torch.Tensor, used: int, *, name: str = "buffer") ->
     )
 
 
+def poison_(tensor: torch.Tensor, sentinel: float | None = None) -> None:
+    """Fill ``tensor`` in place with a poison value: ``sentinel`` when given, else NaN for
+    floating and complex dtypes and the byte pattern ``0xA5`` for integer and bool dtypes
+    (int32 ``-0x5A5A5A5B``, int64 ``-0x5A5A5A5A5A5A5A5B``). The default poison is non-zero
+    for :func:`check_zero_tail`; in int32 and int64 it is negative, no valid index or
+    length, and NaN spoils any arithmetic it enters, so a read of it shows.
+    ``tensor`` must be contiguous when it has an integer or bool dtype (its bytes are
+    written through a ``uint8`` view)."""
+    if sentinel is not None:
+        tensor.fill_(sentinel)
+    elif tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        tensor.fill_(math.nan)
+    else:
+        tensor.view(torch.uint8).fill_(0xA5)
+
+
 class GuardedBuffer:
     """A persistent buffer with a poison-filled guard band before and after it.
 
     ``tensor`` is the buffer to hand to the code under test: a contiguous view of
-    ``guard`` + ``numel`` + ``guard`` elements of backing storage. The bands are filled with a
-    sentinel — NaN for floating and complex dtypes, the byte pattern ``0xA5`` for integer and
-    bool dtypes (int32 ``-0x5A5A5A5B``, int64 ``-0x5A5A5A5A5A5A5A5B``), or ``sentinel`` when
-    given — so that an over-read poisons results and an over-write is detectable.
+    ``guard`` + ``numel`` + ``guard`` elements of backing storage. The bands are filled with
+    :func:`poison_`'s sentinel (``sentinel`` when given), so that an over-read poisons results
+    and an over-write is detectable.
     :meth:`violations` compares the bands bytewise with their initial contents, so a write is
     caught unless it stores the very sentinel bit pattern.
 
@@ -84,12 +99,7 @@ class GuardedBuffer:
         self.tensor.fill_(fill)
         self._bands = (self._backing[:guard], self._backing[guard + self.numel :])
         for band in self._bands:
-            if sentinel is not None:
-                band.fill_(sentinel)
-            elif dtype.is_floating_point or dtype.is_complex:
-                band.fill_(math.nan)
-            else:
-                band.view(torch.uint8).fill_(0xA5)
+            poison_(band, sentinel)
         self._initial = tuple(band.view(torch.uint8).clone() for band in self._bands)
 
     @classmethod

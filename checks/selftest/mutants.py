@@ -1,16 +1,19 @@
 """Known-bad builders that re-create historical bugs of this class, and the self-test that
 proves the verifier catches each one with the check meant for it.
 
-Every mutant is the reference backend plus one derived, step-dependent field
+Most mutants are the reference backend plus one derived, step-dependent field
 (``kv_lens_plus_one``, kept in a persistent buffer and refreshed in-graph) with exactly one
-thing done wrong, verified against a matrix whose ``reference`` entry declares what the
-mutant's adapter would declare (:func:`declaring_matrix`). :class:`DerivedBuilder` does it
-right and must pass.
+thing done wrong; the others are the reference backend with one fault of their own (a host
+bound, a slot mapping of its own, an impl that ignores the slot mapping). Each is verified
+against a matrix whose ``reference`` entry declares what the mutant's adapter would declare
+(:func:`declaring_matrix`). :class:`DerivedBuilder` does it right and must pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -93,6 +96,97 @@ class Overrun(DerivedBuilder):
         torch.as_strided(self.derived, (n + 1,), (1,))[n:].fill_(1)
 
 
+class ShortOnlyRefresh(DerivedBuilder):
+    refreshed_below: ClassVar[int] = 16
+    """Requests this long or longer are left stale (the self-test's lengths run to 32)."""
+
+    def update_draft_decode_metadata(self, metadata: ReferenceMetadata) -> None:
+        """Recomputes the derived lengths only of requests shorter than
+        :attr:`refreshed_below` (a fast path, or a table sized for short sequences); longer
+        ones keep the previous step's."""
+        derived = _derived(metadata)
+        fresh = metadata.seq_lens + 1
+        derived.copy_(torch.where(metadata.seq_lens < self.refreshed_below, fresh, derived))
+
+
+class FirstRequestRefresh(DerivedBuilder):
+    def update_draft_decode_metadata(self, metadata: ReferenceMetadata) -> None:
+        """Recomputes the derived lengths of the first request only (a grid of one block, a
+        ``[:1]`` slice): single-request batches pass."""
+        torch.add(metadata.seq_lens[:1], 1, out=_derived(metadata)[:1])
+
+
+@dataclass
+class BoundedMetadata(DerivedMetadata):
+    max_seq_len: int = 0
+    """Host bound on every request's length, from the common metadata at build time."""
+
+
+class _BoundedImpl(ReferenceAttentionImpl):
+    """Attends over at most ``metadata.max_seq_len`` keys per request: a host bound passed
+    to the kernel as a launch argument, as FlashAttention's ``max_seqlen_k`` is."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: ReferenceMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        assert isinstance(metadata, BoundedMetadata)
+        bounded = metadata.seq_lens.clamp(max=metadata.max_seq_len)
+        super().forward(query, key, value, key_cache, value_cache,
+                        dataclasses.replace(metadata, seq_lens=bounded), output)
+
+
+class BakedMaxSeqLen(DerivedBuilder):
+    """Refreshes its derived lengths correctly, but its impl bounds the keys it attends to
+    by a host ``max_seq_len`` set at build time, which no in-graph refresh can update: from
+    the second draft step on the longest request loses its newest key (and a replayed graph
+    keeps the bound of the dummy batch it was captured on)."""
+
+    impl_cls = _BoundedImpl
+
+    def build(self, common: CommonAttentionMetadata) -> BoundedMetadata:
+        return BoundedMetadata(**vars(super().build(common)), max_seq_len=common.max_seq_len)
+
+
+@dataclass
+class OwnSlotsMetadata(ReferenceMetadata):
+    token_slots: torch.Tensor | None = None
+    """The speculator's slot mapping (advanced in place), which the refresh copies from."""
+
+
+class PaddingSharesSlot(ReferenceMetadataBuilder):
+    """Keeps its own slot mapping in a persistent buffer, rebuilt from the speculator's at
+    build time and in the refresh, but pads it by repeating the first token's slot instead
+    of the sink's: every padding lane writes its key and value into the slot request 0
+    writes in the same pass. Per-step and fused runs agree, so only the slot mapping shows
+    it."""
+
+    def setup(self) -> None:
+        self.slots = self.allocate_persistent("slots", (self.limits.max_num_tokens,), torch.int64)
+
+    def build(self, common: CommonAttentionMetadata) -> OwnSlotsMetadata:
+        base = super().build(common)
+        n = common.num_actual_tokens
+        fields = {**vars(base), "slot_mapping": self.slots[:n]}
+        metadata = OwnSlotsMetadata(**fields, token_slots=common.slot_mapping[:n])
+        self.update_draft_decode_metadata(metadata)
+        return metadata
+
+    def update_draft_decode_metadata(self, metadata: ReferenceMetadata) -> None:
+        """Real tokens (those before ``query_start_loc[-1]``) keep their slot; the others
+        get token 0's."""
+        assert isinstance(metadata, OwnSlotsMetadata) and metadata.token_slots is not None
+        source = metadata.token_slots
+        real = torch.arange(source.shape[0], device=source.device) < metadata.query_start_loc[-1]
+        metadata.slot_mapping.copy_(torch.where(real, source, source[:1].expand_as(source)))
+
+
 class _PaddingWritesLiveImpl(ReferenceAttentionImpl):
     """Sends padding tokens' KV to the first request's next slot instead of the sink."""
 
@@ -151,6 +245,20 @@ MUTANTS: tuple[Mutant, ...] = (
            "stale entries of an earlier, larger batch past the live rows (SGLang #22958)"),
     Mutant("overrun", Overrun, Check.GUARD_BANDS, "derived",
            "a kernel writing past its index row into neighbouring graph memory (SGLang #27338)"),
+    Mutant("short_only_refresh", ShortOnlyRefresh, Check.STEP_METADATA,
+           "kv_lens_plus_one differs from a fresh eager build",
+           "a refresh correct only below some length: tests with short sequences pass"),
+    Mutant("baked_max_seq_len", BakedMaxSeqLen, Check.STEP_METADATA,
+           "host value reference.metadata.max_seq_len is",
+           "a host max_seq_len fixed at build (or capture) time that the kernel bounds its keys "
+           "by: no in-graph refresh can update a host value"),
+    Mutant("first_request_refresh", FirstRequestRefresh, Check.STEP_METADATA,
+           "kv_lens_plus_one differs from a fresh eager build",
+           "a refresh that updates only the first request: single-request tests pass"),
+    Mutant("padding_shares_slot", PaddingSharesSlot, Check.KV_CACHE, "padding lane",
+           "padding lanes writing a slot the batch itself writes in the same pass: the slot is "
+           "expected and the oracle does the same, so only the slot mapping shows it",
+           declares=("slot_mapping",)),
 )
 
 

@@ -18,8 +18,9 @@ What is watched, per build:
   probe's own input buffers (lengths, offsets, slots, block table: the speculator advances
   those itself) nor one of the builder's workspace buffers (contents meaningless between
   calls), plus the caller's declared step-dependent fields whatever they view;
-- the metadata's top-level host values (numbers, strings, ``None``, enums, tuples and lists
-  of numbers, numpy arrays); nested host values and other objects are not read.
+- every host value reachable from the metadata
+  (:func:`~speccheck.checks.verify.state_walk.walk_host_values`: numbers, strings, ``None``,
+  enums, tuples and lists of numbers, numpy arrays).
 
 Entries that simply follow the length are not breakpoints: an element that changes at every
 one-token step of a probe window (a copy of ``seq_lens``, ``seq_len + 1``, a host
@@ -47,8 +48,6 @@ they are), and intervals still open when the builds run out are listed as
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import hashlib
 import heapq
 from collections.abc import Callable, Hashable, Sequence
@@ -58,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speccheck.checks.verify.state_walk import walk_tensors
+from speccheck.checks.verify.state_walk import walk_host_values, walk_tensors
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.metadata import AttentionInputBuffers
@@ -385,7 +384,7 @@ class _Probe:
             storage = tensor.untyped_storage().data_ptr()
             if path in self.declared or (storage not in inputs and storage not in workspace):
                 values[path] = _host_array(tensor)
-        values.update(_host_values(metadata))
+        values.update(walk_host_values(metadata))
         self._order.update(dict.fromkeys(values))
         return values
 
@@ -429,24 +428,3 @@ def _host_array(tensor: torch.Tensor) -> np.ndarray:
     if t.dtype == torch.bfloat16 or (t.dtype.is_floating_point and t.dtype.itemsize == 1):
         t = t.float()
     return np.array(t.numpy(), copy=True)
-
-
-def _host_values(metadata: object) -> Values:
-    """The metadata's top-level host values that compare as plain data (see the module
-    docstring)."""
-    if dataclasses.is_dataclass(metadata):
-        items = [(f.name, getattr(metadata, f.name)) for f in dataclasses.fields(metadata)]
-    else:
-        items = list(getattr(metadata, "__dict__", {}).items())
-    out: Values = {}
-    for name, value in items:
-        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
-            out[name] = value.copy()
-        elif isinstance(value, (bool, int, float, np.number)) or (
-            isinstance(value, (tuple, list))
-            and all(isinstance(v, (bool, int, float, np.number)) for v in value)
-        ):
-            out[name] = np.asarray(value)
-        elif value is None or isinstance(value, (str, enum.Enum)):
-            out[name] = np.asarray(repr(value))
-    return out

@@ -1,7 +1,8 @@
 """Comparisons of a candidate run with the oracle run, as check outcomes.
 
 Pure functions over host copies: draft tokens and logits, KV-cache writes, and per-step
-metadata snapshots. Each returns :class:`Outcome` records with one-line diagnoses.
+metadata snapshots (tensors and host values). Each returns :class:`Outcome` records with
+one-line diagnoses.
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ from dataclasses import dataclass
 
 import torch
 
-from speccheck.checks.verify.state_walk import same_value
+from speccheck.checks.verify.state_walk import describe_host_value, same_host_value, same_value
+from speccheck.checks.verify.step_recorder import StepSnapshots
 from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.kv_cache import SINK_BLOCK
 
 KVSnapshot = list[tuple[torch.Tensor, torch.Tensor]]
-StepSnapshots = dict[int, dict[str, torch.Tensor]]
+
+SLOT_MAPPING_SUFFIX = ".metadata.slot_mapping"
+"""Snapshot paths that end so hold the slot each lane's new key and value are written to
+(every adapter's metadata names it ``slot_mapping``: one entry per token)."""
 
 
 @dataclass
@@ -86,20 +91,36 @@ def expected_slots(
 
 def kv_untouched(
     batch: DraftBatch, expected: set[int], block_size: int, start: KVSnapshot, after: KVSnapshot,
-    name: str,
+    name: str, steps: StepSnapshots | None = None,
 ) -> list[Outcome]:
-    """Nothing outside ``expected`` and the sink block changed: padding lanes and stale slot
-    mappings write no live slot."""
+    """Padding lanes write only the sink block, and nothing outside ``expected`` and the
+    sink block changed: no padding lane and no stale slot mapping writes a live slot.
+
+    With ``steps`` (the run's per-decode-step snapshots, one token per lane, lanes from
+    ``batch.num_reqs`` on padding): first, every padding lane's entry in each slot mapping
+    must be a sink slot. That catches a padding lane sent to a slot the batch writes itself,
+    which the KV comparisons cannot see (the slot is expected, and an oracle with the same
+    fault wrote it the same way); the diagnosis names the step, the lane, the slot, and the
+    request and position the slot belongs to. Then a changed slot outside ``expected`` is
+    attributed to the lanes whose slot mapping points at it, or to none (the write ignores
+    the slot mapping).
+    """
     bs = block_size
-    owner = {b: r for r, row in enumerate(batch.block_table) for b in row}
+    padding = [] if steps is None else _padding_writes(batch, steps, bs)
+    if padding:
+        step, path, lane, slot = padding[0]
+        return [Outcome(Check.KV_CACHE, Result.FAILED,
+                        f"{name}: before draft step {step}, padding lane {lane} (token {lane}) "
+                        f"writes {describe_slot(batch, bs, expected, slot)} instead of the sink "
+                        f"block ({path})", name, step, path)]
     for layer, ((k0, v0), (k1, v1)) in enumerate(zip(start, after)):
         changed = ((k0 != k1) | (v0 != v1)).flatten(2).any(-1).flatten()
         changed[SINK_BLOCK * bs : (SINK_BLOCK + 1) * bs] = False
         stray = sorted(set(torch.nonzero(changed).flatten().tolist()) - expected)
         if stray:
             where = ", ".join(
-                f"slot {s} (block {s // bs}, "
-                f"{'request ' + str(owner[s // bs]) if s // bs in owner else 'unowned'})"
+                describe_slot(batch, bs, expected, s)
+                + ("" if steps is None else f", {_mapped_by(steps, s)}")
                 for s in stray[:4]
             )
             return [Outcome(Check.KV_CACHE, Result.FAILED,
@@ -107,6 +128,56 @@ def kv_untouched(
                             f"ones: {where} — a padding lane or a stale slot mapping writes a live block",
                             name)]
     return [Outcome(Check.KV_CACHE, Result.PASSED, candidate=name)]
+
+
+def describe_slot(batch: DraftBatch, block_size: int, expected: set[int], slot: int) -> str:
+    """``slot`` as a diagnosis names it: its block, the request whose block table holds the
+    block and the position it is there, and whether the batch writes it (``expected``) and
+    when: ``slot 37 (block 9, request 1 position 13, which request 1 writes itself at draft
+    step 2)``."""
+    block = slot // block_size
+    if block == SINK_BLOCK:
+        return f"slot {slot} (the sink block)"
+    owners = [r for r, row in enumerate(batch.block_table) if block in row]
+    if not owners:
+        return f"slot {slot} (block {block}, owned by no request of the batch)"
+    r = owners[0]
+    position = batch.block_table[r].index(block) * block_size + slot % block_size
+    base = batch.context_lens[r] + len(batch.new_tokens[r])
+    if slot not in expected:
+        written = "which the batch does not write"
+    elif position < base:
+        written = f"which request {r} writes itself in its prefill pass"
+    else:
+        written = f"which request {r} writes itself at draft step {position - base + 1}"
+    return f"slot {slot} (block {block}, request {r} position {position}, {written})"
+
+
+def _slot_mappings(steps: StepSnapshots) -> list[tuple[int, str, list[int]]]:
+    """``(step, path, slot of each token)`` for every slot mapping of every step."""
+    return [(step, path, tensor.reshape(-1).tolist())
+            for step in sorted(steps)
+            for path, tensor in steps[step].items() if path.endswith(SLOT_MAPPING_SUFFIX)]
+
+
+def _padding_writes(
+    batch: DraftBatch, steps: StepSnapshots, block_size: int
+) -> list[tuple[int, str, int, int]]:
+    """``(step, path, lane, slot)`` for every padding lane whose slot is not a sink slot."""
+    return [(step, path, lane, slot)
+            for step, path, slots in _slot_mappings(steps)
+            for lane, slot in enumerate(slots)
+            if lane >= batch.num_reqs and slot // block_size != SINK_BLOCK]
+
+
+def _mapped_by(steps: StepSnapshots, slot: int) -> str:
+    """Which lanes' slot mappings point at ``slot``, as a clause."""
+    lanes = sorted({(step, lane) for step, _, slots in _slot_mappings(steps)
+                    for lane, mapped in enumerate(slots) if mapped == slot})
+    if not lanes:
+        return "where no lane's slot mapping points (the write ignores the slot mapping)"
+    return "mapped there by " + ", ".join(f"lane {lane} before draft step {step}"
+                                          for step, lane in lanes[:4])
 
 
 def first_divergence(oracle: DraftResult, cand: DraftResult, k: int) -> list[int]:
@@ -135,9 +206,19 @@ def kv_matches(slots: set[int], oracle_kv: KVSnapshot, kv: KVSnapshot, tol: floa
 def compare_steps(
     oracle: StepSnapshots, cand: StepSnapshots, name: str, *, metadata_only: bool = False
 ) -> list[Outcome]:
-    """Every tensor before every draft step equals the oracle's fresh eager build.
-    ``metadata_only`` compares the metadata each step runs with but not the builders' raw
-    buffers (a preplanned run keeps each step in storage of its own, by design)."""
+    """Every tensor and every host value before every draft step equals the oracle's fresh
+    eager build; the first difference (earliest step, tensors before host values, walk
+    order) is reported with its path as ``field``.
+
+    ``metadata_only`` (a preplanned candidate) compares the metadata tensors each step runs
+    with, but neither the builders' raw buffers (a preplanned run keeps each step in storage
+    of its own, by design) nor host values: each step's metadata comes from
+    ``plan_draft_steps``, not ``build``, and may carry labels of its own (FlashInfer's
+    ``draft_step``).
+
+    A graph candidate's host values are those its captured body was launched with (see
+    :mod:`~speccheck.checks.verify.step_recorder`): a host value a fresh build would set
+    differently is one the kernels of a replay do not see."""
     if not oracle:
         return [Outcome(Check.STEP_METADATA, Result.SKIPPED, "single draft step", name)]
     for step in sorted(oracle):
@@ -153,6 +234,19 @@ def compare_steps(
                 return [Outcome(Check.STEP_METADATA, Result.FAILED,
                                 f"{name}: before draft step {step}, {path} differs from a fresh "
                                 f"eager build ({detail}) — the refresh does not recompute it",
+                                name, step, path)]
+        if metadata_only:
+            continue
+        host = cand.host.get(step, {})
+        for path, value in oracle.host.get(step, {}).items():
+            found = host.get(path)
+            if found is None or not same_host_value(value, found):
+                shown = "missing" if found is None else describe_host_value(found)
+                return [Outcome(Check.STEP_METADATA, Result.FAILED,
+                                f"{name}: before draft step {step}, host value {path} is "
+                                f"{shown}, a fresh eager build's is {describe_host_value(value)} "
+                                "— host values are not refreshed between draft steps (a "
+                                "captured graph keeps the ones it was captured with)",
                                 name, step, path)]
     return [Outcome(Check.STEP_METADATA, Result.PASSED, candidate=name)]
 

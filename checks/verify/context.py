@@ -9,13 +9,15 @@ from pathlib import Path
 
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import Matrix
+from speccheck.contract.plugins import load_matrix_with_plugins
 
 
 @dataclass(frozen=True)
 class MatrixContext:
     """``matrix`` declares the backends under verification (``path``: the file it came
-    from, ``None`` for the one shipped with speccheck); ``shipped`` is speccheck's own
-    matrix, which the fp32 ``reference`` oracle always comes from."""
+    from; ``None`` for the one shipped with speccheck merged with every installed plug-in's
+    fragment, see :mod:`speccheck.contract.plugins`); ``shipped`` is speccheck's own matrix,
+    which the fp32 ``reference`` oracle always comes from."""
 
     matrix: Matrix
     path: Path | None
@@ -23,11 +25,11 @@ class MatrixContext:
 
     @classmethod
     def load(cls, path: str | Path | None) -> MatrixContext:
-        """Load both matrices; raises :class:`~speccheck.contract.matrix_loader.MatrixError`."""
-        shipped = load_matrix(None)
-        if path is None:
-            return cls(shipped, None, shipped)
-        return cls(load_matrix(path), Path(path), shipped)
+        """Load both matrices: ``path`` alone when given (no plug-ins), else the shipped
+        matrix and the plug-ins' fragments. Raises
+        :class:`~speccheck.contract.matrix_loader.MatrixError`."""
+        return cls(load_matrix_with_plugins(path), None if path is None else Path(path),
+                   load_matrix(None))
 
     @property
     def flag(self) -> str:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
 from speccheck.checks.verify.comparisons import (
+    KVSnapshot,
     Outcome,
     compare_drafts,
     compare_steps,
@@ -31,7 +32,13 @@ from speccheck.checks.verify.comparisons import (
     kv_matches,
     kv_untouched,
 )
-from speccheck.checks.probes import GuardedBuffer, HostSyncRecorder, IdentityGuard, check_zero_tail
+from speccheck.checks.probes import (
+    GuardedBuffer,
+    HostSyncRecorder,
+    IdentityGuard,
+    check_zero_tail,
+    poison_,
+)
 from speccheck.checks.verify.state_walk import changed_paths
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder
 from speccheck.checks.verify.breakpoints import Breakpoints, discover_breakpoints
@@ -43,6 +50,7 @@ from speccheck.checks.verify.strategies import (
 )
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.examples import Example, encode_example, example_json
+from speccheck.checks.verify.localise import earliest_divergence, localise, trace_run, traced_slots
 from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Status
 from speccheck.contract.builder import AttentionMetadataBuilder
@@ -50,6 +58,7 @@ from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
 from speccheck.speculator.base import SpeculatorOptions
+from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
 
@@ -59,6 +68,13 @@ TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 """Absolute logit / KV tolerance per dtype; a top-2 logit gap below twice this makes the
 oracle's token choice indeterminate."""
 
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8)
+"""Padded request counts the harness captures graphs for (and pads eager runs to); the
+largest is the most requests an example may have (``speccheck verify --capture-sizes``)."""
+
+PREFILL_TOKENS_PER_REQUEST = 4
+"""The harness's prefill budget: this many tokens per request of the largest capture size."""
+
 @dataclass(frozen=True)
 class VerifySettings:
     backend: str
@@ -66,7 +82,7 @@ class VerifySettings:
     examples: int = 50
     seed: int = 0
     steps: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
-    capture_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
     vocab_size: int = 256
     num_layers: int = 2
     builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...] = ()
@@ -99,6 +115,9 @@ class _Harness:
     reference: AutoregressiveSpeculator | None
     capture_error: str | None
     """Why capture failed (a host sync or host copy inside the captured body), if it did."""
+    tail_buffers: list[torch.Tensor] | None = None
+    """The persistent buffers under the zero-tail rule, once known (:meth:`BackendVerifier.
+    _tail_buffers`); every example starts with them poisoned."""
 
 
 class GuardedAllocator:
@@ -147,6 +166,8 @@ class BackendVerifier:
         self.config = settings.config
         self.gpu = device.type == "cuda"
         self.tol = TOLERANCE[self.config.dtype]
+        self.reference_tol = 4 * self.tol
+        """Tolerance of the oracle against the fp32 reference (a different dtype's rounding)."""
         self._harness: dict[int, _Harness] = {}
         self.capture_seconds = 0.0
         self._probe_outcomes: list[Outcome] = []
@@ -166,7 +187,7 @@ class BackendVerifier:
         max_blocks = -(-self.config.max_model_len // self.config.block_size)
         return SpeculatorOptions(
             capture_sizes=self.settings.capture_sizes,
-            max_num_prefill_tokens=max(self.settings.capture_sizes) * 4,
+            max_num_prefill_tokens=max(self.settings.capture_sizes) * PREFILL_TOKENS_PER_REQUEST,
             num_blocks=max(self.settings.capture_sizes) * max_blocks + 1,
             pad_to_capture_sizes=True,
         )
@@ -224,7 +245,96 @@ class BackendVerifier:
             return candidates_for(DecodePath.FUSED, self.gpu)
         return candidates_for(DecodePath.PREPLANNED if spec.preplanned_capable else None, self.gpu)
 
+    def example_problem(self, example: Example) -> str | None:
+        """Why ``example`` cannot run in this harness, as one line that names the limit and
+        the option that raises it; ``None`` when it fits. The limits: requests and prefill
+        tokens (:meth:`options`, from the capture sizes), lengths and block-table rows
+        (``max_model_len``, ``block_size``), block ids (the KV cache :meth:`options` sizes)
+        and token ids (the drafter's vocabulary). What else ``DraftBatch.validate`` rejects
+        (block-table rows too short for the example's K) means the example was made for
+        another configuration."""
+        k, batch = example
+        options, config = self.options(), self.config
+        bs, mml = config.block_size, config.max_model_len
+        prefill = sum(len(tokens) for tokens in batch.new_tokens)
+        max_tokens = options.limits().max_num_tokens
+        max_blocks = -(-mml // bs)
+        lengths = [ctx + len(new)
+                   for ctx, new in zip(batch.context_lens, batch.new_tokens, strict=True)]
+        longest = max(range(batch.num_reqs), key=lengths.__getitem__)
+        widest = max(range(batch.num_reqs), key=lambda r: len(batch.block_table[r]))
+        top_block = max((b, r) for r, row in enumerate(batch.block_table) for b in row)
+        top_token = max((t, r) for r, row in enumerate(batch.new_tokens) for t in row)
+        if batch.num_reqs > options.max_num_reqs:
+            return (f"--reproduce: the example has {batch.num_reqs} requests, more than the "
+                    f"{options.max_num_reqs} this run serves (its largest capture size); raise "
+                    "it with --capture-sizes")
+        if prefill > max_tokens:
+            return (f"--reproduce: the example has {prefill} prefill tokens, more than the "
+                    f"{max_tokens} this run's drafter holds ({PREFILL_TOKENS_PER_REQUEST} per "
+                    "request of its largest capture size); raise it with --capture-sizes")
+        if lengths[longest] > mml:
+            return (f"--reproduce: request {longest} reaches length {lengths[longest]} "
+                    f"(context {batch.context_lens[longest]} + "
+                    f"{len(batch.new_tokens[longest])} new tokens), more than --max-model-len "
+                    f"{mml}; raise it with --max-model-len")
+        if len(batch.block_table[widest]) > max_blocks:
+            return (f"--reproduce: request {widest}'s block table has "
+                    f"{len(batch.block_table[widest])} blocks, more than the {max_blocks} a "
+                    f"request holds at --max-model-len {mml} and --block-size {bs}; raise it "
+                    "with --max-model-len")
+        if top_block[0] >= options.num_blocks:
+            return (f"--reproduce: block id {top_block[0]} (request {top_block[1]}) is past "
+                    f"the {options.num_blocks - 1} live blocks of this run's KV cache; raise "
+                    "them with --capture-sizes or --max-model-len")
+        if top_token[0] >= self.settings.vocab_size:
+            return (f"--reproduce: token id {top_token[0]} (request {top_token[1]}) is outside "
+                    f"the drafter's vocabulary of {self.settings.vocab_size} tokens, which no "
+                    "option changes")
+        try:
+            batch.validate(max_model_len=mml, block_size=bs, num_blocks=options.num_blocks,
+                           extra_positions=k - 1, max_num_reqs=options.max_num_reqs)
+        except ValueError as exc:
+            return (f"--reproduce: the example does not fit --block-size {bs} --max-model-len "
+                    f"{mml} with K = {k}: {exc}")
+        return None
+
     # ------------------------------------------------------------ one example
+    def _start_state(self, h: _Harness, example: Example) -> KVSnapshot:
+        """Put the harness in the state ``example`` starts from, a function of the example
+        alone: the builders' zero-tail buffers poisoned (:meth:`_tail_buffers`) and the KV
+        cache filled with noise seeded by the example. Returns the KV snapshot."""
+        if h.tail_buffers is None:
+            h.tail_buffers = self._tail_buffers(h, example[0])
+        for buffer in h.tail_buffers:
+            poison_(buffer)
+        generator = torch.Generator().manual_seed(zlib.crc32(encode_example(example).encode()))
+        h.spec.kv_cache.fill_random_(generator)
+        return h.spec.kv_cache.snapshot()
+
+    def _tail_buffers(self, h: _Harness, k: int) -> list[torch.Tensor]:
+        """The persistent buffers a builder reports a used extent for
+        (``persistent_buffer_extents``): their rows past the extent must be zero after every
+        build. Found once per K from the metadata of a warm-up run of one minimal request
+        (``persistent_buffer_extents`` needs metadata); empty for K = 1, where no decode
+        step runs and ``zero_tails`` has nothing to check.
+
+        Every example poisons them whole (:func:`~speccheck.checks.probes.poison_`): a
+        build claims the rows its metadata uses, and a correct builder zeroes the rest, so
+        it passes; a builder that leaves a tail stale fails on the first example it runs,
+        in a long run and in a fresh worker alike, instead of only after an earlier,
+        larger batch left something there."""
+        bs, mml = self.config.block_size, self.config.max_model_len
+        blocks = min(k - 1, mml - 1) // bs + 1
+        warm_up = DraftBatch((0,), ((0,),), (tuple(range(1, blocks + 1)),), (0,))
+        h.spec.propose(warm_up, DecodePath.PER_STEP, use_graphs=False)
+        metadata = h.recorder.last_metadata
+        if metadata is None:
+            return []
+        return [group.builder.persistent_buffers()[name]
+                for group, md in zip(h.spec.groups, metadata, strict=True)
+                for name in group.builder.persistent_buffer_extents(md)]
+
     def run_example(self, example: Example) -> list[Outcome]:
         k, batch = example
         h = self.harness(k)
@@ -232,9 +342,7 @@ class BackendVerifier:
             return [Outcome(Check.CAPTURE, Result.FAILED, h.capture_error)]
         spec = h.spec
         lanes = spec.bucket_for(batch.num_reqs)
-        generator = torch.Generator().manual_seed(zlib.crc32(encode_example(example).encode()))
-        spec.kv_cache.fill_random_(generator)
-        start = spec.kv_cache.snapshot()
+        start = self._start_state(h, example)
 
         oracle = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
         oracle_steps = h.recorder.collect(lanes)
@@ -244,7 +352,7 @@ class BackendVerifier:
         oracle_kv = spec.kv_cache.snapshot()
         bs, mml = self.config.block_size, self.config.max_model_len
         written = expected_slots(batch, k, bs, mml)
-        outcomes = kv_untouched(batch, written, bs, start, oracle_kv, "oracle")
+        outcomes = kv_untouched(batch, written, bs, start, oracle_kv, "oracle", oracle_steps)
         if self.gpu:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 
@@ -262,7 +370,7 @@ class BackendVerifier:
             steps = h.recorder.collect(lanes)
             kv = spec.kv_cache.snapshot()
             outcomes += compare_drafts(oracle, result, name, self.tol)
-            outcomes += kv_untouched(batch, written, bs, start, kv, name)
+            outcomes += kv_untouched(batch, written, bs, start, kv, name, steps)
             agreed = expected_slots(batch, k, bs, mml, first_divergence(oracle, result, k))
             outcomes += kv_matches(agreed, oracle_kv, kv, self.tol, name)
             outcomes += compare_steps(
@@ -278,7 +386,7 @@ class BackendVerifier:
             h.reference.kv_cache.restore(start)
             expected = h.reference.propose(batch, DecodePath.PER_STEP)
             outcomes += compare_drafts(
-                expected, oracle, "oracle vs fp32 reference", 4 * self.tol,
+                expected, oracle, "oracle vs fp32 reference", self.reference_tol,
                 token_check=Check.VS_FP32_REFERENCE, logit_check=Check.VS_FP32_REFERENCE,
             )
         else:
@@ -325,7 +433,9 @@ class BackendVerifier:
         self, spec: AutoregressiveSpeculator, recorder: StepMetadataRecorder, name: str
     ) -> list[Outcome]:
         """After a run, every persistent buffer's rows past what the last metadata uses are
-        zero (the builder declares the used extents)."""
+        zero (the builder declares the used extents). Every example starts with those
+        buffers poisoned (:meth:`_start_state`), so a failure never depends on what earlier
+        examples left there."""
         if recorder.last_metadata is None:
             return []
         out: list[Outcome] = []
@@ -334,7 +444,9 @@ class BackendVerifier:
             for buffer_name, used in group.builder.persistent_buffer_extents(md).items():
                 problem = check_zero_tail(buffers[buffer_name], used, name=buffer_name)
                 if problem:
-                    out.append(Outcome(Check.ZERO_TAILS, Result.FAILED, f"{name}: {group.backend_name}: {problem}", name))
+                    out.append(Outcome(Check.ZERO_TAILS, Result.FAILED,
+                                       f"{name}: {group.backend_name}: {problem} (every example "
+                                       "starts with this buffer poisoned whole)", name))
                 else:
                     out.append(Outcome(Check.ZERO_TAILS, Result.PASSED, candidate=name))
         return out
@@ -439,14 +551,43 @@ class BackendVerifier:
                 raise
             self.record_failure(report, *smallest[0])
 
-    def record_failure(self, report: BackendReport, example: Example, outcomes: list[Outcome]) -> None:
+    def record_failure(
+        self, report: BackendReport, example: Example, outcomes: list[Outcome]
+    ) -> None:
+        """Record ``example`` as the backend's failure. A ``vs_fp32_reference`` failure
+        gets a localisation (:meth:`localise_reference_divergence`) added to its first
+        diagnosis."""
         report.tally(outcomes)
-        report.failures = [
-            Failure(o.check, o.diagnosis, o.candidate, o.step, o.field)
-            for o in outcomes if o.result is Result.FAILED
-        ]
+        failed = [o for o in outcomes if o.result is Result.FAILED]
+        versus = [o for o in failed if o.check is Check.VS_FP32_REFERENCE]
+        if versus:
+            versus[0].diagnosis += f"; {self.localise_reference_divergence(example)}"
+        report.failures = [Failure(o.check, o.diagnosis, o.candidate, o.step, o.field)
+                           for o in failed]
         report.minimal_example = example_json(example)
         report.status = Status.FAILED
+
+    def localise_reference_divergence(self, example: Example) -> str:
+        """Re-run ``example``'s oracle and fp32 reference from its start state and say where
+        and why they part (:func:`~speccheck.checks.verify.localise.localise`)."""
+        k, batch = example
+        h = self.harness(k)
+        assert h.reference is not None, "the oracle is the fp32 reference"
+        bs, mml, tol = self.config.block_size, self.config.max_model_len, self.reference_tol
+        start = self._start_state(h, example)
+        oracle = h.spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
+        h.reference.kv_cache.restore(start)
+        expected = h.reference.propose(batch, DecodePath.PER_STEP)
+        divergence = earliest_divergence(expected, oracle, tol)
+        if divergence is None:
+            return ("not localised: re-run from the same start state, the oracle agrees with "
+                    "the fp32 reference (the divergence depends on state the start state does "
+                    "not set)")
+        slots = traced_slots(batch, *divergence, k, bs, mml)
+        start = self._start_state(h, example)
+        oracle_trace = trace_run(h.spec, batch, start, slots)
+        reference_trace = trace_run(h.reference, batch, start, slots)
+        return localise(batch, k, bs, mml, divergence, oracle_trace, reference_trace, tol)
 
 
 def input_storages(spec: AutoregressiveSpeculator) -> set[int]:

@@ -103,6 +103,23 @@ class ExampleData(BaseModel):
         )
 
 
+class BadExample(ValueError):
+    """A ``--reproduce`` example this run cannot take: not an example, or outside the
+    harness's limits. The message is one line (for the latter, naming the limit and the
+    option that raises it); ``speccheck verify`` prints it and exits 2."""
+
+
+def reproduce_command(prefix: str, blob: str) -> str:
+    """The command that runs the example of ``blob`` alone: ``PREFIX --reproduce BLOB``
+    (``prefix`` is a ``speccheck verify`` command line without ``--reproduce``)."""
+    return f"{prefix} --reproduce {blob}"
+
+
+def reproduce_blob(command: str) -> str:
+    """The blob of a command :func:`reproduce_command` made (blobs hold no spaces)."""
+    return command.rsplit(" --reproduce ", 1)[1]
+
+
 def example_json(example: Example) -> dict[str, Any]:
     """The JSON-serialisable form of ``example`` (lists, not tuples)."""
     k, batch = example

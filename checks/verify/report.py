@@ -89,6 +89,9 @@ class BackendReport:
     failures: list[Failure] = field(default_factory=list)
     minimal_example: dict[str, Any] | None = None
     reproduce: str | None = None
+    reproduced: bool | None = None
+    """Whether ``reproduce``, run in a fresh worker, failed the same way (``None``: not
+    checked)."""
     detail: str = ""
     capture_seconds: float = 0.0
     seconds: float = 0.0

@@ -4,7 +4,15 @@ A worker that exits without a report (an illegal memory access, a segfault) or t
 no progress for ``example_timeout`` seconds (a hang) is killed and reported as ``crashed``
 with the last example it started; the run then goes on with the next backend. A worker's
 output is drained while it runs (the last :data:`OUTPUT_TAIL_BYTES` kept), so however much
-it prints it never blocks on a full pipe.
+it prints it never blocks on a full pipe. A worker given a ``--reproduce`` example it
+cannot take writes ``{"bad_input": LINE}`` as its result; :func:`run_worker` raises it as
+:class:`~speccheck.checks.verify.examples.BadExample`.
+
+Progress goes to a :class:`ProgressDisplay`: rich's live bar on a terminal, or
+:class:`PlainProgress`, which prints a line per backend every few seconds for CI logs.
+Either way a backend's count ends at the examples it really ran, never at N/N for a run
+that stopped early or was skipped. :func:`confirm_reproduce` re-runs a failure's reproduce
+command in a fresh worker before it is printed.
 """
 
 from __future__ import annotations
@@ -16,12 +24,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
-from rich.progress import Progress
+from rich.console import Console
+from rich.progress import TaskID
 
+from speccheck.checks.verify.examples import BadExample, reproduce_blob, reproduce_command
 from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.vocabulary import Status, Tier
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -30,11 +41,78 @@ from speccheck.contract.runtime_config import RuntimeConfig
 def worker_request(
     backend: str, config: RuntimeConfig, examples: int, seed: int, steps: Sequence[int],
     reproduce: str | None, reproduce_prefix: str, matrix: Path | None = None,
+    capture_sizes: Sequence[int] | None = None,
 ) -> dict[str, object]:
-    """What :mod:`speccheck.checks.verify.worker` reads: JSON-serialisable settings."""
+    """What :mod:`speccheck.checks.verify.worker` reads: JSON-serialisable settings
+    (``capture_sizes``: ``None`` for the engine's default)."""
     return {"backend": backend, "config": config.model_dump(), "examples": examples,
             "seed": seed, "steps": list(steps), "reproduce": reproduce,
-            "reproduce_prefix": reproduce_prefix, "matrix": str(matrix) if matrix else None}
+            "reproduce_prefix": reproduce_prefix, "matrix": str(matrix) if matrix else None,
+            "capture_sizes": list(capture_sizes) if capture_sizes is not None else None}
+
+
+class ProgressDisplay(Protocol):
+    """Where :func:`run_worker` reports progress: one task per worker. Rich's
+    ``rich.progress.Progress`` is one (a live bar); :class:`PlainProgress` is the other."""
+
+    def add_task(self, description: str, *, total: float | None) -> TaskID: ...
+
+    def update(
+        self, task_id: TaskID, *, completed: float | None = None, description: str | None = None
+    ) -> None: ...
+
+    def stop_task(self, task_id: TaskID) -> None: ...
+
+
+@dataclass
+class _PlainTask:
+    description: str
+    total: int
+    started: float
+    printed: float
+    completed: int = 0
+
+
+class PlainProgress:
+    """:class:`ProgressDisplay` for logs without a terminal: a line when a worker starts,
+    one every ``interval`` seconds while it runs (``update`` is called on every poll) and
+    one when it ends, each naming the backend, the examples done of the total and the
+    time elapsed. ``clock`` gives seconds (monotonic)."""
+
+    def __init__(self, console: Console, interval: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._console = console
+        self._interval = interval
+        self._clock = clock
+        self._tasks: list[_PlainTask] = []
+
+    def add_task(self, description: str, *, total: float | None) -> TaskID:
+        now = self._clock()
+        self._tasks.append(_PlainTask(description, int(total or 0), now, now))
+        self._print(f"{description}: started, {int(total or 0)} example(s)")
+        return TaskID(len(self._tasks) - 1)
+
+    def update(
+        self, task_id: TaskID, *, completed: float | None = None, description: str | None = None
+    ) -> None:
+        task = self._tasks[task_id]
+        if completed is not None:
+            task.completed = int(completed)
+        if description is not None:
+            task.description = description
+        now = self._clock()
+        if now - task.printed >= self._interval:
+            task.printed = now
+            self._print(f"{task.description}: {task.completed}/{task.total} examples, "
+                        f"{now - task.started:.0f}s elapsed")
+
+    def stop_task(self, task_id: TaskID) -> None:
+        task = self._tasks[task_id]
+        self._print(f"{task.description}: {task.completed}/{task.total} examples in "
+                    f"{self._clock() - task.started:.0f}s")
+
+    def _print(self, line: str) -> None:
+        self._console.print(f"progress: {line}", markup=False, highlight=False)
 
 
 OUTPUT_TAIL_BYTES = 64 * 1024
@@ -93,16 +171,21 @@ class _ProgressLog:
 
 
 def run_worker(
-    request: dict[str, object], progress: Progress, example_timeout: float, tier: str
+    request: dict[str, object], progress: ProgressDisplay, example_timeout: float, tier: str,
+    label: str | None = None,
 ) -> BackendReport:
     """Run the worker for ``request`` and return its report, or a ``crashed`` report that
     names the last example it started when it dies without one or makes no progress for
     ``example_timeout`` seconds (then it is killed). The worker's output is drained as it
-    runs; the last lines of it explain a crash."""
+    runs; the last lines of it explain a crash. Raises
+    :class:`~speccheck.checks.verify.examples.BadExample` when the worker rejects its
+    ``--reproduce`` example. ``label`` names the progress task (default: the backend); the
+    task ends at the examples the worker ran, with the status in its description."""
     backend = str(request["backend"])
     examples = request["examples"]
     assert isinstance(examples, int)
-    task = progress.add_task(backend, total=examples if not request["reproduce"] else 1)
+    label = label or backend
+    task = progress.add_task(label, total=examples if not request["reproduce"] else 1)
     with tempfile.TemporaryDirectory(prefix="speccheck-") as tmp:
         req, res, prog = (Path(tmp) / n for n in ("request.json", "result.json", "progress.jsonl"))
         req.write_text(json.dumps(request))
@@ -127,14 +210,74 @@ def run_worker(
                     proc.kill()
                     proc.wait()
                     hung = True
+                else:
+                    progress.update(task)
             log.poll()
         tail = " | ".join(output.last_lines(3))
-        progress.update(task, completed=progress.tasks[task].total)
-        if res.exists() and not hung:
-            return BackendReport.from_json(json.loads(res.read_text()))
+        result = json.loads(res.read_text()) if res.exists() and not hung else None
+        if result is not None and "bad_input" in result:
+            _end_task(progress, task, label, 0, "bad input")
+            raise BadExample(result["bad_input"])
+        if result is not None:
+            report = BackendReport.from_json(result)
+            _end_task(progress, task, label, report.examples, report.status.value)
+            return report
         what = (f"no progress for {example_timeout:.0f}s (hang); killed" if hung
                 else f"worker exited with status {proc.returncode}: {tail}")
         report = BackendReport(backend, Tier(tier), Status.CRASHED, detail=what)
+        started = 0
         if log.latest is not None:
-            report.reproduce = f"{request['reproduce_prefix']} --reproduce {log.latest['example']}"
+            started = log.latest["index"]
+            report.reproduce = reproduce_command(str(request["reproduce_prefix"]),
+                                                 log.latest["example"])
+        _end_task(progress, task, label, max(started - 1, 0), report.status.value)
         return report
+
+
+def _end_task(progress: ProgressDisplay, task: TaskID, label: str, done: int, status: str) -> None:
+    """End a worker's task at the ``done`` examples it ran (not at its total), with its
+    status."""
+    progress.update(task, completed=done, description=f"{label} ({status})")
+    progress.stop_task(task)
+
+
+def confirm_reproduce(
+    request: dict[str, object], report: BackendReport, progress: ProgressDisplay,
+    example_timeout: float, tier: str,
+) -> str | None:
+    """Run ``report``'s reproduce command in a fresh worker and record in
+    ``report.reproduced`` whether it fails the same way there: the same status and, for a
+    failure, the same failed checks. Returns why not (one line), or ``None`` when it does
+    or there is no command. A ``--reproduce`` run (``request["reproduce"]``) already ran
+    its example alone in a fresh worker: it counts as reproduced without a second run."""
+    if report.reproduce is None:
+        return None
+    if request["reproduce"]:
+        report.reproduced = True
+        return None
+    again_request = {**request, "reproduce": reproduce_blob(report.reproduce)}
+    try:
+        again = run_worker(again_request, progress, example_timeout, tier,
+                           label=f"{report.backend} reproduce check")
+    except BadExample as exc:
+        why: str | None = f"the fresh worker rejected the example ({exc})"
+    else:
+        why = _difference(report, again)
+    report.reproduced = why is None
+    return why
+
+
+_ENDED = {Status.PASSED: "passed", Status.FAILED: "failed", Status.SKIPPED: "was skipped",
+          Status.CRASHED: "crashed"}
+
+
+def _difference(original: BackendReport, again: BackendReport) -> str | None:
+    """How ``again`` (the reproduce run) ended differently from ``original``, or ``None``."""
+    if again.status is not original.status:
+        detail = f" ({again.detail})" if again.detail else ""
+        return f"it {_ENDED[again.status]} there{detail}"
+    want = sorted({f.check.value for f in original.failures})
+    got = sorted({f.check.value for f in again.failures})
+    if want != got:
+        return f"it failed {', '.join(got)} there, not {', '.join(want)}"
+    return None

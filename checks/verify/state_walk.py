@@ -1,9 +1,12 @@
-"""Find, snapshot and compare every tensor reachable from an object.
+"""Find, snapshot and compare every tensor and host value reachable from an object.
 
 The verifier does not trust a builder's ``step_dependent_fields`` declaration alone: it walks
 every tensor reachable from a metadata object (and the builder's persistent buffers), snapshots
 them after each draft step, and asks which ones changed. The capture probes use the same walk
 to check that a refresh wrote into existing tensors instead of binding new ones.
+:func:`walk_host_values` walks the same way for the metadata's host-side plain data (numbers,
+strings, number sequences, numpy arrays): a captured graph bakes those in, so they are
+step-dependent metadata too.
 
 Paths are Python-like and dotted: ``metadata.scheduler_metadata``, ``groups[0].seq_lens``,
 ``buffers['tile_schedule']``.
@@ -16,9 +19,10 @@ import enum
 import inspect
 import logging
 import types
-from collections.abc import Iterator, Mapping, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import NamedTuple, TypeVar
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -50,6 +54,11 @@ _ATOMIC_TYPES: tuple[type, ...] = (
 
 
 _MISSING = object()
+
+_Leaf = TypeVar("_Leaf")
+
+HOST_ARRAY_KINDS = "biufc"
+"""numpy dtype kinds of the arrays :func:`walk_host_values` reads (booleans and numbers)."""
 
 
 class TensorIdentity(NamedTuple):
@@ -107,15 +116,79 @@ def walk_tensors(
 
     The result is ordered in walk order.
     """
-    found: dict[str, torch.Tensor] = {}
+    return _walk(obj, prefix, max_depth, _tensor_leaf, "walk_tensors")
+
+
+def walk_host_values(
+    obj: object, prefix: str = "", *, max_depth: int = DEFAULT_MAX_DEPTH
+) -> dict[str, np.ndarray]:
+    """Every host value reachable from ``obj``, keyed by its path below ``prefix``, as a
+    numpy array the caller owns (a copy: later changes to ``obj`` do not reach it).
+
+    Contract:
+
+    - A host value is plain data, and a leaf of the walk:
+
+      - numbers (``bool``, ``int``, ``float``, ``complex``, numpy scalars): a 0-d array of
+        their own dtype;
+      - lists and tuples (named tuples and ``torch.Size`` included) whose every element is
+        a number: a 1-d array (an empty one is ``float64``);
+      - numpy arrays of booleans or numbers (:data:`HOST_ARRAY_KINDS`): a copy;
+      - ``None``, strings and enum members: a 0-d string array of their ``repr``, so that
+        ``None``, ``'None'`` and an enum member named ``None`` stay apart;
+      - an integer too large for numpy's integer types: its ``repr``, as a string array.
+
+    - Everything else is walked exactly as :func:`walk_tensors` walks it (same containers,
+      same paths, same order, same cycle handling and depth limit, same read-only attribute
+      access), and contributes nothing itself: tensors (:func:`walk_tensors` covers them),
+      bytes, dtypes, devices, modules, classes, functions and methods, sets, and objects
+      without ``__dict__`` or ``__slots__``. Lists and tuples that hold anything but numbers
+      are expanded (``prefix[i]``, or ``prefix.field`` for named tuples).
+    - Only plain data compares: object identities (``id``, addresses) are never read. A
+      builder that keeps a counter or an address in its metadata as a plain ``int`` makes
+      it step-dependent metadata like any other.
+
+    The result is ordered in walk order.
+    """
+    return _walk(obj, prefix, max_depth, _host_leaf, "walk_host_values")
+
+
+def same_host_value(a: np.ndarray, b: np.ndarray) -> bool:
+    """True when two :func:`walk_host_values` values have the same dtype, the same shape and
+    equal elements (NaN equals NaN in the same position, ``-0.0`` equals ``0.0``)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+
+
+def describe_host_value(a: np.ndarray) -> str:
+    """A :func:`walk_host_values` value as the source would spell it: ``17``, ``True``,
+    ``None``, ``'fa3'``, ``(1, 2, 3)``; arrays longer than eight elements abbreviated."""
+    if a.ndim == 0 and a.dtype.kind == "U":
+        return str(a.item())
+    if a.ndim == 0:
+        return repr(a.item())
+    flat = a.reshape(-1).tolist()
+    shown = ", ".join(repr(x) for x in flat[:8]) + (", ..." if len(flat) > 8 else "")
+    body = f"({shown},)" if len(flat) == 1 else f"({shown})"
+    return body if a.ndim == 1 else f"{body} (shape {a.shape})"
+
+
+def _walk(
+    obj: object, prefix: str, max_depth: int, leaf: Callable[[object], _Leaf | None], name: str
+) -> dict[str, _Leaf]:
+    """The walk shared by :func:`walk_tensors` and :func:`walk_host_values`: ``leaf(node)``
+    is what to list for ``node`` (which is then not expanded), ``None`` when nothing."""
+    found: dict[str, _Leaf] = {}
     expanded: set[int] = set()
     truncated: list[str] = []
 
     def visit(node: object, path: str, depth: int) -> None:
-        if isinstance(node, torch.Tensor):
-            found[path] = node
+        value = leaf(node)
+        if value is not None:
+            found[path] = value
             return
-        if _is_atomic(node):
+        if isinstance(node, torch.Tensor) or _is_atomic(node):
             return
         if id(node) in expanded:
             return
@@ -129,12 +202,33 @@ def walk_tensors(
     visit(obj, prefix, 0)
     if truncated:
         logger.warning(
-            "walk_tensors stopped at max_depth=%d below %r; not expanded: %s",
+            "%s stopped at max_depth=%d below %r; not expanded: %s",
+            name,
             max_depth,
             prefix or "<root>",
             ", ".join(truncated[:5]) + (" ..." if len(truncated) > 5 else ""),
         )
     return found
+
+
+def _tensor_leaf(node: object) -> torch.Tensor | None:
+    return node if isinstance(node, torch.Tensor) else None
+
+
+def _is_number(node: object) -> bool:
+    return isinstance(node, (bool, int, float, complex, np.number, np.bool_))
+
+
+def _host_leaf(node: object) -> np.ndarray | None:
+    """``node`` as a :func:`walk_host_values` value, ``None`` when it is not plain data."""
+    if isinstance(node, np.ndarray):
+        return node.copy() if node.dtype.kind in HOST_ARRAY_KINDS else None
+    if _is_number(node) or (isinstance(node, (list, tuple)) and all(map(_is_number, node))):
+        value = np.asarray(node)
+        return value if value.dtype.kind in HOST_ARRAY_KINDS else np.asarray(repr(node))
+    if node is None or isinstance(node, (str, enum.Enum)):
+        return np.asarray(repr(node))
+    return None
 
 
 def _is_atomic(node: object) -> bool:

@@ -1,21 +1,66 @@
-"""Per-step snapshots of every tensor reachable from the attention metadata.
+"""Per-step snapshots of every tensor and host value reachable from the attention metadata.
 
-Installed as a speculator's ``step_observer``. Each call copies the tensors into buffers
-the recorder owns, keyed by (lanes, step, path), with ``copy_``: capture-safe, so inside a
-captured fused body the copies are recorded into the graph and every replay refreshes the
-snapshots. Buffers are allocated on first sight (eagerly, or in the warm-up that precedes a
-capture), never during a capture.
+Installed as a speculator's ``step_observer``, which the speculator calls right before each
+draft step's forward, with the metadata that step runs with.
+
+Tensors: each call copies them into buffers the recorder owns, keyed by (lanes, step,
+path), with ``copy_``: capture-safe, so inside a captured fused body the copies are recorded
+into the graph and every replay refreshes the snapshots. Buffers are allocated on first
+sight (eagerly, or in the warm-up that precedes a capture), never during a capture.
+
+Host values (:func:`~speccheck.checks.verify.state_walk.walk_host_values`) cannot be
+recorded into a graph: a replay runs no Python, and the kernels it replays were launched,
+at capture, with the host values of that moment. So each call also reads the host values,
+on the host, and keeps them per (lanes, step) in one of two places:
+
+- outside a capture (eager runs, and the host side of per-step replays): as the values of
+  the run in progress;
+- during a capture: as the values the captured body runs with at that step, in every
+  replay. A fused body is captured once per bucket with metadata built for capture, and
+  its refresh runs, on the host, only at capture: whatever host values the captured
+  metadata object holds then (as the refreshes of the capture left them, step by step) are
+  what every replay's kernels see, whatever batch is replayed. The first capture of a
+  (lanes, step) is kept: the speculator captures the fused body before the preplanned one,
+  and capture metadata comes from fixed dummy inputs, so capturing again records the same
+  values.
+
+:meth:`StepMetadataRecorder.collect` ends a run: a step observed outside a capture since the
+previous collect ran eagerly, and reports the host values observed; a step not observed ran
+inside a replay of a captured body, and reports the host values recorded at its capture.
+
+Not covered: the per-step graph replays observe, from the host, the metadata freshly built
+for each step, while the single-step graph they replay was captured (unobserved) with
+capture metadata; their host values are reported as built, not as replayed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from speccheck.checks.verify.state_walk import walk_tensors
+from speccheck.checks.verify.state_walk import walk_host_values, walk_tensors
 from speccheck.contract.groups import AttentionGroup
+
+
+class StepSnapshots(dict[int, dict[str, torch.Tensor]]):
+    """What one run's metadata held before each draft step.
+
+    As a dict: ``{step: {path: tensor}}``, steps ascending, paths in walk order (metadata
+    first), host copies; callers that read tensors only use it as such. :attr:`host`:
+    ``{step: {path: host value}}`` (:func:`~speccheck.checks.verify.state_walk.
+    walk_host_values` values) for the same steps.
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[int, dict[str, torch.Tensor]] | None = None,
+        host: Mapping[int, dict[str, np.ndarray]] | None = None,
+    ) -> None:
+        super().__init__(tensors or {})
+        self.host: dict[int, dict[str, np.ndarray]] = dict(host or {})
 
 
 def metadata_roots(groups: Sequence[AttentionGroup], group_metadata: Sequence[Any]) -> dict[str, object]:
@@ -42,13 +87,31 @@ def reachable_tensors(groups: Sequence[AttentionGroup], group_metadata: Sequence
     return tensors
 
 
+def reachable_host_values(
+    groups: Sequence[AttentionGroup], group_metadata: Sequence[Any]
+) -> dict[str, np.ndarray]:
+    """Every host value reachable from the roots, with the same paths as
+    :func:`reachable_tensors`."""
+    values: dict[str, np.ndarray] = {}
+    for prefix, root in metadata_roots(groups, group_metadata).items():
+        values.update(walk_host_values(root, prefix=prefix))
+    return values
+
+
 class StepMetadataRecorder:
-    """Records, for each draft step, the metadata the step is about to run with."""
+    """Records, for each draft step, the metadata the step is about to run with (see the
+    module docstring for what a graph replay's host values are)."""
 
     def __init__(self, groups: Sequence[AttentionGroup]) -> None:
         self.groups = list(groups)
         self._buffers: dict[tuple[int, int, str], torch.Tensor] = {}
         self._seen: dict[int, dict[tuple[int, str], None]] = {}
+        self._host: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        """Host values last observed outside a capture, per (lanes, step)."""
+        self._captured_host: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        """Host values observed during the first capture of each (lanes, step)."""
+        self._observed: set[tuple[int, int]] = set()
+        """(lanes, step) observed outside a capture since the last :meth:`collect`."""
         self.last_metadata: list[Any] | None = None
         """The group metadata of the latest observed step."""
         self.storage_of: dict[str, int] = {}
@@ -57,11 +120,12 @@ class StepMetadataRecorder:
 
     def __call__(self, lanes: int, step: int, group_metadata: Sequence[Any]) -> None:
         self.last_metadata = list(group_metadata)
+        capturing = _capturing()
         for path, tensor in reachable_tensors(self.groups, group_metadata).items():
             key = (lanes, step, path)
             buf = self._buffers.get(key)
             if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-                if _capturing():
+                if capturing:
                     raise RuntimeError(
                         f"snapshot buffer for {path} (step {step}) first seen during capture"
                     )
@@ -70,14 +134,29 @@ class StepMetadataRecorder:
             buf.copy_(tensor)
             self.storage_of[path] = tensor.untyped_storage().data_ptr()
             self._seen.setdefault(lanes, {})[(step, path)] = None
+        host = reachable_host_values(self.groups, group_metadata)
+        if capturing:
+            self._captured_host.setdefault((lanes, step), host)
+        else:
+            self._host[(lanes, step)] = host
+            self._observed.add((lanes, step))
 
-    def collect(self, lanes: int) -> dict[int, dict[str, torch.Tensor]]:
-        """Host copies of the latest snapshots over ``lanes`` decode lanes:
-        ``{step: {path: tensor}}``, steps ascending, paths in walk order (metadata first)."""
-        out: dict[int, dict[str, torch.Tensor]] = {}
+    def collect(self, lanes: int) -> StepSnapshots:
+        """Host copies of the latest snapshots over ``lanes`` decode lanes, and the host
+        values each step ran with: those observed since the previous ``collect`` where the
+        step was observed (an eager run), else those recorded when the step was captured (a
+        replay). Ends the run: the next ``collect`` reports only what is observed after
+        this one."""
+        tensors: dict[int, dict[str, torch.Tensor]] = {}
         for step, path in sorted(self._seen.get(lanes, {}), key=lambda key: key[0]):
-            out.setdefault(step, {})[path] = self._buffers[(lanes, step, path)].cpu().clone()
-        return out
+            tensors.setdefault(step, {})[path] = self._buffers[(lanes, step, path)].cpu().clone()
+        host: dict[int, dict[str, np.ndarray]] = {}
+        for step in tensors:
+            key = (lanes, step)
+            eager = key in self._observed or key not in self._captured_host
+            host[step] = self._host.get(key, {}) if eager else self._captured_host[key]
+        self._observed.clear()
+        return StepSnapshots(tensors, host)
 
 
 def _capturing() -> bool:

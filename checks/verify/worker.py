@@ -3,6 +3,9 @@ REQUEST.json RESULT.json PROGRESS.jsonl``. Run by :mod:`speccheck.checks.verify.
 
 Writes one JSON line per example to PROGRESS before running it (so a parent that kills a
 hung or crashed worker knows the last example), and the :class:`BackendReport` to RESULT.
+A ``--reproduce`` example it cannot take (not an example, or outside the harness's limits:
+``BackendVerifier.example_problem``) is no crash: RESULT is then ``{"bad_input": LINE}``
+and the exit status :data:`EXIT_BAD_INPUT`.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from typing import Any
 import torch
 
 from speccheck.backends.availability import BackendUnavailable
-from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
+from speccheck.checks.verify.engine import DEFAULT_CAPTURE_SIZES, BackendVerifier, VerifySettings
 from speccheck.checks.verify.examples import (
+    BadExample,
     Example,
     decode_example,
     encode_example,
     example_from_json,
+    reproduce_command,
 )
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport
@@ -33,6 +38,10 @@ from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import unrunnable_reason
 
 
+EXIT_BAD_INPUT = 2
+"""Exit status of a worker whose ``--reproduce`` example it cannot take."""
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -40,7 +49,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendReport:
-    """Run the verification described by ``request`` (see ``verify_runner.worker_request``)."""
+    """Run the verification described by ``request`` (see ``runner.worker_request``).
+    Raises :class:`BadExample` for a ``--reproduce`` example the harness cannot take."""
     name = request["backend"]
     config = RuntimeConfig(**request["config"])
     gpu = torch.cuda.is_available()
@@ -56,8 +66,10 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     if unrunnable is not None:
         report.status, report.tier, report.detail = Status.SKIPPED, Tier.NONE, unrunnable
         return report
+    capture_sizes = tuple(request["capture_sizes"] or DEFAULT_CAPTURE_SIZES)
     settings = VerifySettings(backend=name, config=config, examples=request["examples"],
                               seed=request["seed"], steps=tuple(request["steps"]),
+                              capture_sizes=capture_sizes,
                               claim_fused=bool(request.get("claim_fused")), matrices=matrices)
     started = time.perf_counter()
     try:
@@ -67,13 +79,14 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     except BackendUnavailable as exc:
         report.status, report.tier, report.detail = Status.SKIPPED, Tier.NONE, str(exc)
         return report
+    reproduce = _reproduce_example(request["reproduce"], verifier) if request["reproduce"] else None
     with progress_path.open("a") as progress:
         def on_example(index: int, example: Example) -> None:
             progress.write(json.dumps({"index": index, "example": encode_example(example)}) + "\n")
             progress.flush()
 
-        if request.get("reproduce"):
-            example = decode_example(request["reproduce"])
+        if reproduce is not None:
+            example = reproduce
             on_example(1, example)
             report.examples = 1
             outcomes = verifier.run_example(example)
@@ -87,8 +100,22 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     report.seconds = time.perf_counter() - started
     if report.minimal_example is not None:
         blob = encode_example(example_from_json(report.minimal_example))
-        report.reproduce = f"{request['reproduce_prefix']} --reproduce {blob}"
+        report.reproduce = reproduce_command(request["reproduce_prefix"], blob)
     return report
+
+
+def _reproduce_example(blob: str, verifier: BackendVerifier) -> Example:
+    """The example of a ``--reproduce`` blob, if the harness can run it; else
+    :class:`BadExample` (the command line checks the same before starting a worker: this
+    is the safety net)."""
+    try:
+        example = decode_example(blob)
+    except ValueError as exc:
+        raise BadExample(str(exc)) from None
+    problem = verifier.example_problem(example)
+    if problem is not None:
+        raise BadExample(problem)
+    return example
 
 
 def main(argv: list[str]) -> int:
@@ -99,7 +126,11 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     request_path, result_path, progress_path = map(Path, argv)
     request = json.loads(request_path.read_text())
-    report = verify_backend(request, progress_path)
+    try:
+        report = verify_backend(request, progress_path)
+    except BadExample as exc:
+        result_path.write_text(json.dumps({"bad_input": str(exc)}))
+        return EXIT_BAD_INPUT
     result_path.write_text(json.dumps(report.to_json()))
     return 0
 

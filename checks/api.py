@@ -1,0 +1,502 @@
+"""The Python API of ``speccheck verify``, re-exported at the package root
+(``speccheck.verify``): the same run as the command, returning a typed report instead of
+printing one and exiting.
+
+Two steps, so that a caller can show what will run before it runs (the command prints the
+tier and the effective runtime config first):
+
+- :func:`plan_verification` checks the input and settles everything the run depends on
+  (the machine's tier, the effective runtime config, the matrices, the backends, the draft
+  step counts); bad input raises :class:`VerifyInputError` (one line) or
+  :class:`~speccheck.contract.matrix_loader.MatrixError` (one ``PATH:LINE`` line per
+  problem), before any process starts;
+- :meth:`VerifyPlan.run` verifies each backend in a worker process of its own, exactly as
+  the command does, and returns a :class:`VerifyReport`.
+
+:func:`verify` does both. Importing this module does not import torch; planning does (to
+find the tier), and the workers do.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import Progress
+
+from speccheck.checks.cli.runtime_options import runtime_flags
+from speccheck.checks.verify.context import MatrixContext
+from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.vocabulary import Check, Status, Tier
+from speccheck.contract.runtime_config import RuntimeConfig
+
+if TYPE_CHECKING:
+    from speccheck.checks.verify.runner import ProgressDisplay
+    from speccheck.contract.builder import AttentionMetadataBuilder
+
+EXIT_PASSED = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_NOTHING_VERIFIED = 3
+
+TIER_DEFAULTS: dict[Tier, dict[str, object]] = {
+    Tier.GPU: {"platform": "cuda", "cudagraph_mode": "full", "dtype": "bfloat16",
+               "head_size": 128, "num_heads": 16, "num_kv_heads": 4, "block_size": 16,
+               "max_model_len": 1024},
+    Tier.CPU: {"platform": "cpu", "cudagraph_mode": "none", "dtype": "float32",
+               "head_size": 32, "num_heads": 4, "num_kv_heads": 2, "block_size": 4,
+               "max_model_len": 64},
+}
+"""Runtime defaults per tier, overridden by any field given: a small drafter on the CPU,
+a realistic head layout on the GPU."""
+
+VERIFY_FIELDS = ("dcp_world_size", "dp_size", "num_speculative_steps", "block_size",
+                 "max_model_len", "kv_cache_dtype", "dtype", "head_size", "num_heads",
+                 "num_kv_heads")
+"""The runtime fields a verification takes; platform, compute capability and graph mode
+come from the machine."""
+
+DEFAULT_STEPS = tuple(range(2, 9))
+"""Draft step counts (K) drawn from when neither ``steps`` nor ``num_speculative_steps``
+is given."""
+
+
+class VerifyInputError(ValueError):
+    """Input a verification cannot run with (an unknown backend, a bad runtime value, a
+    builder class the worker cannot import, a bad ``reproduce`` blob). ``str()`` is one line;
+    the command prints it on stderr and exits 2."""
+
+
+def machine_tier() -> tuple[Tier, str]:
+    """What this machine can verify on, and the device's name: the GPU tier (real CUDA
+    graphs) when torch sees a CUDA device, else the CPU tier. Imports torch."""
+    import torch
+
+    if torch.cuda.is_available():
+        return Tier.GPU, torch.cuda.get_device_name()
+    return Tier.CPU, "CPU"
+
+
+@dataclass(frozen=True)
+class CheckVerdict:
+    """One check of one backend, summed over a run: ``PASSED`` (it held on every example
+    it was decided on), ``FAILED`` (``message``: every failure on the minimal example, the
+    example and the reproduce command) or ``SKIPPED`` (``message`` says why: the check does
+    not apply to this tier or config, or the backend did not run)."""
+
+    check: Check
+    status: Status
+    message: str
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :func:`verify` found: one :class:`BackendReport` per backend, in order, and the
+    run's tier, device, effective runtime config and matrix (``None``: the shipped matrix
+    merged with the installed plug-ins)."""
+
+    backends: tuple[BackendReport, ...]
+    tier: Tier
+    device: str
+    config: RuntimeConfig
+    matrix: Path | None
+    notes: Mapping[str, str] = field(default_factory=dict)
+    """By backend: why its reproduce command did not fail the same way when re-run in a
+    fresh worker (``BackendReport.reproduced`` is then false)."""
+
+    @property
+    def status(self) -> Status:
+        """``FAILED`` when a check failed or a worker crashed; else ``SKIPPED`` when no
+        backend was verified (each was skipped); else ``PASSED``."""
+        statuses = {report.status for report in self.backends}
+        if statuses & {Status.FAILED, Status.CRASHED}:
+            return Status.FAILED
+        return Status.PASSED if Status.PASSED in statuses else Status.SKIPPED
+
+    @property
+    def passed(self) -> bool:
+        """Whether the gate passed: the status is ``PASSED``."""
+        return self.status is Status.PASSED
+
+    @property
+    def exit_code(self) -> int:
+        """The exit status ``speccheck verify`` gives for this report: 0 passed, 1 failed
+        or crashed, 3 nothing verified."""
+        return {Status.PASSED: EXIT_PASSED, Status.FAILED: EXIT_FAILED,
+                Status.SKIPPED: EXIT_NOTHING_VERIFIED}[self.status]
+
+    def backend(self, name: str) -> BackendReport:
+        """The report of backend ``name``; ``KeyError`` when it was not verified."""
+        for report in self.backends:
+            if report.backend == name:
+                return report
+        raise KeyError(f"{name!r} was not verified; verified: "
+                       f"{', '.join(r.backend for r in self.backends)}")
+
+    def verdicts(self, name: str) -> tuple[CheckVerdict, ...]:
+        """One :class:`CheckVerdict` per check of backend ``name``, in report order."""
+        report = self.backend(name)
+        return tuple(_verdict(report, check) for check in Check)
+
+    def summary_lines(self) -> list[str]:
+        """What the command prints under its table, per backend: why fusing is not
+        allowed, the claims audit's verdict, why it was skipped or crashed, every failure,
+        the minimal example and the reproduce command. Each entry is one line."""
+        lines = []
+        for r in self.backends:
+            if not r.fused_allowed and r.status in (Status.PASSED, Status.FAILED):
+                how = ("host_preplanned path verified against the per-step oracle"
+                       if any(c.startswith("preplanned") for c in r.candidates)
+                       else "verified on the per-step path only")
+                lines.append(f"{r.backend}: fused: not allowed ({r.fused_reason}); {how}")
+            if r.claim_audit is not None:
+                lines.append(f"{r.backend}: audit: {r.claim_audit.verdict}")
+            if r.status in (Status.SKIPPED, Status.CRASHED):
+                lines.append(f"{r.backend}: {r.status.value}: {r.detail}")
+            lines += [f"FAIL {r.backend} {f.check}{_where(f)}: {f.diagnosis}" for f in r.failures]
+            lines += _example_lines(r, self.notes.get(r.backend))
+        return lines
+
+
+def _where(failure: Failure) -> str:
+    return "".join([f" step {failure.step}" if failure.step is not None else "",
+                    f" field {failure.field}" if failure.field else ""])
+
+
+def _example_lines(report: BackendReport, note: str | None = None) -> list[str]:
+    """The minimal example and the reproduce command, saying whether the command failed the
+    same way in a fresh worker (``note``: why not)."""
+    lines = []
+    if report.minimal_example is not None:
+        lines.append(f"minimal example: {json.dumps(report.minimal_example)}")
+    if report.reproduce:
+        label = "reproduce"
+        if report.reproduced:
+            label += " (checked: fails the same way in a fresh worker)"
+        elif report.reproduced is not None:
+            label += (" (NOT reproduced in a fresh worker: "
+                      f"{note or 'it ended differently there'})")
+        lines.append(f"{label}: {report.reproduce}")
+    return lines
+
+
+def _verdict(report: BackendReport, check: Check) -> CheckVerdict:
+    if report.status in (Status.SKIPPED, Status.CRASHED):
+        return CheckVerdict(check, Status.SKIPPED, f"not run: {report.backend} "
+                            f"{report.status.value}: {report.detail}")
+    failures = [f for f in report.failures if f.check == check]
+    if failures:
+        lines = [f"{report.backend}: {check.value} failed on the {report.tier.value.upper()} "
+                 "tier, on the minimal example:"]
+        lines += [f"  {f.diagnosis}" for f in failures]
+        return CheckVerdict(check, Status.FAILED, "\n".join(lines + _example_lines(report)))
+    tally = report.checks[check]
+    if tally.passed == 0 and tally.indeterminate == 0:
+        return CheckVerdict(check, Status.SKIPPED, f"not exercised by this run "
+                            f"({report.tier.value.upper()} tier); it checks: {check.description}")
+    return CheckVerdict(check, Status.PASSED, f"{tally.passed} passed, {tally.indeterminate} "
+                        "indeterminate")
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """A checked verification, ready to run: made by :func:`plan_verification`."""
+
+    names: tuple[str, ...]
+    """The backends, in the order they run."""
+    config: RuntimeConfig
+    """The effective runtime config: the tier's defaults overridden by ``overrides``."""
+    overrides: Mapping[str, object]
+    """The runtime fields given, in :data:`VERIFY_FIELDS` order (for reproduce commands)."""
+    matrices: MatrixContext
+    tier: Tier
+    device: str
+    examples: int
+    seed: int
+    steps: tuple[int, ...]
+    """Draft step counts drawn from (single-rank runs; ``dp_size > 1`` uses the config's)."""
+    capture_sizes: tuple[int, ...] | None
+    """Padded request counts graphs are captured for (``None``: the engine's default)."""
+    reproduce: str | None
+    audit_claims: bool
+    example_timeout: float
+
+    def reproduce_prefix(self, name: str) -> str:
+        """The command that reruns backend ``name`` with these settings, to which a report
+        appends ``--reproduce BLOB``."""
+        sizes = (f" --capture-sizes {','.join(map(str, self.capture_sizes))}"
+                 if self.capture_sizes else "")
+        flags = runtime_flags(dict(self.overrides))
+        return (f"speccheck verify --backend {name} --seed {self.seed}{self.matrices.flag}"
+                f"{sizes} {flags}").strip()
+
+    def run(self, progress: ProgressDisplay | None = None) -> VerifyReport:
+        """Verify every backend: each in a worker process of its own, or, with
+        ``dp_size > 1``, the DFlash drafter on that many rank processes. A failure's
+        reproduce command is re-run in a fresh worker (the report says whether it failed the
+        same way there); with ``audit_claims``, another worker runs the fused path of a
+        backend the matrix does not allow to fuse. A worker that dies or hangs is a
+        ``crashed`` report: nothing is raised for a backend's failure. ``progress`` shows
+        one task per worker (none shown when ``None``). Raises :class:`VerifyInputError`
+        when a worker rejects the ``reproduce`` example."""
+        if progress is None:
+            progress = Progress(console=Console(quiet=True), disable=True)
+        notes: dict[str, str] = {}
+        if self.config.dp_size > 1:
+            reports = [self._verify_data_parallel(name) for name in self.names]
+        else:
+            reports = [self._verify_in_worker(name, progress, notes) for name in self.names]
+        return VerifyReport(tuple(reports), self.tier, self.device, self.config,
+                            self.matrices.path, notes)
+
+    def _verify_in_worker(
+        self, name: str, progress: ProgressDisplay, notes: dict[str, str]
+    ) -> BackendReport:
+        from speccheck.checks.verify.examples import BadExample
+        from speccheck.checks.verify.report import ClaimAudit
+        from speccheck.checks.verify.runner import confirm_reproduce, run_worker, worker_request
+
+        prefix = self.reproduce_prefix(name)
+        request = worker_request(name, self.config, self.examples, self.seed, self.steps,
+                                 self.reproduce, prefix, self.matrices.path, self.capture_sizes)
+        try:
+            report = run_worker(request, progress, self.example_timeout, self.tier)
+        except BadExample as exc:
+            raise VerifyInputError(str(exc)) from None
+        why = confirm_reproduce(request, report, progress, self.example_timeout, self.tier)
+        if why is not None:
+            notes[name] = why
+        if (self.audit_claims and not report.fused_allowed
+                and report.status in (Status.PASSED, Status.FAILED)):
+            audit_request = {**request, "claim_fused": True,
+                             "reproduce_prefix": prefix + " --audit-claims"}
+            audited = run_worker(audit_request, progress, self.example_timeout, self.tier,
+                                 label=f"{name} audit")
+            report.claim_audit = ClaimAudit(audited.status, audited.examples,
+                                            audited.failures, audited.detail)
+        return report
+
+    def _verify_data_parallel(self, name: str) -> BackendReport:
+        """The DFlash drafter on ``dp_size`` real ranks (their own processes), each with a
+        different real batch size, in eager mode and, with CUDA, in FULL mode."""
+        from speccheck.checks.verify.data_parallel import verify_dp
+        from speccheck.speculator.dp_launch import RankError
+
+        try:
+            return verify_dp(name, self.config, self.config.dp_size, examples=self.examples,
+                             seed=self.seed, matrices=self.matrices).to_report()
+        except RankError as exc:
+            return BackendReport(name, self.tier, Status.CRASHED, detail=str(exc))
+
+
+def plan_verification(
+    backend: str | type[AttentionMetadataBuilder[Any]] = "reference",
+    *,
+    config: RuntimeConfig | Mapping[str, Any] | None = None,
+    matrix: str | Path | None = None,
+    examples: int = 50,
+    seed: int = 0,
+    steps: Sequence[int] | None = None,
+    capture_sizes: Sequence[int] | None = None,
+    reproduce: str | None = None,
+    audit_claims: bool = False,
+    example_timeout: float = 300.0,
+) -> VerifyPlan:
+    """Check the input of a verification and settle what it runs; see :func:`verify` for
+    the parameters. Raises :class:`VerifyInputError` or
+    :class:`~speccheck.contract.matrix_loader.MatrixError`; starts no process."""
+    if examples < 1:
+        raise VerifyInputError(f"examples must be at least 1, got {examples}")
+    if example_timeout <= 0:
+        raise VerifyInputError(f"example_timeout must be positive, got {example_timeout}")
+    overrides = _overrides(config)
+    tier, device = machine_tier()
+    effective = RuntimeConfig(**{**TIER_DEFAULTS[tier], **overrides})
+    sizes = _capture_sizes(capture_sizes)
+    matrices = MatrixContext.load(matrix)
+    if isinstance(backend, str):
+        names = _named_backends(backend, matrices)
+    else:
+        names = (_declared_backend(backend, matrices),)
+    if reproduce is not None:
+        _check_reproduce(reproduce, names[0], effective, sizes, matrices, tier)
+    return VerifyPlan(names, effective, overrides, matrices, tier, device, examples, seed,
+                      _steps(steps, overrides), sizes, reproduce, audit_claims, example_timeout)
+
+
+def verify(
+    backend: str | type[AttentionMetadataBuilder[Any]] = "reference",
+    *,
+    config: RuntimeConfig | Mapping[str, Any] | None = None,
+    matrix: str | Path | None = None,
+    examples: int = 50,
+    seed: int = 0,
+    steps: Sequence[int] | None = None,
+    capture_sizes: Sequence[int] | None = None,
+    reproduce: str | None = None,
+    audit_claims: bool = False,
+    example_timeout: float = 300.0,
+) -> VerifyReport:
+    """Verify ``backend`` as ``speccheck verify`` does, each backend in a worker process of
+    its own, and return the report (raising nothing for a failed check or a crash: read
+    :attr:`VerifyReport.passed` or :attr:`VerifyReport.exit_code`).
+
+    - ``backend``: a backend name from the matrix, ``"all"``, or a builder class. A class
+      is verified under the matrix entry named by its ``backend_name``, and that entry's
+      ``implementation`` must name this very class: the worker process imports the builder
+      by that ``module:Class`` path (so the class cannot live in ``__main__`` or inside a
+      function), and a failure's reproduce command runs what the entry names.
+    - ``config``: runtime fields that override the tier's defaults (:data:`TIER_DEFAULTS`),
+      as a mapping or a :class:`RuntimeConfig` (its explicitly set fields count); only
+      :data:`VERIFY_FIELDS`: platform, compute capability and graph mode come from the
+      machine.
+    - ``matrix``: a matrix file, verified alone; ``None``: the shipped matrix merged with
+      the installed plug-ins' fragments (``speccheck.backends`` entry points).
+    - ``examples`` per backend, hypothesis ``seed``; ``steps``: the draft step counts (K) to
+      draw from, by default ``num_speculative_steps`` when ``config`` gives it, else 2..8.
+    - ``capture_sizes``: padded request counts to capture graphs for (and pad eager runs
+      to); the largest bounds an example's requests. ``None``: the engine's (1, 2, 4, 8).
+    - ``reproduce``: run exactly this example (a blob from a failure's reproduce command);
+      it must fit the run's limits, and cannot be combined with ``dp_size > 1``.
+    - ``audit_claims``: for a backend the matrix does not allow to fuse under the config,
+      also run the fused path and report whether the claim is too strict or confirmed.
+    - ``example_timeout``: seconds without progress before a worker counts as hung.
+
+    Bad input raises :class:`VerifyInputError` or
+    :class:`~speccheck.contract.matrix_loader.MatrixError` before any worker starts.
+    """
+    return plan_verification(
+        backend, config=config, matrix=matrix, examples=examples, seed=seed, steps=steps,
+        capture_sizes=capture_sizes, reproduce=reproduce, audit_claims=audit_claims,
+        example_timeout=example_timeout,
+    ).run()
+
+
+def _overrides(config: RuntimeConfig | Mapping[str, Any] | None) -> dict[str, object]:
+    """The runtime fields given, validated, in :data:`VERIFY_FIELDS` order."""
+    if config is None:
+        return {}
+    if isinstance(config, RuntimeConfig):
+        given: Mapping[str, Any] = {name: getattr(config, name) for name in config.model_fields_set}
+    else:
+        given = config
+    fixed = sorted(set(given) - set(VERIFY_FIELDS))
+    if fixed:
+        raise VerifyInputError(
+            f"config: {', '.join(fixed)} cannot be given to a verification (platform, compute "
+            "capability and graph mode come from the machine); allowed: "
+            f"{', '.join(VERIFY_FIELDS)}")
+    try:
+        RuntimeConfig(**given)
+    except ValidationError as exc:
+        raise VerifyInputError("config: " + "; ".join(
+            f"{'.'.join(map(str, error['loc']))} "
+            f"{error['msg'].replace('Input should be', 'should be', 1)}, got {error['input']!r}"
+            for error in exc.errors())) from None
+    return {name: given[name] for name in VERIFY_FIELDS if name in given}
+
+
+def _steps(steps: Sequence[int] | None, overrides: Mapping[str, object]) -> tuple[int, ...]:
+    if steps is None:
+        k = overrides.get("num_speculative_steps")
+        return (k,) if isinstance(k, int) else DEFAULT_STEPS
+    if "num_speculative_steps" in overrides:
+        raise VerifyInputError("give steps or config num_speculative_steps, not both")
+    chosen = tuple(steps)
+    if not chosen or any(not isinstance(k, int) or k < 1 for k in chosen):
+        raise VerifyInputError(f"steps must be draft step counts of at least 1, got {list(chosen)}")
+    return chosen
+
+
+def _capture_sizes(sizes: Sequence[int] | None) -> tuple[int, ...] | None:
+    """Distinct request counts, ascending, each from 1 to the most requests an example may
+    have."""
+    from speccheck.checks.verify.examples import MAX_REQUESTS
+
+    if sizes is None:
+        return None
+    chosen = sorted(set(sizes))
+    if not chosen or any(not isinstance(n, int) or not 1 <= n <= MAX_REQUESTS for n in chosen):
+        raise VerifyInputError(f"capture_sizes: request counts must lie in 1..{MAX_REQUESTS}, "
+                               f"got {list(sizes)}")
+    return tuple(chosen)
+
+
+def _check_reproduce(
+    blob: str, backend: str, config: RuntimeConfig, capture_sizes: tuple[int, ...] | None,
+    matrices: MatrixContext, tier: Tier,
+) -> None:
+    """A ``reproduce`` blob must be an example that fits this run's limits (the engine's
+    own check, ``BackendVerifier.example_problem``, on the settings the workers get; the
+    limits do not depend on the backend), in a single-rank run."""
+    import torch
+
+    from speccheck.checks.verify.engine import (
+        DEFAULT_CAPTURE_SIZES,
+        BackendVerifier,
+        VerifySettings,
+    )
+    from speccheck.checks.verify.examples import decode_example
+
+    if config.dp_size > 1:
+        raise VerifyInputError("--reproduce runs one example in one worker; it cannot be "
+                               "combined with --dp-size")
+    try:
+        example = decode_example(blob)
+    except ValueError as exc:
+        raise VerifyInputError(str(exc)) from None
+    settings = VerifySettings(backend, config, capture_sizes=capture_sizes or DEFAULT_CAPTURE_SIZES,
+                              matrices=matrices)
+    device = torch.device("cuda" if tier is Tier.GPU else "cpu")
+    problem = BackendVerifier(settings, device).example_problem(example)
+    if problem is not None:
+        raise VerifyInputError(problem)
+
+
+def _named_backends(backend: str, matrices: MatrixContext) -> tuple[str, ...]:
+    if backend == "all":
+        return matrices.matrix.names
+    if backend not in matrices.matrix.names:
+        raise VerifyInputError(
+            f"unknown backend {backend!r}; valid: {', '.join(matrices.matrix.names)}, all")
+    return (backend,)
+
+
+def _declared_backend(cls: object, matrices: MatrixContext) -> str:
+    """The entry name of builder class ``cls``: its ``backend_name``, whose entry must name
+    ``cls`` itself as its implementation (see :func:`verify`)."""
+    from speccheck.contract.builder import AttentionMetadataBuilder
+    from speccheck.speculator.attention_setup import builder_class
+
+    if not (isinstance(cls, type) and issubclass(cls, AttentionMetadataBuilder)):
+        raise VerifyInputError(f"backend must be a backend name or an AttentionMetadataBuilder "
+                               f"subclass, got {cls!r}")
+    name = getattr(cls, "backend_name", None)
+    where = f"{cls.__module__}:{cls.__qualname__}"
+    if not isinstance(name, str) or name not in matrices.matrix.names:
+        source = matrices.path or "the shipped matrix and the installed plug-ins"
+        raise VerifyInputError(
+            f"{cls.__qualname__}.backend_name is {name!r}, which no entry of {source} declares; "
+            f"valid: {', '.join(matrices.matrix.names)}")
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        raise VerifyInputError(
+            f"{where} cannot be imported by a worker process, which imports builders by "
+            "'module:Class': define it at the top level of an importable module and name "
+            f"that path in the matrix entry {name!r} (implementation)")
+    declared = matrices.matrix.backend(name).implementation
+    try:
+        found = builder_class(name, matrices.matrix)
+    except Exception as exc:  # the adapter's own import: any failure is reported as input
+        raise VerifyInputError(f"the matrix entry {name!r} names implementation {declared!r}, "
+                               f"which cannot be loaded: {type(exc).__name__}: {exc}") from None
+    if found is not cls:
+        raise VerifyInputError(
+            f"the matrix entry {name!r} names implementation {declared!r}, not {where}; the "
+            "worker process runs the class the entry names, so point its implementation at "
+            f"{where} (or verify by name)")
+    return name

@@ -1,0 +1,172 @@
+"""The public Python API (``speccheck.verify``, ``load_matrix``, ``resolve``, re-exported
+lazily at the package root): what ``import speccheck`` costs, bad input, and a real
+verification through its worker process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import speccheck
+from speccheck.checks.api import (
+    EXIT_FAILED,
+    EXIT_NOTHING_VERIFIED,
+    EXIT_PASSED,
+    VerifyReport,
+    plan_verification,
+)
+from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.vocabulary import Check, Status, Tier
+from speccheck.contract.runtime_config import RuntimeConfig
+from tests.fixtures.adapters.out_of_tree import PlusOneBuilder
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT_OF_TREE = ROOT / "tests" / "fixtures" / "adapters" / "out_of_tree.yaml"
+
+
+class RenamedPlusOne(PlusOneBuilder):
+    """Claims the entry ``plus_one``, which names :class:`PlusOneBuilder`, not this class."""
+
+
+def test_import_is_fast_and_torch_free() -> None:
+    timed = subprocess.run([sys.executable, "-X", "importtime", "-c", "import speccheck"],
+                           capture_output=True, text=True, check=True)
+    modules = {line.split("|")[-1].strip() for line in timed.stderr.splitlines()}
+    assert "speccheck" in modules and not any(m.split(".")[0] == "torch" for m in modules)
+    used = subprocess.run(
+        [sys.executable, "-c", "import sys, speccheck; "
+         "m = speccheck.load_matrix(); speccheck.resolve(m, speccheck.RuntimeConfig()); "
+         "speccheck.VerifyReport; print('torch' in sys.modules)"],
+        capture_output=True, text=True, check=True)
+    assert used.stdout.strip() == "False"
+
+
+def test_every_public_name_resolves() -> None:
+    for name in speccheck.__all__:
+        assert getattr(speccheck, name) is not None, name
+        assert name in dir(speccheck)
+    assert speccheck.resolve is speccheck.contract.resolution.resolve_matrix
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        speccheck.nope  # noqa: B018
+
+
+def test_resolve_a_matrix_against_a_config() -> None:
+    by_name = {r.name: r for r in speccheck.resolve(speccheck.load_matrix(OUT_OF_TREE),
+                                                    RuntimeConfig(dcp_world_size=2))}
+    assert not by_name["plus_one"].fused_multi_step
+    assert by_name["plus_one"].reason.startswith("requires dcp_world_size == 1")
+
+
+@pytest.mark.parametrize(("backend", "kwargs", "message"), [
+    ("nope", {}, "unknown backend 'nope'; valid: reference, "),
+    ("reference", {"examples": 0}, "examples must be at least 1, got 0"),
+    ("reference", {"config": {"platform": "cuda"}},
+     "config: platform cannot be given to a verification (platform, compute capability and "
+     "graph mode come from the machine); allowed: dcp_world_size, "),
+    ("reference", {"config": {"dcp_world_size": 0, "dtype": "fp64"}},
+     "config: dcp_world_size should be greater than or equal to 1, got 0; dtype should be "
+     "'bfloat16', 'float16' or 'float32', got 'fp64'"),
+    ("reference", {"config": {"num_speculative_steps": 3}, "steps": [2]},
+     "give steps or config num_speculative_steps, not both"),
+    ("reference", {"steps": [0, 2]}, "steps must be draft step counts of at least 1, got [0, 2]"),
+    ("reference", {"reproduce": "not-a-blob"}, "--reproduce: not an example blob"),
+    ("reference", {"reproduce": "not-a-blob", "config": {"dp_size": 2}},
+     "--reproduce runs one example in one worker; it cannot be combined with --dp-size"),
+    ("reference", {"capture_sizes": [0, 4]},
+     "capture_sizes: request counts must lie in 1..1024, got [0, 4]"),
+    (RenamedPlusOne, {"matrix": OUT_OF_TREE},
+     "the matrix entry 'plus_one' names implementation "
+     "'tests.fixtures.adapters.out_of_tree:PlusOneBuilder', not "),
+    (PlusOneBuilder, {}, "PlusOneBuilder.backend_name is 'plus_one', which no entry of the "
+     "shipped matrix and the installed plug-ins declares"),
+    (int, {}, "backend must be a backend name or an AttentionMetadataBuilder subclass"),
+])
+def test_bad_input_is_one_line_before_any_worker(
+    backend: object, kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(speccheck.VerifyInputError) as caught:
+        plan_verification(backend, **kwargs)  # type: ignore[arg-type]
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_a_class_defined_in_a_function_cannot_reach_a_worker() -> None:
+    class Local(PlusOneBuilder):
+        pass
+
+    with pytest.raises(speccheck.VerifyInputError, match="cannot be imported by a worker "
+                       "process, which imports builders by 'module:Class'"):
+        plan_verification(Local, matrix=OUT_OF_TREE)
+
+
+def test_a_bad_matrix_is_a_matrix_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 2\n")
+    with pytest.raises(speccheck.MatrixError, match=r"bad.yaml:1: "):
+        speccheck.verify("reference", matrix=bad)
+
+
+def test_plan_settles_the_tier_config_and_reproduce_command() -> None:
+    plan = plan_verification("plus_one", matrix=OUT_OF_TREE, capture_sizes=[4, 1, 4],
+                             config=RuntimeConfig(num_speculative_steps=3, dcp_world_size=1))
+    assert plan.names == ("plus_one",) and plan.steps == (3,) and plan.capture_sizes == (1, 4)
+    assert plan.config.platform == ("cuda" if plan.tier is Tier.GPU else "cpu")
+    assert dict(plan.overrides) == {"dcp_world_size": 1, "num_speculative_steps": 3}
+    assert plan.reproduce_prefix("plus_one") == (
+        f"speccheck verify --backend plus_one --seed 0 --matrix {OUT_OF_TREE} "
+        "--capture-sizes 1,4 --dcp-world-size 1 --num-speculative-steps 3")
+    assert plan_verification("reference").steps == tuple(range(2, 9))
+
+
+def test_verify_a_builder_class_in_its_worker() -> None:
+    report = speccheck.verify(PlusOneBuilder, matrix=OUT_OF_TREE, examples=3,
+                              config={"num_speculative_steps": 2})
+    assert (report.status, report.passed, report.exit_code) == (Status.PASSED, True, EXIT_PASSED)
+    assert report.matrix == OUT_OF_TREE and report.config.num_speculative_steps == 2
+    (backend,) = report.backends
+    assert backend.backend == "plus_one" and backend.examples == 3
+    verdicts = {v.check: v for v in report.verdicts("plus_one")}
+    assert verdicts[Check.STEP_METADATA].status is Status.PASSED
+    assert verdicts[Check.DP_TOKEN_COUNT].status is Status.SKIPPED
+    assert report.summary_lines() == []
+
+
+def _report(*backends: BackendReport) -> VerifyReport:
+    return VerifyReport(backends, Tier.CPU, "CPU", RuntimeConfig(), None)
+
+
+def test_overall_status_and_exit_code_follow_the_command() -> None:
+    passed = BackendReport("a", Tier.CPU, Status.PASSED, fused_allowed=True)
+    skipped = BackendReport("b", Tier.NONE, Status.SKIPPED, detail="runs on cuda")
+    crashed = BackendReport("c", Tier.CPU, Status.CRASHED, detail="worker exited with status 139")
+    assert _report(passed, skipped).exit_code == EXIT_PASSED
+    assert _report(skipped).status is Status.SKIPPED
+    assert _report(skipped).exit_code == EXIT_NOTHING_VERIFIED
+    assert _report(passed, crashed).exit_code == EXIT_FAILED
+    assert _report(passed, crashed).summary_lines() == [
+        "c: crashed: worker exited with status 139"]
+    assert {v.status for v in _report(skipped).verdicts("b")} == {Status.SKIPPED}
+    with pytest.raises(KeyError, match="'z' was not verified; verified: a"):
+        _report(passed).backend("z")
+
+
+def test_a_failed_check_carries_its_diagnosis_and_reproduce_command() -> None:
+    failed = BackendReport("a", Tier.CPU, Status.FAILED, fused_allowed=True,
+                           failures=[Failure(Check.STEP_METADATA, "fused_eager: stale kv_lens",
+                                             "fused_eager", 2, "a.metadata.kv_lens")],
+                           minimal_example={"num_speculative_steps": 2},
+                           reproduce="speccheck verify --backend a --reproduce BLOB")
+    failed.checks[Check.DRAFT_TOKENS].passed = 4
+    report = _report(failed)
+    verdicts = {v.check: v for v in report.verdicts("a")}
+    assert verdicts[Check.STEP_METADATA].message.splitlines() == [
+        "a: step_metadata failed on the CPU tier, on the minimal example:",
+        "  fused_eager: stale kv_lens",
+        'minimal example: {"num_speculative_steps": 2}',
+        "reproduce: speccheck verify --backend a --reproduce BLOB",
+    ]
+    assert verdicts[Check.DRAFT_TOKENS].status is Status.PASSED
+    assert report.summary_lines()[0] == (
+        "FAIL a step_metadata step 2 field a.metadata.kv_lens: fused_eager: stale kv_lens")
