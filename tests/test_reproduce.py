@@ -210,8 +210,8 @@ def test_the_worker_rejects_an_example_outside_the_limits_as_bad_input() -> None
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--capture-sizes", "1,x"], "--capture-sizes: expected comma-separated request counts"),
-    (["--capture-sizes", "0,2"], "--capture-sizes: request counts must lie in 1..1024"),
-    (["--capture-sizes", "2," + "9" * 5000], "--capture-sizes: request counts must lie in 1..1024"),
+    (["--capture-sizes", "0,2"], "capture_sizes: request counts must lie in 1..1024"),
+    (["--capture-sizes", "2," + "9" * 5000], "capture_sizes: request counts must lie in 1..1024"),
     (["--dp-size", "2", "--reproduce", "eJwDAAAAAAE="],
      "--reproduce runs one example in one worker; it cannot be combined with --dp-size"),
 ])

@@ -1,18 +1,17 @@
-"""``speccheck verify``: verify backends in their own processes and report the results.
+"""``speccheck verify``: the command over :mod:`speccheck.checks.api`.
 
-Importing this module does not import torch: the command imports the verify engine when it
-runs, so ``speccheck matrix``, ``docs`` and ``schema`` start without it.
+The command parses options, checks its output paths, plans the verification with
+:func:`~speccheck.checks.api.plan_verification` (bad input: one line on stderr, exit 2,
+before any worker starts), shows progress (a live bar on a terminal, a plain line per
+backend every few seconds in logs), prints the summary and writes the JSON and JUnit
+reports. What runs, and how, is the API's: the command holds no verification logic.
 
-A ``--reproduce`` example is checked against the run's limits before any worker starts
-(exit 2, one line naming the limit and the option that raises it). A failure's reproduce
-command is re-run in a fresh worker before it is printed, and the summary says whether it
-failed the same way there. Without a terminal, progress is a plain line per backend every
-few seconds instead of a live bar.
+Importing this module does not import torch, so ``speccheck matrix``, ``docs`` and
+``schema`` start without it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import subprocess
@@ -27,43 +26,26 @@ from rich.console import Console
 from rich.table import Table
 
 from speccheck import __version__
+from speccheck.checks.api import (
+    EXIT_BAD_INPUT,
+    TIER_DEFAULTS,
+    VERIFY_FIELDS,
+    VerifyInputError,
+    plan_verification,
+)
 from speccheck.checks.cli.paths import output_path_problem
 from speccheck.checks.cli.runtime_options import (
     MatrixPathOption,
     RuntimeOverrides,
     build_runtime_config,
-    runtime_flags,
     with_runtime_options,
 )
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.runtime_config import RuntimeConfig
 
 if TYPE_CHECKING:
-    from speccheck.checks.verify.context import MatrixContext
-    from speccheck.checks.verify.examples import Example
-    from speccheck.checks.verify.report import BackendReport
+    from speccheck.checks.api import VerifyReport
     from speccheck.checks.verify.runner import ProgressDisplay
-
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_NOTHING_VERIFIED = 3
-
-TIER_DEFAULTS: dict[Tier, dict[str, object]] = {
-    Tier.GPU: {"platform": "cuda", "cudagraph_mode": "full", "dtype": "bfloat16",
-               "head_size": 128, "num_heads": 16, "num_kv_heads": 4, "block_size": 16,
-               "max_model_len": 1024},
-    Tier.CPU: {"platform": "cpu", "cudagraph_mode": "none", "dtype": "float32",
-               "head_size": 32, "num_heads": 4, "num_kv_heads": 2, "block_size": 4,
-               "max_model_len": 64},
-}
-"""Runtime defaults per tier, overridden by any option given: a small drafter on the CPU,
-a realistic head layout on the GPU."""
-
-VERIFY_FIELDS = ("dcp_world_size", "dp_size", "num_speculative_steps", "block_size",
-                 "max_model_len", "kv_cache_dtype", "dtype", "head_size", "num_heads",
-                 "num_kv_heads")
-"""The runtime options ``verify`` takes; platform, compute capability and graph mode come
-from the machine."""
 
 
 def _shown_default(field: str) -> str:
@@ -121,10 +103,6 @@ def verify_command(
 ) -> None:
     """Capture real CUDA graphs (or, without CUDA, run the CPU tier), replay them on
     hypothesis-drawn batches and compare with eager per-step metadata rebuilds."""
-    import torch
-
-    from speccheck.checks.verify.context import MatrixContext
-    from speccheck.checks.verify.examples import BadExample, decode_example
     from speccheck.contract.matrix_loader import MatrixError
 
     for flag, path in (("--json", json_path), ("--junit", junit)):
@@ -132,123 +110,42 @@ def verify_command(
         if unwritable is not None:
             raise _bad_input(f"{flag}: {unwritable}")
     sizes = _parse_capture_sizes(capture_sizes) if capture_sizes is not None else None
-    tier = Tier.GPU if torch.cuda.is_available() else Tier.CPU
-    config = build_runtime_config(runtime, TIER_DEFAULTS[tier])
+    build_runtime_config(runtime)  # flag-named errors for bad values (exit 2)
     try:
-        matrices = MatrixContext.load(matrix_path)
+        plan = plan_verification(
+            backend, config=runtime, matrix=matrix_path, examples=examples, seed=seed,
+            capture_sizes=sizes, reproduce=reproduce, audit_claims=audit_claims,
+            example_timeout=example_timeout)
     except MatrixError as exc:
         for problem in exc.problems:
             _stderr().print(problem.render(), markup=False)
         raise typer.Exit(EXIT_BAD_INPUT) from None
-    names = list(matrices.matrix.names) if backend == "all" else [backend]
-    if backend != "all" and backend not in matrices.matrix.names:
-        raise _bad_input(f"unknown backend {backend!r}; valid: {', '.join(matrices.matrix.names)}, all")
-    if reproduce is not None:
-        if config.dp_size > 1:
-            raise _bad_input("--reproduce runs one example in one worker; it cannot be combined "
-                             "with --dp-size")
-        try:
-            example = decode_example(reproduce)
-        except ValueError as exc:
-            raise _bad_input(str(exc)) from None
-        unfit = _example_problem(example, names[0], config, sizes, matrices, tier)
-        if unfit is not None:
-            raise _bad_input(unfit)
+    except VerifyInputError as exc:
+        raise _bad_input(str(exc)) from None
     console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 150)
-    device = torch.cuda.get_device_name() if tier is Tier.GPU else "CPU"
-    console.print(TIER_LINE[tier].format(device=device), markup=False)
+    console.print(TIER_LINE[plan.tier].format(device=plan.device), markup=False)
     console.print("runtime config: " + ", ".join(
-        f"{name}={value}" for name, value in config.model_dump().items()), markup=False)
-    notes: dict[str, str] = {}
-    if config.dp_size > 1:
-        reports = [_verify_data_parallel(name, config, matrices, examples, seed, tier, console)
-                   for name in names]
-    else:
-        steps = ((config.num_speculative_steps,) if "num_speculative_steps" in runtime
-                 else tuple(range(2, 9)))
-        sizes_flag = f" --capture-sizes {','.join(map(str, sizes))}" if sizes else ""
-        prefix = (f"speccheck verify --seed {seed}{matrices.flag}{sizes_flag} "
-                  f"{runtime_flags(runtime)}").strip()
+        f"{name}={value}" for name, value in plan.config.model_dump().items()), markup=False)
+    if plan.config.dp_size > 1:
+        for name in plan.names:
+            console.print(f"{name}: data-parallel DFlash drafting on {plan.config.dp_size} ranks",
+                          markup=False)
+    with _progress_display(console) as progress:
         try:
-            reports, notes = _verify_in_workers(
-                names, config, matrices, examples, seed, steps, reproduce, prefix,
-                example_timeout, tier, audit_claims, sizes, console)
-        except BadExample as exc:
+            result = plan.run(progress)
+        except VerifyInputError as exc:
             raise _bad_input(str(exc)) from None
-    _finish(console, reports, json_path, junit, tier, device, matrices, notes)
+    _finish(console, result, json_path, junit)
 
 
 def _parse_capture_sizes(text: str) -> tuple[int, ...]:
-    """``"1,2,4,8"`` -> ``(1, 2, 4, 8)``: distinct request counts, 1 up to the most requests
-    an example may have, ascending; anything else is bad input (exit 2)."""
-    from speccheck.checks.verify.examples import MAX_REQUESTS
-
+    """``"1,2,4,8"`` -> ``(1, 2, 4, 8)``; text that is not comma-separated counts is bad
+    input (exit 2). The API checks the range."""
     parts = [part.strip() for part in text.split(",")]
     if not all(part.isdecimal() and part.isascii() for part in parts):
         raise _bad_input(f"--capture-sizes: expected comma-separated request counts such as "
                          f"1,2,4,8, got {text!r}")
-    digits = len(str(MAX_REQUESTS))
-    sizes = sorted({int(part) if len(part) <= digits else MAX_REQUESTS + 1 for part in parts})
-    if sizes[0] < 1 or sizes[-1] > MAX_REQUESTS:
-        raise _bad_input(f"--capture-sizes: request counts must lie in 1..{MAX_REQUESTS}, "
-                         f"got {text!r}")
-    return tuple(sizes)
-
-
-def _example_problem(
-    example: Example, backend: str, config: RuntimeConfig,
-    capture_sizes: tuple[int, ...] | None, matrices: MatrixContext, tier: Tier,
-) -> str | None:
-    """Why the ``--reproduce`` example does not fit this run (one line naming the limit
-    and the option that raises it), before any worker starts: the engine's own check
-    (``BackendVerifier.example_problem``) on the settings the workers will get. The
-    limits do not depend on the backend."""
-    import torch
-
-    from speccheck.checks.verify.engine import (
-        DEFAULT_CAPTURE_SIZES,
-        BackendVerifier,
-        VerifySettings,
-    )
-
-    settings = VerifySettings(backend, config, capture_sizes=capture_sizes or DEFAULT_CAPTURE_SIZES,
-                              matrices=matrices)
-    device = torch.device("cuda" if tier is Tier.GPU else "cpu")
-    return BackendVerifier(settings, device).example_problem(example)
-
-
-def _verify_in_workers(
-    names: list[str], config: RuntimeConfig, matrices: MatrixContext, examples: int, seed: int,
-    steps: tuple[int, ...], reproduce: str | None, prefix: str, example_timeout: float,
-    tier: Tier, audit_claims: bool, capture_sizes: tuple[int, ...] | None, console: Console,
-) -> tuple[list[BackendReport], dict[str, str]]:
-    """One worker per backend; with ``audit_claims``, a second worker runs the fused path
-    of each backend that the matrix does not allow to fuse. A failure's reproduce command
-    is re-run in a fresh worker (:func:`~speccheck.checks.verify.runner.confirm_reproduce`).
-    Returns the reports, and for each backend whose reproduce command did not fail the
-    same way there, why not."""
-    from speccheck.checks.verify.report import ClaimAudit
-    from speccheck.checks.verify.runner import confirm_reproduce, run_worker, worker_request
-
-    reports, notes = [], {}
-    with _progress_display(console) as progress:
-        for name in names:
-            reproduce_prefix = prefix.replace("speccheck verify", f"speccheck verify --backend {name}", 1)
-            request = worker_request(name, config, examples, seed, steps, reproduce,
-                                     reproduce_prefix, matrices.path, capture_sizes)
-            report = run_worker(request, progress, example_timeout, tier)
-            why = confirm_reproduce(request, report, progress, example_timeout, tier)
-            if why is not None:
-                notes[name] = why
-            if audit_claims and not report.fused_allowed and report.status in (Status.PASSED, Status.FAILED):
-                audit_request = {**request, "claim_fused": True,
-                                 "reproduce_prefix": reproduce_prefix + " --audit-claims"}
-                audited = run_worker(audit_request, progress, example_timeout, tier,
-                                     label=f"{name} audit")
-                report.claim_audit = ClaimAudit(audited.status, audited.examples,
-                                                audited.failures, audited.detail)
-            reports.append(report)
-    return reports, notes
+    return tuple(int(part) if len(part) <= 9 else 10**9 for part in parts)  # API: out of range
 
 
 @contextmanager
@@ -273,51 +170,12 @@ def _progress_display(console: Console) -> Iterator[ProgressDisplay]:
         yield progress
 
 
-def _verify_data_parallel(
-    name: str, config: RuntimeConfig, matrices: MatrixContext, examples: int, seed: int,
-    tier: Tier, console: Console,
-) -> BackendReport:
-    """``--dp-size N``: the DFlash drafter on N real ranks (their own processes), each with
-    a different real batch size, in eager mode and, with CUDA, in FULL mode."""
-    from speccheck.checks.verify.data_parallel import verify_dp
-    from speccheck.checks.verify.report import BackendReport
-    from speccheck.speculator.dp_launch import RankError
-
-    console.print(f"{name}: data-parallel DFlash drafting on {config.dp_size} ranks", markup=False)
-    try:
-        return verify_dp(name, config, config.dp_size, examples=examples, seed=seed,
-                         matrices=matrices).to_report()
-    except RankError as exc:
-        return BackendReport(name, tier, Status.CRASHED, detail=str(exc))
-
-
-def _finish(
-    console: Console, reports: list[BackendReport], json_path: Path | None, junit: Path | None,
-    tier: Tier, device: str, matrices: MatrixContext, notes: dict[str, str],
-) -> None:
-    """Print the summary, write the reports, and exit with a status CI can trust.
-    ``notes``: why a backend's reproduce command did not fail the same way in a fresh
-    worker."""
+def _finish(console: Console, result: VerifyReport, json_path: Path | None,
+            junit: Path | None) -> None:
+    """Print the summary, write the reports, and exit with a status CI can trust."""
     from speccheck.checks.verify.report import write_json, write_junit
 
-    _print_summary(console, reports, notes)
-    if json_path:
-        write_json(reports, json_path, {
-            "speccheck": __version__, "commit": _commit(), "tier": tier.value, "device": device,
-            "command": "speccheck verify " + shlex.join(sys.argv[2:]),
-        })
-    if junit:
-        write_junit(reports, junit, str(matrices.path or "matrix.yaml"))
-    statuses = {r.status for r in reports}
-    if statuses & {Status.FAILED, Status.CRASHED}:
-        raise typer.Exit(EXIT_FAILED)
-    if Status.PASSED not in statuses:
-        raise typer.Exit(EXIT_NOTHING_VERIFIED)
-
-
-def _print_summary(
-    console: Console, reports: list[BackendReport], notes: dict[str, str]
-) -> None:
+    reports = list(result.backends)
     table = Table(title="speccheck verify")
     for column in ("backend", "tier", "status", "fused", "examples", "passed", "failed",
                    "indeterminate", "capture s", "total s"):
@@ -332,35 +190,15 @@ def _print_summary(
         table.add_row(r.backend, r.tier.value, r.status.value, fused, str(r.examples), str(passed),
                       str(failed), str(indet), f"{r.capture_seconds:.1f}", f"{r.seconds:.1f}")
     console.print(table)
-    for r in reports:
-        if not r.fused_allowed and r.status in (Status.PASSED, Status.FAILED):
-            how = ("host_preplanned path verified against the per-step oracle"
-                   if any(c.startswith("preplanned") for c in r.candidates)
-                   else "verified on the per-step path only")
-            console.print(f"{r.backend}: fused: not allowed ({r.fused_reason}); {how}", markup=False)
-        if r.claim_audit is not None:
-            console.print(f"{r.backend}: audit: {r.claim_audit.verdict}", markup=False)
-        if r.status in (Status.SKIPPED, Status.CRASHED):
-            console.print(f"{r.backend}: {r.status.value}: {r.detail}", markup=False)
-        for f in r.failures:
-            where = "".join(
-                [f" step {f.step}" if f.step is not None else "", f" field {f.field}" if f.field else ""]
-            )
-            console.print(f"FAIL {r.backend} {f.check}{where}: {f.diagnosis}", markup=False)
-        if r.minimal_example is not None:
-            console.print(f"minimal example: {json.dumps(r.minimal_example)}", markup=False,
-                          soft_wrap=True)
-        if r.reproduce:
-            console.print(f"{_reproduce_label(r, notes)}: {r.reproduce}", markup=False,
-                          soft_wrap=True)
+    for line in result.summary_lines():
+        console.print(line, markup=False, soft_wrap=True)
     console.print(f"checks: {', '.join(check.value for check in Check)}", markup=False)
-
-
-def _reproduce_label(report: BackendReport, notes: dict[str, str]) -> str:
-    """``reproduce``, saying whether the command failed the same way in a fresh worker."""
-    if report.reproduced is None:
-        return "reproduce"
-    if report.reproduced:
-        return "reproduce (checked: fails the same way in a fresh worker)"
-    why = notes.get(report.backend, "it ended differently there")
-    return f"reproduce (NOT reproduced in a fresh worker: {why})"
+    if json_path:
+        write_json(reports, json_path, {
+            "speccheck": __version__, "commit": _commit(), "tier": result.tier.value,
+            "device": result.device, "command": "speccheck verify " + shlex.join(sys.argv[2:]),
+        })
+    if junit:
+        write_junit(reports, junit, str(result.matrix or "matrix.yaml"))
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
