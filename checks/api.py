@@ -20,6 +20,7 @@ find the tier), and the workers do.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ from speccheck.contract.runtime_config import RuntimeConfig
 if TYPE_CHECKING:
     from speccheck.checks.verify.runner import ProgressDisplay
     from speccheck.contract.builder import AttentionMetadataBuilder
+
+logger = logging.getLogger(__name__)
 
 EXIT_PASSED = 0
 EXIT_FAILED = 1
@@ -323,6 +326,7 @@ def plan_verification(
         names = _named_backends(backend, matrices)
     else:
         names = (_declared_backend(backend, matrices),)
+    _preflight(names, matrices)
     if reproduce is not None:
         _check_reproduce(reproduce, names[0], effective, sizes, matrices, tier)
     return VerifyPlan(names, effective, overrides, matrices, tier, device, examples, seed,
@@ -456,6 +460,30 @@ def _check_reproduce(
     problem = BackendVerifier(settings, device).example_problem(example)
     if problem is not None:
         raise VerifyInputError(problem)
+
+
+def _preflight(names: Sequence[str], matrices: MatrixContext) -> None:
+    """Before any worker starts: every named entry with an implementation imports, and
+    names an :class:`~speccheck.contract.builder.AttentionMetadataBuilder` subclass. A
+    failure is one line (the traceback is logged at debug level: ``speccheck -v``); an
+    entry without an implementation is left to the worker, which reports it skipped."""
+    from speccheck.contract.builder import AttentionMetadataBuilder
+    from speccheck.speculator.attention_setup import builder_class
+
+    for name in names:
+        declared = matrices.matrix.backend(name).implementation
+        if declared is None:
+            continue
+        try:
+            found: object = builder_class(name, matrices.matrix)
+        except Exception as exc:  # the adapter's own import: any failure is bad input
+            logger.debug("importing %s failed", declared, exc_info=True)
+            first = (str(exc).splitlines() or [""])[0]
+            raise VerifyInputError(f"{name}: implementation {declared!r} cannot be imported: "
+                                   f"{type(exc).__name__}: {first}") from None
+        if not (isinstance(found, type) and issubclass(found, AttentionMetadataBuilder)):
+            raise VerifyInputError(f"{name}: implementation {declared!r} is not an "
+                                   "AttentionMetadataBuilder subclass")
 
 
 def _named_backends(backend: str, matrices: MatrixContext) -> tuple[str, ...]:

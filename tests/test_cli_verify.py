@@ -207,3 +207,14 @@ def test_audit_confirms_a_claim_whose_fused_path_fails(tmp_path: Path) -> None:
     (backend,) = json.loads(out.read_text())["backends"]
     assert backend["claim_audit"]["status"] == "failed"
     assert backend["claim_audit"]["failures"][0]["check"] == "refresh_error"
+
+
+def test_an_adapter_that_fails_to_import_is_bad_input_before_any_worker() -> None:
+    matrix = ROOT / "tests" / "fixtures" / "adapters" / "broken_import.yaml"
+    proc = _verify("--backend", "broken_import", "--matrix", str(matrix))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == ("broken_import: implementation 'tests.fixtures.adapters.broken_import:Builder' "
+                    "cannot be imported: ImportError: cannot import name 'flash_attn_varlen' "
+                    "from 'my_kernels'")
