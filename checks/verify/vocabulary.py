@@ -54,13 +54,15 @@ class Check(enum.StrEnum):
     KV_CACHE = (
         "kv_cache",
         "the expected slots hold the oracle's values; nothing else changed, except the sink "
-        "block (so no padding lane and no stale slot mapping wrote a live slot)",
+        "block (so no padding lane and no stale slot mapping wrote a live slot); every padding "
+        "lane's slot mapping points at the sink (a stray write names the slot and the lane)",
     )
     STEP_METADATA = (
         "step_metadata",
         "before every draft step, every tensor reachable from the metadata and the builder's "
         "persistent buffers equals the oracle's fresh eager build for that step (snapshotted "
-        "with in-place copies inside the captured graph)",
+        "with in-place copies inside the captured graph), and so does every host value "
+        "reachable from the metadata (a graph's are those it was captured with)",
     )
     DECLARED_FIELDS = (
         "declared_fields",
@@ -92,7 +94,8 @@ class Check(enum.StrEnum):
     ZERO_TAILS = (
         "zero_tails",
         "rows of a persistent buffer past what the metadata uses are zero (builders declare "
-        "the extents)",
+        "the extents); every example starts with those buffers poisoned, so a stale tail fails "
+        "in a fresh worker too",
     )
     GUARD_BANDS = (
         "guard_bands",
