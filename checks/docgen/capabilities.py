@@ -36,14 +36,14 @@ def install_hint(package: PythonPackage) -> str:
     return f"pip install {package.distribution}"
 
 
-def fused_in_words(entry: BackendEntry) -> str:
+def fused_in_words(entry: BackendEntry, status: AdapterStatus) -> str:
     """``supported`` for a table cell: "yes", "no" or "when <condition in words>"; a claim
     with no adapter behind it reads "declared, unverified" (and its condition)."""
     draft = entry.draft_decode
     if draft.supported is False:
         return "no"
     claim = "yes" if draft.supported is True else f"when {describe_condition(draft.supported)}"
-    if adapter_status(entry) is not AdapterStatus.FOUND:
+    if status is not AdapterStatus.FOUND:
         return "declared, unverified" + ("" if draft.supported is True else f" ({claim})")
     return claim
 
@@ -66,6 +66,7 @@ def _cell(text: str) -> str:
 
 def render_capability_docs(matrix: Matrix) -> str:
     """The whole Markdown document for ``matrix``, ending with one newline."""
+    statuses = {entry.name: adapter_status(entry) for entry in matrix.backends}
     lines = [
         HEADER,
         "",
@@ -85,7 +86,7 @@ def render_capability_docs(matrix: Matrix) -> str:
             ", ".join(entry.platforms),
             _compute_capability(entry),
             f"`{entry.cudagraph_support.value}`",
-            fused_in_words(entry),
+            fused_in_words(entry, statuses[entry.name]),
             f"`{entry.draft_decode.refresh_strategy.value}`",
             f"`{entry.package.distribution}`",
         ]
@@ -96,7 +97,7 @@ def render_capability_docs(matrix: Matrix) -> str:
     lines += [f"- `{strategy.value}`: {strategy.description}" for strategy in RefreshStrategy]
     lines += ["", *_runtime_config_lines()]
     for entry in matrix.backends:
-        lines += ["", *_backend_section(entry)]
+        lines += ["", *_backend_section(entry, statuses[entry.name])]
     return "\n".join(lines) + "\n"
 
 
@@ -121,9 +122,8 @@ def _runtime_config_lines() -> list[str]:
     return lines
 
 
-def _backend_section(entry: BackendEntry) -> list[str]:
+def _backend_section(entry: BackendEntry, status: AdapterStatus) -> list[str]:
     lines = [f"## {entry.name}", "", f"**{entry.display_name}.** {entry.description}", ""]
-    status = adapter_status(entry)
     if status is AdapterStatus.FOUND:
         lines.append(f"- Implementation: `{entry.implementation}`")
     elif status is AdapterStatus.NOT_FOUND:
