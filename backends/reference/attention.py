@@ -2,7 +2,8 @@
 
 Fixed shapes only (masks instead of value-dependent slicing), so it can be captured in a
 CUDA graph and replayed with new lengths. Slow and obviously right: every token gathers its
-request's whole block-table row and masks what it must not see.
+request's whole block-table row (in chunks of tokens, to bound memory) and masks what it
+must not see.
 """
 
 from __future__ import annotations
@@ -15,6 +16,18 @@ def token_request_index(query_start_loc: torch.Tensor, num_tokens: int) -> torch
     real query offset, i.e. padding tokens)."""
     tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
     return torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True)
+
+
+GATHER_BYTES = 256 * 2**20
+"""Upper bound on the fp32 keys (and as much again for values) gathered at once: tokens are
+processed in chunks of rows whose gathered cache rows fit it, so memory stays bounded at
+serving-scale batches and ``max_model_len``."""
+
+
+def gather_chunk(kv_len: int, num_kv_heads: int, head_size: int) -> int:
+    """Tokens per chunk: as many as fit :data:`GATHER_BYTES` of fp32 keys, at least one.
+    A function of shapes only, so a captured graph replays the same chunks."""
+    return max(1, GATHER_BYTES // (kv_len * num_kv_heads * head_size * 4))
 
 
 def paged_attention_reference(
@@ -48,22 +61,26 @@ def paged_attention_reference(
     seq_len = seq_lens.long()[req]
     abs_pos = seq_len - query_len + offset
 
-    blocks = block_table.long()[req]  # [T, MB]
-    k = key_cache[blocks].flatten(1, 2).float()  # [T, L, KVH, D]
-    v = value_cache[blocks].flatten(1, 2).float()
     group = num_heads // num_kv_heads
-    k = k.repeat_interleave(group, dim=2, output_size=num_heads)
-    v = v.repeat_interleave(group, dim=2, output_size=num_heads)
-
-    kv_pos = torch.arange(k.shape[1], device=query.device)
+    kv_len = block_table.shape[1] * key_cache.shape[1]
+    kv_pos = torch.arange(kv_len, device=query.device)
     visible = kv_pos[None, :] < seq_len[:, None]
     if causal:
         visible &= kv_pos[None, :] <= abs_pos[:, None]
     visible &= real_token[:, None]
 
-    scores = torch.einsum("thd,tlhd->thl", query.float(), k) * scale
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    any_visible = visible.any(dim=1)[:, None, None]
-    probs = torch.where(any_visible, torch.softmax(scores, dim=-1), torch.zeros_like(scores))
-    out = torch.einsum("thl,tlhd->thd", probs, v)
-    return out.to(query.dtype)
+    out = torch.empty(num_tokens, num_kv_heads, group, head_size, device=query.device)
+    q = query.float().reshape(num_tokens, num_kv_heads, group, head_size)
+    blocks = block_table.long()[req]  # [T, MB]
+    step = gather_chunk(kv_len, num_kv_heads, head_size)
+    for start in range(0, num_tokens, step):
+        rows = slice(start, min(num_tokens, start + step))
+        k = key_cache[blocks[rows]].flatten(1, 2).float()  # [t, L, KVH, D]
+        v = value_cache[blocks[rows]].flatten(1, 2).float()
+        scores = torch.einsum("tkgd,tlkd->tkgl", q[rows], k) * scale
+        seen = visible[rows][:, None, None, :]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        probs = torch.where(seen.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1),
+                            torch.zeros_like(scores))
+        out[rows] = torch.einsum("tkgl,tlkd->tkgd", probs, v)
+    return out.view(num_tokens, num_heads, head_size).to(query.dtype)
