@@ -1,4 +1,5 @@
-"""Writing new keys and values into a paged KV cache (shared by the adapters)."""
+"""Writing new keys and values (or MLA latent entries) into a paged KV cache (shared by the
+adapters)."""
 
 from __future__ import annotations
 
@@ -25,4 +26,20 @@ def write_kv_cache(
     )
     value_cache.view(-1, kv_heads, head_size).index_copy_(
         0, slot_mapping, value[:num_tokens].to(value_cache.dtype)
+    )
+
+
+def write_latent_cache(
+    latent: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter MLA latent entries ``latent`` (``[T, 1, kv_lora_rank + qk_rope_head_dim]``)
+    into a latent cache (``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``)
+    at ``slot_mapping`` (``[T]``). The layer's second cache tensor is empty and untouched.
+
+    Capture-safe: one in-place ``index_copy_``. Padding tokens must map to the reserved
+    sink slot, as for :func:`write_kv_cache`.
+    """
+    num_tokens = slot_mapping.shape[0]
+    latent_cache.view(-1, *latent_cache.shape[2:]).index_copy_(
+        0, slot_mapping, latent[:num_tokens].to(latent_cache.dtype)
     )

@@ -33,10 +33,13 @@ from rich.progress import Progress
 from speccheck.checks.cli.runtime_options import runtime_flags
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.scale import DEFAULT_STEPS, TIER_DEFAULTS, TIER_SCALE, HarnessScale
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
+from speccheck.contract.matrix_model import MACHINE_FIELDS
 from speccheck.contract.runtime_config import RuntimeConfig
 
 if TYPE_CHECKING:
+    from speccheck.checks.verify.engine import VerifySettings
     from speccheck.checks.verify.runner import ProgressDisplay
     from speccheck.contract.builder import AttentionMetadataBuilder
 
@@ -47,27 +50,10 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NOTHING_VERIFIED = 3
 
-TIER_DEFAULTS: dict[Tier, dict[str, object]] = {
-    Tier.GPU: {"platform": "cuda", "cudagraph_mode": "full", "dtype": "bfloat16",
-               "head_size": 128, "num_heads": 16, "num_kv_heads": 4, "block_size": 16,
-               "max_model_len": 1024},
-    Tier.CPU: {"platform": "cpu", "cudagraph_mode": "none", "dtype": "float32",
-               "head_size": 32, "num_heads": 4, "num_kv_heads": 2, "block_size": 4,
-               "max_model_len": 64},
-}
-"""Runtime defaults per tier, overridden by any field given: a small drafter on the CPU,
-a realistic head layout on the GPU."""
-
-VERIFY_FIELDS = ("dcp_world_size", "dp_size", "num_speculative_steps", "block_size",
-                 "max_model_len", "kv_cache_dtype", "dtype", "head_size", "num_heads",
-                 "num_kv_heads")
+VERIFY_FIELDS = tuple(name for name in RuntimeConfig.model_fields
+                      if name not in (*MACHINE_FIELDS, "advance_draft_positions"))
 """The runtime fields a verification takes; platform, compute capability and graph mode
-come from the machine."""
-
-DEFAULT_STEPS = tuple(range(2, 9))
-"""Draft step counts (K) drawn from when neither ``steps`` nor ``num_speculative_steps``
-is given."""
-
+come from the machine, and the drafter verified always advances its positions."""
 
 class VerifyInputError(ValueError):
     """Input a verification cannot run with (an unknown backend, a bad runtime value, a
@@ -213,7 +199,8 @@ class VerifyPlan:
     names: tuple[str, ...]
     """The backends, in the order they run."""
     config: RuntimeConfig
-    """The effective runtime config: the tier's defaults overridden by ``overrides``."""
+    """The tier's defaults overridden by ``overrides``; each backend runs with
+    :meth:`config_for`, which puts its matrix entry's ``verify_defaults`` in between."""
     overrides: Mapping[str, object]
     """The runtime fields given, in :data:`VERIFY_FIELDS` order (for reproduce commands)."""
     matrices: MatrixContext
@@ -224,7 +211,9 @@ class VerifyPlan:
     steps: tuple[int, ...]
     """Draft step counts drawn from (single-rank runs; ``dp_size > 1`` uses the config's)."""
     capture_sizes: tuple[int, ...] | None
-    """Padded request counts graphs are captured for (``None``: the engine's default)."""
+    """Padded request counts graphs are captured for, as given (``None``: the tier's)."""
+    max_new_tokens: int | None
+    """Most tokens per request in the first pass, as given (``None``: the tier's)."""
     reproduce: str | None
     audit_claims: bool
     example_timeout: float
@@ -234,9 +223,34 @@ class VerifyPlan:
         appends ``--reproduce BLOB``."""
         sizes = (f" --capture-sizes {','.join(map(str, self.capture_sizes))}"
                  if self.capture_sizes else "")
+        if self.max_new_tokens is not None:
+            sizes += f" --max-new-tokens {self.max_new_tokens}"
         flags = runtime_flags(dict(self.overrides))
         return (f"speccheck verify --backend {name} --seed {self.seed}{self.matrices.flag}"
                 f"{sizes} {flags}").strip()
+
+    def config_for(self, name: str) -> RuntimeConfig:
+        """The runtime config backend ``name`` is verified at: the tier's defaults, then
+        its matrix entry's ``verify_defaults``, then the fields given."""
+        return _backend_config(self.tier, self.matrices, name, self.overrides)
+
+    def settings_for(self, name: str) -> VerifySettings:
+        """The engine settings backend ``name``'s worker runs with (what a test of "the
+        settings a user gets" builds its :class:`~speccheck.checks.verify.engine.
+        BackendVerifier` from). Imports torch."""
+        from speccheck.checks.verify.engine import VerifySettings
+
+        scale = self.scale()
+        return VerifySettings(name, self.config_for(name), examples=self.examples,
+                              seed=self.seed, steps=self.steps,
+                              capture_sizes=scale.capture_sizes,
+                              max_new_tokens=scale.max_new_tokens, matrices=self.matrices)
+
+    def scale(self) -> HarnessScale:
+        """The batch scale of this run: the tier's, with what was given."""
+        tier_scale = TIER_SCALE[self.tier]
+        return HarnessScale(self.capture_sizes or tier_scale.capture_sizes,
+                            self.max_new_tokens or tier_scale.max_new_tokens)
 
     def run(self, progress: ProgressDisplay | None = None) -> VerifyReport:
         """Verify every backend: each in a worker process of its own, or, with
@@ -265,8 +279,9 @@ class VerifyPlan:
         from speccheck.checks.verify.runner import confirm_reproduce, run_worker, worker_request
 
         prefix = self.reproduce_prefix(name)
-        request = worker_request(name, self.config, self.examples, self.seed, self.steps,
-                                 self.reproduce, prefix, self.matrices.path, self.capture_sizes)
+        request = worker_request(name, self.config_for(name), self.examples, self.seed,
+                                 self.steps, self.reproduce, prefix, self.matrices.path,
+                                 self.scale())
         try:
             report = run_worker(request, progress, self.example_timeout, self.tier)
         except BadExample as exc:
@@ -291,7 +306,8 @@ class VerifyPlan:
         from speccheck.speculator.dp_launch import RankError
 
         try:
-            return verify_dp(name, self.config, self.config.dp_size, examples=self.examples,
+            config = self.config_for(name)
+            return verify_dp(name, config, config.dp_size, examples=self.examples,
                              seed=self.seed, matrices=self.matrices).to_report()
         except RankError as exc:
             return BackendReport(name, self.tier, Status.CRASHED, detail=str(exc))
@@ -306,6 +322,7 @@ def plan_verification(
     seed: int = 0,
     steps: Sequence[int] | None = None,
     capture_sizes: Sequence[int] | None = None,
+    max_new_tokens: int | None = None,
     reproduce: str | None = None,
     audit_claims: bool = False,
     example_timeout: float = 300.0,
@@ -317,6 +334,11 @@ def plan_verification(
         raise VerifyInputError(f"examples must be at least 1, got {examples}")
     if example_timeout <= 0:
         raise VerifyInputError(f"example_timeout must be positive, got {example_timeout}")
+    from speccheck.checks.verify.examples import MAX_NEW_TOKENS
+
+    if max_new_tokens is not None and not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise VerifyInputError(f"max_new_tokens must lie in 1..{MAX_NEW_TOKENS}, "
+                               f"got {max_new_tokens}")
     overrides = _overrides(config)
     tier, device = machine_tier()
     effective = RuntimeConfig(**{**TIER_DEFAULTS[tier], **overrides})
@@ -327,10 +349,12 @@ def plan_verification(
     else:
         names = (_declared_backend(backend, matrices),)
     _preflight(names, matrices)
+    plan = VerifyPlan(names, effective, overrides, matrices, tier, device, examples, seed,
+                      _steps(steps, overrides), sizes, max_new_tokens, reproduce, audit_claims,
+                      example_timeout)
     if reproduce is not None:
-        _check_reproduce(reproduce, names[0], effective, sizes, matrices, tier)
-    return VerifyPlan(names, effective, overrides, matrices, tier, device, examples, seed,
-                      _steps(steps, overrides), sizes, reproduce, audit_claims, example_timeout)
+        _check_reproduce(reproduce, plan)
+    return plan
 
 
 def verify(
@@ -342,6 +366,7 @@ def verify(
     seed: int = 0,
     steps: Sequence[int] | None = None,
     capture_sizes: Sequence[int] | None = None,
+    max_new_tokens: int | None = None,
     reproduce: str | None = None,
     audit_claims: bool = False,
     example_timeout: float = 300.0,
@@ -355,8 +380,8 @@ def verify(
       ``implementation`` must name this very class: the worker process imports the builder
       by that ``module:Class`` path (so the class cannot live in ``__main__`` or inside a
       function), and a failure's reproduce command runs what the entry names.
-    - ``config``: runtime fields that override the tier's defaults (:data:`TIER_DEFAULTS`),
-      as a mapping or a :class:`RuntimeConfig` (its explicitly set fields count); only
+    - ``config``: runtime fields that override the tier's defaults (:data:`TIER_DEFAULTS`)
+      and the backend's ``verify_defaults`` (its matrix entry), as a mapping or a :class:`RuntimeConfig` (its explicitly set fields count); only
       :data:`VERIFY_FIELDS`: platform, compute capability and graph mode come from the
       machine.
     - ``matrix``: a matrix file, verified alone; ``None``: the shipped matrix merged with
@@ -364,7 +389,10 @@ def verify(
     - ``examples`` per backend, hypothesis ``seed``; ``steps``: the draft step counts (K) to
       draw from, by default ``num_speculative_steps`` when ``config`` gives it, else 2..8.
     - ``capture_sizes``: padded request counts to capture graphs for (and pad eager runs
-      to); the largest bounds an example's requests. ``None``: the engine's (1, 2, 4, 8).
+      to); the largest bounds an example's requests. ``max_new_tokens``: most tokens a
+      request brings to the first pass. ``None``: the tier's (:data:`~speccheck.checks.
+      verify.engine.TIER_SCALE`: up to 64 requests of 16 new tokens on the GPU, 8 of 3 on
+      the CPU).
     - ``reproduce``: run exactly this example (a blob from a failure's reproduce command);
       it must fit the run's limits, and cannot be combined with ``dp_size > 1``.
     - ``audit_claims``: for a backend the matrix does not allow to fuse under the config,
@@ -376,8 +404,8 @@ def verify(
     """
     return plan_verification(
         backend, config=config, matrix=matrix, examples=examples, seed=seed, steps=steps,
-        capture_sizes=capture_sizes, reproduce=reproduce, audit_claims=audit_claims,
-        example_timeout=example_timeout,
+        capture_sizes=capture_sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
+        audit_claims=audit_claims, example_timeout=example_timeout,
     ).run()
 
 
@@ -431,35 +459,34 @@ def _capture_sizes(sizes: Sequence[int] | None) -> tuple[int, ...] | None:
     return tuple(chosen)
 
 
-def _check_reproduce(
-    blob: str, backend: str, config: RuntimeConfig, capture_sizes: tuple[int, ...] | None,
-    matrices: MatrixContext, tier: Tier,
-) -> None:
-    """A ``reproduce`` blob must be an example that fits this run's limits (the engine's
-    own check, ``BackendVerifier.example_problem``, on the settings the workers get; the
-    limits do not depend on the backend), in a single-rank run."""
+def _check_reproduce(blob: str, plan: VerifyPlan) -> None:
+    """A ``reproduce`` blob must be an example that fits the run's limits (the engine's
+    own check, ``BackendVerifier.example_problem``, on the settings the worker gets), in a
+    single-rank run."""
     import torch
 
-    from speccheck.checks.verify.engine import (
-        DEFAULT_CAPTURE_SIZES,
-        BackendVerifier,
-        VerifySettings,
-    )
+    from speccheck.checks.verify.engine import BackendVerifier
     from speccheck.checks.verify.examples import decode_example
 
-    if config.dp_size > 1:
+    name = plan.names[0]
+    if plan.config_for(name).dp_size > 1:
         raise VerifyInputError("--reproduce runs one example in one worker; it cannot be "
                                "combined with --dp-size")
     try:
         example = decode_example(blob)
     except ValueError as exc:
         raise VerifyInputError(str(exc)) from None
-    settings = VerifySettings(backend, config, capture_sizes=capture_sizes or DEFAULT_CAPTURE_SIZES,
-                              matrices=matrices)
-    device = torch.device("cuda" if tier is Tier.GPU else "cpu")
-    problem = BackendVerifier(settings, device).example_problem(example)
+    device = torch.device("cuda" if plan.tier is Tier.GPU else "cpu")
+    problem = BackendVerifier(plan.settings_for(name), device).example_problem(example)
     if problem is not None:
         raise VerifyInputError(problem)
+
+
+def _backend_config(
+    tier: Tier, matrices: MatrixContext, name: str, overrides: Mapping[str, object]
+) -> RuntimeConfig:
+    defaults = matrices.matrix.backend(name).verify_defaults
+    return RuntimeConfig(**{**TIER_DEFAULTS[tier], **defaults, **overrides})
 
 
 def _preflight(names: Sequence[str], matrices: MatrixContext) -> None:

@@ -10,7 +10,8 @@ item of its own::
 
 The marker takes :func:`speccheck.verify`'s arguments (``backend`` a name, ``"all"`` or a
 builder class; ``matrix`` relative to the test file's folder; ``config``, ``examples``,
-``seed``, ``steps``, ``capture_sizes``, ``audit_claims``, ``example_timeout``). The marked
+``seed``, ``steps``, ``capture_sizes``, ``max_new_tokens``, ``audit_claims``,
+``example_timeout``). The marked
 function becomes a collector of one item per backend and check: ``run[BACKEND]`` first (the
 backend ran in its worker: skipped or crashed otherwise), then ``CHECK[BACKEND]`` in report
 order: passed, failed (the diagnosis, the minimal example and the ``speccheck verify ...
@@ -50,7 +51,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{MARKER}(backend, *, matrix=None, config=None, examples=50, seed=0, steps=None, "
-        "capture_sizes=None, audit_claims=False, example_timeout=300.0): verify an "
+        "capture_sizes=None, max_new_tokens=None, audit_claims=False, "
+        "example_timeout=300.0): verify an "
         "attention backend with speccheck; the marked test function is collected as one "
         "test item per check (see docs/api.md)",
     )
@@ -202,5 +204,5 @@ def pytest_terminal_summary(
 def _plan_key(plan: VerifyPlan) -> str:
     """What makes two plans the same run."""
     return repr((plan.names, plan.config.model_dump(), str(plan.matrices.path), plan.examples,
-                 plan.seed, plan.steps, plan.capture_sizes, plan.reproduce, plan.audit_claims,
-                 plan.example_timeout))
+                 plan.seed, plan.steps, plan.capture_sizes, plan.max_new_tokens, plan.reproduce,
+                 plan.audit_claims, plan.example_timeout))

@@ -15,6 +15,7 @@ from typing import ClassVar, Generic, TypeVar
 
 import torch
 
+from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 
@@ -23,8 +24,27 @@ from speccheck.contract.runtime_config import RuntimeConfig
 class AttentionLayerSpec:
     """Shape of one attention layer and its KV cache.
 
-    The KV cache of a layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads,
-    head_size]`` (keys, values); slot ``s`` is ``(s // block_size, s % block_size)``.
+    Every layer's KV cache is a pair of tensors ``[num_blocks, block_size, heads, width]``;
+    slot ``s`` is ``(s // block_size, s % block_size)``. What the pair holds depends on
+    ``kv_layout``:
+
+    - :attr:`KvLayout.NHD` (grouped-query attention): keys and values, each
+      ``[num_blocks, block_size, num_kv_heads, head_size]``.
+    - :attr:`KvLayout.LATENT` (multi-head latent attention, MLA): ``(latent, empty)``. The
+      latent is ``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]``, one paged
+      entry per token: the normalised compressed KV (``kv_c``, the first ``kv_lora_rank``
+      channels) followed by the rotated rope key (``k_pe``). The second tensor is
+      ``[num_blocks, block_size, 1, 0]``, so code that walks ``(keys, values)`` pairs
+      (snapshots, restores, comparisons) needs no special case. ``num_kv_heads`` is 1.
+      Queries are absorbed (``[T, num_heads, kv_lora_rank + qk_rope_head_dim]``: the
+      no-rope part through ``W_UK``, then the rope part); attention scores use the whole
+      latent entry, values are its first ``kv_lora_rank`` channels, and the attention
+      output is ``[T, num_heads, kv_lora_rank]`` (``W_UV`` is applied by the layer).
+      ``head_size`` is the per-head no-rope query / value width (``qk_nope_head_dim ==
+      v_head_dim``), which only the layer and the softmax scale see.
+
+    ``sliding_window`` W > 0: a query at position ``p`` sees the positions ``p-W+1 .. p``
+    only; 0 is full attention.
     """
 
     num_heads: int
@@ -33,11 +53,24 @@ class AttentionLayerSpec:
     dtype: torch.dtype
     block_size: int
     max_model_len: int
+    kv_layout: KvLayout = KvLayout.NHD
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "max_model_len"):
+        for name in ("num_heads", "num_kv_heads", "head_size", "block_size", "max_model_len",
+                     "kv_lora_rank", "qk_rope_head_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 0")
+        if self.kv_layout not in (KvLayout.NHD, KvLayout.LATENT):
+            raise ValueError(f"kv_layout={self.kv_layout.value} is not a layout speccheck "
+                             "allocates; use NHD or latent")
+        if self.kv_layout is KvLayout.LATENT and self.num_kv_heads != 1:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must be 1 for the latent "
+                             "layout (one latent entry per token)")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
@@ -47,6 +80,19 @@ class AttentionLayerSpec:
     @property
     def max_blocks_per_req(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    @property
+    def latent_size(self) -> int:
+        """Width of one latent cache entry: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def kv_cache_shapes(self, num_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of the layer's ``(first, second)`` cache tensors (see the class docstring)."""
+        if self.kv_layout is KvLayout.LATENT:
+            return ((num_blocks, self.block_size, 1, self.latent_size),
+                    (num_blocks, self.block_size, 1, 0))
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        return shape, shape
 
 
 @dataclass(frozen=True)
@@ -97,7 +143,13 @@ class AttentionImpl(ABC, Generic[M]):
     ) -> None:
         """Write ``key``/``value`` (``[T, num_kv_heads, head_size]``) at the metadata's slot
         mapping, then attend ``query`` (``[T, num_heads, head_size]``) over the paged cache
-        into ``output`` (same shape as ``query``). ``T`` is the metadata's token count."""
+        into ``output`` (same shape as ``query``). ``T`` is the metadata's token count.
+
+        For a latent layer (:attr:`AttentionLayerSpec.kv_layout` ``latent``): ``key`` is the
+        latent entry ``[T, 1, kv_lora_rank + qk_rope_head_dim]`` written into
+        ``key_cache``, ``value`` is ``key[..., :kv_lora_rank]`` (nothing is written to the
+        empty ``value_cache``), ``query`` is ``[T, num_heads, kv_lora_rank +
+        qk_rope_head_dim]`` and ``output`` ``[T, num_heads, kv_lora_rank]``."""
 
 
 class AttentionMetadataBuilder(ABC, Generic[M]):

@@ -6,14 +6,18 @@ module is the one place that checks them:
 - :func:`platform_failures`: ``platforms`` and ``min_compute_capability``;
 - :func:`constraint_failures`: the ``constraints:`` section (activation and KV-cache dtypes,
   head and block sizes, conditions), each failure ending with the matrix's reason;
-- :func:`enforce_constraints`: both, raising :class:`ConstraintViolation`. Whoever
-  constructs a builder calls it first (``build_attention_groups``), so builders never
-  re-declare these rules and cannot drift from the matrix.
+- :func:`enforce_constraints`: both, raising :class:`ConstraintViolation`;
+- :func:`enforce_layer_constraints`: the same for one layer's values, plus its KV-cache
+  layout (:func:`layout_failures`). Whoever constructs a builder calls it first
+  (``build_attention_groups``), so builders never re-declare these rules and cannot drift
+  from the matrix.
 
 Resolution (:mod:`speccheck.contract.resolution`) reports the same failures when it decides
 whether fused draft decode may run, so ``speccheck matrix`` refuses exactly what building
-the backend refuses. ``kv_layout`` is declarative: it describes the cache the adapter reads
-and is not a field of the runtime configuration.
+the backend refuses. ``kv_layout`` is a property of the model's layers, not of the runtime
+configuration: resolution cannot judge it, and :func:`enforce_layer_constraints` refuses a
+layer whose cache layout differs from the one the entry reads
+(:func:`layout_failures`).
 """
 
 from __future__ import annotations
@@ -137,10 +141,11 @@ def enforce_constraints(entry: BackendEntry, config: RuntimeConfig) -> None:
 
 
 def layer_config(config: RuntimeConfig, layer: AttentionLayerSpec) -> RuntimeConfig:
-    """``config`` with ``layer``'s own dtype, head layout, block size and ``max_model_len``:
-    the values a builder constructed for ``layer`` actually runs with, which is what
-    :func:`enforce_constraints` must judge. A layer dtype outside the matrix's vocabulary
-    (``DtypeName``) raises pydantic's ``ValidationError``, a ``ValueError``."""
+    """``config`` with ``layer``'s own dtype, head layout, block size, ``max_model_len``,
+    MLA sizes and sliding window: the values a builder constructed for ``layer`` actually
+    runs with, which is what :func:`enforce_constraints` must judge. A layer dtype outside
+    the matrix's vocabulary (``DtypeName``) raises pydantic's ``ValidationError``, a
+    ``ValueError``."""
     return RuntimeConfig.model_validate({
         **config.model_dump(),
         "dtype": str(layer.dtype).removeprefix("torch."),
@@ -149,4 +154,34 @@ def layer_config(config: RuntimeConfig, layer: AttentionLayerSpec) -> RuntimeCon
         "num_kv_heads": layer.num_kv_heads,
         "block_size": layer.block_size,
         "max_model_len": layer.max_model_len,
+        "kv_lora_rank": layer.kv_lora_rank,
+        "qk_rope_head_dim": layer.qk_rope_head_dim,
+        "sliding_window": layer.sliding_window,
     })
+
+
+def layout_failures(entry: BackendEntry, layer: AttentionLayerSpec) -> tuple[str, ...]:
+    """Why ``entry`` cannot read ``layer``'s KV cache: its ``constraints.kv_layout`` is set
+    and differs from the layer's (a GQA backend handed a latent MLA cache, or the reverse),
+    followed by the matrix's reason. Empty when the entry states no layout or the same."""
+    wanted = entry.constraints.kv_layout
+    if wanted is None or wanted is layer.kv_layout:
+        return ()
+    return (_with_reason(
+        f"requires kv_layout {wanted.value}, but the layer's KV cache is "
+        f"{layer.kv_layout.value}",
+        entry.constraints.reason_for("kv_layout"),
+    ),)
+
+
+def enforce_layer_constraints(
+    entry: BackendEntry, config: RuntimeConfig, layer: AttentionLayerSpec
+) -> None:
+    """:func:`enforce_constraints` for a builder of ``layer`` under ``config`` (judged as
+    :func:`layer_config`), plus :func:`layout_failures`: every failure in one
+    :class:`ConstraintViolation`. Whoever constructs a builder calls this first."""
+    judged = layer_config(config, layer)
+    failures = (platform_failures(entry, judged) + constraint_failures(entry, judged)
+                + layout_failures(entry, layer))
+    if failures:
+        raise ConstraintViolation(entry.name, failures)

@@ -34,13 +34,19 @@ from pydantic import (
     StrictStr,
     StringConstraints,
     Tag,
+    ValidationError,
     model_validator,
 )
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError
 
 from speccheck.contract.conditions import ConditionError, parse_condition
-from speccheck.contract.runtime_config import DtypeName, KvCacheDtypeName, Platform
+from speccheck.contract.runtime_config import (
+    DtypeName,
+    KvCacheDtypeName,
+    Platform,
+    RuntimeConfig,
+)
 
 MATRIX_VERSION = 1
 """The ``version`` this schema reads."""
@@ -142,7 +148,9 @@ class RefreshStrategy(_DescribedEnum):
 
 
 class KvLayout(_DescribedEnum):
-    """Memory layout of the backend's KV cache (declarative; not checked at resolution)."""
+    """Memory layout of the KV cache a backend reads. A property of the model's layers, not
+    of the runtime configuration: resolution cannot judge it, and building a backend for a
+    layer of another layout is refused."""
 
     NHD = (
         "NHD",
@@ -154,7 +162,8 @@ class KvLayout(_DescribedEnum):
     )
     LATENT = (
         "latent",
-        "One compressed latent vector per token (MLA), `[num_blocks, block_size, latent_dim]`.",
+        "One latent entry per token (MLA): `[num_blocks, block_size, 1, kv_lora_rank + "
+        "qk_rope_head_dim]`, the compressed KV followed by the rope key.",
     )
 
 
@@ -432,7 +441,9 @@ class Constraints(StrictModel):
         None, description="KV-cache block (page) sizes: a list, or `{multiple_of: N, max: M}`."
     )
     kv_layout: KvLayout | None = Field(
-        None, strict=False, description="KV-cache layout (documentation; not checked)."
+        None, strict=False,
+        description="The KV-cache layout the backend reads; building it for a layer of "
+        "another layout is refused. Leave out when it reads every layout.",
     )
     conditions: tuple[ConditionConstraint, ...] = Field(
         (), description="Further conditions over the runtime config, each with a reason."
@@ -479,6 +490,36 @@ class Constraints(StrictModel):
         return self
 
 
+MACHINE_FIELDS = ("platform", "compute_capability", "cudagraph_mode")
+"""Runtime fields that describe the machine a verification runs on, not the configuration
+it verifies: ``verify_defaults`` cannot set them."""
+
+
+def _check_verify_defaults(
+    value: dict[str, StrictInt | StrictStr | StrictBool],
+) -> dict[str, StrictInt | StrictStr | StrictBool]:
+    known = [name for name in RuntimeConfig.model_fields if name not in MACHINE_FIELDS]
+    for name in value:
+        if name not in known:
+            raise PydanticCustomError(
+                "verify_defaults", "{message}",
+                {"message": f"{name!r} is not a runtime field verify can set; known fields "
+                            f"are: {', '.join(known)}"},
+            )
+    try:
+        RuntimeConfig(**value)
+    except ValidationError as exc:
+        message = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise PydanticCustomError("verify_defaults", "{message}", {"message": message}) from None
+    return value
+
+
+VerifyDefaults = Annotated[
+    dict[str, StrictInt | StrictStr | StrictBool],
+    AfterValidator(_check_verify_defaults),
+]
+
+
 class BackendEntry(StrictModel):
     """One attention backend's declared capabilities."""
 
@@ -509,6 +550,13 @@ class BackendEntry(StrictModel):
     draft_decode: DraftDecode = Field(description="Fused multi-step draft decode support.")
     constraints: Constraints = Field(
         default_factory=Constraints, description="Configurations the backend can serve."
+    )
+    verify_defaults: VerifyDefaults = Field(
+        default_factory=dict,
+        description="Runtime fields `speccheck verify` uses for this backend where the user "
+        "gives none, over the machine tier's defaults: the configuration the adapter is "
+        "verified at by default (e.g. the block size its constraints require). Fields of the "
+        "machine (platform, compute capability, graph mode) cannot be set.",
     )
     notes: tuple[NonEmptyText, ...] = Field(
         (), description="Further facts worth knowing, rendered in the docs."

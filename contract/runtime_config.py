@@ -39,3 +39,15 @@ class RuntimeConfig(BaseModel):
     head_size: int = Field(128, ge=1, description="Attention head size.")
     num_heads: int = Field(16, ge=1, description="Query heads per layer.")
     num_kv_heads: int = Field(4, ge=1, description="KV heads per layer.")
+    kv_lora_rank: int = Field(
+        512, ge=1, description="Latent (compressed KV) width of MLA layers (`kv_lora_rank`)."
+    )
+    qk_rope_head_dim: int = Field(
+        64, ge=2, multiple_of=2,
+        description="Rotary part of each MLA query and key head, stored with the latent.",
+    )
+    sliding_window: int = Field(
+        0, ge=0,
+        description="Sliding attention window W: a query at position p sees positions "
+        "p-W+1..p; 0 is full causal attention.",
+    )

@@ -10,19 +10,24 @@
 #       scripts/slim_flashinfer_wheel.py); an optional .gpu-wheels/fi-jit/cache.tar.gz from
 #       an earlier run skips FlashInfer's JIT compile. FlashInfer kernel and DP tests, verify
 #       with per-step and preplanned graphs, verify --dp-size 2, the propose-latency benchmark
+#   scripts/gpu_evidence.sh OUTDIR serving
+#       wheels in .gpu-wheels/core: verify at the GPU tier's serving-scale defaults (no flags
+#       but the example count) for reference, triton_attn and fa3, FA3 without its refresh
+#       at default settings for ten seeds, the GPU mutants, and the verifier-throughput
+#       benchmark (new defaults beside the old ones)
 #   scripts/gpu_evidence.sh OUTDIR audit-core | audit-flashinfer
 #       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
 #       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
 #       verify runs of every shipped backend (no false positives), and the self-test
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|audit-core|audit-flashinfer [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|audit-core|audit-flashinfer [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
-  core|audit-core) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
+  core|audit-core|serving) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
   flashinfer|audit-flashinfer)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
@@ -46,6 +51,22 @@ run() {  # NAME TIMEOUT ARGS...
     echo "exit $?"; } >> "$out/verify-console-$suite.txt" 2>&1
 }
 
+if [ "$suite" = serving ]; then
+  timeout "${FA3_SEEDS_LIMIT:-240}" python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py \
+    -k default_settings > "$out/pytest-cuda-fa3-default-settings.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-fa3-default-settings.txt"
+  for backend in triton_attn fa3 reference; do
+    run "$backend" "${VERIFY_LIMIT:-150}" --backend "$backend" --examples "${EXAMPLES:-200}"
+  done
+  [ "$bench" = --no-bench ] && exit 0
+  timeout "${BENCH_LIMIT:-200}" python3 benchmarks/verify_throughput.py --examples 30 \
+    --json "$out/verify-throughput.json" > "$out/verify-throughput.txt" 2>&1
+  echo "benchmark exit $?" >> "$out/verify-throughput.txt"
+  timeout "${MUTANTS_LIMIT:-200}" python3 -m pytest -rA -q -m cuda tests/test_verifier_mutants.py \
+    > "$out/pytest-cuda-mutants.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-mutants.txt"
+  exit 0
+fi
 if [ "$suite" = audit-core ]; then
   timeout 200 python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py tests/test_verifier_mutants.py \
     > "$out/pytest-cuda-verifier.txt" 2>&1

@@ -15,7 +15,7 @@ from speccheck.contract.builder import (
     BuilderLimits,
     zeros_allocator,
 )
-from speccheck.contract.constraints import enforce_constraints, layer_config
+from speccheck.contract.constraints import enforce_layer_constraints
 from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.resolution import resolve_backend
@@ -75,7 +75,7 @@ def build_attention_groups(
             cls = (builder_overrides or {}).get(name) or builder_class(name, matrix)
             entry = matrix.backend(name)
             resolution = resolve_backend(entry, config)
-            enforce_constraints(entry, layer_config(config, layer))
+            enforce_layer_constraints(entry, config, layer)
             builder = cls(
                 layer, config, device, limits,
                 supports_draft_decode_metadata_update=claim_fused or resolution.fused_multi_step,

@@ -110,8 +110,8 @@ class DraftModelSpeculator:
         self.max_num_reqs, self.max_num_tokens = limits.max_num_reqs, limits.max_num_tokens
         self.layer_impls = self._layer_impls()
         self.kv_cache = PagedKVCache.allocate(
-            cfg.num_layers, options.num_blocks, config.block_size, cfg.num_kv_heads,
-            cfg.head_size, cfg.torch_dtype, device,
+            [cfg.layer_spec(config.block_size, config.max_model_len)] * cfg.num_layers,
+            options.num_blocks, device,
         )
         max_blocks = -(-config.max_model_len // config.block_size)
         self.buffers = AttentionInputBuffers.allocate(
@@ -150,7 +150,7 @@ class DraftModelSpeculator:
 
     def _layer_impls(self) -> list[AttentionImpl[Any]]:
         impls: list[AttentionImpl[Any] | None] = [None] * self.model.cfg.num_layers
-        scale = self.model.cfg.head_size**-0.5
+        scale = self.model.cfg.softmax_scale
         for group in self.groups:
             for i in group.layer_indices:
                 impls[i] = group.builder.make_impl(scale)

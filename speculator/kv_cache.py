@@ -6,9 +6,12 @@ padding lane can never overwrite a live slot. Live blocks are ``1 .. num_blocks 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from speccheck.contract.builder import AttentionLayerSpec
 
 SINK_BLOCK = 0
 PAD_SLOT = SINK_BLOCK  # first slot of the sink block
@@ -16,7 +19,10 @@ PAD_SLOT = SINK_BLOCK  # first slot of the sink block
 
 @dataclass
 class PagedKVCache:
-    """Per layer, a (keys, values) pair ``[num_blocks, block_size, num_kv_heads, head_size]``.
+    """Per layer, the cache pair its :class:`AttentionLayerSpec` describes: (keys, values)
+    ``[num_blocks, block_size, num_kv_heads, head_size]`` for a GQA layer, (latent, empty)
+    ``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]`` and
+    ``[num_blocks, block_size, 1, 0]`` for an MLA layer.
 
     The tensors are allocated once; captured graphs hold their addresses, so snapshots are
     restored with in-place copies, never by rebinding.
@@ -28,25 +34,21 @@ class PagedKVCache:
     @classmethod
     def allocate(
         cls,
-        num_layers: int,
+        layers: Sequence[AttentionLayerSpec],
         num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_size: int,
-        dtype: torch.dtype,
         device: torch.device,
     ) -> PagedKVCache:
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
-        return cls(
-            layers=[
-                (
-                    torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, device=device),
-                )
-                for _ in range(num_layers)
-            ],
-            block_size=block_size,
-        )
+        """Zeroed caches of ``num_blocks`` blocks for each layer, in the layer's dtype; every
+        layer must have one block size."""
+        block_sizes = {layer.block_size for layer in layers}
+        if len(block_sizes) != 1:
+            raise ValueError(f"layers need one block size, got {sorted(block_sizes)}")
+        pairs = []
+        for layer in layers:
+            first, second = layer.kv_cache_shapes(num_blocks)
+            pairs.append((torch.zeros(first, dtype=layer.dtype, device=device),
+                          torch.zeros(second, dtype=layer.dtype, device=device)))
+        return cls(layers=pairs, block_size=block_sizes.pop())
 
     @property
     def num_blocks(self) -> int:
@@ -60,11 +62,14 @@ class PagedKVCache:
             k.copy_(ks)
             v.copy_(vs)
 
-    def fill_random_(self, generator: torch.Generator) -> None:
-        """Fill every layer with deterministic noise (stands for earlier context KV)."""
+    def fill_random_(self, seed: int) -> None:
+        """Fill every layer with noise drawn from ``seed`` on the cache's own device
+        (stands for earlier context KV): the same seed gives the same noise on one device,
+        and no host memory or host-to-device copy is involved at any cache size."""
+        generator = torch.Generator(device=self.layers[0][0].device).manual_seed(seed)
         for k, v in self.layers:
-            k.copy_(torch.randn(k.shape, generator=generator).to(k.dtype))
-            v.copy_(torch.randn(v.shape, generator=generator).to(v.dtype))
+            for tensor in (k, v):
+                torch.randn(tensor.shape, generator=generator, out=tensor)
 
 
 def compute_slot_mapping(

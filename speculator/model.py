@@ -1,6 +1,10 @@
-"""The draft model: embedding, decoder layers (RMSNorm, rotary, grouped-query attention
-through a backend, SwiGLU MLP), final norm, LM head. Weights are drawn from a seed, so two
-instances with the same config are bit-identical."""
+"""The draft model: embedding, decoder layers (RMSNorm, rotary, attention through a backend,
+SwiGLU MLP), final norm, LM head. Weights are drawn from a seed, so two instances with the
+same config are bit-identical.
+
+A layer's attention is grouped-query attention over keys and values (``KvLayout.NHD``) or
+DeepSeek-style multi-head latent attention over a latent cache (``KvLayout.LATENT``), in
+the absorbed form MLA decode kernels run (:class:`MLAAttention`)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch
 from torch import nn
 
 from speccheck.contract.builder import AttentionImpl, AttentionLayerSpec
+from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
 
 DTYPES: Mapping[str, torch.dtype] = {
@@ -24,7 +29,14 @@ DTYPES: Mapping[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """Shape of the draft model. ``hidden_size = num_heads * head_size``."""
+    """Shape of the draft model. ``hidden_size = num_heads * head_size``.
+
+    ``kv_layout`` picks the attention of every layer: ``NHD``, grouped-query attention with
+    ``num_kv_heads`` KV heads; ``latent``, multi-head latent attention (MLA) whose cache
+    holds one ``kv_lora_rank + qk_rope_head_dim`` entry per token, with no-rope query and
+    value heads of ``head_size`` (``num_kv_heads`` is then unused). ``sliding_window`` W > 0
+    limits every query to the last W positions (0: full attention).
+    """
 
     vocab_size: int = 256
     num_layers: int = 2
@@ -36,19 +48,34 @@ class DrafterConfig:
     rms_eps: float = 1e-6
     seed: int = 0
     dtype: str = "float32"
+    kv_layout: KvLayout = KvLayout.NHD
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_layout not in (KvLayout.NHD, KvLayout.LATENT):
+            raise ValueError(f"kv_layout={self.kv_layout.value}: the drafter has GQA (NHD) "
+                             "and MLA (latent) layers only")
+        if self.kv_layout is KvLayout.LATENT and self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary "
+                             "pairs channels)")
 
     @classmethod
     def for_runtime(
         cls, config: RuntimeConfig, *, vocab_size: int = 256, num_layers: int = 2, seed: int = 0,
-        dtype: str | None = None,
+        dtype: str | None = None, kv_layout: KvLayout = KvLayout.NHD,
     ) -> DrafterConfig:
-        """A drafter with ``config``'s head layout (SwiGLU width twice the hidden size) and
-        dtype, unless ``dtype`` overrides it."""
+        """A drafter with ``config``'s head layout, MLA sizes and sliding window (SwiGLU
+        width twice the hidden size) and dtype, unless ``dtype`` overrides it; ``kv_layout``
+        picks GQA or MLA layers."""
         return cls(
             vocab_size=vocab_size, num_layers=num_layers, num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads, head_size=config.head_size,
             intermediate_size=2 * config.num_heads * config.head_size, seed=seed,
-            dtype=dtype or config.dtype,
+            dtype=dtype or config.dtype, kv_layout=kv_layout,
+            kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
+            sliding_window=config.sliding_window,
         )
 
     @property
@@ -59,14 +86,29 @@ class DrafterConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def softmax_scale(self) -> float:
+        """``1 / sqrt(query-key width)``: ``head_size`` for GQA, ``head_size +
+        qk_rope_head_dim`` for MLA (the no-rope and rope parts of a head, before
+        absorption)."""
+        width = self.head_size
+        if self.kv_layout is KvLayout.LATENT:
+            width += self.qk_rope_head_dim
+        return float(width**-0.5)
+
     def layer_spec(self, block_size: int, max_model_len: int) -> AttentionLayerSpec:
+        latent = self.kv_layout is KvLayout.LATENT
         return AttentionLayerSpec(
             num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
+            num_kv_heads=1 if latent else self.num_kv_heads,
             head_size=self.head_size,
             dtype=self.torch_dtype,
             block_size=block_size,
             max_model_len=max_model_len,
+            kv_layout=self.kv_layout,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            sliding_window=self.sliding_window,
         )
 
 
@@ -94,14 +136,125 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torc
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-class DecoderLayer(nn.Module):
+class GQAAttention(nn.Module):
+    """Grouped-query attention: fused QKV projection, rotary on queries and keys, the
+    backend's attention over the (keys, values) cache, output projection."""
+
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_size
-        self.input_norm = RMSNorm(h, cfg.rms_eps)
         self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        impl: AttentionImpl[Any],
+        metadata: Any,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        kv_size = cfg.num_kv_heads * cfg.head_size
+        q, k, v = qkv.split([cfg.num_heads * cfg.head_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.reshape(t, cfg.num_heads, cfg.head_size), positions, cfg.rope_theta)
+        k = apply_rotary(k.reshape(t, cfg.num_kv_heads, cfg.head_size), positions, cfg.rope_theta)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_size).contiguous()
+        attn = torch.zeros_like(q)
+        impl.forward(q.contiguous(), k.contiguous(), v, kv_cache[0], kv_cache[1], metadata, attn)
+        return self.o_proj(attn.reshape(t, -1))
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3 style, no query compression), absorbed.
+
+    Per token: ``q = q_proj(x)`` splits per head into ``q_nope`` (``head_size``) and
+    ``q_pe`` (``qk_rope_head_dim``); ``kv_a_proj(x)`` gives the compressed KV ``kv_c``
+    (``kv_lora_rank``, RMS-normalised) and one shared rope key ``k_pe``. Rotary applies to
+    ``q_pe`` and ``k_pe``. ``kv_b_proj`` holds the up-projections ``W_UK`` and ``W_UV``
+    (:meth:`w_uk`, :meth:`w_uv`), which the non-absorbed form would apply to ``kv_c`` to get
+    per-head keys and values. The absorbed form never does: the query becomes
+    ``[q_nope @ W_UK, q_pe]`` (``[T, heads, kv_lora_rank + rope]``), the backend writes
+    the latent entry ``[kv_c, k_pe]`` at the slot mapping and attends over the latent cache
+    (scores over whole entries, values the ``kv_c`` part), and the ``[T, heads,
+    kv_lora_rank]`` result goes through ``W_UV`` per head and ``o_proj``. Scores equal the
+    non-absorbed ``q_nope . (W_UK kv_c) + q_pe . k_pe``; the softmax scale is
+    :attr:`DrafterConfig.softmax_scale`.
+    """
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, d, heads = cfg.hidden_size, cfg.head_size, cfg.num_heads
+        rank, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.q_proj = nn.Linear(h, heads * (d + rope), bias=False)
+        self.kv_a_proj = nn.Linear(h, rank + rope, bias=False)
+        self.kv_a_norm = RMSNorm(rank, cfg.rms_eps)
+        self.kv_b_proj = nn.Linear(rank, heads * 2 * d, bias=False)
+        self.o_proj = nn.Linear(heads * d, h, bias=False)
+
+    def w_uk(self) -> torch.Tensor:
+        """``[heads, head_size, kv_lora_rank]``: head ``h``'s no-rope key is
+        ``W_UK[h] @ kv_c``."""
+        cfg = self.cfg
+        return self.kv_b_proj.weight.view(cfg.num_heads, 2 * cfg.head_size, -1)[:, : cfg.head_size]
+
+    def w_uv(self) -> torch.Tensor:
+        """``[heads, head_size, kv_lora_rank]``: head ``h``'s value is ``W_UV[h] @ kv_c``."""
+        cfg = self.cfg
+        return self.kv_b_proj.weight.view(cfg.num_heads, 2 * cfg.head_size, -1)[:, cfg.head_size :]
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q_nope [T, heads, head_size], q_pe [T, heads, rope], kv_c [T, rank],
+        k_pe [T, 1, rope])``, rotary applied and ``kv_c`` normalised: what both the absorbed
+        and the non-absorbed form start from."""
+        cfg = self.cfg
+        t = x.shape[0]
+        rope = cfg.qk_rope_head_dim
+        q = self.q_proj(x).view(t, cfg.num_heads, cfg.head_size + rope)
+        q_nope, q_pe = q.split([cfg.head_size, rope], dim=-1)
+        kv_c, k_pe = self.kv_a_proj(x).split([cfg.kv_lora_rank, rope], dim=-1)
+        q_pe = apply_rotary(q_pe, positions, cfg.rope_theta)
+        k_pe = apply_rotary(k_pe.reshape(t, 1, rope), positions, cfg.rope_theta)
+        return q_nope, q_pe, self.kv_a_norm(kv_c), k_pe
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        impl: AttentionImpl[Any],
+        metadata: Any,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        t, rank = x.shape[0], cfg.kv_lora_rank
+        q_nope, q_pe, kv_c, k_pe = self.project(x, positions)
+        q_latent = torch.einsum("thd,hdr->thr", q_nope.float(), self.w_uk().float())
+        query = torch.cat([q_latent.to(x.dtype), q_pe], dim=-1)
+        latent = torch.cat([kv_c.unsqueeze(1), k_pe], dim=-1)
+        attn = x.new_zeros(t, cfg.num_heads, rank)
+        impl.forward(query, latent, latent[..., :rank], kv_cache[0], kv_cache[1], metadata, attn)
+        out = torch.einsum("thr,hdr->thd", attn.float(), self.w_uv().float()).to(x.dtype)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention (:class:`GQAAttention` or :class:`MLAAttention`, by
+    ``cfg.kv_layout``) and SwiGLU MLP, each with a residual."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.input_norm = RMSNorm(h, cfg.rms_eps)
+        self.attn: GQAAttention | MLAAttention = (
+            MLAAttention(cfg) if cfg.kv_layout is KvLayout.LATENT else GQAAttention(cfg)
+        )
         self.post_norm = RMSNorm(h, cfg.rms_eps)
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
@@ -114,17 +267,7 @@ class DecoderLayer(nn.Module):
         metadata: Any,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        cfg = self.cfg
-        t = x.shape[0]
-        qkv = self.qkv_proj(self.input_norm(x))
-        kv_size = cfg.num_kv_heads * cfg.head_size
-        q, k, v = qkv.split([cfg.num_heads * cfg.head_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.reshape(t, cfg.num_heads, cfg.head_size), positions, cfg.rope_theta)
-        k = apply_rotary(k.reshape(t, cfg.num_kv_heads, cfg.head_size), positions, cfg.rope_theta)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_size).contiguous()
-        attn = torch.zeros_like(q)
-        impl.forward(q.contiguous(), k.contiguous(), v, kv_cache[0], kv_cache[1], metadata, attn)
-        x = x + self.o_proj(attn.reshape(t, -1))
+        x = x + self.attn(self.input_norm(x), positions, impl, metadata, kv_cache)
         gate, up = self.gate_up_proj(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(nn.functional.silu(gate) * up)
 

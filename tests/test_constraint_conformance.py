@@ -2,8 +2,10 @@
 
 Generated from the shipped matrix: one case per entry with an implementation. Hypothesis
 draws runtime configs over the fields the constraints talk about (dtype, KV-cache dtype,
-head size, block size and ``max_model_len``, head layout, platform, compute capability),
-biased towards each entry's allowed values so that both directions occur. When the matrix
+head size, block size and ``max_model_len``, head layout, MLA sizes, sliding window,
+platform, compute capability), biased towards each entry's allowed values so that both
+directions occur; the layer has the KV layout the entry reads (GQA keys and values unless
+it says ``latent``). When the matrix
 admits a config, ``build_attention_groups`` builds the real builder and one attention
 forward through its impl matches the fp32 reference on a tiny batch; when it rejects one,
 construction raises :class:`ConstraintViolation` carrying the matrix's reason for every
@@ -38,7 +40,7 @@ from speccheck.contract.constraints import (
 )
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.matrix_loader import load_matrix, parse_matrix
-from speccheck.contract.matrix_model import BackendEntry, Matrix, MultipleOf
+from speccheck.contract.matrix_model import BackendEntry, KvLayout, Matrix, MultipleOf
 from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.resolution import resolve_backend
 from speccheck.contract.runtime_config import DtypeName, KvCacheDtypeName, RuntimeConfig
@@ -127,8 +129,12 @@ def runtime_configs(
     head_size = draw(st.sampled_from(_allowed_head_sizes(entry)) | st.sampled_from(HEAD_SIZES))
     max_model_len = draw(st.sampled_from(MAX_MODEL_LENS))
     block_size = draw(st.just(max_model_len) | st.sampled_from((1, 4, 16)))
-    num_kv_heads = draw(st.sampled_from((1, 2)))
+    latent = entry.constraints.kv_layout is KvLayout.LATENT
+    num_kv_heads = 1 if latent else draw(st.sampled_from((1, 2)))
     group = draw(st.sampled_from((1, 2, 3)))
+    kv_lora_rank = draw(st.just(16) | st.sampled_from((16, 32, 48)))
+    qk_rope_head_dim = draw(st.just(16) | st.sampled_from((8, 16)))
+    sliding_window = draw(st.just(0) | st.sampled_from((0, 3)))
     if platform is None:
         platform = draw(st.sampled_from(entry.platforms) | st.sampled_from(("cuda", "cpu", "rocm")))
     if compute_capability is None:
@@ -137,21 +143,25 @@ def runtime_configs(
         platform=platform, compute_capability=compute_capability, dtype=dtype,
         kv_cache_dtype=kv_cache_dtype, head_size=head_size, block_size=block_size,
         max_model_len=max_model_len, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
-        cudagraph_mode="none",
+        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+        sliding_window=sliding_window, cudagraph_mode="none",
     )
 
 
-def layer_of(config: RuntimeConfig) -> AttentionLayerSpec:
+def layer_of(config: RuntimeConfig, entry: BackendEntry) -> AttentionLayerSpec:
+    """The layer ``config`` describes, in the KV layout ``entry`` reads."""
     return AttentionLayerSpec(
         num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_size=config.head_size,
         dtype=DTYPES[config.dtype], block_size=config.block_size,
-        max_model_len=config.max_model_len,
+        max_model_len=config.max_model_len, kv_layout=entry.constraints.kv_layout or KvLayout.NHD,
+        kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
+        sliding_window=config.sliding_window,
     )
 
 
 def build(name: str, config: RuntimeConfig, device: torch.device) -> AttentionMetadataBuilder[Any]:
     (group,) = build_attention_groups(
-        [name], layer_of(config), config, device, LIMITS, matrix=MATRIX
+        [name], layer_of(config, MATRIX.backend(name)), config, device, LIMITS, matrix=MATRIX
     )
     return group.builder
 
@@ -173,7 +183,8 @@ def assert_refused(name: str, config: RuntimeConfig, broken: list[str]) -> None:
 
 def run_tiny_forward(builder: AttentionMetadataBuilder[Any], device: torch.device) -> None:
     """Two requests (one decode token, one two-token query) through the builder's impl:
-    the new keys land in the cache and the output matches the fp32 reference."""
+    the new keys (latent entries, for an MLA layer) land in the cache and the output
+    matches the fp32 reference, with the layer's sliding window."""
     layer = builder.layer
     gen = torch.Generator().manual_seed(0)
     seq_lens = [min(length, layer.max_model_len) for length in SEQ_LENS]
@@ -204,24 +215,27 @@ def run_tiny_forward(builder: AttentionMetadataBuilder[Any], device: torch.devic
     )
     metadata = builder.build(common)
 
-    shape = (num_blocks, layer.block_size, layer.num_kv_heads, layer.head_size)
-    key_cache = torch.randn(shape, generator=gen).to(device, layer.dtype)
-    value_cache = torch.randn(shape, generator=gen).to(device, layer.dtype)
+    latent = layer.kv_layout is KvLayout.LATENT
+    first, second = layer.kv_cache_shapes(num_blocks)
+    key_cache = torch.randn(first, generator=gen).to(device, layer.dtype)
+    value_cache = torch.randn(second, generator=gen).to(device, layer.dtype)
     n = len(slots)
-    query = torch.randn(n, layer.num_heads, layer.head_size, generator=gen).to(device, layer.dtype)
-    key = torch.randn(n, layer.num_kv_heads, layer.head_size, generator=gen).to(device, layer.dtype)
-    value = torch.randn(n, layer.num_kv_heads, layer.head_size, generator=gen).to(
-        device, layer.dtype
-    )
-    output = torch.full_like(query, float("nan"))
-    scale = layer.head_size**-0.5
+    query_width = layer.latent_size if latent else layer.head_size
+    query = torch.randn(n, layer.num_heads, query_width, generator=gen).to(device, layer.dtype)
+    key = torch.randn(n, *first[2:], generator=gen).to(device, layer.dtype)
+    value = (key[..., : layer.kv_lora_rank] if latent
+             else torch.randn(n, *second[2:], generator=gen).to(device, layer.dtype))
+    values = key_cache[..., : layer.kv_lora_rank] if latent else value_cache
+    output = torch.full((n, layer.num_heads, values.shape[-1]), float("nan"), dtype=layer.dtype,
+                        device=device)
+    scale = (layer.head_size + (layer.qk_rope_head_dim if latent else 0)) ** -0.5
     builder.make_impl(scale).forward(query, key, value, key_cache, value_cache, metadata, output)
 
-    flat_keys = key_cache.view(-1, layer.num_kv_heads, layer.head_size)
+    flat_keys = key_cache.view(-1, *first[2:])
     assert torch.equal(flat_keys[common.slot_mapping], key), "new keys not in the cache"
     want = paged_attention_reference(
-        query, key_cache, value_cache, common.query_start_loc, common.seq_lens,
-        common.block_table, scale, True,
+        query, key_cache, values, common.query_start_loc, common.seq_lens,
+        common.block_table, scale, True, layer.sliding_window,
     )
     tol = TOLERANCE[layer.dtype]
     torch.testing.assert_close(output.float(), want.float(), atol=tol, rtol=tol)

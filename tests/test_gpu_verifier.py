@@ -6,9 +6,12 @@ H200), so only the step-dependent-metadata check can catch it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from speccheck.checks.api import plan_verification
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -30,9 +33,10 @@ def _run(settings: VerifySettings) -> tuple[BackendVerifier, BackendReport]:
 
 
 def test_fa3_without_its_refresh_is_caught_at_default_settings() -> None:
-    """The seed PR's headline bug, at the settings a user gets: default example count and K
-    range, ten seeds; breakpoint discovery must aim the draft steps across FA3's own
-    schedule thresholds. Shrinking is cut: catching is the point here."""
+    """The seed PR's headline bug, at the settings ``speccheck verify --backend fa3`` uses
+    (its matrix entry's verify_defaults, the GPU tier's scale, K range and example count),
+    ten seeds; breakpoint discovery must aim the draft steps across FA3's own schedule
+    thresholds. Shrinking is cut: catching is the point here."""
     pytest.importorskip("fa3_fwd_interface")
     from speccheck.backends.fa3.builder import FA3MetadataBuilder
 
@@ -42,9 +46,13 @@ def test_fa3_without_its_refresh_is_caught_at_default_settings() -> None:
 
     caught: list[int] = []
     for seed in range(10):
-        settings = VerifySettings("fa3", FA3_CONFIG, seed=seed, shrink_seconds=0.0,
-                                  builder_overrides=(("fa3", WithoutRefresh),), matrices=MATRICES)
+        settings = dataclasses.replace(
+            plan_verification("fa3", seed=seed).settings_for("fa3"), shrink_seconds=0.0,
+            builder_overrides=(("fa3", WithoutRefresh),))
         _, report = _run(settings)
+        print(f"seed {seed}: {report.examples} examples, breakpoints "
+              f"{(report.breakpoints or {}).get('lengths', [])[:8]}, failures "
+              f"{[(f.check, f.field) for f in report.failures]}")
         stale = [f for f in report.failures if f.check == "step_metadata"]
         if stale and stale[0].field == "fa3.metadata.scheduler_metadata":
             caught.append(seed)

@@ -24,7 +24,7 @@ from speccheck.checks.selftest.mutants import (
     ShortOnlyRefresh,
     declaring_matrix,
 )
-from speccheck.checks.selftest.run import CPU_CONFIG
+from tests.fixtures.configs import CPU_CONFIG
 from speccheck.checks.verify import step_recorder
 from speccheck.checks.verify.comparisons import Outcome, compare_steps, expected_slots, kv_untouched
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder, StepSnapshots
@@ -137,7 +137,7 @@ def _oracle_kv_outcome(
 ) -> Outcome:
     """``kv_cache`` of the per-step oracle run of ``builder`` (a fresh random cache)."""
     spec, recorder = _speculator(builder, declares)
-    spec.kv_cache.fill_random_(torch.Generator().manual_seed(0))
+    spec.kv_cache.fill_random_(0)
     start = spec.kv_cache.snapshot()
     spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
     steps: StepSnapshots | None = recorder.collect(spec.bucket_for(batch.num_reqs))

@@ -77,7 +77,9 @@ def test_shipped_matrix_declares_the_seven_backends() -> None:
     sparse = matrix.backend("sparse_swa").draft_decode
     assert sparse.refreshed_fields == ("swa_indices", "swa_lens", "tile_scheduler_metadata")
     assert sparse.invalidated_caches == ("sparse_index_cache",)
-    assert matrix.backend("triton_mla").implementation is None
+    mla = matrix.backend("triton_mla")
+    assert mla.implementation == "speccheck.backends.triton_mla.builder:TritonMLAMetadataBuilder"
+    assert mla.draft_decode.refreshed_fields == ("dcp_local_seq_lens",)
     assert matrix.backend("fa3").package.import_name == "fa3_fwd_interface"
 
 

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from rich.console import Console
 from rich.progress import Progress
 from typer.testing import CliRunner
 
 from speccheck.checks.cli.app import app
-from speccheck.checks.selftest.mutants import MUTANTS, DerivedBuilder, declaring_matrix
-from speccheck.checks.selftest.run import CPU_CONFIG
+from speccheck.checks.selftest.mutants import MUTANTS, DerivedBuilder, declaring_matrix, mutants_matrix
+from tests.fixtures.configs import CPU_CONFIG
 from speccheck.checks.verify import runner
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
@@ -161,10 +162,11 @@ def _problem(example: Example, **changes: object) -> str | None:
 def test_examples_outside_the_limits_name_the_limit_and_the_option() -> None:
     long_prefill = (2, DraftBatch((0,), (tuple(range(20)),), ((1, 2, 3, 4, 5, 6),), (0,)))
     problem = _problem(long_prefill)
-    assert problem == ("--reproduce: the example has 20 prefill tokens, more than the 16 this "
-                       "run's drafter holds (4 per request of its largest capture size); raise "
-                       "it with --capture-sizes")
+    assert problem == ("--reproduce: the example has 20 prefill tokens, more than the 12 this "
+                       "run's drafter holds (3 per request of its largest capture size); raise "
+                       "it with --max-new-tokens or --capture-sizes")
     assert _problem(long_prefill, capture_sizes=(2, 8)) is None
+    assert _problem(long_prefill, max_new_tokens=5) is None
     many = (2, DraftBatch((0,) * 5, ((1,),) * 5, tuple((b,) for b in range(1, 6)), (0,) * 5))
     assert "has 5 requests, more than the 4" in (_problem(many) or "")
     too_long = (2, DraftBatch((31,), ((1, 2),), (tuple(range(1, 9)),), (0,)))
@@ -191,9 +193,9 @@ def test_a_reproduce_example_outside_the_limits_is_exit_2_before_any_worker() ->
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == ""
     (line,) = proc.stderr.splitlines()
-    assert line == ("--reproduce: the example has 64 prefill tokens, more than the 32 this run's "
-                    "drafter holds (4 per request of its largest capture size); raise it with "
-                    "--capture-sizes")
+    assert line == ("--reproduce: the example has 64 prefill tokens, more than the 24 this run's "
+                    "drafter holds (3 per request of its largest capture size); raise it with "
+                    "--max-new-tokens or --capture-sizes")
 
 
 def test_the_worker_rejects_an_example_outside_the_limits_as_bad_input() -> None:
@@ -253,3 +255,25 @@ def test_a_wrong_attention_output_with_right_kv_writes_is_localised_to_the_outpu
     assert ("localised: request 0 first leaves the fp32 reference at draft step 0; no KV-cache "
             "slot it reads was written by another lane, and its own layer-0 keys and values "
             "match: only the attention output differs (layer 0 at draft step 0") in diagnosis
+
+
+def test_every_mutants_printed_reproduce_command_reproduces_in_a_fresh_worker(
+    tmp_path: Path,
+) -> None:
+    """Every known-bad builder of the self-test, run as a user's adapter at the CPU tier's
+    defaults (``--backend all`` over a matrix of one entry per mutant): each fails, and the
+    reproduce command printed for it fails the same way when re-run in a fresh worker."""
+    matrix = tmp_path / "mutants.yaml"
+    data = mutants_matrix(load_matrix(None)).model_dump(mode="json", exclude_defaults=True)
+    matrix.write_text(yaml.safe_dump({"version": 1, **data}, sort_keys=False))
+    out = tmp_path / "mutants.json"
+    proc = _speccheck("verify", "--backend", "all", "--matrix", str(matrix), "--json", str(out),
+                      timeout=1200)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    reports = {r["backend"]: r for r in json.loads(out.read_text())["backends"]}
+    assert set(reports) == {m.name for m in MUTANTS}
+    for mutant in MUTANTS:
+        report = reports[mutant.name]
+        assert report["status"] == "failed", (mutant.name, report["detail"])
+        assert mutant.check.value in {f["check"] for f in report["failures"]}, mutant.name
+        assert report["reproduced"] is True, (mutant.name, report["reproduce"])

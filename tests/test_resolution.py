@@ -104,16 +104,17 @@ def test_always_supported_backends_fuse_on_cuda(
 
 
 @pytest.mark.parametrize(("dcp_world_size", "verdict"), [
-    (1, FusedVerdict.DECLARED_UNVERIFIED), (2, FusedVerdict.NO)])
-def test_triton_mla_follows_its_dcp_condition_but_is_unverified(
+    (1, FusedVerdict.YES), (2, FusedVerdict.NO)])
+def test_triton_mla_follows_its_dcp_condition(
     dcp_world_size: int, verdict: FusedVerdict
 ) -> None:
     resolution = resolve("triton_mla", dcp_world_size=dcp_world_size)
-    assert resolution.verdict is verdict and resolution.fused_multi_step is False
+    assert resolution.verdict is verdict
+    assert resolution.fused_multi_step is (verdict is FusedVerdict.YES)
 
 
 def test_entry_without_adapter_is_declared_unverified_not_yes() -> None:
-    resolution = resolve("sparse_swa", platform="cuda")
+    resolution = resolve_backend(_entry(implementation=None), RuntimeConfig())
     assert resolution.verdict is FusedVerdict.DECLARED_UNVERIFIED
     assert resolution.adapter is AdapterStatus.NOT_SHIPPED
     assert resolution.fused_multi_step is False
@@ -141,7 +142,7 @@ def test_adapter_lookup_imports_nothing() -> None:
 def test_cpu_backends() -> None:
     fused = {r.name for r in resolve_matrix(MATRIX, RuntimeConfig(platform="cpu", dtype="float32"))
              if r.fused_multi_step}
-    assert fused == {"reference", "triton_attn"}
+    assert fused == {"reference", "triton_attn", "triton_mla"}
 
 
 def test_resolve_matrix_keeps_file_order_and_fields() -> None:

@@ -39,19 +39,27 @@ def paged_attention_reference(
     block_table: torch.Tensor,
     scale: float,
     causal: bool,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of ``query`` (``[T, H, D]``) over the paged cache, in fp32.
 
     A token of request ``r`` at query offset ``i`` (query length ``q_r``) sits at absolute
-    position ``seq_lens[r] - q_r + i`` and sees KV positions ``< seq_lens[r]`` (and ``<=``
-    its own position when ``causal``). Padding tokens and requests with ``seq_lens == 0``
-    produce zeros. Returns ``[T, H, D]`` in ``query.dtype``.
+    position ``p = seq_lens[r] - q_r + i`` and sees KV positions ``< seq_lens[r]`` (and
+    ``<= p`` when ``causal``; and ``> p - window`` when ``window > 0``, a sliding window).
+    Padding tokens and requests with ``seq_lens == 0`` produce zeros.
+
+    Keys are ``key_cache`` (``[blocks, block_size, KVH, D]``) and values ``value_cache``
+    (``[blocks, block_size, KVH, Dv]``, any strides): ``Dv`` may differ from ``D``, as
+    for a latent MLA cache, whose keys are the whole entry and whose values are its first
+    ``kv_lora_rank`` channels (pass ``latent`` and ``latent[..., :kv_lora_rank]``). Returns
+    ``[T, H, Dv]`` in ``query.dtype``.
     """
     num_tokens, num_heads, head_size = query.shape
+    value_size = value_cache.shape[-1]
     num_reqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
     if num_tokens == 0 or num_reqs == 0:
-        return torch.zeros_like(query)
+        return query.new_zeros(num_tokens, num_heads, value_size)
     req = token_request_index(query_start_loc, num_tokens)
     real_token = req < num_reqs
     req = req.clamp(max=num_reqs - 1).long()
@@ -67,9 +75,11 @@ def paged_attention_reference(
     visible = kv_pos[None, :] < seq_len[:, None]
     if causal:
         visible &= kv_pos[None, :] <= abs_pos[:, None]
+    if window > 0:
+        visible &= kv_pos[None, :] > abs_pos[:, None] - window
     visible &= real_token[:, None]
 
-    out = torch.empty(num_tokens, num_kv_heads, group, head_size, device=query.device)
+    out = torch.empty(num_tokens, num_kv_heads, group, value_size, device=query.device)
     q = query.float().reshape(num_tokens, num_kv_heads, group, head_size)
     blocks = block_table.long()[req]  # [T, MB]
     step = gather_chunk(kv_len, num_kv_heads, head_size)
@@ -83,4 +93,4 @@ def paged_attention_reference(
         probs = torch.where(seen.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1),
                             torch.zeros_like(scores))
         out[rows] = torch.einsum("tkgl,tlkd->tkgd", probs, v)
-    return out.view(num_tokens, num_heads, head_size).to(query.dtype)
+    return out.view(num_tokens, num_heads, value_size).to(query.dtype)

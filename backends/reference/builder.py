@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from speccheck.backends.kv_cache_write import write_kv_cache
+from speccheck.backends.kv_cache_write import write_kv_cache, write_latent_cache
 from speccheck.backends.reference.attention import paged_attention_reference
 from speccheck.contract.builder import AttentionImpl, AttentionMetadataBuilder
+from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.metadata import CommonAttentionMetadata
 
 
@@ -25,6 +26,12 @@ class ReferenceMetadata:
 
 
 class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
+    """fp32 attention for both cache layouts of :class:`AttentionLayerSpec`: grouped-query
+    over keys and values (``NHD``), or multi-query over the MLA latent cache (``latent``:
+    keys are whole latent entries, values their first ``kv_lora_rank`` channels), honouring
+    the layer's ``sliding_window``. Capture-safe: an in-place cache scatter and fixed-shape
+    tensor ops."""
+
     def forward(
         self,
         query: torch.Tensor,
@@ -36,7 +43,11 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
         output: torch.Tensor,
     ) -> None:
         n = metadata.num_actual_tokens
-        write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping)
+        if self.layer.kv_layout is KvLayout.LATENT:
+            write_latent_cache(key[:n], key_cache, metadata.slot_mapping)
+            value_cache = key_cache[..., : self.layer.kv_lora_rank]
+        else:
+            write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping)
         output[:n] = paged_attention_reference(
             query[:n],
             key_cache,
@@ -46,6 +57,7 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
             metadata.block_table,
             self.scale,
             metadata.causal,
+            self.layer.sliding_window,
         )
 
 

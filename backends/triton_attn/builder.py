@@ -42,12 +42,17 @@ KV_TILE = 32
 """KV positions per inner-loop tile (``BLOCK_N``); at least 16, as ``tl.dot`` requires."""
 
 
-def default_num_kv_splits(layer: AttentionLayerSpec, limits: BuilderLimits) -> int:
+def default_num_kv_splits(
+    layer: AttentionLayerSpec, limits: BuilderLimits, width: int | None = None
+) -> int:
     """Splits per query block: enough that a ``max_model_len`` sequence is cut into runs of
     at least :data:`MIN_KV_PER_SPLIT` positions, at most :data:`MAX_KV_SPLITS`, and few
-    enough that the scratch for ``limits.max_num_tokens`` fits :data:`SCRATCH_BUDGET_BYTES`."""
+    enough that the scratch for ``limits.max_num_tokens`` fits :data:`SCRATCH_BUDGET_BYTES`.
+    ``width`` is the accumulator's last dimension (``head_size`` unless given; an MLA
+    kernel accumulates ``kv_lora_rank`` channels)."""
+    width = layer.head_size if width is None else width
     by_length = min(MAX_KV_SPLITS, triton.cdiv(layer.max_model_len, MIN_KV_PER_SPLIT))
-    bytes_per_split = max(1, limits.max_num_tokens) * layer.num_heads * (layer.head_size + 2) * 4
+    bytes_per_split = max(1, limits.max_num_tokens) * layer.num_heads * (width + 2) * 4
     return max(1, min(by_length, SCRATCH_BUDGET_BYTES // bytes_per_split))
 
 
@@ -58,8 +63,9 @@ class SplitKVScratch:
     - ``part_max``: ``[max_num_tokens, num_heads, num_splits]``, running maximum of the
       scaled scores, log2 domain.
     - ``part_sum``: same shape, softmax denominator relative to ``part_max``.
-    - ``part_acc``: ``[max_num_tokens, num_heads, num_splits, head_size]``, value sum
-      relative to ``part_max``.
+    - ``part_acc``: ``[max_num_tokens, num_heads, num_splits, width]``, value sum relative
+      to ``part_max`` (``width`` is ``head_size``; the ``triton_mla`` backend, which shares
+      this scratch and the reduction kernel, accumulates ``kv_lora_rank`` channels).
 
     Contents are transient: every forward writes all partials of its real tokens before the
     reduction reads them, and never reads rows of padding tokens, so stale or unzeroed
@@ -69,6 +75,23 @@ class SplitKVScratch:
     part_max: torch.Tensor
     part_sum: torch.Tensor
     part_acc: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, num_tokens: int, num_heads: int, num_splits: int, width: int, device: torch.device
+    ) -> SplitKVScratch:
+        """Zeroed partials for ``num_tokens`` tokens of ``num_heads`` heads, each
+        accumulating ``width`` channels (``head_size`` here; ``kv_lora_rank`` for MLA)."""
+        rows = (num_tokens, num_heads, num_splits)
+        return cls(
+            part_max=torch.zeros(rows, dtype=torch.float32, device=device),
+            part_sum=torch.zeros(rows, dtype=torch.float32, device=device),
+            part_acc=torch.zeros(*rows, width, dtype=torch.float32, device=device),
+        )
+
+    def as_workspace(self) -> dict[str, torch.Tensor]:
+        """The three partial buffers by name (what ``workspace_buffers`` reports)."""
+        return {"part_max": self.part_max, "part_sum": self.part_sum, "part_acc": self.part_acc}
 
     @property
     def num_splits(self) -> int:
@@ -232,11 +255,8 @@ class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
         if num_kv_splits is not None and num_kv_splits < 1:
             raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
         splits = num_kv_splits or default_num_kv_splits(layer, limits)
-        rows = (limits.max_num_tokens, layer.num_heads, splits)
-        self.scratch = SplitKVScratch(
-            part_max=torch.zeros(rows, dtype=torch.float32, device=device),
-            part_sum=torch.zeros(rows, dtype=torch.float32, device=device),
-            part_acc=torch.zeros(*rows, layer.head_size, dtype=torch.float32, device=device),
+        self.scratch = SplitKVScratch.allocate(
+            limits.max_num_tokens, layer.num_heads, splits, layer.head_size, device
         )
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttnMetadata:
@@ -257,8 +277,4 @@ class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
 
     def workspace_buffers(self) -> Mapping[str, torch.Tensor]:
         """The split-KV scratch: allocated once, rewritten by every forward."""
-        return {
-            "part_max": self.scratch.part_max,
-            "part_sum": self.scratch.part_sum,
-            "part_acc": self.scratch.part_acc,
-        }
+        return self.scratch.as_workspace()

@@ -40,6 +40,7 @@ from speccheck.checks.cli.runtime_options import (
     build_runtime_config,
     with_runtime_options,
 )
+from speccheck.checks.verify.scale import TIER_SCALE
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.runtime_config import RuntimeConfig
 
@@ -53,6 +54,12 @@ def _shown_default(field: str) -> str:
     if gpu is None and cpu is None:
         return str(RuntimeConfig.model_fields[field].default)
     return f"GPU tier {gpu}, CPU tier {cpu}"
+
+
+def _shown_scale(field: str) -> str:
+    gpu, cpu = (getattr(TIER_SCALE[tier], field) for tier in (Tier.GPU, Tier.CPU))
+    render = (lambda v: ",".join(map(str, v))) if isinstance(gpu, tuple) else str
+    return f"GPU tier {render(gpu)}, CPU tier {render(cpu)}"
 
 
 TIER_LINE = {
@@ -96,7 +103,8 @@ def verify_command(
     junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report here.")] = None,  # noqa: UP045
     example_timeout: Annotated[float, typer.Option("--example-timeout", help="Seconds without progress before a worker counts as hung.")] = 300.0,
     audit_claims: Annotated[bool, typer.Option("--audit-claims", help="For a backend the matrix does not allow to fuse under the config, also run the fused path (in its own worker) and report whether the claim is too strict or confirmed.")] = False,
-    capture_sizes: Annotated[Optional[str], typer.Option("--capture-sizes", help="Padded request counts to capture graphs for (and pad eager runs to), comma-separated; the largest bounds the requests and prefill tokens of an example.", show_default="1,2,4,8")] = None,  # noqa: UP045
+    capture_sizes: Annotated[Optional[str], typer.Option("--capture-sizes", help="Padded request counts to capture graphs for (and pad eager runs to), comma-separated; the largest bounds the requests and prefill tokens of an example.", show_default=_shown_scale("capture_sizes"))] = None,  # noqa: UP045
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Most tokens a request brings to the first (prefill) pass; the prefill budget is this many per request of the largest capture size.", show_default=_shown_scale("max_new_tokens"))] = None,  # noqa: UP045
     matrix_path: MatrixPathOption = None,
     *,
     runtime: RuntimeOverrides,
@@ -114,8 +122,8 @@ def verify_command(
     try:
         plan = plan_verification(
             backend, config=runtime, matrix=matrix_path, examples=examples, seed=seed,
-            capture_sizes=sizes, reproduce=reproduce, audit_claims=audit_claims,
-            example_timeout=example_timeout)
+            capture_sizes=sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
+            audit_claims=audit_claims, example_timeout=example_timeout)
     except MatrixError as exc:
         for problem in exc.problems:
             _stderr().print(problem.render(), markup=False)
@@ -126,6 +134,17 @@ def verify_command(
     console.print(TIER_LINE[plan.tier].format(device=plan.device), markup=False)
     console.print("runtime config: " + ", ".join(
         f"{name}={value}" for name, value in plan.config.model_dump().items()), markup=False)
+    scale = plan.scale()
+    console.print(f"scale: up to {max(scale.capture_sizes)} requests (capture sizes "
+                  f"{','.join(map(str, scale.capture_sizes))}), up to {scale.max_new_tokens} new "
+                  f"tokens per request, K in {','.join(map(str, plan.steps))}", markup=False)
+    for name in plan.names:
+        own = plan.config_for(name).model_dump()
+        differs = {k: v for k, v in own.items() if plan.config.model_dump()[k] != v}
+        if differs:
+            console.print(f"{name}: verified at " + ", ".join(
+                f"{k}={v}" for k, v in differs.items()) + " (its matrix entry's verify_defaults)",
+                markup=False)
     if plan.config.dp_size > 1:
         for name in plan.names:
             console.print(f"{name}: data-parallel DFlash drafting on {plan.config.dp_size} ranks",

@@ -111,6 +111,13 @@ class GuardedBuffer:
         guarded.tensor.copy_(t)
         return guarded
 
+    def rearm(self) -> None:
+        """Restore both bands to their initial contents, so that :meth:`violations` reports
+        only writes made after this call (the verifier rearms before every example: a
+        failure then belongs to the example that caused it)."""
+        for band, initial in zip(self._bands, self._initial, strict=True):
+            band.view(torch.uint8).copy_(initial)
+
     def violations(self) -> list[str]:
         """One message per overwritten band, naming the element offsets written, relative to
         element 0 of :attr:`tensor` (negative before it, ``>= numel`` after it)."""

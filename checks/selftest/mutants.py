@@ -269,3 +269,20 @@ def declaring_matrix(shipped: Matrix, fields: tuple[str, ...], backend: str = "r
     strategy = RefreshStrategy.IN_GRAPH if fields else RefreshStrategy.NONE_NEEDED
     draft = DraftDecode(supported=True, refresh_strategy=strategy, refreshed_fields=fields)
     return shipped.replacing(shipped.backend(backend).model_copy(update={"draft_decode": draft}))
+
+
+def mutants_matrix(shipped: Matrix) -> Matrix:
+    """A matrix of one entry per mutant, named after it: ``shipped``'s ``reference`` entry
+    with the mutant's builder as its implementation and the mutant's declaration, so that
+    ``speccheck verify --matrix FILE --backend all`` runs every mutant as a user's adapter
+    is run (each in its worker, each failure's reproduce command re-run in a fresh one)."""
+    entries = []
+    for mutant in MUTANTS:
+        declared = declaring_matrix(shipped, mutant.declares).backend("reference")
+        builder = mutant.builder
+        entries.append(declared.model_copy(update={
+            "name": mutant.name, "display_name": f"Known-bad builder: {mutant.name}",
+            "description": mutant.recreates,
+            "implementation": f"{builder.__module__}:{builder.__qualname__}",
+        }))
+    return Matrix(version=shipped.version, backends=tuple(entries))

@@ -11,14 +11,11 @@ from speccheck.checks.selftest.mutants import DERIVED_FIELD, MUTANTS, DerivedBui
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.scale import TIER_DEFAULTS, TIER_SCALE
 from speccheck.checks.verify.vocabulary import Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.runtime_config import RuntimeConfig
-
-CPU_CONFIG = RuntimeConfig(platform="cpu", cudagraph_mode="none", block_size=4, max_model_len=32,
-                           dtype="float32", head_size=16, num_heads=2, num_kv_heads=1)
-
 
 @dataclass
 class SelftestResult:
@@ -32,22 +29,26 @@ class SelftestResult:
 def verify_builder(
     builder: type[AttentionMetadataBuilder],  # type: ignore[type-arg]
     device: torch.device,
-    examples: int = 12,
+    *,
+    seed: int = 0,
     shrink_seconds: float = 120.0,
     declares: tuple[str, ...] = (DERIVED_FIELD,),
 ) -> BackendReport:
-    """Verify the reference backend with ``builder`` swapped in (small drafter, K = 4),
-    against a matrix whose ``reference`` entry declares ``declares`` as refreshed."""
-    gpu = device.type == "cuda"
-    config = CPU_CONFIG.model_copy(
-        update={"platform": "cuda", "cudagraph_mode": "full"} if gpu else {}
-    )
+    """Verify the reference backend with ``builder`` swapped in, against a matrix whose
+    ``reference`` entry declares ``declares`` as refreshed, at the settings ``speccheck
+    verify`` uses by default on ``device``'s tier: its runtime config, batch scale, draft
+    step counts and example count. Nothing is pinned, so a mutant caught here is caught by
+    the search a user gets."""
+    tier = Tier.GPU if device.type == "cuda" else Tier.CPU
+    config = RuntimeConfig(**TIER_DEFAULTS[tier])
+    scale = TIER_SCALE[tier]
     shipped = load_matrix(None)
     matrices = MatrixContext(declaring_matrix(shipped, declares), None, shipped)
-    settings = VerifySettings("reference", config, examples=examples, steps=(4,), capture_sizes=(2, 4),
-                              vocab_size=64, builder_overrides=(("reference", builder),),
+    settings = VerifySettings("reference", config, seed=seed, capture_sizes=scale.capture_sizes,
+                              max_new_tokens=scale.max_new_tokens,
+                              builder_overrides=(("reference", builder),),
                               shrink_seconds=shrink_seconds, matrices=matrices)
-    report = BackendReport("reference", Tier.GPU if gpu else Tier.CPU, Status.PASSED)
+    report = BackendReport("reference", tier, Status.PASSED)
     BackendVerifier(settings, device).run(report, lambda i, e: None)
     return report
 

@@ -52,9 +52,15 @@ from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.examples import Example, encode_example, example_json
 from speccheck.checks.verify.localise import earliest_divergence, localise, trace_run, traced_slots
 from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.scale import (
+    DEFAULT_CAPTURE_SIZES,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_STEPS,
+)
 from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Status
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.groups import AttentionGroup
+from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
 from speccheck.speculator.base import SpeculatorOptions
@@ -68,12 +74,11 @@ TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 """Absolute logit / KV tolerance per dtype; a top-2 logit gap below twice this makes the
 oracle's token choice indeterminate."""
 
-DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8)
-"""Padded request counts the harness captures graphs for (and pads eager runs to); the
-largest is the most requests an example may have (``speccheck verify --capture-sizes``)."""
+KV_CACHE_TOKEN_BUDGET = 1 << 21
+"""Most KV-cache positions the harness allocates per layer (past one full request row):
+with many requests at a long ``max_model_len`` the cache holds this many, and a drawn batch
+takes requests only while their block tables fit (block ids are disjoint)."""
 
-PREFILL_TOKENS_PER_REQUEST = 4
-"""The harness's prefill budget: this many tokens per request of the largest capture size."""
 
 @dataclass(frozen=True)
 class VerifySettings:
@@ -81,8 +86,9 @@ class VerifySettings:
     config: RuntimeConfig
     examples: int = 50
     seed: int = 0
-    steps: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
+    steps: tuple[int, ...] = DEFAULT_STEPS
     capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     vocab_size: int = 256
     num_layers: int = 2
     builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...] = ()
@@ -137,6 +143,11 @@ class GuardedAllocator:
     def violations(self) -> list[str]:
         return [v for b in self.buffers for v in b.violations()]
 
+    def rearm(self) -> None:
+        """Every band back to its poison: later violations are later writes'."""
+        for buffer in self.buffers:
+            buffer.rearm()
+
 
 def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
     """The candidates of one example, in the order they run after the oracle.
@@ -178,17 +189,29 @@ class BackendVerifier:
 
     # ------------------------------------------------------------ set-up
     def drafter(self, dtype: str) -> DrafterConfig:
+        """The drafter of this run in ``dtype``: its layers are of the kind the backend under
+        test reads (GQA for an ``NHD`` cache or an entry that states no layout, MLA for a
+        ``latent`` one), and the fp32 reference speculator gets the same kind."""
+        layout = self.settings.matrices.matrix.backend(self.settings.backend).constraints.kv_layout
         return DrafterConfig.for_runtime(
             self.config, vocab_size=self.settings.vocab_size,
             num_layers=self.settings.num_layers, seed=self.settings.seed, dtype=dtype,
+            kv_layout=layout or KvLayout.NHD,
         )
 
     def options(self) -> SpeculatorOptions:
-        max_blocks = -(-self.config.max_model_len // self.config.block_size)
+        """The drafter's sizes: graphs for every capture size, a prefill budget of
+        ``max_new_tokens`` per request of the largest, and a KV cache of one full block-table
+        row per request, capped at :data:`KV_CACHE_TOKEN_BUDGET` positions (never below one
+        full row) plus the sink block."""
+        bs = self.config.block_size
+        max_blocks = -(-self.config.max_model_len // bs)
+        most = max(self.settings.capture_sizes)
+        live = min(most * max_blocks, max(max_blocks, KV_CACHE_TOKEN_BUDGET // bs))
         return SpeculatorOptions(
             capture_sizes=self.settings.capture_sizes,
-            max_num_prefill_tokens=max(self.settings.capture_sizes) * PREFILL_TOKENS_PER_REQUEST,
-            num_blocks=max(self.settings.capture_sizes) * max_blocks + 1,
+            max_num_prefill_tokens=most * self.settings.max_new_tokens,
+            num_blocks=live + 1,
             pad_to_capture_sizes=True,
         )
 
@@ -197,6 +220,7 @@ class BackendVerifier:
             max_num_reqs=max(self.settings.capture_sizes), block_size=self.config.block_size,
             max_model_len=self.config.max_model_len, num_blocks=self.options().num_blocks,
             extra_positions=k - 1, vocab_size=self.settings.vocab_size,
+            max_new_tokens=self.settings.max_new_tokens,
         )
 
     def harness(self, k: int) -> _Harness:
@@ -235,12 +259,18 @@ class BackendVerifier:
 
     @property
     def fused_allowed(self) -> bool:
-        return self.harness(self.settings.steps[0]).spec.use_fused_multi_step_decode
+        """Whether the speculator fuses at the largest K drawn (at K = 1 nothing fuses)."""
+        return self.harness(max(self.settings.steps)).spec.use_fused_multi_step_decode
 
-    def candidates(self) -> list[Candidate]:
-        """What is compared with the eager per-step oracle, in order: see
-        :func:`candidates_for`."""
-        spec = self.harness(self.settings.steps[0]).spec
+    def candidates(self, k: int | None = None) -> list[Candidate]:
+        """What is compared with the eager per-step oracle on an example of ``k`` draft
+        steps (default: the largest K drawn), in order: see :func:`candidates_for`. K = 1
+        has none: no decode step runs, so the example is the control of the first pass
+        (its KV writes and its tokens against the fp32 reference)."""
+        k = max(self.settings.steps) if k is None else k
+        if k == 1:
+            return []
+        spec = self.harness(k).spec
         if spec.use_fused_multi_step_decode:
             return candidates_for(DecodePath.FUSED, self.gpu)
         return candidates_for(DecodePath.PREPLANNED if spec.preplanned_capable else None, self.gpu)
@@ -271,8 +301,9 @@ class BackendVerifier:
                     "it with --capture-sizes")
         if prefill > max_tokens:
             return (f"--reproduce: the example has {prefill} prefill tokens, more than the "
-                    f"{max_tokens} this run's drafter holds ({PREFILL_TOKENS_PER_REQUEST} per "
-                    "request of its largest capture size); raise it with --capture-sizes")
+                    f"{max_tokens} this run's drafter holds ({self.settings.max_new_tokens} per "
+                    "request of its largest capture size); raise it with --max-new-tokens or "
+                    "--capture-sizes")
         if lengths[longest] > mml:
             return (f"--reproduce: request {longest} reaches length {lengths[longest]} "
                     f"(context {batch.context_lens[longest]} + "
@@ -302,14 +333,16 @@ class BackendVerifier:
     # ------------------------------------------------------------ one example
     def _start_state(self, h: _Harness, example: Example) -> KVSnapshot:
         """Put the harness in the state ``example`` starts from, a function of the example
-        alone: the builders' zero-tail buffers poisoned (:meth:`_tail_buffers`) and the KV
-        cache filled with noise seeded by the example. Returns the KV snapshot."""
+        alone: the builders' zero-tail buffers poisoned (:meth:`_tail_buffers`), every
+        guard band rearmed (a band an earlier example overwrote is not this example's
+        finding), and the KV cache filled with noise seeded by the example. Returns the KV
+        snapshot."""
         if h.tail_buffers is None:
             h.tail_buffers = self._tail_buffers(h, example[0])
         for buffer in h.tail_buffers:
             poison_(buffer)
-        generator = torch.Generator().manual_seed(zlib.crc32(encode_example(example).encode()))
-        h.spec.kv_cache.fill_random_(generator)
+        self.guards.rearm()
+        h.spec.kv_cache.fill_random_(zlib.crc32(encode_example(example).encode()))
         return h.spec.kv_cache.snapshot()
 
     def _tail_buffers(self, h: _Harness, k: int) -> list[torch.Tensor]:
@@ -356,7 +389,7 @@ class BackendVerifier:
         if self.gpu:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 
-        for candidate in self.candidates():
+        for candidate in self.candidates(k):
             name = candidate.name
             spec.kv_cache.restore(start)
             probed = candidate == Candidate(DecodePath.FUSED, graphs=False)

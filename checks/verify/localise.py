@@ -295,9 +295,12 @@ def _differing_slots(
 def _layer_kinds(
     mine: LayerKV, theirs: LayerKV
 ) -> list[tuple[int, str, torch.Tensor, torch.Tensor]]:
+    """``(layer, "keys"|"values", mine, theirs)`` per layer and cache tensor, leaving out
+    empty ones (an MLA layer's second tensor holds nothing)."""
     return [(layer, kind, a, b)
             for layer, (pair, other) in enumerate(zip(mine, theirs, strict=True))
-            for kind, a, b in (("keys", pair[0], other[0]), ("values", pair[1], other[1]))]
+            for kind, a, b in (("keys", pair[0], other[0]), ("values", pair[1], other[1]))
+            if a.numel()]
 
 
 def _changed(trace: RunTrace, index: int, layer: int, kind: str, step: int) -> bool:

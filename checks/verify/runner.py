@@ -34,6 +34,7 @@ from rich.progress import TaskID
 
 from speccheck.checks.verify.examples import BadExample, reproduce_blob, reproduce_command
 from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.scale import TIER_SCALE, HarnessScale
 from speccheck.checks.verify.vocabulary import Status, Tier
 from speccheck.contract.runtime_config import RuntimeConfig
 
@@ -47,14 +48,13 @@ machine)."""
 def worker_request(
     backend: str, config: RuntimeConfig, examples: int, seed: int, steps: Sequence[int],
     reproduce: str | None, reproduce_prefix: str, matrix: Path | None = None,
-    capture_sizes: Sequence[int] | None = None,
+    scale: HarnessScale = TIER_SCALE[Tier.CPU],
 ) -> dict[str, object]:
-    """What :mod:`speccheck.checks.verify.worker` reads: JSON-serialisable settings
-    (``capture_sizes``: ``None`` for the engine's default)."""
+    """What :mod:`speccheck.checks.verify.worker` reads: JSON-serialisable settings."""
     return {"backend": backend, "config": config.model_dump(), "examples": examples,
             "seed": seed, "steps": list(steps), "reproduce": reproduce,
             "reproduce_prefix": reproduce_prefix, "matrix": str(matrix) if matrix else None,
-            "capture_sizes": list(capture_sizes) if capture_sizes is not None else None}
+            "capture_sizes": list(scale.capture_sizes), "max_new_tokens": scale.max_new_tokens}
 
 
 class ProgressDisplay(Protocol):

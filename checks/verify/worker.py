@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from speccheck.backends.availability import BackendUnavailable
-from speccheck.checks.verify.engine import DEFAULT_CAPTURE_SIZES, BackendVerifier, VerifySettings
+from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.examples import (
     BadExample,
     Example,
@@ -66,10 +66,10 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     if unrunnable is not None:
         report.status, report.tier, report.detail = Status.SKIPPED, Tier.NONE, unrunnable
         return report
-    capture_sizes = tuple(request["capture_sizes"] or DEFAULT_CAPTURE_SIZES)
     settings = VerifySettings(backend=name, config=config, examples=request["examples"],
                               seed=request["seed"], steps=tuple(request["steps"]),
-                              capture_sizes=capture_sizes,
+                              capture_sizes=tuple(request["capture_sizes"]),
+                              max_new_tokens=request["max_new_tokens"],
                               claim_fused=bool(request.get("claim_fused")), matrices=matrices)
     started = time.perf_counter()
     try:

@@ -1,0 +1,52 @@
+"""What a verification runs at by default, per machine tier: the runtime config, how large
+the batches it draws may be, and the draft step counts. Torch-free: the command line shows
+these defaults without importing the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from speccheck.checks.verify.vocabulary import Tier
+
+
+@dataclass(frozen=True)
+class HarnessScale:
+    """How large the batches a verification draws may be: the search space, and what the
+    harness allocates for it."""
+
+    capture_sizes: tuple[int, ...]
+    """Padded request counts the harness captures graphs for (and pads eager runs to); the
+    largest is the most requests an example may have (``speccheck verify
+    --capture-sizes``)."""
+    max_new_tokens: int
+    """Most tokens one request brings to the first (prefill) pass (``--max-new-tokens``);
+    the drafter's prefill budget is this many per request of the largest capture size."""
+
+
+TIER_SCALE: dict[Tier, HarnessScale] = {
+    Tier.GPU: HarnessScale(capture_sizes=(1, 2, 4, 8, 16, 32, 64), max_new_tokens=16),
+    Tier.CPU: HarnessScale(capture_sizes=(1, 2, 4, 8), max_new_tokens=3),
+}
+"""Default scale per machine tier: serving-scale batches on the GPU, small ones under the
+CPU tier's Triton interpreter."""
+
+DEFAULT_CAPTURE_SIZES = TIER_SCALE[Tier.CPU].capture_sizes
+"""What :class:`~speccheck.checks.verify.engine.VerifySettings` takes when not told."""
+DEFAULT_MAX_NEW_TOKENS = TIER_SCALE[Tier.CPU].max_new_tokens
+
+TIER_DEFAULTS: dict[Tier, dict[str, object]] = {
+    Tier.GPU: {"platform": "cuda", "cudagraph_mode": "full", "dtype": "bfloat16",
+               "head_size": 128, "num_heads": 16, "num_kv_heads": 4, "block_size": 16,
+               "max_model_len": 32768},
+    Tier.CPU: {"platform": "cpu", "cudagraph_mode": "none", "dtype": "float32",
+               "head_size": 32, "num_heads": 4, "num_kv_heads": 2, "block_size": 4,
+               "max_model_len": 64, "kv_lora_rank": 32, "qk_rope_head_dim": 16},
+}
+"""Runtime defaults per tier, overridden by a backend's ``verify_defaults`` and then by any
+field given: a small drafter on the CPU (MLA layers too: a 32 + 16 latent instead of
+DeepSeek's 512 + 64, which the Triton interpreter runs in seconds per example), a realistic
+head layout and serving-scale lengths on the GPU."""
+
+DEFAULT_STEPS = tuple(range(1, 9))
+"""Draft step counts (K) drawn from when neither ``steps`` nor ``num_speculative_steps``
+is given; K = 1 (no draft decode step, hence no fused path) is the control."""
