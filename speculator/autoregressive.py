@@ -28,6 +28,7 @@ from speccheck.contract.resolution import FusedDecision, decide_fused_multi_step
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_uniform_attention_metadata
 from speccheck.speculator.base import DraftModelSpeculator, SpeculatorOptions
+from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.model import DraftModel
 from speccheck.speculator.sampling import sample_tokens
@@ -69,8 +70,9 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         config: RuntimeConfig,
         device: torch.device,
         options: SpeculatorOptions = SpeculatorOptions(),
+        kv_cache: PagedKVCache | None = None,
     ) -> None:
-        super().__init__(model, groups, config, device, options)
+        super().__init__(model, groups, config, device, options, kv_cache=kv_cache)
         self.step_observer: StepObserver | None = None
         self.refresh_hook: RefreshHook | None = None
         self._captured_metadata: dict[tuple[str, int], list[Any]] = {}

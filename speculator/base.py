@@ -78,7 +78,12 @@ class DraftModelSpeculator:
         device: torch.device,
         options: SpeculatorOptions,
         tokens_per_req: int = 1,
+        kv_cache: PagedKVCache | None = None,
     ) -> None:
+        """``kv_cache``: a cache to share instead of allocating one (it must have the
+        layers and block count this speculator would allocate). Speculators that share a
+        cache must never draft at the same time: the verifier's one-per-K speculators do
+        not, and a serving-scale cache is gigabytes per layer."""
         self.model = model
         self.groups = groups
         self.config = config
@@ -109,10 +114,12 @@ class DraftModelSpeculator:
         limits = options.limits(tokens_per_req)
         self.max_num_reqs, self.max_num_tokens = limits.max_num_reqs, limits.max_num_tokens
         self.layer_impls = self._layer_impls()
-        self.kv_cache = PagedKVCache.allocate(
-            [cfg.layer_spec(config.block_size, config.max_model_len)] * cfg.num_layers,
-            options.num_blocks, device,
-        )
+        specs = [cfg.layer_spec(config.block_size, config.max_model_len)] * cfg.num_layers
+        if kv_cache is None:
+            kv_cache = PagedKVCache.allocate(specs, options.num_blocks, device)
+        else:
+            kv_cache.require_layout(specs, options.num_blocks)
+        self.kv_cache = kv_cache
         max_blocks = -(-config.max_model_len // config.block_size)
         self.buffers = AttentionInputBuffers.allocate(
             self.max_num_reqs, self.max_num_tokens, max_blocks, device

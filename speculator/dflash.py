@@ -21,6 +21,7 @@ from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_uniform_attention_metadata
 from speccheck.speculator.base import DraftModelSpeculator, SpeculatorOptions
+from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.model import DraftModel
 from speccheck.speculator.sampling import sample_tokens
@@ -37,10 +38,11 @@ class DFlashSpeculator(DraftModelSpeculator):
         config: RuntimeConfig,
         device: torch.device,
         options: SpeculatorOptions = SpeculatorOptions(),
+        kv_cache: PagedKVCache | None = None,
     ) -> None:
         super().__init__(
             model, groups, config, device, options,
-            tokens_per_req=config.num_speculative_steps + 1,
+            tokens_per_req=config.num_speculative_steps + 1, kv_cache=kv_cache,
         )
         self.query_per_req = self.num_steps + 1
         self.mask_token_id = self.vocab_size - 1

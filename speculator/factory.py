@@ -13,6 +13,7 @@ from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import build_attention_groups
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
 from speccheck.speculator.base import SpeculatorOptions
+from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.model import DrafterConfig, DraftModel
 
@@ -30,12 +31,14 @@ def create_speculator(
     buffer_allocator: BufferAllocator = zeros_allocator,
     speculator_cls: type[AutoregressiveSpeculator | DFlashSpeculator] | None = None,
     claim_fused: bool = False,
+    kv_cache: PagedKVCache | None = None,
 ) -> AutoregressiveSpeculator | DFlashSpeculator:
     """``kind`` is ``"autoregressive"`` or ``"dflash"``; layer ``i`` of the drafter runs on
     backend ``layer_backends[i]`` (one name repeats for a single-backend model), as
     ``matrix`` declares it. ``speculator_cls`` swaps in a subclass of the kind's speculator
     (the DP regression plants the seed-004 bug with one); ``builder_overrides`` and
-    ``claim_fused`` are passed to :func:`build_attention_groups`."""
+    ``claim_fused`` are passed to :func:`build_attention_groups`; ``kv_cache`` is shared
+    instead of allocated (see :class:`~speccheck.speculator.base.DraftModelSpeculator`)."""
     kinds: dict[str, type[AutoregressiveSpeculator | DFlashSpeculator]] = {
         "autoregressive": AutoregressiveSpeculator, "dflash": DFlashSpeculator,
     }
@@ -60,4 +63,4 @@ def create_speculator(
         buffer_allocator=buffer_allocator,
         claim_fused=claim_fused,
     )
-    return cls(DraftModel(drafter, device), groups, config, device, options)
+    return cls(DraftModel(drafter, device), groups, config, device, options, kv_cache=kv_cache)

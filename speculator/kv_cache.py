@@ -50,6 +50,15 @@ class PagedKVCache:
                           torch.zeros(second, dtype=layer.dtype, device=device)))
         return cls(layers=pairs, block_size=block_sizes.pop())
 
+    def require_layout(self, layers: Sequence[AttentionLayerSpec], num_blocks: int) -> None:
+        """Raise ``ValueError`` unless this cache is what :meth:`allocate` would make for
+        ``layers`` and ``num_blocks`` (shapes and dtypes): the check before sharing it."""
+        expected = [(layer.kv_cache_shapes(num_blocks), layer.dtype) for layer in layers]
+        actual = [((tuple(k.shape), tuple(v.shape)), k.dtype) for k, v in self.layers]
+        if [(tuple(map(tuple, shapes)), dtype) for shapes, dtype in expected] != actual:
+            raise ValueError(f"the shared KV cache {actual} does not match the layers "
+                             f"{expected}")
+
     @property
     def num_blocks(self) -> int:
         return self.layers[0][0].shape[0]

@@ -30,6 +30,18 @@ def gather_chunk(kv_len: int, num_kv_heads: int, head_size: int) -> int:
     return max(1, GATHER_BYTES // (kv_len * num_kv_heads * head_size * 4))
 
 
+def gathered_blocks(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> int:
+    """Block-table columns each token gathers: all of them while a CUDA graph is being
+    captured (a replay may see any length), else only as many as the longest request needs
+    right now. The eager case reads ``seq_lens`` on the host (a synchronisation, never
+    captured), which keeps the fp32 oracle's memory traffic proportional to the batch's
+    real lengths instead of ``max_model_len``."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return block_table.shape[1]
+    longest = int(seq_lens.max()) if seq_lens.numel() else 0
+    return max(1, min(block_table.shape[1], -(-longest // block_size)))
+
+
 def paged_attention_reference(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -70,7 +82,7 @@ def paged_attention_reference(
     abs_pos = seq_len - query_len + offset
 
     group = num_heads // num_kv_heads
-    kv_len = block_table.shape[1] * key_cache.shape[1]
+    kv_len = gathered_blocks(seq_lens, block_table, key_cache.shape[1]) * key_cache.shape[1]
     kv_pos = torch.arange(kv_len, device=query.device)
     visible = kv_pos[None, :] < seq_len[:, None]
     if causal:
@@ -81,7 +93,7 @@ def paged_attention_reference(
 
     out = torch.empty(num_tokens, num_kv_heads, group, value_size, device=query.device)
     q = query.float().reshape(num_tokens, num_kv_heads, group, head_size)
-    blocks = block_table.long()[req]  # [T, MB]
+    blocks = block_table.long()[req, : kv_len // key_cache.shape[1]]  # [T, blocks]
     step = gather_chunk(kv_len, num_kv_heads, head_size)
     for start in range(0, num_tokens, step):
         rows = slice(start, min(num_tokens, start + step))

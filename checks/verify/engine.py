@@ -66,6 +66,7 @@ from speccheck.speculator.autoregressive import AutoregressiveSpeculator, Decode
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.factory import create_speculator
+from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.model import DrafterConfig
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 """Absolute logit / KV tolerance per dtype; a top-2 logit gap below twice this makes the
 oracle's token choice indeterminate."""
 
-KV_CACHE_TOKEN_BUDGET = 1 << 21
+KV_CACHE_TOKEN_BUDGET = 1 << 20
 """Most KV-cache positions the harness allocates per layer (past one full request row):
 with many requests at a long ``max_model_len`` the cache holds this many, and a drawn batch
 takes requests only while their block tables fit (block ids are disjoint)."""
@@ -180,6 +181,10 @@ class BackendVerifier:
         self.reference_tol = 4 * self.tol
         """Tolerance of the oracle against the fp32 reference (a different dtype's rounding)."""
         self._harness: dict[int, _Harness] = {}
+        self._shared_kv: dict[str, PagedKVCache] = {}
+        """One KV cache for the speculators of every K, one for their fp32 references:
+        examples run one at a time and each starts from its own noise, and at serving
+        scale a cache is gigabytes per layer."""
         self.capture_seconds = 0.0
         self._probe_outcomes: list[Outcome] = []
         self._breakpoints: Breakpoints | None = None
@@ -233,8 +238,10 @@ class BackendVerifier:
                 builder_overrides=dict(self.settings.builder_overrides),
                 buffer_allocator=self.guards,
                 claim_fused=self.settings.claim_fused,
+                kv_cache=self._shared_kv.get("spec"),
             )
             assert isinstance(spec, AutoregressiveSpeculator)
+            self._shared_kv.setdefault("spec", spec.kv_cache)
             recorder = StepMetadataRecorder(spec.groups)
             spec.step_observer = recorder
             start = time.perf_counter()
@@ -251,8 +258,10 @@ class BackendVerifier:
                     "autoregressive", ["reference"] * self.settings.num_layers, ref_config,
                     self.drafter("float32"), self.device, self.options(),
                     matrix=self.settings.matrices.shipped,
+                    kv_cache=self._shared_kv.get("reference"),
                 )
                 assert isinstance(ref, AutoregressiveSpeculator)
+                self._shared_kv.setdefault("reference", ref.kv_cache)
                 reference = ref
             self._harness[k] = _Harness(spec, recorder, reference, capture_error)
         return self._harness[k]
