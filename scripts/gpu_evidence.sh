@@ -55,7 +55,7 @@ if [ "$suite" = serving ]; then
   timeout "${FA3_SEEDS_LIMIT:-240}" python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py \
     -k default_settings > "$out/pytest-cuda-fa3-default-settings.txt" 2>&1
   echo "pytest exit $?" >> "$out/pytest-cuda-fa3-default-settings.txt"
-  for backend in triton_attn fa3 reference; do
+  for backend in ${BACKENDS:-triton_attn fa3 reference}; do
     run "$backend" "${VERIFY_LIMIT:-150}" --backend "$backend" --examples "${EXAMPLES:-200}"
   done
   [ "$bench" = --no-bench ] && exit 0

@@ -52,7 +52,9 @@ def test_matrix_json_applies_runtime_options() -> None:
         "requires dcp_world_size == 1, but dcp_world_size is 2"
     )
     assert by_name["sparse_swa"]["fused_multi_step"] is False
-    assert by_name["sparse_swa"]["verdict"] == "declared, unverified"
+    assert by_name["sparse_swa"]["reason"].startswith(
+        "requires sliding_window > 0, but sliding_window is 0"
+    )
     result = invoke("matrix", "--json", "--block-size", "4096", "--max-model-len", "4096")
     assert {item["name"]: item for item in json.loads(result.stdout)}["fa3"]["fused_multi_step"]
 
@@ -142,13 +144,18 @@ def test_docs_content() -> None:
     assert 'install with `pip install "speccheck[fa3]"`' in text
     assert "- Requires that `block_size` equals `max_model_len` (`block_size == max_model_len`)" \
         in text
-    assert "- Refreshed fields: `swa_indices`, `swa_lens`, `tile_scheduler_metadata`" in text
-    assert "- Invalidated caches: `sparse_index_cache`" in text
-    assert "- Implementation: none; no adapter shipped yet: the claims below are declared, unverified." in text
-    assert "| declared, unverified |" in text
+    assert "- Refreshed fields: `swa_indices`, `swa_lens`, `tile_scheduler_metadata`, " \
+        "`split_offsets`" in text
+    assert "- Invalidated caches: `sparse_index_cache`, `sparse_index_cache_valid`" in text
     assert "- Variant of: [`sparse_swa`](#sparse_swa)" in text
     for name in load_matrix().names:
         assert f"\n## {name}\n" in text
+    matrix = load_matrix()
+    unshipped = matrix.replacing(
+        matrix.backend("sparse_swa").model_copy(update={"implementation": None}))
+    text = render_capability_docs(unshipped)
+    assert "- Implementation: none; no adapter shipped yet: the claims below are declared, unverified." in text
+    assert "| declared, unverified |" in text
 
 
 def test_committed_docs_are_current() -> None:

@@ -75,8 +75,9 @@ def test_shipped_matrix_declares_the_seven_backends() -> None:
         RefreshStrategy.HOST_PREPLANNED
     )
     sparse = matrix.backend("sparse_swa").draft_decode
-    assert sparse.refreshed_fields == ("swa_indices", "swa_lens", "tile_scheduler_metadata")
-    assert sparse.invalidated_caches == ("sparse_index_cache",)
+    assert sparse.refreshed_fields == (
+        "swa_indices", "swa_lens", "tile_scheduler_metadata", "split_offsets")
+    assert sparse.invalidated_caches == ("sparse_index_cache", "sparse_index_cache_valid")
     mla = matrix.backend("triton_mla")
     assert mla.implementation == "speccheck.backends.triton_mla.builder:TritonMLAMetadataBuilder"
     assert mla.draft_decode.refreshed_fields == ("dcp_local_seq_lens",)

@@ -1,0 +1,89 @@
+"""``sparse_swa`` through the verifier, and ``rocm_sparse_swa``'s refusal.
+
+The CPU tier verifies the shipped adapter end to end (a worker process, the Triton
+interpreter, small MLA shapes); each known-bad builder of
+:mod:`speccheck.checks.selftest.swa_mutants` is caught with its check, and with the step
+and the field (or buffer) it breaks. On a GPU the same runs capture real graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import speccheck
+from speccheck.backends.availability import BackendUnavailable
+from speccheck.backends.rocm_sparse_swa.builder import REFUSAL, RocmSparseSWAMetadataBuilder
+from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS, SWAMutant, verify_swa_builder
+from speccheck.checks.verify.vocabulary import Check, Status
+from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
+from speccheck.contract.constraints import ConstraintViolation, enforce_layer_constraints
+from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.matrix_model import KvLayout
+from speccheck.contract.runtime_config import RuntimeConfig
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SMALL_MLA: dict[str, Any] = {"kv_lora_rank": 16, "qk_rope_head_dim": 16, "head_size": 16,
+                             "num_heads": 2, "sliding_window": 6, "block_size": 4,
+                             "max_model_len": 16}
+"""MLA shapes the interpreter runs quickly: a 6-position window crosses 4-token blocks and
+is shorter than most lengths up to 16."""
+
+
+def test_cpu_tier_verifies_sparse_swa() -> None:
+    report = speccheck.verify("sparse_swa", config=SMALL_MLA, examples=3)
+    backend = report.backend("sparse_swa")
+    assert report.passed, report.summary_lines()
+    assert backend.fused_allowed and backend.examples == 3
+    verdicts = {v.check: v.status for v in report.verdicts("sparse_swa")}
+    for check in (Check.STEP_METADATA, Check.DECLARED_FIELDS, Check.ZERO_TAILS,
+                  Check.VS_FP32_REFERENCE, Check.IN_PLACE, Check.HOST_SYNC):
+        assert verdicts[check] is Status.PASSED, check
+
+
+@pytest.mark.parametrize("mutant", SWA_MUTANTS, ids=lambda m: m.name)
+def test_known_bad_builder_is_caught(mutant: SWAMutant) -> None:
+    """The first example (K = 4) already fails: the finding names the refresh's first step
+    and the field, or the buffer whose tail is stale. A stale cache or stale indices also
+    change the drafts (the logits of the step after the refresh); a stale tail does not,
+    as no kernel reads past the live rows."""
+    config = RuntimeConfig(platform=DEVICE.type, cudagraph_mode="full" if DEVICE.type == "cuda"
+                           else "none", dtype="float32", num_kv_heads=1, **SMALL_MLA)
+    report = verify_swa_builder(mutant.builder, DEVICE, config, examples=1, steps=(4,),
+                                shrink_seconds=0)
+    assert report.status is Status.FAILED
+    hits = [f for f in report.failures if f.check is mutant.check]
+    assert hits, [(f.check, f.diagnosis) for f in report.failures]
+    if mutant.check is Check.STEP_METADATA:
+        assert (hits[0].step, hits[0].field) == (2, mutant.names), hits[0].diagnosis
+        assert "before draft step 2" in hits[0].diagnosis
+        assert any(f.check is Check.LOGITS for f in report.failures)
+    else:
+        assert f"persistent buffer {mutant.names!r}" in hits[0].diagnosis
+        assert all(f.check is Check.ZERO_TAILS for f in report.failures)
+
+
+def test_rocm_sparse_swa_is_skipped_for_its_platform() -> None:
+    report = speccheck.verify("rocm_sparse_swa", examples=1)
+    backend = report.backend("rocm_sparse_swa")
+    assert backend.status is Status.SKIPPED
+    assert backend.detail.startswith("rocm_sparse_swa runs on rocm; this machine offers ")
+
+
+def test_rocm_sparse_swa_refuses_to_build() -> None:
+    layer = AttentionLayerSpec(4, 1, 16, torch.float32, 4, 16, kv_layout=KvLayout.LATENT,
+                               kv_lora_rank=16, qk_rope_head_dim=16, sliding_window=6)
+    with pytest.raises(BackendUnavailable) as raised:
+        RocmSparseSWAMetadataBuilder(layer, RuntimeConfig(platform="rocm"), DEVICE,
+                                     BuilderLimits(max_num_reqs=2, max_num_tokens=4))
+    assert str(raised.value) == f"rocm_sparse_swa: {REFUSAL}"
+
+
+def test_sparse_swa_needs_a_window() -> None:
+    entry = load_matrix(None).backend("sparse_swa")
+    layer = AttentionLayerSpec(4, 1, 16, torch.float32, 4, 16, kv_layout=KvLayout.LATENT,
+                               kv_lora_rank=16, qk_rope_head_dim=16)
+    with pytest.raises(ConstraintViolation, match="requires sliding_window > 0"):
+        enforce_layer_constraints(entry, RuntimeConfig(platform="cpu"), layer)
