@@ -15,19 +15,22 @@
 #       but the example count) for reference, triton_attn and fa3, FA3 without its refresh
 #       at default settings for ten seeds, the GPU mutants, and the verifier-throughput
 #       benchmark (new defaults beside the old ones)
+#   scripts/gpu_evidence.sh OUTDIR latent
+#       wheels in .gpu-wheels/core: the MLA and sparse-SWA kernel tests, and verify for triton_mla (DCP 1 and,
+#       per step only, DCP 2) and sparse_swa at the GPU tier's defaults (BACKENDS=...)
 #   scripts/gpu_evidence.sh OUTDIR audit-core | audit-flashinfer
 #       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
 #       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
 #       verify runs of every shipped backend (no false positives), and the self-test
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|audit-core|audit-flashinfer [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|audit-core|audit-flashinfer [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
-  core|audit-core|serving) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
+  core|audit-core|serving|latent) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
   flashinfer|audit-flashinfer)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
@@ -51,13 +54,21 @@ run() {  # NAME TIMEOUT ARGS...
     echo "exit $?"; } >> "$out/verify-console-$suite.txt" 2>&1
 }
 
-if [ "$suite" = serving ]; then
-  timeout "${FA3_SEEDS_LIMIT:-240}" python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py \
-    -k default_settings > "$out/pytest-cuda-fa3-default-settings.txt" 2>&1
-  echo "pytest exit $?" >> "$out/pytest-cuda-fa3-default-settings.txt"
+if [ "$suite" = serving ] || [ "$suite" = latent ]; then
+  if [ "$suite" = latent ]; then
+    timeout "${KERNELS_LIMIT:-120}" python3 -m pytest -rA -q -m cuda tests/test_triton_mla.py \
+      tests/test_sparse_swa.py tests/test_mla_layer.py > "$out/pytest-cuda-latent.txt" 2>&1
+    echo "pytest exit $?" >> "$out/pytest-cuda-latent.txt"
+  elif [ "${FA3_SEEDS_LIMIT:-240}" != 0 ]; then
+    timeout "${FA3_SEEDS_LIMIT:-240}" python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py \
+      -k default_settings > "$out/pytest-cuda-fa3-default-settings.txt" 2>&1
+    echo "pytest exit $?" >> "$out/pytest-cuda-fa3-default-settings.txt"
+  fi
   for backend in ${BACKENDS:-triton_attn fa3 reference}; do
     run "$backend" "${VERIFY_LIMIT:-150}" --backend "$backend" --examples "${EXAMPLES:-200}"
   done
+  [ "$suite" = latent ] && run triton_mla-dcp2 "${VERIFY_LIMIT:-150}" --backend triton_mla \
+    --dcp-world-size 2 --examples "${DCP2_EXAMPLES:-50}"
   [ "$bench" = --no-bench ] && exit 0
   timeout "${BENCH_LIMIT:-200}" python3 benchmarks/verify_throughput.py --examples 30 \
     --json "$out/verify-throughput.json" > "$out/verify-throughput.txt" 2>&1
