@@ -1,11 +1,17 @@
-"""Decode attention latency of triton_attn, fa3 and reference, side by side in one run.
+"""Decode attention latency per backend, side by side in one run.
 
     python benchmarks/attention_latency.py [--json PATH] [--batches 1 16 128] [--seq-lens 512 4096 32768]
+    python benchmarks/attention_latency.py --latent [--json PATH]
 
-One query token per request, bf16, 16 query / 4 KV heads of size 128, KV cache filled with
-noise. Times one backend forward (KV write + attention) with ``triton.testing.do_bench``
-(median of repeated launches, ms) and prints a rich table with the ratios to fa3. Needs
-CUDA; the reference backend is skipped where its gathered fp32 K/V would not fit.
+GQA (default): triton_attn, fa3 and reference; 16 query / 4 KV heads of size 128.
+``--latent``: triton_mla and sparse_swa (window 128, its ``verify_defaults``) against the
+reference backend on the same latent cache (full, and with the same window); 16 heads,
+``kv_lora_rank`` 512 + rope 64, batches 1/32/128, contexts 1k/8k/32k by default.
+
+One query token per request, bf16, KV cache filled with noise. Times one backend forward
+(KV write + attention) with ``triton.testing.do_bench`` (median of repeated launches, ms) and
+prints a rich table with the ratios. Needs CUDA; the reference backend is skipped where its
+gathered fp32 K/V would not fit.
 """
 
 from __future__ import annotations
@@ -24,27 +30,38 @@ from rich.table import Table
 from speccheck.backends.availability import BackendUnavailable
 from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_uniform_attention_metadata
 from speccheck.speculator.attention_setup import builder_class
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 4, 128, 16
+KV_LORA_RANK, ROPE = 512, 64
+WINDOW = 128
 REFERENCE_MEMORY_BUDGET = 48 * 2**30
 
 
-def bench(backend: str, batch: int, seq_len: int) -> float | str:
-    """Median milliseconds of one forward, or why it was not measured."""
+def bench(backend: str, batch: int, seq_len: int, *, latent: bool = False,
+          window: int = 0, device: torch.device = torch.device("cuda")) -> float | str:
+    """Median milliseconds of one forward, or why it was not measured. ``latent``: an MLA
+    layer (one latent entry per token); ``window``: its sliding window (0: none)."""
     paged = backend != "fa3"
     block_size = BLOCK_SIZE if paged else seq_len
-    if backend == "reference":
+    if backend == "reference" and not latent:
         gathered = batch * seq_len * HEADS * HEAD_SIZE * 4 * 3
         if gathered > REFERENCE_MEMORY_BUDGET:
             return f"skipped: needs ~{gathered / 2**30:.0f} GiB"
-    device = torch.device("cuda")
-    layer = AttentionLayerSpec(HEADS, KV_HEADS, HEAD_SIZE, torch.bfloat16, block_size, seq_len)
+    kv_heads = 1 if latent else KV_HEADS
+    layer = AttentionLayerSpec(HEADS, kv_heads, HEAD_SIZE, torch.bfloat16, block_size, seq_len,
+                               kv_layout=KvLayout.LATENT if latent else KvLayout.NHD,
+                               kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE,
+                               sliding_window=window)
     config = RuntimeConfig(block_size=block_size, max_model_len=seq_len, head_size=HEAD_SIZE,
-                           num_heads=HEADS, num_kv_heads=KV_HEADS, cudagraph_mode="none")
+                           num_heads=HEADS, num_kv_heads=kv_heads, cudagraph_mode="none",
+                           kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE,
+                           sliding_window=window)
     limits = BuilderLimits(batch, batch)
     try:
         builder = builder_class(backend, load_matrix())(layer, config, device, limits)
@@ -52,8 +69,9 @@ def bench(backend: str, batch: int, seq_len: int) -> float | str:
         return f"skipped: {exc.package} not installed"
     blocks_per_req = layer.max_blocks_per_req
     num_blocks = batch * blocks_per_req + 1
-    key_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_SIZE, device=device, dtype=torch.bfloat16)
-    value_cache = torch.randn_like(key_cache)
+    first, second = layer.kv_cache_shapes(num_blocks)
+    key_cache = torch.randn(first, device=device, dtype=torch.bfloat16)
+    value_cache = torch.randn(second, device=device, dtype=torch.bfloat16)
     buffers = AttentionInputBuffers.allocate(batch, batch, blocks_per_req, device)
     table = 1 + np.random.default_rng(0).permutation(num_blocks - 1)[: batch * blocks_per_req]
     buffers.block_table.copy_(torch.from_numpy(table.reshape(batch, blocks_per_req).astype(np.int32)))
@@ -67,11 +85,13 @@ def bench(backend: str, batch: int, seq_len: int) -> float | str:
         step=1, max_model_len=seq_len,
     )
     metadata = builder.build(common)
-    impl = builder.make_impl(1 / math.sqrt(HEAD_SIZE))
-    q = torch.randn(batch, HEADS, HEAD_SIZE, device=device, dtype=torch.bfloat16)
-    k = torch.randn(batch, KV_HEADS, HEAD_SIZE, device=device, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    out = torch.empty_like(q)
+    width = layer.latent_size if latent else HEAD_SIZE
+    impl = builder.make_impl(1 / math.sqrt(HEAD_SIZE + (ROPE if latent else 0)))
+    q = torch.randn(batch, HEADS, width, device=device, dtype=torch.bfloat16)
+    k = torch.randn(batch, kv_heads, width, device=device, dtype=torch.bfloat16)
+    v = k[..., :KV_LORA_RANK] if latent else torch.randn_like(k)
+    out = torch.empty(batch, HEADS, KV_LORA_RANK if latent else HEAD_SIZE, device=device,
+                      dtype=torch.bfloat16)
 
     def run() -> None:
         impl.forward(q, k, v, key_cache, value_cache, metadata, out)
@@ -79,37 +99,60 @@ def bench(backend: str, batch: int, seq_len: int) -> float | str:
     return float(triton.testing.do_bench(run, warmup=25, rep=100))
 
 
+COLUMNS = {
+    False: (("triton_attn", "triton_attn", 0), ("fa3", "fa3", 0), ("reference", "reference", 0)),
+    True: (("triton_mla", "triton_mla", 0), ("reference", "reference", 0),
+           (f"sparse_swa W={WINDOW}", "sparse_swa", WINDOW),
+           (f"reference W={WINDOW}", "reference", WINDOW)),
+}
+"""Per mode: (column, backend, window)."""
+RATIOS = {
+    False: (("triton_attn / fa3", "triton_attn", "fa3"), ("reference / fa3", "reference", "fa3")),
+    True: (("triton_mla / reference", "triton_mla", "reference"),
+           ("sparse_swa / reference W", f"sparse_swa W={WINDOW}", f"reference W={WINDOW}")),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 128])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 4096, 32768])
+    parser.add_argument("--latent", action="store_true",
+                        help="MLA backends (triton_mla, sparse_swa) against the reference")
+    parser.add_argument("--batches", type=int, nargs="+")
+    parser.add_argument("--seq-lens", type=int, nargs="+")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention_latency.py needs a CUDA device")
-    backends = ("triton_attn", "fa3", "reference")
+    latent = args.latent
+    batches = args.batches or ([1, 32, 128] if latent else [1, 16, 128])
+    seq_lens = args.seq_lens or ([1024, 8192, 32768] if latent else [512, 4096, 32768])
+    columns = COLUMNS[latent]
     results = []
-    for batch in args.batches:
-        for seq_len in args.seq_lens:
-            row = {"batch": batch, "seq_len": seq_len}
-            for backend in backends:
-                row[backend] = bench(backend, batch, seq_len)
+    for batch in batches:
+        for seq_len in seq_lens:
+            row: dict[str, object] = {"batch": batch, "seq_len": seq_len}
+            for column, backend, window in columns:
+                row[column] = bench(backend, batch, seq_len, latent=latent, window=window)
                 torch.cuda.empty_cache()
             results.append(row)
-    table = Table(title=f"decode attention latency, ms ({torch.cuda.get_device_name()})")
-    for column in ("batch", "seq_len", *backends, "triton_attn / fa3", "reference / fa3"):
+            print(json.dumps(row), flush=True)
+    title = "MLA decode attention latency" if latent else "decode attention latency"
+    table = Table(title=f"{title}, ms ({torch.cuda.get_device_name()})")
+    ratios = RATIOS[latent]
+    for column in ("batch", "seq_len", *(c for c, _, _ in columns), *(r for r, _, _ in ratios)):
         table.add_column(column, justify="right")
     for row in results:
-        cells = [f"{row[b]:.4f}" if isinstance(row[b], float) else str(row[b]) for b in backends]
-        ratios = [
-            f"{row[b] / row['fa3']:.2f}" if isinstance(row[b], float) and isinstance(row["fa3"], float) else "-"
-            for b in ("triton_attn", "reference")
+        cells = [f"{row[c]:.4f}" if isinstance(row[c], float) else str(row[c]) for c, _, _ in columns]
+        shown = [
+            f"{row[a] / row[b]:.2f}" if isinstance(row[a], float) and isinstance(row[b], float) else "-"
+            for _, a, b in ratios
         ]
-        table.add_row(str(row["batch"]), str(row["seq_len"]), *cells, *ratios)
-    Console().print(table)
+        table.add_row(str(row["batch"]), str(row["seq_len"]), *cells, *shown)
+    Console(width=200).print(table)
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                         "torch": torch.__version__, "results": results}, indent=2))
+                                         "torch": torch.__version__, "mode": "latent" if latent else "gqa",
+                                         "results": results}, indent=2))
 
 
 if __name__ == "__main__":
