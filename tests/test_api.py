@@ -170,3 +170,15 @@ def test_a_failed_check_carries_its_diagnosis_and_reproduce_command() -> None:
     assert verdicts[Check.DRAFT_TOKENS].status is Status.PASSED
     assert report.summary_lines()[0] == (
         "FAIL a step_metadata step 2 field a.metadata.kv_lens: fused_eager: stale kv_lens")
+
+
+def test_a_backends_verify_defaults_sit_between_the_tier_and_the_flags() -> None:
+    """fa3's entry verifies at block_size = max_model_len = 16384 unless told otherwise; a
+    given field wins; a backend without verify_defaults gets the tier's."""
+    plan = plan_verification("fa3")
+    assert (plan.config_for("fa3").block_size, plan.config_for("fa3").max_model_len) == (16384, 16384)
+    given = plan_verification("fa3", config={"max_model_len": 512, "block_size": 512})
+    assert given.config_for("fa3").max_model_len == 512
+    assert plan_verification("reference").config_for("reference") == plan.config
+    settings = plan.settings_for("fa3")
+    assert settings.config == plan.config_for("fa3") and settings.steps == plan.steps

@@ -84,6 +84,16 @@ def test_shipped_matrix_declares_the_seven_backends() -> None:
     assert matrix.backend("fa3").package.import_name == "fa3_fwd_interface"
 
 
+def test_verify_defaults_are_runtime_fields_with_valid_values() -> None:
+    assert BackendEntry.model_validate(
+        entry(verify_defaults={"block_size": 64, "max_model_len": 64})
+    ).verify_defaults == {"block_size": 64, "max_model_len": 64}
+    with pytest.raises(ValidationError, match="'colour' is not a runtime field verify can set"):
+        BackendEntry.model_validate(entry(verify_defaults={"colour": 1}))
+    with pytest.raises(ValidationError, match="block_size: Input should be greater than"):
+        BackendEntry.model_validate(entry(verify_defaults={"block_size": 0}))
+
+
 def test_shipped_matrix_points_editors_at_the_schema() -> None:
     text = (importlib.resources.files("speccheck") / "matrix.yaml").read_text(encoding="utf-8")
     assert text.splitlines()[0] == "# yaml-language-server: $schema=./matrix.schema.json"
@@ -136,6 +146,11 @@ def test_cudagraph_support_is_ordered_and_documented() -> None:
         ({"constraints": {"dtypes": ["float8"]}}, ("constraints", "dtypes", 0), "literal_error"),
         ({"constraints": {"conditions": [{"condition": "dcp_world_size == 1"}]}},
          ("constraints", "conditions", 0, "reason"), "missing"),
+        ({"verify_defaults": {"colour": 1}}, ("verify_defaults",), "verify_defaults"),
+        ({"verify_defaults": {"platform": "cpu"}}, ("verify_defaults",), "verify_defaults"),
+        ({"verify_defaults": {"block_size": 0}}, ("verify_defaults",), "verify_defaults"),
+        ({"verify_defaults": {"block_size": 1.5}}, ("verify_defaults", "block_size", "int"),
+         "int_type"),
     ],
 )
 def test_entry_rejects_bad_fields(

@@ -146,6 +146,12 @@ def _backend_section(entry: BackendEntry, status: AdapterStatus) -> list[str]:
     lines.append(f"- CUDA graphs: `{support.value}`: {support.description}")
     lines += ["", "### Fused multi-step draft decode", "", *_draft_lines(entry.draft_decode)]
     lines += ["", "### Constraints", "", *_constraint_lines(entry.constraints)]
+    if entry.verify_defaults:
+        given = ", ".join(f"`{name}={value}`" for name, value in entry.verify_defaults.items())
+        lines += ["", "### Verified by default at", "",
+                  f"- {given} (`verify_defaults`: `speccheck verify --backend {entry.name}` "
+                  "uses these over the machine tier's defaults unless given on the command "
+                  "line)"]
     if entry.notes:
         lines += ["", "### Notes", "", *(f"- {note}" for note in entry.notes)]
     return lines
