@@ -341,7 +341,7 @@ def plan_verification(
                                f"got {max_new_tokens}")
     overrides = _overrides(config)
     tier, device = machine_tier()
-    effective = RuntimeConfig(**{**TIER_DEFAULTS[tier], **overrides})
+    effective = RuntimeConfig(**{**_tier_defaults(tier), **overrides})
     sizes = _capture_sizes(capture_sizes)
     matrices = MatrixContext.load(matrix)
     if isinstance(backend, str):
@@ -486,7 +486,15 @@ def _backend_config(
     tier: Tier, matrices: MatrixContext, name: str, overrides: Mapping[str, object]
 ) -> RuntimeConfig:
     defaults = matrices.matrix.backend(name).verify_defaults
-    return RuntimeConfig(**{**TIER_DEFAULTS[tier], **defaults, **overrides})
+    return RuntimeConfig(**{**_tier_defaults(tier), **defaults, **overrides})
+
+
+def _tier_defaults(tier: Tier) -> dict[str, object]:
+    """:data:`TIER_DEFAULTS` with the platform this machine really is (a ROCm GPU is the GPU
+    tier on platform ``rocm``)."""
+    from speccheck.speculator.attention_setup import machine_platform
+
+    return {**TIER_DEFAULTS[tier], "platform": machine_platform()}
 
 
 def _preflight(names: Sequence[str], matrices: MatrixContext) -> None:

@@ -19,11 +19,20 @@ from speccheck.contract.constraints import enforce_layer_constraints
 from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.resolution import resolve_backend
-from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.contract.runtime_config import Platform, RuntimeConfig
 
 
 class BackendNotShipped(RuntimeError):
     """The matrix declares the backend but names no adapter to load."""
+
+
+def machine_platform() -> Platform:
+    """The platform this process runs attention on: ``rocm`` for a HIP build of torch with
+    a device (torch calls its devices ``cuda`` there too), ``cuda`` with an NVIDIA device,
+    else ``cpu``."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return "rocm" if torch.version.hip else "cuda"
 
 
 def unrunnable_reason(backend_name: str, platform: str, matrix: Matrix) -> str | None:

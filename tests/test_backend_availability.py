@@ -188,3 +188,22 @@ def test_flashinfer_paged_kv_layout() -> None:
         assert t.dtype == torch.int32 and t.device.type == "cpu" and t.is_contiguous()
     with pytest.raises(ValueError, match="columns"):
         paged_kv_layout(np.array([65]), table[:1], 16)
+
+
+def test_a_hip_build_of_torch_is_the_rocm_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch names ROCm devices ``cuda``; the matrix's platform is ``rocm`` there, so
+    rocm_sparse_swa is built and sparse_swa (cuda, cpu) is not."""
+    import torch
+
+    from speccheck.contract.matrix_loader import load_matrix
+    from speccheck.speculator.attention_setup import machine_platform, unrunnable_reason
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert machine_platform() == "rocm"
+    matrix = load_matrix(None)
+    assert unrunnable_reason("sparse_swa", machine_platform(), matrix) == (
+        "sparse_swa runs on cuda, cpu; this machine offers rocm")
+    assert unrunnable_reason("rocm_sparse_swa", machine_platform(), matrix) is None
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert machine_platform() == "cuda"

@@ -51,7 +51,10 @@ from speccheck.speculator.model import DTYPES
 MATRIX = load_matrix()
 SHIPPED = [entry.name for entry in MATRIX.backends if entry.implementation is not None]
 CPU_RUNNABLE = [name for name in SHIPPED if "cpu" in MATRIX.backend(name).platforms]
-CUDA_ONLY = [name for name in SHIPPED if "cpu" not in MATRIX.backend(name).platforms]
+CUDA_ONLY = [name for name in SHIPPED if "cpu" not in MATRIX.backend(name).platforms
+             and "cuda" in MATRIX.backend(name).platforms]
+"""Adapters that need an NVIDIA GPU (ROCm-only adapters, such as rocm_sparse_swa, have no
+machine here to serve on)."""
 
 HEAD_SIZES = (8, 12, 16, 24, 32, 64, 100, 128, 256, 264)
 """Head sizes every adapter is tried with, on top of its own allowed ones."""

@@ -47,7 +47,7 @@ from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.resolution import graph_capture_shortfall, resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import attention_token_count, uniform_query_start_loc
-from speccheck.speculator.attention_setup import unrunnable_reason
+from speccheck.speculator.attention_setup import machine_platform, unrunnable_reason
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.dflash import DFlashSpeculator
@@ -287,7 +287,7 @@ def verify_dp(
     )
     resolution = resolve_backend(entry, result.config)
     result.fused_allowed, result.fused_reason = resolution.fused_multi_step, resolution.reason
-    result.skipped = unrunnable_reason(backend, "cuda" if cuda else "cpu", matrices.matrix)
+    result.skipped = unrunnable_reason(backend, machine_platform(), matrices.matrix)
     if result.skipped is None and runnable:
         plan = _RankPlan(backend, result.config, runnable, batches, drafter, options,
                          speculator_cls, seed, matrices.matrix)

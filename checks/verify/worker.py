@@ -35,7 +35,7 @@ from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.contract.resolution import resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.speculator.attention_setup import unrunnable_reason
+from speccheck.speculator.attention_setup import machine_platform, unrunnable_reason
 
 
 EXIT_BAD_INPUT = 2
@@ -61,8 +61,7 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     resolution = resolve_backend(matrices.matrix.backend(name), config)
     report.fused_allowed = resolution.fused_multi_step
     report.fused_reason = resolution.reason
-    platform = "cuda" if gpu else "cpu"
-    unrunnable = unrunnable_reason(name, platform, matrices.matrix)
+    unrunnable = unrunnable_reason(name, machine_platform(), matrices.matrix)
     if unrunnable is not None:
         report.status, report.tier, report.detail = Status.SKIPPED, Tier.NONE, unrunnable
         return report
