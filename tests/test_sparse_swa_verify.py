@@ -16,7 +16,8 @@ import torch
 import speccheck
 from speccheck.backends.availability import BackendUnavailable
 from speccheck.backends.rocm_sparse_swa.builder import REFUSAL, RocmSparseSWAMetadataBuilder
-from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS, SWAMutant, verify_swa_builder
+from speccheck.checks.selftest.run import verify_at_defaults
+from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS, SWAMutant
 from speccheck.checks.verify.vocabulary import Check, Status
 from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
 from speccheck.contract.constraints import ConstraintViolation, enforce_layer_constraints
@@ -49,10 +50,10 @@ def test_known_bad_builder_is_caught(mutant: SWAMutant) -> None:
     and the field, or the buffer whose tail is stale. A stale cache or stale indices also
     change the drafts (the logits of the step after the refresh); a stale tail does not,
     as no kernel reads past the live rows."""
-    config = RuntimeConfig(platform=DEVICE.type, cudagraph_mode="full" if DEVICE.type == "cuda"
-                           else "none", dtype="float32", num_kv_heads=1, **SMALL_MLA)
-    report = verify_swa_builder(mutant.builder, DEVICE, config, examples=1, steps=(4,),
-                                shrink_seconds=0)
+    report = verify_at_defaults("sparse_swa", mutant.builder, DEVICE, load_matrix(None),
+                                config_changes={"dtype": "float32", "num_kv_heads": 1,
+                                                **SMALL_MLA},
+                                examples=1, steps=(4,), shrink_seconds=0)
     assert report.status is Status.FAILED
     hits = [f for f in report.failures if f.check is mutant.check]
     assert hits, [(f.check, f.diagnosis) for f in report.failures]

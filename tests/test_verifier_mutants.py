@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from speccheck.checks.cli.app import app
 from speccheck.checks.selftest.mutants import MUTANTS, DerivedBuilder, Mutant, StaleRefresh
 from speccheck.checks.selftest.run import verify_builder
+from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.examples import decode_example, encode_example, example_from_json
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -74,7 +75,8 @@ def test_selftest_command_reports_every_mutant_caught(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     assert "MISSED" not in result.output
     rows = json.loads(out.read_text())
-    assert [r["name"] for r in rows[1:]] == [m.name for m in MUTANTS]
+    assert [r["name"] for r in rows[1:]] == [
+        *(m.name for m in MUTANTS), *(m.name for m in SWA_MUTANTS), "mla_stale_dcp_local_lens"]
     assert all(r["caught"] for r in rows)
 
 

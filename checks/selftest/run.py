@@ -3,19 +3,35 @@ and must pass the correct control builder."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from speccheck.checks.selftest.mutants import DERIVED_FIELD, MUTANTS, DerivedBuilder, declaring_matrix
+from speccheck.checks.selftest.latent_mutants import (
+    DCP_LOCAL_FIELD,
+    StaleDcpLocalLens,
+    claiming_matrix,
+)
+from speccheck.checks.selftest.mutants import (
+    DERIVED_FIELD,
+    MUTANTS,
+    DerivedBuilder,
+    declaring_matrix,
+)
+from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
-from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.scale import TIER_DEFAULTS, TIER_SCALE
-from speccheck.checks.verify.vocabulary import Status, Tier
+from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.runtime_config import RuntimeConfig
+
 
 @dataclass
 class SelftestResult:
@@ -26,6 +42,36 @@ class SelftestResult:
     recreates: str
 
 
+def verify_at_defaults(
+    backend: str,
+    builder: type[AttentionMetadataBuilder],  # type: ignore[type-arg]
+    device: torch.device,
+    matrix: Matrix,
+    *,
+    config_changes: Mapping[str, object] | None = None,
+    **settings_changes: Any,
+) -> BackendReport:
+    """Verify ``backend`` with ``builder`` swapped in, under ``matrix`` (the fp32 reference
+    under the shipped one), at what ``speccheck verify --backend BACKEND`` uses by default
+    on ``device``'s tier: the tier's runtime config, then the entry's ``verify_defaults``,
+    then ``config_changes``; the tier's batch scale, draft step counts and example count,
+    unless ``settings_changes`` replaces a :class:`VerifySettings` field (a mechanism test
+    pinning one example, say). With neither, a known-bad builder caught here is caught by
+    the search a user gets."""
+    tier = Tier.GPU if device.type == "cuda" else Tier.CPU
+    config = RuntimeConfig(**{**TIER_DEFAULTS[tier], **matrix.backend(backend).verify_defaults,
+                              **(config_changes or {})})
+    scale = TIER_SCALE[tier]
+    settings = VerifySettings(backend, config, capture_sizes=scale.capture_sizes,
+                              max_new_tokens=scale.max_new_tokens,
+                              builder_overrides=((backend, builder),),
+                              matrices=MatrixContext(matrix, None, load_matrix(None)))
+    settings = dataclasses.replace(settings, **settings_changes)
+    report = BackendReport(backend, tier, Status.PASSED)
+    BackendVerifier(settings, device).run(report, lambda i, e: None)
+    return report
+
+
 def verify_builder(
     builder: type[AttentionMetadataBuilder],  # type: ignore[type-arg]
     device: torch.device,
@@ -34,26 +80,27 @@ def verify_builder(
     shrink_seconds: float = 120.0,
     declares: tuple[str, ...] = (DERIVED_FIELD,),
 ) -> BackendReport:
-    """Verify the reference backend with ``builder`` swapped in, against a matrix whose
-    ``reference`` entry declares ``declares`` as refreshed, at the settings ``speccheck
-    verify`` uses by default on ``device``'s tier: its runtime config, batch scale, draft
-    step counts and example count. Nothing is pinned, so a mutant caught here is caught by
-    the search a user gets."""
-    tier = Tier.GPU if device.type == "cuda" else Tier.CPU
-    config = RuntimeConfig(**TIER_DEFAULTS[tier])
-    scale = TIER_SCALE[tier]
-    shipped = load_matrix(None)
-    matrices = MatrixContext(declaring_matrix(shipped, declares), None, shipped)
-    settings = VerifySettings("reference", config, seed=seed, capture_sizes=scale.capture_sizes,
-                              max_new_tokens=scale.max_new_tokens,
-                              builder_overrides=(("reference", builder),),
-                              shrink_seconds=shrink_seconds, matrices=matrices)
-    report = BackendReport("reference", tier, Status.PASSED)
-    BackendVerifier(settings, device).run(report, lambda i, e: None)
-    return report
+    """:func:`verify_at_defaults` of the reference backend with ``builder`` swapped in,
+    under a matrix whose ``reference`` entry declares ``declares`` as refreshed."""
+    matrix = declaring_matrix(load_matrix(None), declares)
+    return verify_at_defaults("reference", builder, device, matrix, seed=seed,
+                              shrink_seconds=shrink_seconds)
+
+
+def _result(name: str, check: str, recreates: str, report: BackendReport,
+            hit: Callable[[Failure], bool]) -> SelftestResult:
+    hits = [f for f in report.failures if f.check == check and hit(f)]
+    detail = hits[0].diagnosis if hits else (
+        "not caught" if not report.failures else
+        f"caught by {report.failures[0].check} instead: {report.failures[0].diagnosis}")
+    return SelftestResult(name, check, bool(hits), detail, recreates)
 
 
 def run_selftest(device: torch.device) -> list[SelftestResult]:
+    """The control must pass; every known-bad builder must be caught by its check: the
+    reference-based mutants, the sparse_swa ones (under the shipped entry), and the
+    triton_mla builder that keeps the DCP-local lengths of step 1 (under the matrix its
+    author would ship, at DCP 2)."""
     gpu = device.type == "cuda"
     control = verify_builder(DerivedBuilder, device)
     results = [SelftestResult(
@@ -64,9 +111,19 @@ def run_selftest(device: torch.device) -> list[SelftestResult]:
     for mutant in MUTANTS:
         check, phrase = mutant.expected(gpu)
         report = verify_builder(mutant.builder, device, declares=mutant.declares)
-        hits = [f for f in report.failures if f.check == check and phrase in f.diagnosis]
-        detail = hits[0].diagnosis if hits else (
-            "not caught" if not report.failures else
-            f"caught by {report.failures[0].check} instead: {report.failures[0].diagnosis}")
-        results.append(SelftestResult(mutant.name, check, bool(hits), detail, mutant.recreates))
+        results.append(_result(mutant.name, check, mutant.recreates, report,
+                               lambda f, phrase=phrase: phrase in f.diagnosis))
+    shipped = load_matrix(None)
+    for swa in SWA_MUTANTS:
+        report = verify_at_defaults("sparse_swa", swa.builder, device, shipped)
+        results.append(_result(swa.name, swa.check, swa.recreates, report,
+                               lambda f, names=swa.names: names in f.diagnosis
+                               or f.field == names))
+    report = verify_at_defaults("triton_mla", StaleDcpLocalLens, device, claiming_matrix(shipped),
+                                config_changes={"dcp_world_size": 2})
+    results.append(_result(
+        "mla_stale_dcp_local_lens", Check.STEP_METADATA,
+        "DCP-local lengths derived at build and not advanced between fused draft steps "
+        "(vLLM's Triton MLA refresh under DCP)", report,
+        lambda f: f.field == f"triton_mla.metadata.{DCP_LOCAL_FIELD}"))
     return results

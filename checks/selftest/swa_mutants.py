@@ -3,7 +3,8 @@ refresh of the seed PR goes wrong, and the verifier must name the step and field
 buffer) it breaks.
 
 They run under the shipped ``sparse_swa`` matrix entry (which declares what the correct
-builder refreshes) through :func:`verify_swa_builder`; the correct builder,
+builder refreshes) through :func:`~speccheck.checks.selftest.run.verify_at_defaults`; the
+correct builder,
 :class:`~speccheck.backends.sparse_swa.builder.SparseSWAMetadataBuilder`, is the control.
 """
 
@@ -11,18 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from speccheck.backends.sparse_swa.builder import SparseSWAMetadataBuilder
 from speccheck.backends.sparse_swa.metadata import SparseSWAMetadata
-from speccheck.checks.verify.context import MatrixContext
-from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
-from speccheck.checks.verify.report import BackendReport
-from speccheck.checks.verify.scale import DEFAULT_STEPS
-from speccheck.checks.verify.vocabulary import Check, Status, Tier
-from speccheck.contract.matrix_loader import load_matrix
+from speccheck.checks.verify.vocabulary import Check
 from speccheck.contract.metadata import CommonAttentionMetadata
-from speccheck.contract.runtime_config import RuntimeConfig
 
 BACKEND = SparseSWAMetadataBuilder.backend_name
 
@@ -80,27 +73,3 @@ SWA_MUTANTS: tuple[SWAMutant, ...] = (
               "window lengths past the live tokens left from an earlier, larger batch (the "
               "seed PR's refresh does not re-zero decode_swa_lens)"),
 )
-
-
-def verify_swa_builder(
-    builder: type[SparseSWAMetadataBuilder],
-    device: torch.device,
-    config: RuntimeConfig,
-    *,
-    examples: int,
-    steps: tuple[int, ...] = DEFAULT_STEPS,
-    seed: int = 0,
-    shrink_seconds: float = 120.0,
-) -> BackendReport:
-    """Verify ``sparse_swa`` with ``builder`` swapped in, under the shipped matrix, at
-    ``config`` (which must give a sliding window), drawing K from ``steps``, at the
-    verifier's default batch scale."""
-    shipped = load_matrix(None)
-    settings = VerifySettings(BACKEND, config, examples=examples, steps=steps, seed=seed,
-                              builder_overrides=((BACKEND, builder),),
-                              shrink_seconds=shrink_seconds,
-                              matrices=MatrixContext(shipped, None, shipped))
-    tier = Tier.GPU if device.type == "cuda" else Tier.CPU
-    report = BackendReport(BACKEND, tier, Status.PASSED)
-    BackendVerifier(settings, device).run(report, lambda index, example: None)
-    return report
