@@ -63,3 +63,34 @@ def test_reference_matches_loop(data, num_reqs, block_size, kv_heads, group, cau
     want = _loop_attention(query, key_cache, value_cache, query_lens, seq_lens, block_table, scale, causal)
     torch.testing.assert_close(got[:total].double(), want[:total], atol=1e-5, rtol=1e-5)
     assert torch.count_nonzero(got[total:]) == 0, "padding tokens must produce zeros"
+
+
+@settings(max_examples=25)
+@given(data=st.data(), window=st.sampled_from([0, 1, 3, 7]), causal=st.booleans())
+def test_captured_and_eager_paths_agree(data, window, causal):
+    """The fixed-shape path a graph captures (every token, the whole row) and the eager
+    paths (decode: columns bounded by the longest request; several tokens per request: one
+    gather per request from where its window starts) compute the same attention."""
+    import speccheck.backends.reference.attention as attention
+
+    num_reqs, block_size, max_blocks, kv_heads, group, head_size = 3, 4, 5, 2, 2, 8
+    num_blocks = num_reqs * max_blocks + 1
+    seq_lens = [data.draw(st.integers(0, block_size * max_blocks)) for _ in range(num_reqs)]
+    query_lens = [data.draw(st.integers(0, min(s, 4))) for s in seq_lens]
+    block_table = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(3))[
+        : num_reqs * max_blocks] + 1).view(num_reqs, max_blocks).int()
+    gen = torch.Generator().manual_seed(11)
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen)
+    query = torch.randn(sum(query_lens) + 1, kv_heads * group, head_size, generator=gen)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = (query, key_cache, value_cache, qsl, torch.tensor(seq_lens, dtype=torch.int32),
+            block_table, 0.3, causal, window)
+    eager = paged_attention_reference(*args)
+    original = attention.capturing
+    attention.capturing = lambda: True
+    try:
+        captured = paged_attention_reference(*args)
+    finally:
+        attention.capturing = original
+    torch.testing.assert_close(eager, captured, atol=1e-5, rtol=1e-5)

@@ -22,6 +22,8 @@ from typer.testing import CliRunner
 
 from speccheck.checks.cli.app import app
 from speccheck.checks.selftest.mutants import MUTANTS, DerivedBuilder, declaring_matrix, mutants_matrix
+from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
+from speccheck.contract.matrix_model import Matrix
 from tests.fixtures.configs import CPU_CONFIG
 from speccheck.checks.verify import runner
 from speccheck.checks.verify.context import MatrixContext
@@ -261,18 +263,26 @@ def test_every_mutants_printed_reproduce_command_reproduces_in_a_fresh_worker(
     tmp_path: Path,
 ) -> None:
     """Every known-bad builder of the self-test, run as a user's adapter at the CPU tier's
-    defaults (``--backend all`` over a matrix of one entry per mutant): each fails, and the
-    reproduce command printed for it fails the same way when re-run in a fresh worker."""
+    defaults (``--backend all`` over a matrix of one entry per mutant; sparse_swa's under
+    copies of its shipped entry): each fails, and the reproduce command printed for it fails
+    the same way when re-run in a fresh worker. (triton_mla's, which needs DCP 2: see
+    tests/test_triton_mla_verify.py.)"""
     matrix = tmp_path / "mutants.yaml"
-    data = mutants_matrix(load_matrix(None)).model_dump(mode="json", exclude_defaults=True)
+    shipped = load_matrix(None)
+    swa = shipped.backend("sparse_swa")
+    known_bad = mutants_matrix(shipped).backends + tuple(
+        swa.model_copy(update={"name": m.name, "variant_of": None,
+                               "implementation": f"{m.builder.__module__}:{m.builder.__qualname__}"})
+        for m in SWA_MUTANTS)
+    data = Matrix(version=1, backends=known_bad).model_dump(mode="json", exclude_defaults=True)
     matrix.write_text(yaml.safe_dump({"version": 1, **data}, sort_keys=False))
     out = tmp_path / "mutants.json"
     proc = _speccheck("verify", "--backend", "all", "--matrix", str(matrix), "--json", str(out),
                       timeout=1200)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     reports = {r["backend"]: r for r in json.loads(out.read_text())["backends"]}
-    assert set(reports) == {m.name for m in MUTANTS}
-    for mutant in MUTANTS:
+    assert set(reports) == {m.name for m in (*MUTANTS, *SWA_MUTANTS)}
+    for mutant in (*MUTANTS, *SWA_MUTANTS):
         report = reports[mutant.name]
         assert report["status"] == "failed", (mutant.name, report["detail"])
         assert mutant.check.value in {f["check"] for f in report["failures"]}, mutant.name

@@ -44,3 +44,4 @@ def test_cached_dcp_local_lengths_are_caught_naming_the_field(tmp_path: Path) ->
     assert stale[0].field == f"triton_mla.metadata.{DCP_LOCAL_FIELD}"
     assert stale[0].step == 2
     assert "differs from a fresh eager build" in stale[0].diagnosis
+    assert backend.reproduced is True, backend.reproduce

@@ -1,9 +1,11 @@
 """The reference paged-attention computation.
 
-Fixed shapes only (masks instead of value-dependent slicing), so it can be captured in a
-CUDA graph and replayed with new lengths. Slow and obviously right: every token gathers its
-request's whole block-table row (in chunks of tokens, to bound memory) and masks what it
-must not see.
+Slow and obviously right: every token gathers its request's block-table row and masks what
+it must not see. While a CUDA graph is being captured only fixed shapes are used (masks
+instead of value-dependent slicing, the whole row, tokens in chunks that bound memory), so
+the graph replays with any lengths. Eager calls read the lengths on the host instead: decode
+steps gather only as many columns as the longest request needs, and passes with several
+tokens per request (prefills) gather each request's positions once, not once per token.
 """
 
 from __future__ import annotations
@@ -30,13 +32,19 @@ def gather_chunk(kv_len: int, num_kv_heads: int, head_size: int) -> int:
     return max(1, GATHER_BYTES // (kv_len * num_kv_heads * head_size * 4))
 
 
+def capturing() -> bool:
+    """Whether the current stream is capturing a CUDA graph (host values must not shape the
+    work then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def gathered_blocks(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> int:
     """Block-table columns each token gathers: all of them while a CUDA graph is being
     captured (a replay may see any length), else only as many as the longest request needs
     right now. The eager case reads ``seq_lens`` on the host (a synchronisation, never
     captured), which keeps the fp32 oracle's memory traffic proportional to the batch's
     real lengths instead of ``max_model_len``."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         return block_table.shape[1]
     longest = int(seq_lens.max()) if seq_lens.numel() else 0
     return max(1, min(block_table.shape[1], -(-longest // block_size)))
@@ -72,6 +80,11 @@ def paged_attention_reference(
     num_kv_heads = key_cache.shape[2]
     if num_tokens == 0 or num_reqs == 0:
         return query.new_zeros(num_tokens, num_heads, value_size)
+    if not capturing():
+        offsets = query_start_loc.tolist()
+        if max(b - a for a, b in zip(offsets, offsets[1:])) > 1:
+            return _per_request(query, key_cache, value_cache, offsets, seq_lens.tolist(),
+                                block_table, scale, causal, window)
     req = token_request_index(query_start_loc, num_tokens)
     real_token = req < num_reqs
     req = req.clamp(max=num_reqs - 1).long()
@@ -106,3 +119,51 @@ def paged_attention_reference(
                             torch.zeros_like(scores))
         out[rows] = torch.einsum("tkgl,tlkd->tkgd", probs, v)
     return out.view(num_tokens, num_heads, value_size).to(query.dtype)
+
+
+def _per_request(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    offsets: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int,
+) -> torch.Tensor:
+    """:func:`paged_attention_reference` of an eager call, one request at a time from host
+    ``offsets`` (query start locations) and ``seq_lens``: each request's visible positions
+    are gathered once for all its tokens (from the first its window reaches). Same
+    semantics, padding tokens and empty requests included (zeros)."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(num_tokens, num_kv_heads, group, value_cache.shape[-1],
+                      device=query.device)
+    for r, length in enumerate(seq_lens):
+        start, end = offsets[r], offsets[r + 1]
+        q_len = end - start
+        if q_len == 0 or length == 0:
+            continue
+        first = 0 if window == 0 else max(0, length - q_len - window + 1)
+        b0, b1 = first // block_size, -(-length // block_size)
+        rows = slice(first - b0 * block_size, length - b0 * block_size)
+        blocks = block_table[r, b0:b1].long()
+        k = key_cache[blocks].flatten(0, 1)[rows].float()  # [n, KVH, D]
+        v = value_cache[blocks].flatten(0, 1)[rows].float()
+        kv_pos = torch.arange(first, length, device=query.device)
+        abs_pos = torch.arange(length - q_len, length, device=query.device)
+        visible = torch.ones(q_len, kv_pos.shape[0], dtype=torch.bool, device=query.device)
+        if causal:
+            visible &= kv_pos[None, :] <= abs_pos[:, None]
+        if window > 0:
+            visible &= kv_pos[None, :] > abs_pos[:, None] - window
+        q = query[start:end].float().reshape(q_len, num_kv_heads, group, head_size)
+        scores = torch.einsum("tkgd,lkd->tkgl", q, k) * scale
+        seen = visible[:, None, None, :]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        probs = torch.where(seen.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1),
+                            torch.zeros_like(scores))
+        out[start:end] = torch.einsum("tkgl,lkd->tkgd", probs, v)
+    return out.view(num_tokens, num_heads, -1).to(query.dtype)
