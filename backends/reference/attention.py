@@ -10,6 +10,8 @@ tokens per request (prefills) gather each request's positions once, not once per
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -82,7 +84,7 @@ def paged_attention_reference(
         return query.new_zeros(num_tokens, num_heads, value_size)
     if not capturing():
         offsets = query_start_loc.tolist()
-        if max(b - a for a, b in zip(offsets, offsets[1:])) > 1:
+        if max(b - a for a, b in itertools.pairwise(offsets)) > 1:
             return _per_request(query, key_cache, value_cache, offsets, seq_lens.tolist(),
                                 block_table, scale, causal, window)
     req = token_request_index(query_start_loc, num_tokens)

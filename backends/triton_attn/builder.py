@@ -101,6 +101,30 @@ class SplitKVScratch:
     def max_num_tokens(self) -> int:
         return self.part_max.shape[0]
 
+    def reduce_into(
+        self, output: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
+        num_tokens: int,
+    ) -> None:
+        """Merge every split's partials of the first ``num_tokens`` rows into ``output``
+        (``[T, heads, width]``, last dimension contiguous), zeros for padding tokens (those
+        at or past ``query_start_loc[num_reqs]``): one capture-safe launch whose grid
+        depends on shapes only."""
+        num_heads, width = output.shape[1], output.shape[2]
+        paged_attention_reduce_kernel[(num_tokens, num_heads)](
+            output,
+            self.part_max,
+            self.part_sum,
+            self.part_acc,
+            query_start_loc,
+            num_reqs,
+            output.stride(0),
+            output.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_SIZE=width,
+            NUM_SPLITS=self.num_splits,
+            SPLITS_P=triton.next_power_of_2(self.num_splits),
+        )
+
 
 @dataclass
 class TritonAttnMetadata:
@@ -201,20 +225,7 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 CAUSAL=metadata.causal,
                 UPCAST=query.device.type != "cuda",
             )
-        paged_attention_reduce_kernel[(n, num_heads)](
-            output,
-            scratch.part_max,
-            scratch.part_sum,
-            scratch.part_acc,
-            metadata.query_start_loc,
-            num_reqs,
-            output.stride(0),
-            output.stride(1),
-            NUM_HEADS=num_heads,
-            HEAD_SIZE=head_size,
-            NUM_SPLITS=scratch.num_splits,
-            SPLITS_P=triton.next_power_of_2(scratch.num_splits),
-        )
+        scratch.reduce_into(output, metadata.query_start_loc, num_reqs, n)
 
 
 class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):

@@ -22,7 +22,7 @@ import triton
 
 from speccheck.backends.kv_cache_write import write_latent_cache
 from speccheck.backends.triton_attn.builder import SplitKVScratch, default_num_kv_splits
-from speccheck.backends.triton_attn.kernels import LOG2E, paged_attention_reduce_kernel
+from speccheck.backends.triton_attn.kernels import LOG2E
 from speccheck.backends.triton_mla.kernels import mla_split_kernel
 from speccheck.contract.builder import (
     AttentionImpl,
@@ -146,20 +146,7 @@ class TritonMLAImpl(AttentionImpl[TritonMLAMetadata]):
                 CAUSAL=metadata.causal,
                 UPCAST=query.device.type != "cuda",
             )
-        paged_attention_reduce_kernel[(n, num_heads)](
-            output,
-            scratch.part_max,
-            scratch.part_sum,
-            scratch.part_acc,
-            metadata.query_start_loc,
-            num_reqs,
-            output.stride(0),
-            output.stride(1),
-            NUM_HEADS=num_heads,
-            HEAD_SIZE=rank,
-            NUM_SPLITS=num_parts,
-            SPLITS_P=triton.next_power_of_2(num_parts),
-        )
+        scratch.reduce_into(output, metadata.query_start_loc, num_reqs, n)
 
 
 class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata]):

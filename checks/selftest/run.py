@@ -4,7 +4,7 @@ and must pass the correct control builder."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from speccheck.checks.selftest.mutants import (
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
-from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.scale import TIER_DEFAULTS, TIER_SCALE
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder
@@ -88,8 +88,11 @@ def verify_builder(
 
 
 def _result(name: str, check: str, recreates: str, report: BackendReport,
-            hit: Callable[[Failure], bool]) -> SelftestResult:
-    hits = [f for f in report.failures if f.check == check and hit(f)]
+            names: str) -> SelftestResult:
+    """Caught: a failure of ``check`` whose diagnosis mentions ``names`` or whose field is
+    ``names``."""
+    hits = [f for f in report.failures
+            if f.check == check and (names in f.diagnosis or f.field == names)]
     detail = hits[0].diagnosis if hits else (
         "not caught" if not report.failures else
         f"caught by {report.failures[0].check} instead: {report.failures[0].diagnosis}")
@@ -111,19 +114,16 @@ def run_selftest(device: torch.device) -> list[SelftestResult]:
     for mutant in MUTANTS:
         check, phrase = mutant.expected(gpu)
         report = verify_builder(mutant.builder, device, declares=mutant.declares)
-        results.append(_result(mutant.name, check, mutant.recreates, report,
-                               lambda f, phrase=phrase: phrase in f.diagnosis))
+        results.append(_result(mutant.name, check, mutant.recreates, report, phrase))
     shipped = load_matrix(None)
     for swa in SWA_MUTANTS:
         report = verify_at_defaults("sparse_swa", swa.builder, device, shipped)
-        results.append(_result(swa.name, swa.check, swa.recreates, report,
-                               lambda f, names=swa.names: names in f.diagnosis
-                               or f.field == names))
+        results.append(_result(swa.name, swa.check, swa.recreates, report, swa.names))
     report = verify_at_defaults("triton_mla", StaleDcpLocalLens, device, claiming_matrix(shipped),
                                 config_changes={"dcp_world_size": 2})
     results.append(_result(
         "mla_stale_dcp_local_lens", Check.STEP_METADATA,
         "DCP-local lengths derived at build and not advanced between fused draft steps "
         "(vLLM's Triton MLA refresh under DCP)", report,
-        lambda f: f.field == f"triton_mla.metadata.{DCP_LOCAL_FIELD}"))
+        f"triton_mla.metadata.{DCP_LOCAL_FIELD}"))
     return results
