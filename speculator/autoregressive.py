@@ -344,7 +344,9 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     def _multi_step_decode(
         self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool
     ) -> None:
-        """Per-step path: slots and a metadata rebuild before every step."""
+        """Per-step path: slots and a metadata rebuild before every step. With ``replay``,
+        each step replays the single-step graph, which reads the metadata captured for it:
+        the rebuild must land in the persistent buffers that metadata views."""
         n = desc.num_tokens
         md: list[Any] = []
         for step in range(1, self.num_steps):
@@ -355,7 +357,10 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 self._generate_draft(n, md, step)
                 continue
             if self.step_observer is not None:
-                self.step_observer(n, step, md)
+                # What the replay reads: the captured metadata object (its tensors are the
+                # persistent buffers the build just rewrote; its host values are the
+                # capture's, baked into the recorded launches), not the fresh build.
+                self.step_observer(n, step, self._captured_metadata[("step", n)])
             assert self.graphs is not None
             self.graphs.replay(("step", n))
             self.counters.graph_replays += 1

@@ -17,7 +17,7 @@ from speccheck.checks.verify.strategies import BatchLimits, draft_batches
 from speccheck.contract.matrix_model import CudaGraphSupport
 from speccheck.contract.resolution import graph_capture_shortfall
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.speculator.autoregressive import AutoregressiveSpeculator
+from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.cudagraph_manager import CudaGraphUnavailable
@@ -244,3 +244,45 @@ def test_capture_bodies_run_for_every_bucket_and_path() -> None:
     dflash.graphs = _EagerCapture(OPTIONS.capture_sizes)  # type: ignore[assignment]
     dflash.capture()
     assert dflash.graphs.keys == [("block", n) for n in (1, 2, 4)]  # type: ignore[union-attr]
+
+
+class _EagerReplay(_EagerCapture):
+    """The stand-in with replays: a replay runs the captured body again, eagerly, with the
+    metadata it was captured with, as a CUDA graph replays the launches recorded then."""
+
+    def __init__(self, capture_sizes: tuple[int, ...]) -> None:
+        super().__init__(capture_sizes)
+        self.bodies: dict[tuple[str, int], Callable[[], None]] = {}
+
+    def capture(self, key: tuple[str, int], body: Callable[[], None]) -> None:
+        super().capture(key, body)
+        self.bodies[key] = body
+
+    def replay(self, key: tuple[str, int]) -> None:
+        self.bodies[key]()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-in for the graph manager")
+def test_per_step_replays_are_observed_with_the_metadata_the_graph_reads() -> None:
+    """A host max_seq_len baked into the captured single-step graph (the capture's dummy
+    batch: length 1) is what the step observer reports for a per-step replay, so the
+    verifier compares what the replay really ran with, not the fresh build."""
+    from speccheck.checks.selftest.mutants import BakedMaxSeqLen, declaring_matrix
+    from speccheck.checks.verify.step_recorder import StepMetadataRecorder
+
+    matrix = declaring_matrix(MATRIX, ("kv_lens_plus_one",))
+    spec = create_speculator("autoregressive", ["reference"] * 2, _config(3), DRAFTER, DEVICE,
+                             OPTIONS, matrix=matrix, builder_overrides={"reference": BakedMaxSeqLen})
+    assert isinstance(spec, AutoregressiveSpeculator)
+    recorder = StepMetadataRecorder(spec.groups)
+    spec.step_observer = recorder
+    spec.graphs = _EagerReplay(OPTIONS.capture_sizes)  # type: ignore[assignment]
+    spec.capture()
+    batch = DraftBatch((9,), ((1, 2),), ((1, 2, 3, 4),), (0,))
+    spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
+    eager = recorder.collect(1).host
+    spec.propose(batch, DecodePath.PER_STEP, use_graphs=True)
+    replayed = recorder.collect(1).host
+    path = "reference.metadata.max_seq_len"
+    assert int(eager[1][path]) == 12 and int(eager[2][path]) == 13
+    assert int(replayed[1][path]) == int(replayed[2][path]) == 1

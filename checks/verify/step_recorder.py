@@ -28,9 +28,12 @@ on the host, and keeps them per (lanes, step) in one of two places:
 previous collect ran eagerly, and reports the host values observed; a step not observed ran
 inside a replay of a captured body, and reports the host values recorded at its capture.
 
-Not covered: the per-step graph replays observe, from the host, the metadata freshly built
-for each step, while the single-step graph they replay was captured (unobserved) with
-capture metadata; their host values are reported as built, not as replayed.
+Per-step graph replays are observed from the host, before each replay, with the metadata
+object the single-step graph was captured with (the speculator passes it, not the fresh
+build): its tensors show what the rebuild wrote into the persistent buffers the graph reads,
+and its host values are the capture's, which the replayed launches still use. A builder that
+binds fresh tensors, or a host value the kernels read, therefore shows as a step_metadata
+difference against the eager oracle there too.
 """
 
 from __future__ import annotations
