@@ -115,7 +115,7 @@ else
   echo "pytest exit $?" >> "$out/pytest-cuda-flashinfer.txt"
   mkdir -p "$out/fi-jit"
   tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
-  run flashinfer 150 --backend flashinfer --examples 100
+  run flashinfer "${VERIFY_LIMIT:-330}" --backend flashinfer --examples "${EXAMPLES:-200}"
   run flashinfer-dp2 120 --backend flashinfer --dp-size 2 --num-speculative-steps 3 --examples 8
   [ "$bench" = --no-bench ] && exit 0
   timeout 200 python3 benchmarks/propose_latency.py --backend flashinfer \
