@@ -35,7 +35,7 @@ from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.scale import DEFAULT_STEPS, TIER_DEFAULTS, TIER_SCALE, HarnessScale
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
-from speccheck.contract.matrix_model import MACHINE_FIELDS
+from speccheck.contract.matrix_model import VERIFIABLE_FIELDS
 from speccheck.contract.runtime_config import RuntimeConfig
 
 if TYPE_CHECKING:
@@ -50,10 +50,10 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_NOTHING_VERIFIED = 3
 
-VERIFY_FIELDS = tuple(name for name in RuntimeConfig.model_fields
-                      if name not in (*MACHINE_FIELDS, "advance_draft_positions"))
-"""The runtime fields a verification takes; platform, compute capability and graph mode
-come from the machine, and the drafter verified always advances its positions."""
+VERIFY_FIELDS = VERIFIABLE_FIELDS
+"""The runtime fields a verification takes
+(:data:`~speccheck.contract.matrix_model.VERIFIABLE_FIELDS`); platform, compute capability
+and graph mode come from the machine."""
 
 class VerifyInputError(ValueError):
     """Input a verification cannot run with (an unknown backend, a bad runtime value, a

@@ -492,32 +492,35 @@ class Constraints(StrictModel):
 
 MACHINE_FIELDS = ("platform", "compute_capability", "cudagraph_mode")
 """Runtime fields that describe the machine a verification runs on, not the configuration
-it verifies: ``verify_defaults`` cannot set them."""
+it verifies."""
+
+VERIFIABLE_FIELDS = tuple(name for name in RuntimeConfig.model_fields
+                          if name not in (*MACHINE_FIELDS, "advance_draft_positions"))
+"""The runtime fields a verification takes (its options, and what ``verify_defaults`` may
+set): not the machine's, and not ``advance_draft_positions`` (the drafter verified always
+advances its positions)."""
 
 
-def _check_verify_defaults(
-    value: dict[str, StrictInt | StrictStr | StrictBool],
-) -> dict[str, StrictInt | StrictStr | StrictBool]:
-    known = [name for name in RuntimeConfig.model_fields if name not in MACHINE_FIELDS]
-    for name in value:
+VerifyDefaults = dict[str, StrictInt | StrictStr | StrictBool]
+"""Runtime field -> value; checked against :class:`RuntimeConfig` by the entry."""
+
+
+def _verify_defaults_violations(defaults: VerifyDefaults) -> list[tuple[Loc, str]]:
+    """One violation per field of ``verify_defaults`` that is not a runtime field verify can
+    set, or whose value :class:`RuntimeConfig` rejects; each tagged with its own key."""
+    known = VERIFIABLE_FIELDS
+    violations: list[tuple[Loc, str]] = []
+    for name, value in defaults.items():
         if name not in known:
-            raise PydanticCustomError(
-                "verify_defaults", "{message}",
-                {"message": f"{name!r} is not a runtime field verify can set; known fields "
-                            f"are: {', '.join(known)}"},
-            )
-    try:
-        RuntimeConfig(**value)
-    except ValidationError as exc:
-        message = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise PydanticCustomError("verify_defaults", "{message}", {"message": message}) from None
-    return value
-
-
-VerifyDefaults = Annotated[
-    dict[str, StrictInt | StrictStr | StrictBool],
-    AfterValidator(_check_verify_defaults),
-]
+            violations.append((("verify_defaults", name), f"{name!r} is not a runtime field "
+                               f"verify can set; known fields are: {', '.join(known)}"))
+            continue
+        try:
+            RuntimeConfig(**{name: value})
+        except ValidationError as exc:
+            message = exc.errors()[0]["msg"].replace("Input should be", "should be", 1)
+            violations.append((("verify_defaults", name), f"{message}, got {value!r}"))
+    return violations
 
 
 class BackendEntry(StrictModel):
@@ -574,6 +577,7 @@ class BackendEntry(StrictModel):
             )
         if self.variant_of == self.name:
             violations.append((("variant_of",), "names the backend itself; remove it"))
+        violations += _verify_defaults_violations(self.verify_defaults)
         _reject(violations)
         return self
 
