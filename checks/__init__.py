@@ -8,6 +8,7 @@
 - :mod:`~speccheck.checks.selftest`: known-bad builders and the self-test that proves the
   verifier catches each one;
 - :mod:`~speccheck.checks.docgen`: documents generated from the matrix;
+- :mod:`~speccheck.checks.bench`: ``speccheck bench``, propose latency per decode path;
 - :mod:`~speccheck.checks.cli`: the ``speccheck`` command line, one module per command;
 - :mod:`~speccheck.checks.api`: the same verification as a Python API (``speccheck.verify``),
   and :mod:`~speccheck.checks.pytest_plugin`, which turns it into one test item per check.

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from speccheck.checks.cli.bench import bench_command
 from speccheck.checks.cli.paths import output_path_problem
 from speccheck.checks.cli.runtime_options import (
     MatrixPathOption,
@@ -243,6 +244,7 @@ def schema_command(
 
 app.command("verify")(verify_command)
 app.command("selftest")(selftest_command)
+app.command("bench")(bench_command)
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from speccheck.checks.verify.runner import ProgressDisplay
 
 
-def _shown_default(field: str) -> str:
+def shown_tier_default(field: str) -> str:
     gpu, cpu = TIER_DEFAULTS[Tier.GPU].get(field), TIER_DEFAULTS[Tier.CPU].get(field)
     if gpu is None and cpu is None:
         return str(RuntimeConfig.model_fields[field].default)
@@ -80,7 +80,7 @@ def _bad_input(message: str) -> typer.Exit:
     return typer.Exit(EXIT_BAD_INPUT)
 
 
-def _commit() -> str:
+def commit_under_test() -> str:
     """The commit under verification: ``$SPECCHECK_COMMIT`` when set (copies of the tree
     whose ``.git`` is missing or stale, as on the GPU machine), else ``git rev-parse HEAD``,
     else ``unknown``."""
@@ -93,7 +93,7 @@ def _commit() -> str:
         return "unknown"
 
 
-@with_runtime_options(VERIFY_FIELDS, {field: _shown_default(field) for field in VERIFY_FIELDS})
+@with_runtime_options(VERIFY_FIELDS, {field: shown_tier_default(field) for field in VERIFY_FIELDS})
 def verify_command(
     backend: Annotated[str, typer.Option("--backend", help="Backend name from the matrix, or 'all'.")] = "reference",
     examples: Annotated[int, typer.Option("--examples", min=1, help="Examples per backend.")] = 50,
@@ -214,7 +214,7 @@ def _finish(console: Console, result: VerifyReport, json_path: Path | None,
     console.print(f"checks: {', '.join(check.value for check in Check)}", markup=False)
     if json_path:
         write_json(reports, json_path, {
-            "speccheck": __version__, "commit": _commit(), "tier": result.tier.value,
+            "speccheck": __version__, "commit": commit_under_test(), "tier": result.tier.value,
             "device": result.device, "command": "speccheck verify " + shlex.join(sys.argv[2:]),
         })
     if junit:

@@ -1,0 +1,182 @@
+"""The timing loop: every path of one case side by side on one speculator, and a run over
+every K and batch size.
+
+Per case (K, batch): build and capture a speculator (its graphs serve every path), then
+``warmup_rounds + repeats`` rounds in each of which every path runs ``propose_tokens``
+once; the order rotates from round to round, so drift and order effects fall on all paths
+alike. Wall time is the median of the timed rounds; graph replays are counted per call.
+Every call's draft tokens must equal the first call's (per-step's, in round 0), else
+:class:`~speccheck.checks.bench.errors.DraftTokensDiffer`. With CUDA each path then runs
+``repeats`` more calls under the profiler for host and GPU time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from speccheck.checks.bench.errors import BenchInputError, DraftTokensDiffer
+from speccheck.checks.bench.profiling import profile_calls
+from speccheck.checks.bench.records import BenchReport, BenchRow
+from speccheck.checks.bench.workload import (
+    NEW_TOKENS,
+    NUM_LAYERS,
+    bench_batch,
+    build_speculator,
+    capture,
+    check_runnable,
+    context_for,
+    decode_paths,
+    release,
+    vocab_size_for,
+)
+from speccheck.checks.verify.context import MatrixContext
+from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
+from speccheck.speculator.batch import DraftBatch
+
+WARMUP_ROUNDS = 3
+
+CaseObserver = Callable[[int, int, int, int], None]
+"""Called with (K, batch, case number from 1, number of cases) before a case runs."""
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What to measure: ``backend`` under ``config`` (its ``num_speculative_steps`` is
+    replaced by each K of ``steps``) at each batch size of ``batches``, ``repeats`` timed
+    rounds per case. ``paths``: the paths to time, or ``None`` for every path the backend
+    allows (:func:`~speccheck.checks.bench.workload.decode_paths`)."""
+
+    backend: str
+    config: RuntimeConfig
+    matrices: MatrixContext
+    steps: tuple[int, ...]
+    batches: tuple[int, ...]
+    repeats: int
+    paths: tuple[DecodePath, ...] | None = None
+    warmup_rounds: int = WARMUP_ROUNDS
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """The report, and the profiler's tables by (K, batch, path) (empty without CUDA)."""
+
+    report: BenchReport
+    profiles: dict[tuple[int, int, DecodePath], str] = field(default_factory=dict)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "CPU (no CUDA device)"
+
+
+def run_bench(settings: BenchSettings, device: torch.device, *, commit: str, command: str,
+              on_case: CaseObserver | None = None) -> BenchRun:
+    """Measure every case of ``settings`` on ``device``. Raises
+    :class:`~speccheck.checks.bench.errors.BackendCannotRun`,
+    :class:`~speccheck.checks.bench.errors.BenchInputError` or
+    :class:`~speccheck.checks.bench.errors.DraftTokensDiffer`."""
+    check_runnable(settings.backend, settings.matrices.matrix)
+    context = context_for(settings.config, max(settings.steps))
+    cases = [(k, batch) for k in settings.steps for batch in settings.batches]
+    rows: list[BenchRow] = []
+    profiles: dict[tuple[int, int, DecodePath], str] = {}
+    for number, (k, batch) in enumerate(cases, start=1):
+        if on_case is not None:
+            on_case(k, batch, number, len(cases))
+        case_rows, case_profiles = _measure_case(settings, k, batch, context, device)
+        rows += case_rows
+        profiles.update({(k, batch, path): tables for path, tables in case_profiles.items()})
+        release(device)
+    report = BenchReport(
+        backend=settings.backend, device=device_name(device), torch_version=torch.__version__,
+        commit=commit, command=command,
+        config=settings.config.model_dump(exclude={"num_speculative_steps"}),
+        drafter={"vocab_size": vocab_size_for(device), "num_layers": NUM_LAYERS,
+                 "context": context, "new_tokens": len(NEW_TOKENS)},
+        repeats=settings.repeats, warmup_rounds=settings.warmup_rounds, rows=tuple(rows))
+    return BenchRun(report, profiles)
+
+
+def _chosen_paths(settings: BenchSettings, spec: AutoregressiveSpeculator,
+                  k: int) -> tuple[DecodePath, ...]:
+    allowed = decode_paths(spec)
+    if settings.paths is None:
+        return allowed
+    refused = [path.value for path in settings.paths if path not in allowed]
+    if refused:
+        raise BenchInputError(
+            f"{settings.backend} at K={k} cannot take path(s) {', '.join(refused)}; it "
+            f"allows {', '.join(path.value for path in allowed)}")
+    return settings.paths
+
+
+def _measure_case(settings: BenchSettings, k: int, batch: int, context: int,
+                  device: torch.device) -> tuple[list[BenchRow], dict[DecodePath, str]]:
+    config = settings.config.model_copy(update={"num_speculative_steps": k})
+    spec = build_speculator(settings.backend, config, batch, context,
+                            settings.matrices.matrix, device)
+    cost = capture(spec)
+    work = bench_batch(config, batch, context)
+    paths = _chosen_paths(settings, spec, k)
+    walls, replays = _timed_rounds(settings, spec, work, paths, k)
+    gpu = device.type == "cuda"
+    rows, profiles = [], {}
+    for path in paths:
+        host_ms = gpu_ms = None
+        if gpu:
+            times = profile_calls(partial(spec.propose_tokens, work, path), settings.repeats)
+            host_ms, gpu_ms, profiles[path] = times.host_ms, times.gpu_ms, times.tables
+        rows.append(BenchRow(path, k, batch, statistics.median(walls[path]) * 1e3, host_ms,
+                             gpu_ms, statistics.fmean(replays[path]), cost.seconds,
+                             cost.allocated_bytes, cost.reserved_bytes))
+    return rows, profiles
+
+
+def _timed_rounds(
+    settings: BenchSettings, spec: AutoregressiveSpeculator, work: DraftBatch,
+    paths: Sequence[DecodePath], k: int,
+) -> tuple[dict[DecodePath, list[float]], dict[DecodePath, list[int]]]:
+    """Seconds and graph replays per timed call, by path (warm-up rounds left out); every
+    call's tokens are checked against the first call's."""
+    gpu = spec.device.type == "cuda"
+    walls: dict[DecodePath, list[float]] = {path: [] for path in paths}
+    replays: dict[DecodePath, list[int]] = {path: [] for path in paths}
+    first: tuple[DecodePath, torch.Tensor] | None = None
+    for round_ in range(settings.warmup_rounds + settings.repeats):
+        shift = round_ % len(paths)
+        for path in (*paths[shift:], *paths[:shift]):
+            if gpu:
+                torch.cuda.synchronize(spec.device)
+            replayed = spec.counters.graph_replays
+            start = time.perf_counter()
+            tokens = spec.propose_tokens(work, path)
+            elapsed = time.perf_counter() - start
+            if round_ >= settings.warmup_rounds:
+                walls[path].append(elapsed)
+                replays[path].append(spec.counters.graph_replays - replayed)
+            if first is None:
+                first = (path, tokens.clone())
+            else:
+                _require_same_tokens(settings.backend, k, work.num_reqs, first, (path, tokens))
+    return walls, replays
+
+
+def _require_same_tokens(backend: str, k: int, batch: int,
+                         expected: tuple[DecodePath, torch.Tensor],
+                         actual: tuple[DecodePath, torch.Tensor]) -> None:
+    (want_path, want), (got_path, got) = expected, actual
+    if torch.equal(want, got):
+        return
+    request = int((want != got).any(dim=1).nonzero()[0])
+    raise DraftTokensDiffer(
+        f"{backend}: draft tokens differ at K={k}, batch {batch}: request {request} drafted "
+        f"{want[request].tolist()} on {want_path.value} and {got[request].tolist()} on "
+        f"{got_path.value}")

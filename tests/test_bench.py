@@ -1,0 +1,214 @@
+"""``speccheck bench`` on the CPU at tiny shapes (the reference backend, eager loops), the
+markdown renderer, the plots, and on a GPU the replay counts and capture cost."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from speccheck.checks.bench.profiling import blocked_and_device_us
+from speccheck.checks.bench.records import BenchReport, BenchRow
+from speccheck.checks.cli.app import app
+from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--head-size", "16", "--num-heads", "2", "--num-kv-heads", "1", "--max-model-len", "64",
+        "--block-size", "4"]
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _bench(*args: str) -> Any:
+    return CliRunner().invoke(app, ["bench", *args])
+
+
+def _one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU run's figures")
+def test_reference_row_per_path_k_and_batch(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = _bench("--backend", "reference", "--steps", "2,3", "--batches", "1,2",
+                    "--repeats", "2", "--json", str(out), *TINY)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("device: CPU (no CUDA device), torch ")
+    assert "reference propose latency per call (CPU (no CUDA device))" in lines
+    plain = [line for line in lines if line.startswith("path=")]
+    assert len(plain) == 8
+    assert "path=fused k=3 batch=2 " in result.stdout and "replays=0.00" in plain[0]
+    data = json.loads(out.read_text())
+    assert data["backend"] == "reference" and data["device"] == "CPU (no CUDA device)"
+    assert data["torch_version"] == torch.__version__ and data["commit"]
+    assert data["config"]["head_size"] == 16 and "num_speculative_steps" not in data["config"]
+    report = BenchReport.from_json(data)
+    assert report.to_json() == data
+    cases = {(row.path, row.k, row.batch) for row in report.rows}
+    assert cases == {(path, k, batch) for path in (DecodePath.PER_STEP, DecodePath.FUSED)
+                     for k in (2, 3) for batch in (1, 2)}
+    for row, raw in zip(report.rows, data["rows"], strict=True):
+        assert row.wall_ms > 0 and row.host_ms is None and row.gpu_ms is None
+        assert row.replays_per_propose == 0 and row.graph_reserved_bytes is None
+        assert raw["ratios"]["host"] is None
+        if row.path is DecodePath.PER_STEP:
+            assert raw["ratios"]["wall"] == 1.0
+
+
+def test_different_draft_tokens_exit_1_naming_the_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = AutoregressiveSpeculator.propose_tokens
+
+    def corrupt(self: AutoregressiveSpeculator, batch: Any, path: DecodePath = DecodePath.AUTO) -> torch.Tensor:
+        tokens = original(self, batch, path).clone()
+        if path is DecodePath.FUSED:
+            tokens[1, -1] += 1
+        return tokens
+
+    monkeypatch.setattr(AutoregressiveSpeculator, "propose_tokens", corrupt)
+    result = _bench("--backend", "reference", "--steps", "2", "--batches", "2",
+                    "--repeats", "1", *TINY)
+    assert result.exit_code == 1, result.output
+    line = _one_line(result.stderr.replace("bench reference: case 1/1: K=2, batch 2\n", ""))
+    assert line.startswith("reference: draft tokens differ at K=2, batch 2: request 1 drafted ")
+    assert "on per_step and " in line and line.endswith(" on fused")
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--steps", "2,x"], "--steps: expected comma-separated counts"),
+    (["--steps", "0"], "--steps: counts must lie in 1..64"),
+    (["--batches", ""], "--batches: expected comma-separated counts"),
+    (["--repeats", "0"], "--repeats: must lie in 1..10000"),
+    (["--steps", "64"], "--steps: K=64 needs max_model_len >= 65"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], expected: str) -> None:
+    result = _bench("--backend", "reference", "--batches", "1", *args, *TINY)
+    assert result.exit_code == 2, result.output
+    assert _one_line(result.stderr).startswith(expected)
+
+
+def test_unknown_backend_exits_2() -> None:
+    result = _bench("--backend", "nope")
+    assert result.exit_code == 2, result.output
+    line = _one_line(result.stderr)
+    assert line.startswith("--backend: unknown backend 'nope'; valid: reference, ")
+    assert not line.endswith(", all")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a backend this machine cannot run")
+def test_backend_the_platform_cannot_run_exits_3() -> None:
+    result = _bench("--backend", "fa3", "--steps", "2", "--batches", "1")
+    assert result.exit_code == 3, result.output
+    assert _one_line(result.stderr) == (
+        "fa3: cannot run here: fa3 runs on cuda; this machine offers cpu (no CUDA device)")
+
+
+def _report() -> BenchReport:
+    rows = []
+    for k in (2, 4):
+        for batch in (1, 8):
+            for path, scale in ((DecodePath.PER_STEP, 1.0), (DecodePath.FUSED, 0.5)):
+                rows.append(BenchRow(path, k, batch, 2.0 * k * scale, 1.0 * k * scale, 0.5 * k,
+                                     1.0 if path is DecodePath.FUSED else k - 1.0, 0.25,
+                                     3 << 20, 4 << 20))
+    return BenchReport("reference", "NVIDIA H200", "2.13.0", "0123456789abcdef", "speccheck bench",
+                       {"dtype": "bfloat16"}, {"vocab_size": 32000, "context": 200}, 30, 3,
+                       tuple(rows))
+
+
+def _render_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("render_bench_docs",
+                                                  ROOT / "scripts" / "render_bench_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_render_markdown_from_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "bench.json"
+    source.write_text(json.dumps(_report().to_json()))
+    assert _render_script().main([str(source)]) == 0
+    text = capsys.readouterr().out
+    assert "### reference: propose latency per call" in text
+    assert "NVIDIA H200, torch 2.13.0, commit 0123456789ab; `speccheck bench`" in text
+    assert ("| path | K | batch | wall ms | host ms | GPU ms | replays/propose | capture s "
+            "| graph MiB alloc/resv | wall / per_step | host / per_step | GPU / per_step |") in text
+    assert "| per_step | 4 | 8 | 8.000 | 4.000 | 2.000 | 3.00 | 0.25 | 3.0/4.0 | 1.00 | 1.00 | 1.00 |" in text
+    assert "| fused | 4 | 8 | 4.000 | 2.000 | 2.000 | 1.00 | 0.25 | 3.0/4.0 | 0.50 | 0.50 | 1.00 |" in text
+    assert text.count("| fused |") == 4
+
+
+def test_render_rejects_a_file_that_is_not_a_report(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "other.json"
+    source.write_text(json.dumps({"backends": []}))
+    assert _render_script().main([str(source)]) == 2
+    assert _one_line(capsys.readouterr().err).startswith(f"{source}: not a `speccheck bench")
+
+
+@pytest.mark.skipif(HAS_MATPLOTLIB, reason="checks the error without matplotlib")
+def test_plots_without_matplotlib_exit_2_saying_how_to_install(tmp_path: Path) -> None:
+    result = _bench("--backend", "reference", "--plots", str(tmp_path / "plots"), *TINY)
+    assert result.exit_code == 2, result.output
+    assert _one_line(result.stderr) == ("--plots needs matplotlib, which is not installed: "
+                                        "pip install 'speccheck[bench]' (or: pip install matplotlib)")
+    assert not (tmp_path / "plots").exists()
+
+
+def test_write_plots_one_png_per_k(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from speccheck.checks.bench.plots import write_plots
+
+    written = write_plots(_report(), tmp_path / "plots")
+    assert [p.name for p in written] == ["reference-k2.png", "reference-k4.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+
+
+def test_host_time_leaves_out_blocking_calls_and_sums_device_time() -> None:
+    from torch.autograd import DeviceType
+
+    def event(kind: DeviceType, name: str, us: float) -> SimpleNamespace:
+        return SimpleNamespace(device_type=kind, name=name,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [event(DeviceType.CPU, "cudaStreamSynchronize", 30.0),
+              event(DeviceType.CPU, "cudaMemcpy", 5.0), event(DeviceType.CPU, "aten::mm", 7.0),
+              event(DeviceType.CUDA, "gemm", 11.0), event(DeviceType.CUDA, "memcpy", 2.0)]
+    assert blocked_and_device_us(events) == (35.0, 13.0)
+
+
+@pytest.mark.cuda
+def test_gpu_replays_capture_cost_and_host_time() -> None:
+    from speccheck.checks.bench.measure import BenchSettings, run_bench
+    from speccheck.checks.verify.context import MatrixContext
+    from speccheck.contract.runtime_config import RuntimeConfig
+
+    config = RuntimeConfig(platform="cuda", cudagraph_mode="full", dtype="bfloat16",
+                           head_size=64, num_heads=4, num_kv_heads=2, block_size=16,
+                           max_model_len=512)
+    settings = BenchSettings("reference", config, MatrixContext.load(None), (3,), (2,), 2)
+    report = run_bench(settings, torch.device("cuda"), commit="test", command="test").report
+    by_path = {row.path: row for row in report.rows}
+    assert set(by_path) == {DecodePath.PER_STEP, DecodePath.FUSED}
+    assert by_path[DecodePath.PER_STEP].replays_per_propose == 2.0
+    assert by_path[DecodePath.FUSED].replays_per_propose == 1.0
+    for row in report.rows:
+        assert row.host_ms is not None and row.graph_reserved_bytes is not None
+        assert row.capture_s > 0
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB or torch.cuda.is_available(),
+                    reason="plots for real where matplotlib is installed (CPU run)")
+def test_plots_option_writes_pngs(tmp_path: Path) -> None:
+    result = _bench("--backend", "reference", "--steps", "2", "--batches", "1,2", "--repeats", "1",
+                    "--plots", str(tmp_path / "plots"), *TINY)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "plots" / "reference-k2.png").read_bytes().startswith(b"\x89PNG")
