@@ -53,9 +53,11 @@ class DecodePath(enum.StrEnum):
 RefreshHook = Callable[[AttentionGroup, Any], None]
 """Stands in for ``group.update_draft_decode_metadata(metadata)`` and must call it; the
 verifier wraps the call in capture-safety probes."""
-StepObserver = Callable[[int, int, Sequence[Any]], None]
-"""Called with (decode lanes, draft step, metadata of every group) right before that step's
-forward.
+StepObserver = Callable[[int, int, Sequence[Any], Sequence[Any] | None], None]
+"""Called with (decode lanes, draft step, metadata of every group, the metadata whose host
+values the step's launches use when that is another object) right before that step's
+forward. The last is the single-step graph's captured metadata before a per-step replay
+(the replay re-issues launches recorded with the capture's host values), else ``None``.
 In the fused body it runs inside the captured graph, so it may only emit capture-safe
 in-place GPU work (the verifier copies metadata into snapshot buffers there)."""
 
@@ -153,7 +155,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         ``observe=False`` keeps the step observer out of the single-step graph, whose
         replays the per-step path observes from the host instead."""
         if observe and self.step_observer is not None:
-            self.step_observer(n, step, group_metadata)
+            self.step_observer(n, step, group_metadata, None)
         b = self.buffers
         logits = self.model.compute_logits(self._run_model(n, group_metadata))
         tokens = sample_tokens(logits, self.options.sampling, self.seeds[:n], b.positions[:n])
@@ -357,10 +359,9 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 self._generate_draft(n, md, step)
                 continue
             if self.step_observer is not None:
-                # What the replay reads: the captured metadata object (its tensors are the
-                # persistent buffers the build just rewrote; its host values are the
-                # capture's, baked into the recorded launches), not the fresh build.
-                self.step_observer(n, step, self._captured_metadata[("step", n)])
+                # The rebuild's tensors (written into the buffers the graph reads), and the
+                # host values of the capture, which the replayed launches still use.
+                self.step_observer(n, step, md, self._captured_metadata[("step", n)])
             assert self.graphs is not None
             self.graphs.replay(("step", n))
             self.counters.graph_replays += 1

@@ -119,7 +119,7 @@ def test_preplanned_equals_per_step(data) -> None:
 def test_preplanned_loop_order_and_one_metadata_object_per_step() -> None:
     spec = _speculator()
     seen: list[tuple[int, int]] = []
-    spec.step_observer = lambda lanes, step, md: seen.append((step, id(md[1])))
+    spec.step_observer = lambda lanes, step, md, launched: seen.append((step, id(md[1])))
     spec.trace = []
     spec.propose(BATCH, "preplanned")
     events, spec.trace = spec.trace, None

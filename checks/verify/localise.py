@@ -72,7 +72,9 @@ def trace_run(
     kv = [_kv_at(spec, index)]
     mappings: dict[int, dict[str, list[int]]] = {}
 
-    def observe(lanes: int, step: int, group_metadata: Sequence[Any]) -> None:
+    def observe(lanes: int, step: int, group_metadata: Sequence[Any],
+                launched_with: Sequence[Any] | None) -> None:
+        del launched_with  # an eager run: the metadata is what the step runs with
         kv.append(_kv_at(spec, index))
         lane_slots = spec.buffers.slot_mapping[:lanes].tolist()
         mappings[step] = {SLOT_MAPPING: lane_slots}

@@ -28,12 +28,13 @@ on the host, and keeps them per (lanes, step) in one of two places:
 previous collect ran eagerly, and reports the host values observed; a step not observed ran
 inside a replay of a captured body, and reports the host values recorded at its capture.
 
-Per-step graph replays are observed from the host, before each replay, with the metadata
-object the single-step graph was captured with (the speculator passes it, not the fresh
-build): its tensors show what the rebuild wrote into the persistent buffers the graph reads,
-and its host values are the capture's, which the replayed launches still use. A builder that
-binds fresh tensors, or a host value the kernels read, therefore shows as a step_metadata
-difference against the eager oracle there too.
+Per-step graph replays are observed from the host, before each replay: the tensors of the
+fresh build (what it wrote into the persistent buffers the graph reads), and the host values
+of the metadata the single-step graph was captured with, which the replayed launches still
+use (the speculator passes both). A host value a kernel reads therefore shows as a
+step_metadata difference against the eager oracle there too. Not covered: a builder whose
+build binds fresh tensors instead of writing the buffers the graph reads; the per-step graph
+candidate's outputs show that.
 """
 
 from __future__ import annotations
@@ -121,7 +122,13 @@ class StepMetadataRecorder:
         """Storage address of the tensor last seen at each path (to tell views of the
         speculator's input buffers from a builder's derived tensors)."""
 
-    def __call__(self, lanes: int, step: int, group_metadata: Sequence[Any]) -> None:
+    def __call__(
+        self, lanes: int, step: int, group_metadata: Sequence[Any],
+        launched_with: Sequence[Any] | None = None,
+    ) -> None:
+        """Snapshot the tensors of ``group_metadata`` and the host values of
+        ``launched_with`` (the captured metadata a per-step replay's launches were recorded
+        with), or of ``group_metadata`` when that is ``None``."""
         self.last_metadata = list(group_metadata)
         capturing = _capturing()
         for path, tensor in reachable_tensors(self.groups, group_metadata).items():
@@ -137,7 +144,7 @@ class StepMetadataRecorder:
             buf.copy_(tensor)
             self.storage_of[path] = tensor.untyped_storage().data_ptr()
             self._seen.setdefault(lanes, {})[(step, path)] = None
-        host = reachable_host_values(self.groups, group_metadata)
+        host = reachable_host_values(self.groups, launched_with or group_metadata)
         if capturing:
             self._captured_host.setdefault((lanes, step), host)
         else:
