@@ -50,10 +50,11 @@ if TYPE_CHECKING:
 
 
 def shown_tier_default(field: str) -> str:
-    gpu, cpu = TIER_DEFAULTS[Tier.GPU].get(field), TIER_DEFAULTS[Tier.CPU].get(field)
-    if gpu is None and cpu is None:
-        return str(RuntimeConfig.model_fields[field].default)
-    return f"GPU tier {gpu}, CPU tier {cpu}"
+    """``field``'s default as ``--help`` shows it: one value, or one per tier where the
+    tiers' defaults (:data:`TIER_DEFAULTS`, else the field's own) differ."""
+    default = RuntimeConfig.model_fields[field].default
+    gpu, cpu = (TIER_DEFAULTS[tier].get(field, default) for tier in (Tier.GPU, Tier.CPU))
+    return str(gpu) if gpu == cpu else f"GPU tier {gpu}, CPU tier {cpu}"
 
 
 def _shown_scale(field: str) -> str:
