@@ -18,10 +18,10 @@ smoke test.
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
 import json
 import logging
+import shlex
+import sys
 from pathlib import Path
 
 import torch

@@ -28,8 +28,8 @@ from speccheck.contract.resolution import FusedDecision, decide_fused_multi_step
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_uniform_attention_metadata
 from speccheck.speculator.base import DraftModelSpeculator, SpeculatorOptions
-from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.batch import DraftBatch, DraftResult
+from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.model import DraftModel
 from speccheck.speculator.sampling import sample_tokens
 

@@ -13,8 +13,8 @@ from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import build_attention_groups
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
 from speccheck.speculator.base import SpeculatorOptions
-from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.dflash import DFlashSpeculator
+from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.model import DrafterConfig, DraftModel
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
-from speccheck.checks.docgen.capabilities import render_capability_docs
 from speccheck.checks.cli.app import app
+from speccheck.checks.docgen.capabilities import render_capability_docs
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import render_matrix_json_schema
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
-from speccheck.contract.matrix_loader import load_matrix
 
 MATRIX = load_matrix()
 

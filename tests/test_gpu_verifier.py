@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from speccheck.checks.api import plan_verification
+from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.checks.verify.context import MatrixContext
 
 MATRICES = MatrixContext.load(None)
 

@@ -14,10 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
-from speccheck.checks.verify.strategies import BatchLimits, draft_batches
+from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings, candidates_for
 from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.strategies import BatchLimits, draft_batches
 from speccheck.checks.verify.vocabulary import Candidate
+from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import Constraints, DraftDecode
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -26,8 +28,6 @@ from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
-from speccheck.contract.matrix_loader import load_matrix
-from speccheck.checks.verify.context import MatrixContext
 
 SHIPPED = load_matrix()
 _FLASHINFER = SHIPPED.backend("flashinfer")

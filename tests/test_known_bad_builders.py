@@ -24,7 +24,6 @@ from speccheck.checks.selftest.mutants import (
     ShortOnlyRefresh,
     declaring_matrix,
 )
-from tests.fixtures.configs import CPU_CONFIG
 from speccheck.checks.verify import step_recorder
 from speccheck.checks.verify.comparisons import Outcome, compare_steps, expected_slots, kv_untouched
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder, StepSnapshots
@@ -35,6 +34,7 @@ from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
+from tests.fixtures.configs import CPU_CONFIG
 
 K = 4
 CONFIG = CPU_CONFIG.model_copy(update={"num_speculative_steps": K})

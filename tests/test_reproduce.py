@@ -21,10 +21,13 @@ from rich.progress import Progress
 from typer.testing import CliRunner
 
 from speccheck.checks.cli.app import app
-from speccheck.checks.selftest.mutants import MUTANTS, DerivedBuilder, declaring_matrix, mutants_matrix
+from speccheck.checks.selftest.mutants import (
+    MUTANTS,
+    DerivedBuilder,
+    declaring_matrix,
+    mutants_matrix,
+)
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
-from speccheck.contract.matrix_model import Matrix
-from tests.fixtures.configs import CPU_CONFIG
 from speccheck.checks.verify import runner
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
@@ -39,8 +42,10 @@ from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.matrix_model import Matrix
 from speccheck.speculator.batch import DraftBatch
 from tests.fixtures.adapters.known_bad import LeftoverTail
+from tests.fixtures.configs import CPU_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN_BAD = ROOT / "tests" / "fixtures" / "adapters" / "known_bad.yaml"

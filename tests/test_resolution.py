@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from speccheck.contract.adapter_status import AdapterStatus
 from speccheck.contract.constraints import describe_sizes, sizes_allow
 from speccheck.contract.matrix_loader import load_matrix
-from speccheck.contract.adapter_status import AdapterStatus
 from speccheck.contract.matrix_model import BackendEntry, Matrix, MultipleOf, RefreshStrategy
 from speccheck.contract.resolution import (
     BackendResolution,

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from speccheck.backends.reference.builder import ReferenceMetadataBuilder
 from speccheck.checks.verify.strategies import BatchLimits, draft_batches
-from speccheck.contract.matrix_model import CudaGraphSupport
+from speccheck.contract.matrix_loader import load_matrix
+from speccheck.contract.matrix_model import Constraints, CudaGraphSupport
 from speccheck.contract.resolution import graph_capture_shortfall
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
@@ -24,8 +25,6 @@ from speccheck.speculator.cudagraph_manager import CudaGraphUnavailable
 from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
-from speccheck.contract.matrix_loader import load_matrix
-from speccheck.contract.matrix_model import Constraints
 
 SHIPPED = load_matrix()
 MATRIX = SHIPPED.replacing(SHIPPED.backend("flashinfer").model_copy(

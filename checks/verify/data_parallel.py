@@ -36,14 +36,14 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from speccheck.backends.availability import BackendUnavailable
-from speccheck.checks.verify.strategies import BatchLimits, draft_batches
+from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import TOLERANCE
 from speccheck.checks.verify.examples import example_json
-from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.strategies import BatchLimits, draft_batches
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
-from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.resolution import graph_capture_shortfall, resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import attention_token_count, uniform_query_start_loc

@@ -8,12 +8,12 @@ of its own: an illegal memory access breaks a CUDA context for good.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import traceback
 import zlib
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,14 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
+from speccheck.checks.probes import (
+    GuardedBuffer,
+    HostSyncRecorder,
+    IdentityGuard,
+    check_zero_tail,
+    poison_,
+)
+from speccheck.checks.verify.breakpoints import Breakpoints, discover_breakpoints
 from speccheck.checks.verify.comparisons import (
     KVSnapshot,
     Outcome,
@@ -32,22 +40,6 @@ from speccheck.checks.verify.comparisons import (
     kv_matches,
     kv_untouched,
 )
-from speccheck.checks.probes import (
-    GuardedBuffer,
-    HostSyncRecorder,
-    IdentityGuard,
-    check_zero_tail,
-    poison_,
-)
-from speccheck.checks.verify.state_walk import changed_paths
-from speccheck.checks.verify.step_recorder import StepMetadataRecorder
-from speccheck.checks.verify.breakpoints import Breakpoints, discover_breakpoints
-from speccheck.checks.verify.strategies import (
-    BatchLimits,
-    derived_step_changes,
-    draft_batches,
-    target_derived_changes,
-)
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.examples import Example, encode_example, example_json
 from speccheck.checks.verify.localise import earliest_divergence, localise, trace_run, traced_slots
@@ -56,6 +48,14 @@ from speccheck.checks.verify.scale import (
     DEFAULT_CAPTURE_SIZES,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_STEPS,
+)
+from speccheck.checks.verify.state_walk import changed_paths
+from speccheck.checks.verify.step_recorder import StepMetadataRecorder
+from speccheck.checks.verify.strategies import (
+    BatchLimits,
+    derived_step_changes,
+    draft_batches,
+    target_derived_changes,
 )
 from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Status
 from speccheck.contract.builder import AttentionMetadataBuilder

@@ -15,8 +15,8 @@ slot mapping every decode step ran with. Host work, after a failure: never captu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np

@@ -38,7 +38,6 @@ from speccheck.checks.verify.scale import TIER_SCALE, HarnessScale
 from speccheck.checks.verify.vocabulary import Status, Tier
 from speccheck.contract.runtime_config import RuntimeConfig
 
-
 WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 """Defaults for a worker's environment, below whatever the caller's environment sets: the
 verifier's tensors are small, and one BLAS thread per worker runs them several times faster

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from speccheck.backends.availability import BackendUnavailable
+from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.examples import (
     BadExample,
@@ -30,13 +31,11 @@ from speccheck.checks.verify.examples import (
     example_from_json,
     reproduce_command,
 )
-from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.contract.resolution import resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import machine_platform, unrunnable_reason
-
 
 EXIT_BAD_INPUT = 2
 """Exit status of a worker whose ``--reproduce`` example it cannot take."""
