@@ -182,3 +182,15 @@ def test_a_backends_verify_defaults_sit_between_the_tier_and_the_flags() -> None
     assert plan_verification("reference").config_for("reference") == plan.config
     settings = plan.settings_for("fa3")
     assert settings.config == plan.config_for("fa3") and settings.steps == plan.steps
+
+
+def test_serving_scale_batches_run_on_the_cpu_tier() -> None:
+    """The GPU tier's batch scale (64 requests of up to 16 new tokens, K 1..8) through the
+    whole pipeline on the CPU at a short max_model_len: hypothesis' per-example budget, the
+    prefill budget and the shared KV cache hold at that scale."""
+    report = plan_verification("reference", config={"max_model_len": 512, "block_size": 16},
+                               capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_new_tokens=16,
+                               examples=12).run()
+    (backend,) = report.backends
+    assert report.passed, report.summary_lines()
+    assert backend.examples == 12 and backend.checks[Check.DRAFT_TOKENS].passed > 0
