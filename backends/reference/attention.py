@@ -6,6 +6,9 @@ instead of value-dependent slicing, the whole row, tokens in chunks that bound m
 the graph replays with any lengths. Eager calls read the lengths on the host instead: decode
 steps gather only as many columns as the longest request needs, and passes with several
 tokens per request (prefills) gather each request's positions once, not once per token.
+A decode-context-parallel rank's partial attention (its interleaved share of the cache, with
+the log-sum-exp that :func:`~speccheck.backends.dcp.merge_partials` needs) always takes the
+fixed-shape path, the whole cache being its one-rank case.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import itertools
 
 import torch
+
+from speccheck.backends.dcp import dcp_local_lengths
 
 
 def token_request_index(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -76,30 +81,98 @@ def paged_attention_reference(
     ``kv_lora_rank`` channels (pass ``latent`` and ``latent[..., :kv_lora_rank]``). Returns
     ``[T, H, Dv]`` in ``query.dtype``.
     """
+    if query.shape[0] and seq_lens.shape[0] and not capturing():
+        offsets = query_start_loc.tolist()
+        if max(b - a for a, b in itertools.pairwise(offsets)) > 1:
+            return _per_request(query, key_cache, value_cache, offsets, seq_lens.tolist(),
+                                block_table, scale, causal, window)
+    out, _ = _masked_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
+                               seq_lens, block_table, scale, causal, window, rank=0, world=1)
+    return out.to(query.dtype)
+
+
+def paged_attention_reference_partial(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int = 0,
+    *,
+    dcp_rank: int,
+    dcp_world: int,
+    local_seq_lens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode-context-parallel rank ``dcp_rank`` of ``dcp_world``'s share of
+    :func:`paged_attention_reference` (the layout of :mod:`speccheck.backends.dcp`).
+
+    ``key_cache``, ``value_cache`` and ``block_table`` hold only this rank's positions: local
+    position ``j`` of a request is its global position ``j * dcp_world + dcp_rank``.
+    ``seq_lens`` are the global lengths, ``local_seq_lens`` this rank's (default
+    :func:`~speccheck.backends.dcp.dcp_local_lengths` of ``seq_lens``, the right value; a
+    builder's own field may be passed instead, stale or not). A token sees the local keys
+    ``j < local_seq_lens[r]`` that :func:`paged_attention_reference`'s rules (causal,
+    window) let it see at their global positions. Queries are replicated on every rank.
+
+    Always the fixed-shape path (every token, masks), so it is capture-safe. Returns ``out``
+    ``[T, H, Dv]`` fp32, normalised over the keys this rank saw, and ``lse`` ``[T, H]`` fp32,
+    the natural-log log-sum-exp of their scaled scores; a token that saw no key (padding,
+    empty request, a share without a visible position) has zeros and ``-inf``. The ranks'
+    partials merged by :func:`~speccheck.backends.dcp.merge_partials` are the attention over
+    the whole cache.
+    """
+    if local_seq_lens is None:
+        local_seq_lens = dcp_local_lengths(seq_lens, dcp_rank, dcp_world)
+    return _masked_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
+                             local_seq_lens, block_table, scale, causal, window,
+                             rank=dcp_rank, world=dcp_world)
+
+
+def _masked_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    local_seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int,
+    *,
+    rank: int,
+    world: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed-shape path (masks, the whole row while capturing, tokens in chunks) over
+    the cache's local positions ``j``, global position ``j * world + rank``: visible are
+    ``j < local_seq_lens[r]`` and the global positions the causal and window rules allow
+    for the token's global position (from the global ``seq_lens``). ``world == 1`` is the
+    whole cache. Returns fp32 ``out`` ``[T, H, Dv]`` and ``lse`` ``[T, H]`` (zeros and
+    ``-inf`` for a token that sees nothing)."""
     num_tokens, num_heads, head_size = query.shape
     value_size = value_cache.shape[-1]
     num_reqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
     if num_tokens == 0 or num_reqs == 0:
-        return query.new_zeros(num_tokens, num_heads, value_size)
-    if not capturing():
-        offsets = query_start_loc.tolist()
-        if max(b - a for a, b in itertools.pairwise(offsets)) > 1:
-            return _per_request(query, key_cache, value_cache, offsets, seq_lens.tolist(),
-                                block_table, scale, causal, window)
+        return (query.new_zeros(num_tokens, num_heads, value_size, dtype=torch.float32),
+                query.new_full((num_tokens, num_heads), float("-inf"), dtype=torch.float32))
     req = token_request_index(query_start_loc, num_tokens)
     real_token = req < num_reqs
     req = req.clamp(max=num_reqs - 1).long()
     qsl = query_start_loc.long()
     query_len = qsl[req + 1] - qsl[req]
     offset = torch.arange(num_tokens, device=query.device) - qsl[req]
-    seq_len = seq_lens.long()[req]
-    abs_pos = seq_len - query_len + offset
+    abs_pos = seq_lens.long()[req] - query_len + offset
 
     group = num_heads // num_kv_heads
-    kv_len = gathered_blocks(seq_lens, block_table, key_cache.shape[1]) * key_cache.shape[1]
-    kv_pos = torch.arange(kv_len, device=query.device)
-    visible = kv_pos[None, :] < seq_len[:, None]
+    block_size = key_cache.shape[1]
+    kv_len = gathered_blocks(local_seq_lens, block_table, block_size) * block_size
+    local_pos = torch.arange(kv_len, device=query.device)
+    kv_pos = local_pos * world + rank
+    visible = local_pos[None, :] < local_seq_lens.long()[req][:, None]
     if causal:
         visible &= kv_pos[None, :] <= abs_pos[:, None]
     if window > 0:
@@ -107,8 +180,9 @@ def paged_attention_reference(
     visible &= real_token[:, None]
 
     out = torch.empty(num_tokens, num_kv_heads, group, value_size, device=query.device)
+    lse = torch.empty(num_tokens, num_kv_heads, group, device=query.device)
     q = query.float().reshape(num_tokens, num_kv_heads, group, head_size)
-    blocks = block_table.long()[req, : kv_len // key_cache.shape[1]]  # [T, blocks]
+    blocks = block_table.long()[req, : kv_len // block_size]  # [T, blocks]
     step = gather_chunk(kv_len, num_kv_heads, head_size)
     for start in range(0, num_tokens, step):
         rows = slice(start, min(num_tokens, start + step))
@@ -120,7 +194,8 @@ def paged_attention_reference(
         probs = torch.where(seen.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1),
                             torch.zeros_like(scores))
         out[rows] = torch.einsum("tkgl,tlkd->tkgd", probs, v)
-    return out.view(num_tokens, num_heads, value_size).to(query.dtype)
+        lse[rows] = torch.logsumexp(scores, dim=-1)
+    return out.view(num_tokens, num_heads, value_size), lse.view(num_tokens, num_heads)
 
 
 def _per_request(
