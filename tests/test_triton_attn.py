@@ -33,12 +33,13 @@ from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_attention_metadata
+from speccheck.speculator.kv_cache import PAD_SLOT
+from tests.fixtures.kernel_batches import refresh_token_slots
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """atol = rtol per dtype (bf16: the interpreter's fp32->bf16 store truncates, ~1 ulp)."""
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where the small-shape tests run: the interpreter on CPU, compiled kernels on a GPU."""
-SINK_SLOT = 0
 """Block 0 is never in a block table: padding tokens and tokens at negative positions
 write there."""
 
@@ -129,20 +130,7 @@ def make_batch(
 
 
 def refresh_slots(batch: Batch) -> None:
-    """Write each real token's cache slot for the current ``seq_lens`` (the sink for
-    padding tokens and negative positions), in place, as a speculator's draft step does."""
-    block_size = batch.key_cache.shape[1]
-    seq_lens = batch.buffers.seq_lens.tolist()
-    table = batch.buffers.block_table.tolist()
-    slots = [SINK_SLOT] * batch.buffers.slot_mapping.shape[0]
-    token = 0
-    for req, q_len in enumerate(batch.query_lens):
-        for i in range(q_len):
-            pos = seq_lens[req] - q_len + i
-            if pos >= 0:
-                slots[token] = table[req][pos // block_size] * block_size + pos % block_size
-            token += 1
-    batch.buffers.slot_mapping.copy_(torch.tensor(slots, dtype=torch.int64))
+    refresh_token_slots(batch.buffers, batch.query_lens, batch.key_cache.shape[1])
 
 
 def run_and_check(batch: Batch, seed: int, max_query_block: int | None = None) -> None:
@@ -167,7 +155,7 @@ def run_and_check(batch: Batch, seed: int, max_query_block: int | None = None) -
         impl.max_query_block = max_query_block
     impl.forward(query, key, value, batch.key_cache, batch.value_cache, md, output)
 
-    real = (md.slot_mapping != SINK_SLOT).nonzero().squeeze(1)
+    real = (md.slot_mapping != PAD_SLOT).nonzero().squeeze(1)
     flat_k = batch.key_cache.view(-1, kv_heads, head_size)
     assert torch.equal(flat_k[md.slot_mapping[real]], key[real]), "new keys not in the cache"
     want = paged_attention_reference(

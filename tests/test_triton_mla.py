@@ -33,11 +33,12 @@ from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_attention_metadata
+from speccheck.speculator.kv_cache import PAD_SLOT
+from tests.fixtures.kernel_batches import refresh_token_slots
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 """atol = rtol per dtype, for outputs of order one."""
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SINK_SLOT = 0
 """Block 0 is never in a block table: padding tokens and negative positions write there."""
 
 
@@ -113,20 +114,7 @@ def make_batch(
 
 
 def refresh_slots(batch: Batch) -> None:
-    """Write each real token's cache slot for the current ``seq_lens`` (the sink for
-    padding tokens and negative positions), in place, as a speculator's draft step does."""
-    block_size = batch.latent_cache.shape[1]
-    seq_lens = batch.buffers.seq_lens.tolist()
-    table = batch.buffers.block_table.tolist()
-    slots = [SINK_SLOT] * batch.buffers.slot_mapping.shape[0]
-    token = 0
-    for req, q_len in enumerate(batch.query_lens):
-        for i in range(q_len):
-            pos = seq_lens[req] - q_len + i
-            if pos >= 0:
-                slots[token] = table[req][pos // block_size] * block_size + pos % block_size
-            token += 1
-    batch.buffers.slot_mapping.copy_(torch.tensor(slots, dtype=torch.int64))
+    refresh_token_slots(batch.buffers, batch.query_lens, batch.latent_cache.shape[1])
 
 
 def run_and_check(batch: Batch, seed: int) -> None:
@@ -148,7 +136,7 @@ def run_and_check(batch: Batch, seed: int) -> None:
     impl = batch.builder.make_impl(batch.scale)
     impl.forward(query, latent, latent[..., :rank], batch.latent_cache, empty, md, output)
 
-    real = (md.slot_mapping != SINK_SLOT).nonzero().squeeze(1)
+    real = (md.slot_mapping != PAD_SLOT).nonzero().squeeze(1)
     flat = batch.latent_cache.view(-1, 1, width)
     assert torch.equal(flat[md.slot_mapping[real]], latent[real]), "new entries not in the cache"
     want = paged_attention_reference(
