@@ -15,6 +15,8 @@
 #       but the example count) for reference, triton_attn and fa3, FA3 without its refresh
 #       at default settings for ten seeds, the GPU mutants, and the verifier-throughput
 #       benchmark (new defaults beside the old ones)
+#   (flashinfer: FI_PYTEST_LIMIT=0 / FI_DP2_LIMIT=0 leave out its pytest / DP runs; VERIFY_LIMIT
+#   and EXAMPLES set the verify run's.)
 #   scripts/gpu_evidence.sh OUTDIR latent
 #       wheels in .gpu-wheels/core: the MLA and sparse-SWA kernel tests, and verify for triton_mla (DCP 1 and,
 #       per step only, DCP 2) and sparse_swa at the GPU tier's defaults (BACKENDS=...)
@@ -109,14 +111,17 @@ if [ "$suite" = core ]; then
     > "$out/attention-latency.txt" 2>&1
   echo "benchmark exit $?" >> "$out/attention-latency.txt"
 else
-  timeout 330 python3 -m pytest -rA -q -m cuda tests/test_gpu_kernels.py tests/test_host_preplanned.py \
-    tests/test_speculator.py tests/test_dp_dflash.py -k "flashinfer or preplanned" \
-    > "$out/pytest-cuda-flashinfer.txt" 2>&1
-  echo "pytest exit $?" >> "$out/pytest-cuda-flashinfer.txt"
+  if [ "${FI_PYTEST_LIMIT:-330}" != 0 ]; then
+    timeout "${FI_PYTEST_LIMIT:-330}" python3 -m pytest -rA -q -m cuda tests/test_gpu_kernels.py \
+      tests/test_host_preplanned.py tests/test_speculator.py tests/test_dp_dflash.py \
+      -k "flashinfer or preplanned" > "$out/pytest-cuda-flashinfer.txt" 2>&1
+    echo "pytest exit $?" >> "$out/pytest-cuda-flashinfer.txt"
+  fi
+  run flashinfer "${VERIFY_LIMIT:-330}" --backend flashinfer --examples "${EXAMPLES:-200}"
   mkdir -p "$out/fi-jit"
   tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
-  run flashinfer "${VERIFY_LIMIT:-330}" --backend flashinfer --examples "${EXAMPLES:-200}"
-  run flashinfer-dp2 120 --backend flashinfer --dp-size 2 --num-speculative-steps 3 --examples 8
+  [ "${FI_DP2_LIMIT:-120}" != 0 ] && run flashinfer-dp2 "${FI_DP2_LIMIT:-120}" --backend flashinfer \
+    --dp-size 2 --num-speculative-steps 3 --examples 8
   [ "$bench" = --no-bench ] && exit 0
   timeout 200 python3 benchmarks/propose_latency.py --backend flashinfer \
     --json "$out/propose-latency-flashinfer.json" --breakdown "$out/propose-latency-flashinfer-profile.txt" \
