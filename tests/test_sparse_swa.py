@@ -33,11 +33,12 @@ from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_attention_metadata
+from speccheck.speculator.kv_cache import PAD_SLOT
+from tests.fixtures.kernel_batches import batch_metadata, refresh_token_slots, shuffled_inputs
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """atol = rtol per dtype against the fp32 reference."""
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SINK_SLOT = 0
 """Block 0 is in no block table: padding tokens and tokens at negative positions write
 there."""
 
@@ -91,28 +92,12 @@ def make_case(
                            max_num_tokens=sum(query_lens) + pad_tokens)
     dev = torch.device(device)
     builder = SparseSWAMetadataBuilder(layer, RuntimeConfig(), dev, limits, num_parts=num_parts)
-    buffers = AttentionInputBuffers.allocate(
-        limits.max_num_reqs, limits.max_num_tokens, layer.max_blocks_per_req, dev)
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = limits.max_num_reqs * layer.max_blocks_per_req + 1
-    pages = torch.randperm(num_blocks - 1, generator=gen)[: num_reqs * layer.max_blocks_per_req]
-    buffers.block_table[:num_reqs] = (pages + 1).view(num_reqs, -1).int().to(dev)
-    buffers.seq_lens[:num_reqs] = torch.tensor(seq_lens, dtype=torch.int32)
+    buffers, num_blocks = shuffled_inputs(layer, limits, seq_lens, gen, dev)
     latent_shape, empty_shape = layer.kv_cache_shapes(num_blocks)
     latent = torch.randn(latent_shape, generator=gen).to(dev, dtype)
-
-    padded = pad_reqs > 0 or pad_tokens > 0
-    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    desc = BatchExecutionDescriptor(
-        cg_mode=CUDAGraphMode.FULL if padded else CUDAGraphMode.NONE,
-        num_tokens=int(qsl[-1]) + pad_tokens,
-        num_reqs=num_reqs + pad_reqs if padded else None,
-    )
-    common = build_attention_metadata(
-        buffers=buffers, batch_desc=desc, num_reqs=num_reqs, query_start_loc_np=qsl,
-        base_seq_lens_np=np.array(seq_lens, dtype=np.int32), step=0,
-        max_model_len=max_model_len,
-    )
+    common = batch_metadata(buffers, seq_lens, query_lens, max_model_len=max_model_len,
+                            pad_reqs=pad_reqs, pad_tokens=pad_tokens)
     case = Case(builder, buffers, latent, torch.empty(empty_shape, dtype=dtype, device=dev),
                 builder.build(common), list(query_lens))
     refresh_slots(case)
@@ -132,13 +117,7 @@ def slot_of(case: Case, req: int, pos: int) -> int:
 
 
 def refresh_slots(case: Case) -> None:
-    """Each real token's slot at the current ``seq_lens`` (the sink for padding tokens and
-    negative positions), written in place as a speculator's draft step does."""
-    slots = [SINK_SLOT] * case.buffers.slot_mapping.shape[0]
-    for token, (req, pos) in enumerate(positions(case)):
-        if pos >= 0:
-            slots[token] = slot_of(case, req, pos)
-    case.buffers.slot_mapping.copy_(torch.tensor(slots, dtype=torch.int64))
+    refresh_token_slots(case.buffers, case.query_lens, case.layer.block_size)
 
 
 def expected_windows(case: Case) -> list[list[int]]:
@@ -216,7 +195,7 @@ def run_forward(case: Case, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     impl = case.builder.make_impl(case.scale)
     impl.forward(query, key, key[..., : layer.kv_lora_rank], case.latent, case.empty, md, output)
 
-    real = (md.slot_mapping != SINK_SLOT).nonzero().squeeze(1)
+    real = (md.slot_mapping != PAD_SLOT).nonzero().squeeze(1)
     flat = case.latent.view(-1, layer.latent_size)
     assert torch.equal(flat[md.slot_mapping[real]], key[real, 0]), "new latents not in the cache"
     return output, query

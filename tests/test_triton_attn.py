@@ -15,7 +15,6 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -29,12 +28,10 @@ from speccheck.backends.triton_attn.builder import (
     default_num_kv_splits,
 )
 from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
-from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.contract.token_count import build_attention_metadata
 from speccheck.speculator.kv_cache import PAD_SLOT
-from tests.fixtures.kernel_batches import refresh_token_slots
+from tests.fixtures.kernel_batches import batch_metadata, refresh_token_slots, shuffled_inputs
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """atol = rtol per dtype (bf16: the interpreter's fp32->bf16 store truncates, ~1 ulp)."""
@@ -92,35 +89,13 @@ def make_batch(
     builder = TritonAttnMetadataBuilder(
         layer, RuntimeConfig(), dev, limits, num_kv_splits=num_kv_splits
     )
-    buffers = AttentionInputBuffers.allocate(
-        limits.max_num_reqs, limits.max_num_tokens, layer.max_blocks_per_req, dev
-    )
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = limits.max_num_reqs * layer.max_blocks_per_req + 1
-    pages = torch.randperm(num_blocks - 1, generator=gen)[: num_reqs * layer.max_blocks_per_req]
-    buffers.block_table[:num_reqs] = (pages + 1).view(num_reqs, -1).int().to(dev)
-    buffers.seq_lens[:num_reqs] = torch.tensor(seq_lens, dtype=torch.int32)
+    buffers, num_blocks = shuffled_inputs(layer, limits, seq_lens, gen, dev)
     cache_shape = (num_blocks, block_size, kv_heads, head_size)
     key_cache = torch.randn(cache_shape, generator=gen).to(dev, dtype)
     value_cache = torch.randn(cache_shape, generator=gen).to(dev, dtype)
-
-    padded = pad_reqs > 0 or pad_tokens > 0
-    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    desc = BatchExecutionDescriptor(
-        cg_mode=CUDAGraphMode.FULL if padded else CUDAGraphMode.NONE,
-        num_tokens=int(qsl[-1]) + pad_tokens,
-        num_reqs=num_reqs + pad_reqs if padded else None,
-    )
-    common = build_attention_metadata(
-        buffers=buffers,
-        batch_desc=desc,
-        num_reqs=num_reqs,
-        query_start_loc_np=qsl,
-        base_seq_lens_np=np.array(seq_lens, dtype=np.int32),
-        step=0,
-        max_model_len=max_model_len,
-        causal=causal,
-    )
+    common = batch_metadata(buffers, seq_lens, query_lens, max_model_len=max_model_len,
+                            pad_reqs=pad_reqs, pad_tokens=pad_tokens, causal=causal)
     batch = Batch(
         builder, buffers, key_cache, value_cache, builder.build(common), list(query_lens),
         1 / math.sqrt(head_size),

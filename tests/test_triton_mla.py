@@ -15,7 +15,6 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -28,13 +27,11 @@ from speccheck.backends.triton_mla.builder import (
     dcp_local_lengths,
 )
 from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
-from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.contract.token_count import build_attention_metadata
 from speccheck.speculator.kv_cache import PAD_SLOT
-from tests.fixtures.kernel_batches import refresh_token_slots
+from tests.fixtures.kernel_batches import batch_metadata, refresh_token_slots, shuffled_inputs
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 """atol = rtol per dtype, for outputs of order one."""
@@ -84,29 +81,12 @@ def make_batch(
     )
     dev = torch.device(device)
     builder = TritonMLAMetadataBuilder(layer, RuntimeConfig(dcp_world_size=dcp), dev, limits)
-    buffers = AttentionInputBuffers.allocate(
-        limits.max_num_reqs, limits.max_num_tokens, layer.max_blocks_per_req, dev
-    )
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = limits.max_num_reqs * layer.max_blocks_per_req + 1
-    pages = torch.randperm(num_blocks - 1, generator=gen)[: num_reqs * layer.max_blocks_per_req]
-    buffers.block_table[:num_reqs] = (pages + 1).view(num_reqs, -1).int().to(dev)
-    buffers.seq_lens[:num_reqs] = torch.tensor(seq_lens, dtype=torch.int32)
+    buffers, num_blocks = shuffled_inputs(layer, limits, seq_lens, gen, dev)
     latent_shape, _ = layer.kv_cache_shapes(num_blocks)
     latent_cache = torch.randn(latent_shape, generator=gen).to(dev, dtype)
-
-    padded = pad_reqs > 0 or pad_tokens > 0
-    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    desc = BatchExecutionDescriptor(
-        cg_mode=CUDAGraphMode.FULL if padded else CUDAGraphMode.NONE,
-        num_tokens=int(qsl[-1]) + pad_tokens,
-        num_reqs=num_reqs + pad_reqs if padded else None,
-    )
-    common = build_attention_metadata(
-        buffers=buffers, batch_desc=desc, num_reqs=num_reqs, query_start_loc_np=qsl,
-        base_seq_lens_np=np.array(seq_lens, dtype=np.int32), step=0,
-        max_model_len=max_model_len, causal=causal,
-    )
+    common = batch_metadata(buffers, seq_lens, query_lens, max_model_len=max_model_len,
+                            pad_reqs=pad_reqs, pad_tokens=pad_tokens, causal=causal)
     batch = Batch(builder, buffers, latent_cache, builder.build(common), list(query_lens),
                   1 / math.sqrt(16 + rope))
     refresh_slots(batch)
