@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from speccheck.backends.triton_shared import online_softmax_step
+
 
 @triton.jit
 def sparse_mla_split_kernel(
@@ -102,14 +104,7 @@ def sparse_mla_split_kernel(
             scores += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
             scores = tl.where(live[None, :], scores * scale_log2e, float("-inf"))
 
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN
-            p = tl.exp2(scores - m_ref[:, None])
-            alpha = tl.exp2(m_i - m_ref)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope,
-                                                input_precision="ieee")
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, k_nope)
 
         # A token in the middle of the run with no tiles (padding, no key) owns no partial.
         partial = tl.where(token == first_token, first_partial,

@@ -21,20 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _owning_request(query_start_loc_ptr, token, num_reqs):
-    """Largest ``r < num_reqs`` with ``query_start_loc[r] <= token`` (binary search): the
-    request of a real token (a request with no tokens shares its offset with the next)."""
-    lo = 0
-    hi = num_reqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid) <= token:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+from speccheck.backends.triton_shared import request_of_token
 
 
 @triton.jit
@@ -67,7 +54,7 @@ def swa_indices_kernel(
         tl.store(lens_ptr + token, 0)
         tl.store(row, tl.full([BLOCK_W], -1, tl.int32), mask=in_row)
         return
-    req = _owning_request(query_start_loc_ptr, token, num_reqs)
+    req = request_of_token(query_start_loc_ptr, token, num_reqs)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     position = tl.load(seq_lens_ptr + req) - q_len + (token - q_start)

@@ -39,6 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from speccheck.backends.triton_shared import online_softmax_step
+
 LOG2E = 1.4426950408889634
 """``log2(e)``: scores are scaled by ``scale * LOG2E`` so the kernels can use ``exp2``."""
 
@@ -161,13 +163,7 @@ def paged_attention_split_kernel(
             visible = visible & (kv[None, :] <= position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN
-        p = tl.exp2(scores - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v)
 
     part = (token * NUM_HEADS + head) * NUM_SPLITS + split
     tl.store(part_max_ptr + part, m_i, mask=row_ok)

@@ -43,20 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _request_of_token(query_start_loc_ptr, token, num_reqs):
-    """Smallest ``r < num_reqs`` with ``query_start_loc[r + 1] > token``: the request owning
-    a real ``token`` (requests with no query tokens are skipped)."""
-    lo = 0
-    hi = num_reqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc_ptr + mid + 1) <= token:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+from speccheck.backends.triton_shared import online_softmax_step, request_of_token
 
 
 @triton.jit
@@ -108,7 +95,7 @@ def mla_split_kernel(
 
     if token >= tl.load(query_start_loc_ptr + num_reqs):
         return  # a padding token: the reduction writes its zeros
-    req = _request_of_token(query_start_loc_ptr, token, num_reqs)
+    req = request_of_token(query_start_loc_ptr, token, num_reqs)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     position = tl.load(seq_lens_ptr + req) - q_len + (token - q_start)
@@ -152,13 +139,7 @@ def mla_split_kernel(
         scores += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
         scores = tl.where(kv_ok[None, :], scores * scale_log2e, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN
-        p = tl.exp2(scores - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, kv)
 
     part = (token.to(tl.int64) * NUM_HEADS + heads) * (DCP * NUM_SPLITS) + part_index
     tl.store(part_max_ptr + part, m_i, mask=head_ok)
