@@ -12,12 +12,17 @@ on the rank that receives the new token, which is why a builder that does not re
 between draft steps computes the wrong attention (the reason backends gate fused drafting on
 ``dcp_world_size == 1``).
 
-Both functions are capture-safe: fixed shapes, no host synchronisation, nothing persistent.
+Every function is capture-safe: fixed shapes, no host synchronisation, nothing persistent.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def _held(lengths: torch.Tensor, rank: torch.Tensor | int, world: int) -> torch.Tensor:
+    """Positions ``< lengths`` that ``rank`` holds: ``max(0, ceil((L - rank) / world))``."""
+    return ((lengths - rank + world - 1) // world).clamp(min=0)
 
 
 def dcp_local_lengths(seq_lens: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -29,7 +34,15 @@ def dcp_local_lengths(seq_lens: torch.Tensor, rank: int, world: int) -> torch.Te
     """
     if not 0 <= rank < world:
         raise ValueError(f"dcp rank {rank} is not in [0, {world})")
-    return ((seq_lens - rank + world - 1) // world).clamp(min=0).to(seq_lens.dtype)
+    return _held(seq_lens, rank, world).to(seq_lens.dtype)
+
+
+def dcp_local_length_table(seq_lens: torch.Tensor, world: int) -> torch.Tensor:
+    """:func:`dcp_local_lengths` of every rank at once: ``[num_reqs, world]``, column ``r``
+    rank ``r``'s (rank 0 holds ``ceil(L / world)``), for a process that simulates all the
+    ranks (``triton_mla``)."""
+    ranks = torch.arange(world, device=seq_lens.device, dtype=seq_lens.dtype)
+    return _held(seq_lens[:, None], ranks[None, :], world)
 
 
 def merge_partials(outputs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from speccheck.backends.dcp import dcp_local_length_table
 from speccheck.backends.reference.attention import paged_attention_reference
 from speccheck.backends.triton_mla.builder import (
     TritonMLAMetadata,
     TritonMLAMetadataBuilder,
-    dcp_local_lengths,
 )
 from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
 from speccheck.contract.matrix_model import KvLayout
@@ -166,9 +166,9 @@ def test_a_long_prefill_is_causal_within_its_request():
 
 def test_dcp_local_lengths_put_token_t_on_rank_t_mod_n():
     lens = torch.tensor([0, 1, 2, 5, 6], dtype=torch.int32)
-    assert dcp_local_lengths(lens, 1).tolist() == [[0], [1], [2], [5], [6]]
-    assert dcp_local_lengths(lens, 2).tolist() == [[0, 0], [1, 0], [1, 1], [3, 2], [3, 3]]
-    assert dcp_local_lengths(lens, 4)[:, 0].tolist() == [0, 1, 1, 2, 2]  # ceil(len / 4)
+    assert dcp_local_length_table(lens, 1).tolist() == [[0], [1], [2], [5], [6]]
+    assert dcp_local_length_table(lens, 2).tolist() == [[0, 0], [1, 0], [1, 1], [3, 2], [3, 3]]
+    assert dcp_local_length_table(lens, 4)[:, 0].tolist() == [0, 1, 1, 2, 2]  # ceil(len / 4)
 
 
 def test_dcp_builder_derives_local_lengths_into_a_buffer_with_a_zeroed_tail():

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from speccheck.backends.dcp import dcp_local_length_table
 from speccheck.backends.kv_cache_write import write_latent_cache
 from speccheck.backends.triton_attn.builder import SplitKVScratch, default_num_kv_splits
 from speccheck.backends.triton_attn.kernels import LOG2E
@@ -36,15 +37,6 @@ BLOCK_H = 16
 """Query heads per program (``tl.dot`` needs at least 16 rows; fewer heads are masked)."""
 KV_TILE = 16
 """Latent entries per inner-loop tile (``BLOCK_N``); at least 16, as ``tl.dot`` requires."""
-
-
-def dcp_local_lengths(seq_lens: torch.Tensor, dcp_world_size: int) -> torch.Tensor:
-    """``[num_reqs, N]``: how many of each request's ``seq_lens`` tokens rank ``r`` of ``N``
-    holds when token ``t`` lives on rank ``t % N``: ``ceil((len - r) / N)``, at least 0
-    (rank 0 holds ``ceil(len / N)``)."""
-    ranks = torch.arange(dcp_world_size, device=seq_lens.device, dtype=seq_lens.dtype)
-    local = (seq_lens[:, None] - ranks[None, :] + dcp_world_size - 1) // dcp_world_size
-    return local.clamp(min=0)
 
 
 def num_kv_splits(layer: AttentionLayerSpec, limits: BuilderLimits, dcp_world_size: int) -> int:
@@ -188,7 +180,7 @@ class TritonMLAMetadataBuilder(AttentionMetadataBuilder[TritonMLAMetadata]):
         else:
             n = common.num_reqs
             self.local_seq_lens[:n].copy_(
-                dcp_local_lengths(common.seq_lens, self.config.dcp_world_size)
+                dcp_local_length_table(common.seq_lens, self.config.dcp_world_size)
             )
             self.local_seq_lens[n:].zero_()
             local = self.local_seq_lens[:n]
