@@ -35,6 +35,7 @@ from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.scale import DEFAULT_STEPS, TIER_DEFAULTS, TIER_SCALE, HarnessScale
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
+from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.matrix_model import VERIFIABLE_FIELDS
 from speccheck.contract.runtime_config import RuntimeConfig
 
@@ -540,7 +541,7 @@ def _declared_backend(cls: object, matrices: MatrixContext) -> str:
         raise VerifyInputError(f"backend must be a backend name or an AttentionMetadataBuilder "
                                f"subclass, got {cls!r}")
     name = getattr(cls, "backend_name", None)
-    where = f"{cls.__module__}:{cls.__qualname__}"
+    where = implementation_path(cls)
     if not isinstance(name, str) or name not in matrices.matrix.names:
         source = matrices.path or "the shipped matrix and the installed plug-ins"
         raise VerifyInputError(

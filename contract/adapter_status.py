@@ -18,6 +18,12 @@ from pathlib import Path
 from speccheck.contract.matrix_model import BackendEntry
 
 
+def implementation_path(cls: type) -> str:
+    """The ``module:Class`` path by which a matrix entry's ``implementation`` names
+    ``cls`` (what the verify worker imports)."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 class AdapterStatus(enum.Enum):
     """What stands behind an entry's ``implementation``."""
 

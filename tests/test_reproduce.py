@@ -40,6 +40,7 @@ from speccheck.checks.verify.examples import (
 )
 from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
+from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import Matrix
@@ -277,7 +278,7 @@ def test_every_mutants_printed_reproduce_command_reproduces_in_a_fresh_worker(
     swa = shipped.backend("sparse_swa")
     known_bad = mutants_matrix(shipped).backends + tuple(
         swa.model_copy(update={"name": m.name, "variant_of": None,
-                               "implementation": f"{m.builder.__module__}:{m.builder.__qualname__}"})
+                               "implementation": implementation_path(m.builder)})
         for m in SWA_MUTANTS)
     data = Matrix(version=1, backends=known_bad).model_dump(mode="json", exclude_defaults=True)
     matrix.write_text(yaml.safe_dump({"version": 1, **data}, sort_keys=False))

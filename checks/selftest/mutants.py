@@ -23,6 +23,7 @@ from speccheck.backends.reference.builder import (
     ReferenceMetadataBuilder,
 )
 from speccheck.checks.verify.vocabulary import Check
+from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.matrix_model import DraftDecode, Matrix, RefreshStrategy
 from speccheck.contract.metadata import CommonAttentionMetadata
 
@@ -283,6 +284,6 @@ def mutants_matrix(shipped: Matrix) -> Matrix:
         entries.append(declared.model_copy(update={
             "name": mutant.name, "display_name": f"Known-bad builder: {mutant.name}",
             "description": mutant.recreates,
-            "implementation": f"{builder.__module__}:{builder.__qualname__}",
+            "implementation": implementation_path(builder),
         }))
     return Matrix(version=shipped.version, backends=tuple(entries))
