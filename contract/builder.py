@@ -20,6 +20,11 @@ from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 
 
+def blocks_for(length: int, block_size: int) -> int:
+    """KV-cache blocks that ``length`` positions occupy: ``ceil(length / block_size)``."""
+    return -(-length // block_size)
+
+
 @dataclass(frozen=True)
 class AttentionLayerSpec:
     """Shape of one attention layer and its KV cache.
@@ -79,7 +84,7 @@ class AttentionLayerSpec:
 
     @property
     def max_blocks_per_req(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return blocks_for(self.max_model_len, self.block_size)
 
     @property
     def latent_size(self) -> int:

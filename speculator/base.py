@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speccheck.contract.builder import AttentionImpl, BuilderLimits
+from speccheck.contract.builder import AttentionImpl, BuilderLimits, blocks_for
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.metadata import AttentionInputBuffers
@@ -120,7 +120,7 @@ class DraftModelSpeculator:
         else:
             kv_cache.require_layout(specs, options.num_blocks)
         self.kv_cache = kv_cache
-        max_blocks = -(-config.max_model_len // config.block_size)
+        max_blocks = blocks_for(config.max_model_len, config.block_size)
         self.buffers = AttentionInputBuffers.allocate(
             self.max_num_reqs, self.max_num_tokens, max_blocks, device
         )

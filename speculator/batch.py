@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from speccheck.contract.builder import blocks_for
+
 
 @dataclass(frozen=True)
 class DraftBatch:
@@ -54,7 +56,7 @@ class DraftBatch:
         for name in ("new_tokens", "block_table", "seeds"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} rows, expected {n}")
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = blocks_for(max_model_len, block_size)
         for r in range(n):
             q, ctx = len(self.new_tokens[r]), self.context_lens[r]
             if q < 1 or ctx < 0:

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from speccheck.checks.verify.state_walk import walk_host_values, walk_tensors
-from speccheck.contract.builder import AttentionMetadataBuilder
+from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.token_count import build_uniform_attention_metadata
@@ -393,7 +393,7 @@ class _Probe:
         the real requests, the sink block for padding lanes."""
         if self._buffers is None:
             lanes, real = self.lanes, self.batch_size
-            max_blocks = -(-self.max_model_len // self.block_size)
+            max_blocks = blocks_for(self.max_model_len, self.block_size)
             buffers = AttentionInputBuffers.allocate(lanes, lanes, max_blocks, self.builder.device)
             rows = 1 + torch.arange(real * max_blocks, dtype=torch.int32).view(real, max_blocks)
             buffers.block_table[:real].copy_(rows)

@@ -42,6 +42,7 @@ from speccheck.checks.verify.examples import example_json
 from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.strategies import BatchLimits, draft_batches
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
+from speccheck.contract.builder import blocks_for
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.resolution import graph_capture_shortfall, resolve_backend
@@ -182,7 +183,7 @@ def default_drafter(config: RuntimeConfig, seed: int = 0) -> DrafterConfig:
 
 def default_options(config: RuntimeConfig) -> SpeculatorOptions:
     """Buckets 1, 2, 4, 8 and a KV cache that holds 8 requests at ``max_model_len``."""
-    max_blocks = -(-config.max_model_len // config.block_size)
+    max_blocks = blocks_for(config.max_model_len, config.block_size)
     return SpeculatorOptions(capture_sizes=(1, 2, 4, 8), max_num_prefill_tokens=32,
                              num_blocks=8 * max_blocks + 1)
 

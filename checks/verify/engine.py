@@ -58,7 +58,7 @@ from speccheck.checks.verify.strategies import (
     target_derived_changes,
 )
 from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Status
-from speccheck.contract.builder import AttentionMetadataBuilder
+from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
 from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -210,7 +210,7 @@ class BackendVerifier:
         row per request, capped at :data:`KV_CACHE_TOKEN_BUDGET` positions (never below one
         full row) plus the sink block."""
         bs = self.config.block_size
-        max_blocks = -(-self.config.max_model_len // bs)
+        max_blocks = blocks_for(self.config.max_model_len, bs)
         most = max(self.settings.capture_sizes)
         live = min(most * max_blocks, max(max_blocks, KV_CACHE_TOKEN_BUDGET // bs))
         return SpeculatorOptions(
@@ -297,7 +297,7 @@ class BackendVerifier:
         bs, mml = config.block_size, config.max_model_len
         prefill = sum(len(tokens) for tokens in batch.new_tokens)
         max_tokens = options.limits().max_num_tokens
-        max_blocks = -(-mml // bs)
+        max_blocks = blocks_for(mml, bs)
         lengths = [ctx + len(new)
                    for ctx, new in zip(batch.context_lens, batch.new_tokens, strict=True)]
         longest = max(range(batch.num_reqs), key=lengths.__getitem__)

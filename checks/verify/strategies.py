@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis import target
 
 from speccheck.checks.verify.state_walk import same_value
+from speccheck.contract.builder import blocks_for
 from speccheck.speculator.batch import DraftBatch
 
 
@@ -96,7 +97,7 @@ def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
     Shrinks towards one request, short contexts, one new token, token 0, seed 0.
     """
     bs = limits.block_size
-    max_blocks = -(-limits.max_model_len // bs)
+    max_blocks = blocks_for(limits.max_model_len, bs)
     budget = limits.num_blocks - 1
     if budget < max_blocks:
         raise ValueError(f"num_blocks={limits.num_blocks} cannot hold one full request row")
