@@ -36,7 +36,7 @@ from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.scale import DEFAULT_STEPS, TIER_DEFAULTS, TIER_SCALE, HarnessScale
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.adapter_status import implementation_path
-from speccheck.contract.matrix_model import VERIFIABLE_FIELDS
+from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, Matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 
 if TYPE_CHECKING:
@@ -233,7 +233,7 @@ class VerifyPlan:
     def config_for(self, name: str) -> RuntimeConfig:
         """The runtime config backend ``name`` is verified at: the tier's defaults, then
         its matrix entry's ``verify_defaults``, then the fields given."""
-        return _backend_config(self.tier, self.matrices, name, self.overrides)
+        return backend_runtime_config(self.tier, self.matrices.matrix, name, self.overrides)
 
     def settings_for(self, name: str) -> VerifySettings:
         """The engine settings backend ``name``'s worker runs with (what a test of "the
@@ -483,10 +483,13 @@ def _check_reproduce(blob: str, plan: VerifyPlan) -> None:
         raise VerifyInputError(problem)
 
 
-def _backend_config(
-    tier: Tier, matrices: MatrixContext, name: str, overrides: Mapping[str, object]
+def backend_runtime_config(
+    tier: Tier, matrix: Matrix, name: str, overrides: Mapping[str, object]
 ) -> RuntimeConfig:
-    defaults = matrices.matrix.backend(name).verify_defaults
+    """The runtime config backend ``name`` is verified at on ``tier``: the tier's defaults
+    (on this machine's platform), then its entry's ``verify_defaults`` in ``matrix``, then
+    ``overrides``."""
+    defaults = matrix.backend(name).verify_defaults
     return RuntimeConfig(**{**_tier_defaults(tier), **defaults, **overrides})
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from speccheck.checks.api import backend_runtime_config
 from speccheck.checks.selftest.latent_mutants import (
     DCP_LOCAL_FIELD,
     StaleDcpLocalLens,
@@ -25,12 +26,11 @@ from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.report import BackendReport
-from speccheck.checks.verify.scale import TIER_DEFAULTS, TIER_SCALE
+from speccheck.checks.verify.scale import TIER_SCALE
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import Matrix
-from speccheck.contract.runtime_config import RuntimeConfig
 
 
 @dataclass
@@ -59,8 +59,7 @@ def verify_at_defaults(
     pinning one example, say). With neither, a known-bad builder caught here is caught by
     the search a user gets."""
     tier = Tier.GPU if device.type == "cuda" else Tier.CPU
-    config = RuntimeConfig(**{**TIER_DEFAULTS[tier], **matrix.backend(backend).verify_defaults,
-                              **(config_changes or {})})
+    config = backend_runtime_config(tier, matrix, backend, config_changes or {})
     scale = TIER_SCALE[tier]
     settings = VerifySettings(backend, config, capture_sizes=scale.capture_sizes,
                               max_new_tokens=scale.max_new_tokens,
