@@ -35,6 +35,13 @@ def machine_platform() -> Platform:
     return "rocm" if torch.version.hip else "cuda"
 
 
+def device_name(device: torch.device) -> str:
+    """How reports name ``device``: the GPU's model, or ``CPU (no CUDA device)``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "CPU (no CUDA device)"
+
+
 def unrunnable_reason(backend_name: str, platform: str, matrix: Matrix) -> str | None:
     """Why ``backend_name`` cannot be built on ``platform`` (``cuda``/``cpu``) according to
     ``matrix``, or ``None`` when it can be."""

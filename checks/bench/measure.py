@@ -37,6 +37,7 @@ from speccheck.checks.bench.workload import (
 )
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.attention_setup import device_name
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
 from speccheck.speculator.batch import DraftBatch
 
@@ -69,12 +70,6 @@ class BenchRun:
 
     report: BenchReport
     profiles: dict[tuple[int, int, DecodePath], str] = field(default_factory=dict)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "CPU (no CUDA device)"
 
 
 def run_bench(settings: BenchSettings, device: torch.device, *, commit: str, command: str,

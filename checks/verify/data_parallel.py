@@ -48,7 +48,7 @@ from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.resolution import graph_capture_shortfall, resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import attention_token_count, uniform_query_start_loc
-from speccheck.speculator.attention_setup import machine_platform, unrunnable_reason
+from speccheck.speculator.attention_setup import device_name, machine_platform, unrunnable_reason
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.dflash import DFlashSpeculator
@@ -281,7 +281,7 @@ def verify_dp(
     if "full" in wanted and cuda and shortfall is not None:
         skipped_modes["full"] = shortfall
     runnable = tuple(m for m in wanted if m not in skipped_modes)
-    device = torch.cuda.get_device_name(rank_device(0)) if cuda else "CPU (no CUDA device)"
+    device = device_name(rank_device(0))
     result = DPVerifyResult(
         backend, dp_size, config.model_copy(update={"dp_size": dp_size}), cuda, device, runnable,
         batches, skipped_modes=skipped_modes,

@@ -35,16 +35,10 @@ from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.contract.resolution import resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.speculator.attention_setup import machine_platform, unrunnable_reason
+from speccheck.speculator.attention_setup import device_name, machine_platform, unrunnable_reason
 
 EXIT_BAD_INPUT = 2
 """Exit status of a worker whose ``--reproduce`` example it cannot take."""
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "CPU (no CUDA device)"
 
 
 def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendReport:
@@ -55,7 +49,7 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     report = BackendReport(name, Tier.GPU if gpu else Tier.CPU, Status.PASSED,
-                           device=_device_name(device), runtime_config=config.model_dump())
+                           device=device_name(device), runtime_config=config.model_dump())
     matrices = MatrixContext.load(request.get("matrix"))
     resolution = resolve_backend(matrices.matrix.backend(name), config)
     report.fused_allowed = resolution.fused_multi_step
