@@ -87,7 +87,8 @@ def paged_attention_reference(
             return _per_request(query, key_cache, value_cache, offsets, seq_lens.tolist(),
                                 block_table, scale, causal, window)
     out, _ = _masked_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
-                               seq_lens, block_table, scale, causal, window, rank=0, world=1)
+                               seq_lens, block_table, scale, causal, window, rank=0, world=1,
+                               with_lse=False)
     return out.to(query.dtype)
 
 
@@ -126,9 +127,11 @@ def paged_attention_reference_partial(
     """
     if local_seq_lens is None:
         local_seq_lens = dcp_local_lengths(seq_lens, dcp_rank, dcp_world)
-    return _masked_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
-                             local_seq_lens, block_table, scale, causal, window,
-                             rank=dcp_rank, world=dcp_world)
+    out, lse = _masked_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
+                                 local_seq_lens, block_table, scale, causal, window,
+                                 rank=dcp_rank, world=dcp_world, with_lse=True)
+    assert lse is not None
+    return out, lse
 
 
 def _masked_attention(
@@ -145,20 +148,23 @@ def _masked_attention(
     *,
     rank: int,
     world: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fixed-shape path (masks, the whole row while capturing, tokens in chunks) over
     the cache's local positions ``j``, global position ``j * world + rank``: visible are
     ``j < local_seq_lens[r]`` and the global positions the causal and window rules allow
     for the token's global position (from the global ``seq_lens``). ``world == 1`` is the
-    whole cache. Returns fp32 ``out`` ``[T, H, Dv]`` and ``lse`` ``[T, H]`` (zeros and
-    ``-inf`` for a token that sees nothing)."""
+    whole cache. Returns fp32 ``out`` ``[T, H, Dv]`` and, ``with_lse``, ``lse`` ``[T, H]``
+    (zeros and ``-inf`` for a token that sees nothing), else ``None`` (the whole-cache
+    attention needs no log-sum-exp, so its hot path does not compute one)."""
     num_tokens, num_heads, head_size = query.shape
     value_size = value_cache.shape[-1]
     num_reqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
     if num_tokens == 0 or num_reqs == 0:
+        empty = query.new_full((num_tokens, num_heads), float("-inf"), dtype=torch.float32)
         return (query.new_zeros(num_tokens, num_heads, value_size, dtype=torch.float32),
-                query.new_full((num_tokens, num_heads), float("-inf"), dtype=torch.float32))
+                empty if with_lse else None)
     req = token_request_index(query_start_loc, num_tokens)
     real_token = req < num_reqs
     req = req.clamp(max=num_reqs - 1).long()
@@ -180,7 +186,7 @@ def _masked_attention(
     visible &= real_token[:, None]
 
     out = torch.empty(num_tokens, num_kv_heads, group, value_size, device=query.device)
-    lse = torch.empty(num_tokens, num_kv_heads, group, device=query.device)
+    lse = torch.empty(num_tokens, num_kv_heads, group, device=query.device) if with_lse else None
     q = query.float().reshape(num_tokens, num_kv_heads, group, head_size)
     blocks = block_table.long()[req, : kv_len // block_size]  # [T, blocks]
     step = gather_chunk(kv_len, num_kv_heads, head_size)
@@ -194,8 +200,10 @@ def _masked_attention(
         probs = torch.where(seen.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1),
                             torch.zeros_like(scores))
         out[rows] = torch.einsum("tkgl,tlkd->tkgd", probs, v)
-        lse[rows] = torch.logsumexp(scores, dim=-1)
-    return out.view(num_tokens, num_heads, value_size), lse.view(num_tokens, num_heads)
+        if lse is not None:
+            lse[rows] = torch.logsumexp(scores, dim=-1)
+    return (out.view(num_tokens, num_heads, value_size),
+            None if lse is None else lse.view(num_tokens, num_heads))
 
 
 def _per_request(
