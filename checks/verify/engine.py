@@ -181,7 +181,8 @@ class BackendVerifier:
         self.reference_tol = 4 * self.tol
         """Tolerance of the oracle against the fp32 reference (a different dtype's rounding)."""
         self._harness: dict[int, _Harness] = {}
-        self._shared_kv: dict[str, PagedKVCache] = {}
+        self._kv_cache: PagedKVCache | None = None
+        self._reference_kv_cache: PagedKVCache | None = None
         """One KV cache for the speculators of every K, one for their fp32 references:
         examples run one at a time and each starts from its own noise, and at serving
         scale a cache is gigabytes per layer."""
@@ -238,10 +239,10 @@ class BackendVerifier:
                 builder_overrides=dict(self.settings.builder_overrides),
                 buffer_allocator=self.guards,
                 claim_fused=self.settings.claim_fused,
-                kv_cache=self._shared_kv.get("spec"),
+                kv_cache=self._kv_cache,
             )
             assert isinstance(spec, AutoregressiveSpeculator)
-            self._shared_kv.setdefault("spec", spec.kv_cache)
+            self._kv_cache = spec.kv_cache
             recorder = StepMetadataRecorder(spec.groups)
             spec.step_observer = recorder
             start = time.perf_counter()
@@ -258,10 +259,10 @@ class BackendVerifier:
                     "autoregressive", ["reference"] * self.settings.num_layers, ref_config,
                     self.drafter("float32"), self.device, self.options(),
                     matrix=self.settings.matrices.shipped,
-                    kv_cache=self._shared_kv.get("reference"),
+                    kv_cache=self._reference_kv_cache,
                 )
                 assert isinstance(ref, AutoregressiveSpeculator)
-                self._shared_kv.setdefault("reference", ref.kv_cache)
+                self._reference_kv_cache = ref.kv_cache
                 reference = ref
             self._harness[k] = _Harness(spec, recorder, reference, capture_error)
         return self._harness[k]
