@@ -55,7 +55,7 @@ class PagedKVCache:
         ``layers`` and ``num_blocks`` (shapes and dtypes): the check before sharing it."""
         expected = [(layer.kv_cache_shapes(num_blocks), layer.dtype) for layer in layers]
         actual = [((tuple(k.shape), tuple(v.shape)), k.dtype) for k, v in self.layers]
-        if [(tuple(map(tuple, shapes)), dtype) for shapes, dtype in expected] != actual:
+        if expected != actual:
             raise ValueError(f"the shared KV cache {actual} does not match the layers "
                              f"{expected}")
 
