@@ -285,3 +285,19 @@ def test_per_step_replays_are_observed_with_the_metadata_the_graph_reads() -> No
     path = "reference.metadata.max_seq_len"
     assert int(eager[1][path]) == 12 and int(eager[2][path]) == 13
     assert int(replayed[1][path]) == int(replayed[2][path]) == 1
+
+
+def test_a_shared_kv_cache_must_match_the_layers() -> None:
+    """The verifier shares one cache among its per-K speculators; a cache of another block
+    count (or layout) is refused rather than silently indexed out of range."""
+    from speccheck.speculator.kv_cache import PagedKVCache
+
+    layer = DRAFTER.layer_spec(4, 40)
+    cache = PagedKVCache.allocate([layer] * DRAFTER.num_layers, OPTIONS.num_blocks, DEVICE)
+    spec = create_speculator("autoregressive", ["reference"] * 2, _config(3), DRAFTER, DEVICE,
+                             OPTIONS, matrix=MATRIX, kv_cache=cache)
+    assert spec.kv_cache is cache
+    smaller = PagedKVCache.allocate([layer] * DRAFTER.num_layers, OPTIONS.num_blocks - 1, DEVICE)
+    with pytest.raises(ValueError, match="does not match the layers"):
+        create_speculator("autoregressive", ["reference"] * 2, _config(3), DRAFTER, DEVICE,
+                          OPTIONS, matrix=MATRIX, kv_cache=smaller)
