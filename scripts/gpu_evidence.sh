@@ -20,19 +20,25 @@
 #   scripts/gpu_evidence.sh OUTDIR latent
 #       wheels in .gpu-wheels/core: the MLA and sparse-SWA kernel tests, and verify for triton_mla (DCP 1 and,
 #       per step only, DCP 2) and sparse_swa at the GPU tier's defaults (BACKENDS=...)
+#   scripts/gpu_evidence.sh OUTDIR concurrent
+#       wheels in .gpu-wheels/core: the serving-scale runs at once, each in a process and
+#       console file of its own (the GPU is mostly idle under one verifier): FA3 without its
+#       refresh for ten seeds (FA3_SEEDS_LIMIT, 0 leaves it out), verify for each of BACKENDS
+#       (VERIFY_LIMIT, EXAMPLES), and triton_mla at DCP 2 per step (DCP2_EXAMPLES, 0 leaves it
+#       out). No benchmark: timings taken beside other runs would not mean anything.
 #   scripts/gpu_evidence.sh OUTDIR audit-core | audit-flashinfer
 #       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
 #       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
 #       verify runs of every shipped backend (no false positives), and the self-test
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|audit-core|audit-flashinfer [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|audit-core|audit-flashinfer [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
-  core|audit-core|serving|latent) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
+  core|audit-core|serving|latent|concurrent) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
   flashinfer|audit-flashinfer)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
@@ -50,11 +56,29 @@ export SPECCHECK_COMMIT=$commit
   case $suite in *flashinfer) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
 } > "$out/device-$suite.txt" 2>&1
 
+console=$out/verify-console-$suite.txt
 run() {  # NAME TIMEOUT ARGS...
   local name=$1 limit=$2; shift 2
   { echo "\$ speccheck verify $*"; timeout "$limit" speccheck verify "$@" --json "$out/gpu-$name.json"
-    echo "exit $?"; } >> "$out/verify-console-$suite.txt" 2>&1
+    echo "exit $?"; } >> "$console" 2>&1
 }
+
+if [ "$suite" = concurrent ]; then
+  if [ "${FA3_SEEDS_LIMIT:-400}" != 0 ]; then
+    { timeout "${FA3_SEEDS_LIMIT:-400}" python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py \
+        -k default_settings; echo "pytest exit $?"; } > "$out/pytest-cuda-fa3-default-settings.txt" 2>&1 &
+  fi
+  for backend in ${BACKENDS:-reference sparse_swa}; do
+    console=$out/verify-console-$backend.txt run "$backend" "${VERIFY_LIMIT:-400}" \
+      --backend "$backend" --examples "${EXAMPLES:-200}" &
+  done
+  if [ "${DCP2_EXAMPLES:-200}" != 0 ]; then
+    console=$out/verify-console-triton_mla-dcp2.txt run triton_mla-dcp2 "${VERIFY_LIMIT:-400}" \
+      --backend triton_mla --dcp-world-size 2 --examples "${DCP2_EXAMPLES:-200}" &
+  fi
+  wait
+  exit 0
+fi
 
 if [ "$suite" = serving ] || [ "$suite" = latent ]; then
   if [ "$suite" = latent ]; then
