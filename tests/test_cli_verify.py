@@ -102,6 +102,15 @@ def test_dying_worker_is_a_reported_crash_with_the_last_example() -> None:
     assert "--reproduce " in proc.stdout
 
 
+def test_a_worker_error_is_reported_by_its_root_cause_in_one_line() -> None:
+    """An out-of-memory error that hypothesis's re-run did not see again reaches the user as
+    the error itself, not as the last lines of hypothesis's exception groups."""
+    proc = _verify("--backend", "exhausted", "--matrix", str(FAULTY_MATRIX), "--examples", "3")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert ("exhausted: crashed: worker exited with status 1: torch.OutOfMemoryError: CUDA out "
+            "of memory. Tried to allocate 1.02 GiB. (during example ") in proc.stdout
+
+
 def test_stalling_worker_is_killed_after_the_example_timeout() -> None:
     proc = _verify("--backend", "stalling", "--matrix", str(FAULTY_MATRIX), "--examples", "3",
                    "--example-timeout", "8")

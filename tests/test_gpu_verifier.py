@@ -7,6 +7,7 @@ H200), so only the step-dependent-metadata check can catch it.
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -49,7 +50,12 @@ def test_fa3_without_its_refresh_is_caught_at_default_settings() -> None:
         settings = dataclasses.replace(
             plan_verification("fa3", seed=seed).settings_for("fa3"), shrink_seconds=0.0,
             builder_overrides=(("fa3", WithoutRefresh),))
-        _, report = _run(settings)
+        verifier, report = _run(settings)
+        # Each seed's verifier holds a serving-scale KV cache and graph pools: free them
+        # before the next one, as the worker process of `speccheck verify` would on exit.
+        del verifier
+        gc.collect()
+        torch.cuda.empty_cache()
         print(f"seed {seed}: {report.examples} examples, breakpoints "
               f"{(report.breakpoints or {}).get('lengths', [])[:8]}, failures "
               f"{[(f.check, f.field) for f in report.failures]}")

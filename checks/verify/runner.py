@@ -223,12 +223,17 @@ def run_worker(
         if result is not None and "bad_input" in result:
             _end_task(progress, task, label, 0, "bad input")
             raise BadExample(result["bad_input"])
+        raised = result.pop("raised", None) if result is not None else None
+        if raised is not None:
+            tail, result = raised, None
         if result is not None:
             report = BackendReport.from_json(result)
             _end_task(progress, task, label, report.examples, report.status.value)
             return report
         what = (f"no progress for {example_timeout:.0f}s (hang); killed" if hung
                 else f"worker exited with status {proc.returncode}: {tail}")
+        if log.latest is not None:
+            what += f" (during example {log.latest['index']})"
         report = BackendReport(backend, Tier(tier), Status.CRASHED, detail=what)
         started = 0
         if log.latest is not None:

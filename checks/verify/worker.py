@@ -110,6 +110,16 @@ def _reproduce_example(blob: str, verifier: BackendVerifier) -> Example:
     return example
 
 
+def root_cause(exc: BaseException) -> str:
+    """``Type: first line of message`` of the first leaf of ``exc``: hypothesis wraps an
+    error that did not recur on its re-run (out of GPU memory beside another process, say)
+    in exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__module__}.{type(exc).__qualname__}: {lines[0] if lines else ''}".strip()
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
     if not torch.cuda.is_available():
@@ -123,6 +133,11 @@ def main(argv: list[str]) -> int:
     except BadExample as exc:
         result_path.write_text(json.dumps({"bad_input": str(exc)}))
         return EXIT_BAD_INPUT
+    except Exception as exc:
+        # The traceback still goes to the log (re-raised); the report gets the root cause in
+        # one line, not the last lines of a traceback.
+        result_path.write_text(json.dumps({"raised": root_cause(exc)}))
+        raise
     result_path.write_text(json.dumps(report.to_json()))
     return 0
 
