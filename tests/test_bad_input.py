@@ -380,7 +380,7 @@ def test_a_chatty_worker_never_blocks_on_its_output(monkeypatch: pytest.MonkeyPa
         report = timed(lambda: runner.run_worker(request, progress, 30.0, "cpu"), 20.0)
     assert report.status is Status.CRASHED
     assert report.detail.startswith("worker exited with status 3: ")
-    assert report.detail.endswith("last words")
+    assert report.detail.endswith("last words (during example 1)")
     assert report.reproduce == "speccheck verify --reproduce BLOB"
 
 
