@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         for scale in (OLD, NEW):
             row = measure(backend, scale, args.examples)
             rows.append(row)
+            if args.json:  # after every row: a run cut by a time limit keeps what it measured
+                with open(args.json, "w") as handle:
+                    json.dump(rows, handle, indent=2)
             print(f"{row['backend']:<12} {row['scale']:<13} {row['status']:<8} "
                   f"{row['max_requests']:>4} {row['max_new_tokens']:>3} {row['max_model_len']:>6} "
                   f"{row['examples']:>8} {row['seconds']:>8.1f} {row['capture_seconds']:>8.1f} "
@@ -83,9 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         if old["examples_per_second"]:
             ratio = new["examples_per_second"] / old["examples_per_second"]
             print(f"{backend}: new/old examples per second = {ratio:.2f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=2)
     return 0
 
 
