@@ -161,13 +161,14 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         tokens = sample_tokens(logits, self.options.sampling, self.seeds[:n], b.positions[:n])
         at_step = self.current_step.view(1)
         self.draft_tokens[:n].index_copy_(1, at_step, tokens.view(n, 1))
-        self.draft_logits[:n].index_copy_(1, at_step, logits.view(n, 1, -1))
+        self.draft_logits[:n].index_copy_(1, at_step, logits.view(n, 1, -1).float())
         self.input_ids[:n].copy_(tokens)
         if self.config.advance_draft_positions:
+            # Real lanes advance one position (clamped); padding lanes (position and length
+            # 0) stay.
             real = self.is_real_req[:n]
-            pos, lens = b.positions[:n], b.seq_lens[:n]
-            pos.copy_(torch.where(real, (pos + 1).clamp(max=self.max_model_len - 1), pos))
-            lens.copy_(torch.where(real, (lens + 1).clamp(max=self.max_model_len), lens))
+            b.positions[:n].add_(real).clamp_(max=self.max_model_len - 1)
+            b.seq_lens[:n].add_(real).clamp_(max=self.max_model_len)
         self.current_step.add_(1)
         if not self._in_capture:
             self.counters.eager_step_calls += 1
@@ -301,12 +302,12 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         path = DecodePath(path)
         chosen = self.auto_path if path is DecodePath.AUTO else path
         r = batch.num_reqs
-        self._prefill(batch)
+        base = batch.seq_lens_after_prefill()
+        staged_base = self._prefill(batch, base)
         if self.num_steps > 1:
             desc = self.decode_descriptor(r)
             replay = use_graphs and self.graphs is not None
-            base = batch.seq_lens_after_prefill()
-            self._prepare_decode_inputs(batch, desc.num_tokens)
+            self._prepare_decode_inputs(r, desc.num_tokens, staged_base)
             if chosen is DecodePath.FUSED:
                 self._fused_multi_step_decode(desc, r, base, replay)
             elif chosen is DecodePath.PREPLANNED:
@@ -315,26 +316,31 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 self._multi_step_decode(desc, r, base, replay)
         return r
 
-    def _prefill(self, batch: DraftBatch) -> None:
-        """Draft token 0: one eager pass over each request's new tokens."""
+    def _prefill(self, batch: DraftBatch, base: np.ndarray) -> torch.Tensor:
+        """Draft token 0: one eager pass over each request's new tokens. Returns ``base``
+        (each request's length after the pass), staged on the device with the pass's
+        inputs."""
         r = batch.num_reqs
-        hidden, qsl = self._eager_pass(batch, batch.new_tokens)
-        last = torch.from_numpy(qsl[1:] - 1).to(self.device)
+        last_host = np.cumsum([len(row) for row in batch.new_tokens]) - 1
+        hidden, _, (last, staged_base) = self._eager_pass(batch, batch.new_tokens,
+                                                           [last_host, base])
         logits = self.model.compute_logits(hidden[last])
         self.draft_tokens[:r, 0] = sample_tokens(
             logits, self.options.sampling, self.seeds[:r], self.buffers.positions[last]
         )
         self.draft_logits[:r, 0] = logits
+        return staged_base
 
-    def _prepare_decode_inputs(self, batch: DraftBatch, n: int) -> None:
+    def _prepare_decode_inputs(self, r: int, n: int, base_lens: torch.Tensor) -> None:
         """Lanes ``0..n-1`` for decode: draft token 0 as input, positions and lengths for
-        step 1 (clamped at ``max_model_len``); padding lanes have length 0, sink slots."""
-        r = batch.num_reqs
+        step 1 from ``base_lens`` (the ``r`` real requests' lengths after the prefill pass,
+        on the device; clamped at ``max_model_len``); padding lanes have length 0, sink
+        slots."""
         b = self.buffers
         lanes = torch.arange(n, device=self.device)
         real = lanes < r
         base = torch.zeros(n, dtype=torch.int64, device=self.device)
-        base[:r] = torch.from_numpy(batch.seq_lens_after_prefill()).to(self.device)
+        base[:r] = base_lens
         b.positions[:n].copy_(torch.where(real, base.clamp(max=self.max_model_len - 1), 0))
         b.seq_lens[:n].copy_(torch.where(real, (base + 1).clamp(max=self.max_model_len), 0))
         self.input_ids[:n].copy_(torch.where(real, self.draft_tokens[:n, 0], 0))

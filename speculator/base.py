@@ -27,6 +27,7 @@ from speccheck.speculator.cudagraph_manager import CudaGraphManager, require_gra
 from speccheck.speculator.kv_cache import PagedKVCache, compute_slot_mapping
 from speccheck.speculator.model import DraftModel
 from speccheck.speculator.sampling import SamplingMethod
+from speccheck.speculator.staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ class DraftModelSpeculator:
             r, self.num_steps, self.vocab_size, dtype=torch.float32, device=device
         )
         self.current_step = torch.zeros((), dtype=torch.int64, device=device)
+        self.staging = HostStaging(r * (max_blocks + 4) + 3 * t, device)
+        """A call's host inputs cross to the device in one copy (see :meth:`_eager_pass`)."""
         self.graphs = (
             CudaGraphManager(options.capture_sizes, device)
             if self.cg_mode == CUDAGraphMode.FULL
@@ -205,21 +208,35 @@ class DraftModelSpeculator:
                   self.is_real_req, self.is_real_token):
             t.zero_()
 
-    def _write_request_inputs(self, batch: DraftBatch) -> None:
-        """Block-table rows and seeds of the batch; every other entry is the sink / zero."""
-        table = np.zeros(tuple(self.buffers.block_table.shape), dtype=np.int32)
+    @staticmethod
+    def _request_arrays(batch: DraftBatch) -> list[np.ndarray]:
+        """Host block-table rows (``[R, longest row]``, zero past each row) and seeds."""
+        width = max((len(row) for row in batch.block_table), default=0)
+        table = np.zeros((batch.num_reqs, width), dtype=np.int64)
         for i, row in enumerate(batch.block_table):
             table[i, : len(row)] = row
-        self.buffers.block_table.copy_(torch.from_numpy(table))
-        self.seeds[: batch.num_reqs].copy_(torch.tensor(batch.seeds, dtype=torch.int64))
+        return [table, np.asarray(batch.seeds, dtype=np.int64)]
+
+    def _copy_request_inputs(self, table: torch.Tensor, seeds: torch.Tensor) -> None:
+        """Block-table rows and seeds from staged device views; every other entry stays
+        the sink / zero (call after :meth:`_reset_index_buffers`)."""
+        r, width = table.shape
+        self.buffers.block_table[:r, :width].copy_(table)
+        self.seeds[:r].copy_(seeds)
+
+    def _write_request_inputs(self, batch: DraftBatch) -> None:
+        """Block-table rows and seeds of the batch, in one host-to-device copy."""
+        self._copy_request_inputs(*self.staging.stage(self._request_arrays(batch)))
 
     def _eager_pass(
-        self, batch: DraftBatch, rows: Sequence[Sequence[int]]
-    ) -> tuple[torch.Tensor, np.ndarray]:
+        self, batch: DraftBatch, rows: Sequence[Sequence[int]], extra: Sequence[np.ndarray] = ()
+    ) -> tuple[torch.Tensor, np.ndarray, list[torch.Tensor]]:
         """Run ``rows[r]`` (tokens following request ``r``'s context) through the model
-        eagerly, writing their KV; returns the hidden states and the query offsets.
+        eagerly, writing their KV; returns the hidden states, the query offsets, and device
+        views of ``extra`` (host arrays the caller needs next, sent in the same copy).
 
-        Host work around an eager forward: the metadata covers exactly the real tokens.
+        Host work around an eager forward: the metadata covers exactly the real tokens, and
+        every host input crosses to the device in one :class:`HostStaging` copy.
         """
         r = batch.num_reqs
         q = np.array([len(row) for row in rows], dtype=np.int64)
@@ -231,13 +248,16 @@ class DraftModelSpeculator:
         req_of_token = np.repeat(np.arange(r), q)
         ctx = np.array(batch.context_lens, dtype=np.int64)
         positions = ctx[req_of_token] + (np.arange(t) - qsl[req_of_token])
+        ids = np.fromiter((x for row in rows for x in row), dtype=np.int64, count=t)
+        table, seeds, lens, pos, input_ids, token_request, *staged_extra = self.staging.stage(
+            [*self._request_arrays(batch), ctx + q, positions, ids, req_of_token, *extra])
         b = self.buffers
         self._reset_index_buffers()
-        self._write_request_inputs(batch)
-        b.seq_lens[:r].copy_(torch.from_numpy(ctx + q))
-        b.positions[:t].copy_(torch.from_numpy(positions))
-        self.input_ids[:t].copy_(torch.tensor([x for row in rows for x in row], dtype=torch.int64))
-        self.token_request[:t].copy_(torch.from_numpy(req_of_token))
+        self._copy_request_inputs(table, seeds)
+        b.seq_lens[:r].copy_(lens)
+        b.positions[:t].copy_(pos)
+        self.input_ids[:t].copy_(input_ids)
+        self.token_request[:t].copy_(token_request)
         self.is_real_token[:t] = True
         self.is_real_req[:r] = True
         common = build_attention_metadata(
@@ -246,7 +266,7 @@ class DraftModelSpeculator:
             max_model_len=self.max_model_len,
         )
         self._compute_slot_mappings(t, 0)
-        return self._run_model(t, [g.build(common) for g in self.groups]), qsl
+        return self._run_model(t, [g.build(common) for g in self.groups]), qsl, staged_extra
 
     def _validate(self, batch: DraftBatch, extra_positions: int) -> None:
         batch.validate(

@@ -19,6 +19,7 @@ from torch import nn
 from speccheck.contract.builder import AttentionImpl, AttentionLayerSpec
 from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.model_kernels import rms_norm, rotary, rotary_inv_freq, silu_mul
 
 DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -113,37 +114,27 @@ class DrafterConfig:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension (one kernel on CUDA: :func:`rms_norm`)."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
-
-
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """NeoX-style rotary embedding of ``x`` (``[T, heads, D]``) at ``positions`` (``[T]``)."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(half, device=x.device, dtype=torch.float32) * 2 / x.shape[-1])
-    )
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
 class GQAAttention(nn.Module):
     """Grouped-query attention: fused QKV projection, rotary on queries and keys, the
     backend's attention over the (keys, values) cache, output projection."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_size
+        self.inv_freq = rotary_inv_freq(d, cfg.rope_theta, device)
+        """fp32 rotary frequencies, made once (a plain attribute: ``to(dtype)`` leaves it)."""
         self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
 
@@ -160,11 +151,11 @@ class GQAAttention(nn.Module):
         qkv = self.qkv_proj(x)
         kv_size = cfg.num_kv_heads * cfg.head_size
         q, k, v = qkv.split([cfg.num_heads * cfg.head_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.reshape(t, cfg.num_heads, cfg.head_size), positions, cfg.rope_theta)
-        k = apply_rotary(k.reshape(t, cfg.num_kv_heads, cfg.head_size), positions, cfg.rope_theta)
+        q = rotary(q.view(t, cfg.num_heads, cfg.head_size), positions, self.inv_freq)
+        k = rotary(k.view(t, cfg.num_kv_heads, cfg.head_size), positions, self.inv_freq)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_size).contiguous()
         attn = torch.zeros_like(q)
-        impl.forward(q.contiguous(), k.contiguous(), v, kv_cache[0], kv_cache[1], metadata, attn)
+        impl.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn)
         return self.o_proj(attn.reshape(t, -1))
 
 
@@ -185,11 +176,13 @@ class MLAAttention(nn.Module):
     :attr:`DrafterConfig.softmax_scale`.
     """
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
         h, d, heads = cfg.hidden_size, cfg.head_size, cfg.num_heads
         rank, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.inv_freq = rotary_inv_freq(rope, cfg.rope_theta, device)
+        """fp32 rotary frequencies of the rope part (a plain attribute, as for GQA)."""
         self.q_proj = nn.Linear(h, heads * (d + rope), bias=False)
         self.kv_a_proj = nn.Linear(h, rank + rope, bias=False)
         self.kv_a_norm = RMSNorm(rank, cfg.rms_eps)
@@ -219,8 +212,8 @@ class MLAAttention(nn.Module):
         q = self.q_proj(x).view(t, cfg.num_heads, cfg.head_size + rope)
         q_nope, q_pe = q.split([cfg.head_size, rope], dim=-1)
         kv_c, k_pe = self.kv_a_proj(x).split([cfg.kv_lora_rank, rope], dim=-1)
-        q_pe = apply_rotary(q_pe, positions, cfg.rope_theta)
-        k_pe = apply_rotary(k_pe.reshape(t, 1, rope), positions, cfg.rope_theta)
+        q_pe = rotary(q_pe, positions, self.inv_freq)
+        k_pe = rotary(k_pe.view(t, 1, rope), positions, self.inv_freq)
         return q_nope, q_pe, self.kv_a_norm(kv_c), k_pe
 
     def forward(
@@ -247,13 +240,14 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention (:class:`GQAAttention` or :class:`MLAAttention`, by
     ``cfg.kv_layout``) and SwiGLU MLP, each with a residual."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
         self.input_norm = RMSNorm(h, cfg.rms_eps)
         self.attn: GQAAttention | MLAAttention = (
-            MLAAttention(cfg) if cfg.kv_layout is KvLayout.LATENT else GQAAttention(cfg)
+            MLAAttention(cfg, device) if cfg.kv_layout is KvLayout.LATENT
+            else GQAAttention(cfg, device)
         )
         self.post_norm = RMSNorm(h, cfg.rms_eps)
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
@@ -268,8 +262,7 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), positions, impl, metadata, kv_cache)
-        gate, up = self.gate_up_proj(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(nn.functional.silu(gate) * up)
+        return x + self.down_proj(silu_mul(self.gate_up_proj(self.post_norm(x))))
 
 
 class DraftModel(nn.Module):
@@ -280,7 +273,7 @@ class DraftModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._init_weights()
@@ -311,5 +304,7 @@ class DraftModel(nn.Module):
         return self.final_norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[..., vocab]``."""
-        return hidden.float() @ self.lm_head.weight.float().t()
+        """Logits ``[..., vocab]`` in the model's dtype: one matmul over the LM head as
+        stored (fp32 accumulation inside it), no per-call conversion of the weights. The
+        verifier's fp32 reference is an fp32 drafter, whose logits are fp32."""
+        return self.lm_head(hidden)

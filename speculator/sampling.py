@@ -41,7 +41,8 @@ def sample_tokens(
     seeds: torch.Tensor,
     positions: torch.Tensor,
 ) -> torch.Tensor:
-    """Token ids ``[R]`` (int64) from fp32 ``logits`` ``[R, vocab]``."""
+    """Token ids ``[R]`` (int64) from ``logits`` ``[R, vocab]`` (the model's dtype; the
+    Gumbel noise is fp32, so the noisy argmax is taken in fp32)."""
     if method == "argmax":
         return logits.argmax(dim=-1)
     return (logits + gumbel_noise(seeds, positions, logits.shape[-1])).argmax(dim=-1)

@@ -1,0 +1,143 @@
+"""The drafter's elementwise layers as single Triton kernels on CUDA.
+
+RMSNorm, NeoX rotary embedding and the SwiGLU gate are each several PyTorch kernels when
+written with tensor ops (a decode step of a two-layer drafter launched about 180 kernels,
+most of them a couple of microseconds of GPU time each: far more than reading the weights).
+Each function here is one kernel on a CUDA tensor and the same math in PyTorch ops
+elsewhere (CPU tensors, where the Triton interpreter would be slow; the kernels are tested
+against these under the interpreter). All are capture-safe: fixed grids from shapes, no
+host synchronisation; each returns a new tensor (from the graph pool under capture).
+
+Math is fp32 with one rounding to the input dtype at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Triton kernels for CUDA tensors; PyTorch ops for the rest."""
+    return x.is_cuda
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, out_row_stride, width, eps,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
+    y = x * inv * w
+    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * weight.float()).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             kernel: bool | None = None) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension of a 2-D ``x``
+    whose rows are contiguous. ``kernel`` forces (True) or avoids (False) the Triton
+    kernel; default: :func:`use_kernels`."""
+    if not (use_kernels(x) if kernel is None else kernel):
+        return rms_norm_torch(x, weight, eps)
+    rows, width = x.shape
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    if rows:
+        _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), width, eps,
+                                  BLOCK=triton.next_power_of_2(width))
+    return out
+
+
+# ------------------------------------------------------------------------------ rotary
+
+@triton.jit
+def _rotary_kernel(x_ptr, pos_ptr, inv_freq_ptr, out_ptr, x_tok_stride, x_head_stride,
+                   num_heads, half, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    j = tl.arange(0, BLOCK)
+    mask = j < half
+    base = x_ptr + token * x_tok_stride + head * x_head_stride
+    x1 = tl.load(base + j, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + j, mask=mask, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + token).to(tl.float32)
+    angle = pos * tl.load(inv_freq_ptr + j, mask=mask, other=0.0)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    out = out_ptr + (token * num_heads + head) * 2 * half
+    ty = out_ptr.dtype.element_ty
+    tl.store(out + j, (x1 * cos - x2 * sin).to(ty), mask=mask)
+    tl.store(out + half + j, (x2 * cos + x1 * sin).to(ty), mask=mask)
+
+
+def rotary_inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """fp32 ``[dim // 2]`` inverse frequencies of NeoX rotary over ``dim`` channels."""
+    return 1.0 / (theta ** (torch.arange(dim // 2, device=device, dtype=torch.float32) * 2 / dim))
+
+
+def rotary_torch(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
+           kernel: bool | None = None) -> torch.Tensor:
+    """NeoX rotary embedding of ``x`` (``[T, heads, D]``, last dimension contiguous) at
+    ``positions`` (``[T]``) with :func:`rotary_inv_freq`'s frequencies; a new contiguous
+    ``[T, heads, D]`` tensor of ``x``'s dtype."""
+    if not (use_kernels(x) if kernel is None else kernel):
+        return rotary_torch(x, positions, inv_freq)
+    tokens, heads, dim = x.shape
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    if tokens:
+        half = dim // 2
+        _rotary_kernel[(tokens, heads)](x, positions, inv_freq, out, x.stride(0), x.stride(1),
+                                        heads, half, BLOCK=triton.next_power_of_2(half))
+    return out
+
+
+# --------------------------------------------------------------------------- SwiGLU gate
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, x_row_stride, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_row_stride + width + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * width + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_SILU_BLOCK = 1024
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up = [gate | up]`` (``[T, 2 * I]``, rows contiguous):
+    ``[T, I]``."""
+    if not (use_kernels(gate_up) if kernel is None else kernel):
+        return silu_mul_torch(gate_up)
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        grid = (rows, triton.cdiv(width, _SILU_BLOCK))
+        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), width, BLOCK=_SILU_BLOCK)
+    return out

@@ -1,0 +1,53 @@
+"""One host-to-device copy for a call's host inputs.
+
+A propose call brings host data (block-table rows, seeds, lengths, positions, token ids):
+one small copy each costs a ``cudaMemcpyAsync`` from pageable memory (tens of microseconds
+of host time apiece). :class:`HostStaging` packs them into one pinned host buffer and
+sends them in a single copy; the caller then copies device views into its persistent
+buffers (device-to-device, asynchronous).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+class HostStaging:
+    """A pinned int64 host buffer of ``capacity`` entries and its device twin, both
+    persistent. :meth:`stage` never overwrites host memory a pending copy still reads: it
+    waits for the previous copy first (normally long done: every propose ends by copying
+    its draft tokens back, which waits for all earlier work)."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self.capacity = capacity
+        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=pinned)
+        self.device_buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self._host_view = self.host.numpy()
+        self._copied: torch.cuda.Event | None = None
+
+    def stage(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Copy ``arrays`` (integers, any shapes) to the device in one transfer; returns
+        int64 device views of the same shapes, valid until the next :meth:`stage`. Host
+        work: never call it inside graph capture."""
+        total = sum(int(a.size) for a in arrays)
+        if total > self.capacity:
+            raise ValueError(f"{total} staged values exceed the staging capacity {self.capacity}")
+        if self._copied is not None:
+            self._copied.synchronize()
+        offsets = []
+        offset = 0
+        for array in arrays:
+            self._host_view[offset: offset + array.size] = np.asarray(array).reshape(-1)
+            offsets.append(offset)
+            offset += int(array.size)
+        self.device_buffer[:total].copy_(self.host[:total], non_blocking=True)
+        if self.device_buffer.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return [self.device_buffer[o: o + math.prod(a.shape)].view(a.shape)
+                for o, a in zip(offsets, arrays, strict=True)]

@@ -1,0 +1,119 @@
+"""The drafter's one-kernel layers (speculator/model_kernels.py) against their PyTorch
+form: under the Triton interpreter on CPU (fp32 inputs: the interpreter's bf16 math is
+wrong), compiled on CUDA in every dtype (marked ``cuda``), and compiled for sm_90 on any
+machine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speccheck.speculator.model_kernels import (
+    rms_norm,
+    rms_norm_torch,
+    rotary,
+    rotary_inv_freq,
+    rotary_torch,
+    silu_mul,
+    silu_mul_torch,
+)
+
+SMALL = settings(max_examples=15, deadline=None)
+
+
+def _rows(seed: int, rows: int, width: int, device: str = "cpu",
+          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (3 * torch.randn(rows, width, generator=gen)).to(device=device, dtype=dtype)
+
+
+@SMALL
+@given(rows=st.integers(0, 5), width=st.integers(1, 70), seed=st.integers(0, 99))
+def test_rms_norm_kernel_matches_torch(rows: int, width: int, seed: int) -> None:
+    wide = _rows(seed, rows, width + 3)
+    x = wide[:, :width]  # rows with a stride wider than their width, as a split gives
+    weight = _rows(seed + 1, 1, width)[0]
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6, kernel=True),
+                               rms_norm_torch(x, weight, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@SMALL
+@given(tokens=st.integers(0, 4), heads=st.integers(1, 3), half=st.integers(1, 20),
+       seed=st.integers(0, 99))
+def test_rotary_kernel_matches_torch(tokens: int, heads: int, half: int, seed: int) -> None:
+    dim = 2 * half
+    fused = _rows(seed, tokens, heads * dim + 5)  # a slice of a wider projection
+    x = fused[:, 5:].view(tokens, heads, dim)
+    positions = torch.randint(0, 40000, (tokens,), generator=torch.Generator().manual_seed(seed))
+    inv_freq = rotary_inv_freq(dim, 10000.0, torch.device("cpu"))
+    out = rotary(x, positions, inv_freq, kernel=True)
+    assert out.is_contiguous() and out.shape == x.shape
+    torch.testing.assert_close(out, rotary_torch(x, positions, inv_freq), rtol=1e-4, atol=1e-3)
+
+
+@SMALL
+@given(rows=st.integers(0, 4), width=st.integers(1, 2100), seed=st.integers(0, 99))
+def test_silu_mul_kernel_matches_torch(rows: int, width: int, seed: int) -> None:
+    gate_up = _rows(seed, rows, 2 * width)
+    torch.testing.assert_close(silu_mul(gate_up, kernel=True), silu_mul_torch(gate_up),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_tensors_take_the_torch_form() -> None:
+    x = _rows(0, 2, 8)
+    assert torch.equal(rms_norm(x, torch.ones(8), 1e-6), rms_norm_torch(x, torch.ones(8), 1e-6))
+    assert torch.equal(silu_mul(x), silu_mul_torch(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_kernels_match_torch(dtype: torch.dtype) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    x = _rows(1, 64, 2048, "cuda", dtype)
+    weight = _rows(2, 1, 2048, "cuda", dtype)[0]
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype != torch.float32 else {"rtol": 1e-5, "atol": 1e-4}
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_torch(x, weight, 1e-6), **tol)
+    q = x[:, : 16 * 128].view(64, 16, 128)
+    positions = torch.arange(64, device="cuda") * 500
+    inv_freq = rotary_inv_freq(128, 10000.0, torch.device("cuda"))
+    torch.testing.assert_close(rotary(q, positions, inv_freq), rotary_torch(q, positions, inv_freq),
+                               **tol)
+    torch.testing.assert_close(silu_mul(x), silu_mul_torch(x), **tol)
+
+
+_AOT_SCRIPT = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from speccheck.speculator import model_kernels as k
+
+target = GPUTarget("cuda", 90, 32)
+for dtype in ("bf16", "fp16", "fp32"):
+    compile(ASTSource(k._rms_norm_kernel, {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype,
+            "out_ptr": "*" + dtype, "x_row_stride": "i32", "out_row_stride": "i32",
+            "width": "i32", "eps": "fp32", "BLOCK": "constexpr"}, {"BLOCK": 2048}), target=target)
+    compile(ASTSource(k._rotary_kernel, {"x_ptr": "*" + dtype, "pos_ptr": "*i64",
+            "inv_freq_ptr": "*fp32", "out_ptr": "*" + dtype, "x_tok_stride": "i32",
+            "x_head_stride": "i32", "num_heads": "i32", "half": "i32", "BLOCK": "constexpr"},
+            {"BLOCK": 64}), target=target)
+    compile(ASTSource(k._silu_mul_kernel, {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype,
+            "x_row_stride": "i32", "width": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024}),
+            target=target)
+    print(dtype, "ok")
+"""
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """``triton.compile`` for Hopper on any machine; a subprocess, because kernels decorated
+    under ``TRITON_INTERPRET=1`` cannot be compiled."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(" ok") == 3, proc.stdout
