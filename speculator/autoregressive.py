@@ -24,7 +24,11 @@ import torch
 
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.groups import AttentionGroup
-from speccheck.contract.resolution import FusedDecision, decide_fused_multi_step
+from speccheck.contract.resolution import (
+    FusedDecision,
+    decide_fused_multi_step,
+    graph_capture_shortfall,
+)
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_uniform_attention_metadata
 from speccheck.speculator.base import DraftModelSpeculator, SpeculatorOptions
@@ -62,6 +66,10 @@ In the fused body it runs inside the captured graph, so it may only emit capture
 in-place GPU work (the verifier copies metadata into snapshot buffers there)."""
 
 
+FIRST_PASS = "first_pass"
+"""Graph key prefix of the padded first pass: ``(FIRST_PASS, bucket, q)``."""
+
+
 class AutoregressiveSpeculator(DraftModelSpeculator):
     """Drafts ``config.num_speculative_steps`` tokens per request."""
 
@@ -79,6 +87,13 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self.refresh_hook: RefreshHook | None = None
         self._captured_metadata: dict[tuple[str, int], list[Any]] = {}
         self.fused_decision = self._configure_fused_multi_step_decode()
+        supports = {g.backend_name: g.cudagraph_support for g in groups}
+        self.first_pass_query_lens = tuple(
+            q for q in sorted(set(options.first_pass_query_lens))
+            if q >= 1 and self.max_num_reqs * q <= self.max_num_tokens
+            and graph_capture_shortfall(supports, q) is None)
+        """The ``options.first_pass_query_lens`` this speculator pads (and captures): those
+        its backends can capture and its buffers hold at the largest bucket."""
 
     def _configure_fused_multi_step_decode(self) -> FusedDecision:
         decision = decide_fused_multi_step(
@@ -236,6 +251,8 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self._in_capture = True
         try:
             for n in self.graphs.capture_sizes:
+                for q in self.first_pass_query_lens:
+                    self._capture_first_pass(n, q)
                 self._capture_one(("step", n), partial(self._generate_draft, n, step=0, observe=False))
                 if self.use_fused_multi_step_decode:
                     self._capture_one((DecodePath.FUSED, n), partial(self._generate_fused_drafts, n))
@@ -268,6 +285,37 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self._compute_slot_mappings(n, 1)
         self._captured_metadata[key] = md
         self.graphs.capture(key, lambda: body(md))
+
+    def _capture_first_pass(self, n: int, q: int) -> None:
+        """The padded first pass of ``n`` requests of ``q`` tokens on dummy inputs (context
+        0, every block the sink), with capture metadata."""
+        assert self.graphs is not None
+        lanes = n * q
+        self._reset_index_buffers()
+        self.buffers.seq_lens[:n].fill_(q)
+        self.buffers.positions[:lanes].copy_(torch.arange(q, device=self.device).repeat(n))
+        self.token_request[:lanes].copy_(torch.arange(lanes, device=self.device) // q)
+        self.is_real_req[:n] = True
+        self.is_real_token[:lanes] = True
+        common = build_uniform_attention_metadata(
+            buffers=self.buffers, batch_desc=BatchExecutionDescriptor(CUDAGraphMode.FULL, lanes, n, q),
+            num_reqs=n, num_query_per_req=q, base_seq_lens_np=np.full(n, q), step=0,
+            max_model_len=self.max_model_len,
+        )
+        md = [g.build_for_cudagraph_capture(common) for g in self.groups]
+        self._compute_slot_mappings(lanes, 0)
+        self.graphs.capture((FIRST_PASS, n, q), lambda: self._first_pass_body(n, q, md))
+
+    def _first_pass_body(self, n: int, q: int, group_metadata: Sequence[Any]) -> None:
+        """Draft token 0 of ``n`` requests of ``q`` tokens each (lanes ``r*q .. r*q+q-1``
+        are request ``r``'s; padding requests' lanes write the sink and their drafts are
+        ignored). Capture-safe."""
+        hidden = self._run_model(n * q, group_metadata).view(n, q, -1)[:, -1]
+        logits = self.model.compute_logits(hidden)
+        positions = self.buffers.positions[: n * q].view(n, q)[:, -1]
+        self.draft_tokens[:n, 0] = sample_tokens(logits, self.options.sampling,
+                                                 self.seeds[:n], positions)
+        self.draft_logits[:n, 0] = logits
 
     # --------------------------------------------------------------- propose
     def propose(
@@ -303,7 +351,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         chosen = self.auto_path if path is DecodePath.AUTO else path
         r = batch.num_reqs
         base = batch.seq_lens_after_prefill()
-        staged_base = self._prefill(batch, base)
+        staged_base = self._prefill(batch, base, use_graphs)
         if self.num_steps > 1:
             desc = self.decode_descriptor(r)
             replay = use_graphs and self.graphs is not None
@@ -316,11 +364,41 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 self._multi_step_decode(desc, r, base, replay)
         return r
 
-    def _prefill(self, batch: DraftBatch, base: np.ndarray) -> torch.Tensor:
-        """Draft token 0: one eager pass over each request's new tokens. Returns ``base``
-        (each request's length after the pass), staged on the device with the pass's
-        inputs."""
+    def first_pass_width(self, batch: DraftBatch) -> int | None:
+        """``q`` when ``batch``'s first pass runs padded over its bucket (padding in use,
+        every request brings ``q`` new tokens, ``q`` in :attr:`first_pass_query_lens`),
+        else ``None`` (the first pass runs eagerly over the real tokens only)."""
+        widths = {len(row) for row in batch.new_tokens}
+        if not self.pads_to_buckets or len(widths) != 1:
+            return None
+        (q,) = widths
+        return q if q in self.first_pass_query_lens else None
+
+    def _prefill(self, batch: DraftBatch, base: np.ndarray, use_graphs: bool) -> torch.Tensor:
+        """Draft token 0: one pass over each request's new tokens: padded over the bucket
+        when :meth:`first_pass_width` says so (a graph replay where one was captured), else
+        eagerly over the real tokens. Returns ``base`` (each request's length after the
+        pass), staged on the device with the pass's inputs."""
         r = batch.num_reqs
+        q = self.first_pass_width(batch)
+        if q is not None:
+            n = self.bucket_for(r)
+            _, (staged_base,) = self._write_pass_inputs(batch, batch.new_tokens, [base])
+            common = build_uniform_attention_metadata(
+                buffers=self.buffers,
+                batch_desc=BatchExecutionDescriptor(CUDAGraphMode.FULL, n * q, n, q),
+                num_reqs=r, num_query_per_req=q, base_seq_lens_np=base, step=0,
+                max_model_len=self.max_model_len,
+            )
+            md = [g.build(common) for g in self.groups]
+            self._compute_slot_mappings(n * q, 0)
+            key = (FIRST_PASS, n, q)
+            if use_graphs and self.graphs is not None and key in self.graphs:
+                self.graphs.replay(key)
+                self.counters.first_pass_replays += 1
+            else:
+                self._first_pass_body(n, q, md)
+            return staged_base
         last_host = np.cumsum([len(row) for row in batch.new_tokens]) - 1
         hidden, _, (last, staged_base) = self._eager_pass(batch, batch.new_tokens,
                                                            [last_host, base])

@@ -47,6 +47,11 @@ class SpeculatorOptions:
     pad_to_capture_sizes: bool = False
     """Pad eager batches to the capture sizes as FULL graphs do (the verifier's CPU tier
     uses this to exercise padding lanes without graphs)."""
+    first_pass_query_lens: tuple[int, ...] = ()
+    """Uniform first passes to pad and capture: a batch whose requests all bring ``q`` new
+    tokens, ``q`` in this set, runs its first pass as one FULL graph over the bucket (or,
+    when padding without graphs, as the same padded body eagerly). Other batches, and
+    backends that cannot capture ``q`` query tokens per request, run it eagerly."""
 
     @property
     def max_num_reqs(self) -> int:
@@ -62,10 +67,12 @@ class SpeculatorOptions:
 
 @dataclass
 class StepCounters:
-    """``eager_step_calls``: decode steps run eagerly; ``graph_replays``: graph launches."""
+    """``eager_step_calls``: decode steps run eagerly; ``graph_replays``: decode graph
+    launches; ``first_pass_replays``: first-pass graph launches."""
 
     eager_step_calls: int = 0
     graph_replays: int = 0
+    first_pass_replays: int = 0
 
 
 class DraftModelSpeculator:
@@ -228,16 +235,14 @@ class DraftModelSpeculator:
         """Block-table rows and seeds of the batch, in one host-to-device copy."""
         self._copy_request_inputs(*self.staging.stage(self._request_arrays(batch)))
 
-    def _eager_pass(
+    def _write_pass_inputs(
         self, batch: DraftBatch, rows: Sequence[Sequence[int]], extra: Sequence[np.ndarray] = ()
-    ) -> tuple[torch.Tensor, np.ndarray, list[torch.Tensor]]:
-        """Run ``rows[r]`` (tokens following request ``r``'s context) through the model
-        eagerly, writing their KV; returns the hidden states, the query offsets, and device
-        views of ``extra`` (host arrays the caller needs next, sent in the same copy).
-
-        Host work around an eager forward: the metadata covers exactly the real tokens, and
-        every host input crosses to the device in one :class:`HostStaging` copy.
-        """
+    ) -> tuple[np.ndarray, list[torch.Tensor]]:
+        """Inputs of a pass over ``rows[r]`` (tokens following request ``r``'s context):
+        every index buffer reset, then the real tokens' lanes, lengths, block-table rows
+        and seeds written, all crossing to the device in one :class:`HostStaging` copy with
+        ``extra`` (host arrays the caller needs next). Returns the query offsets and device
+        views of ``extra``. Host work."""
         r = batch.num_reqs
         q = np.array([len(row) for row in rows], dtype=np.int64)
         t = int(q.sum())
@@ -260,10 +265,21 @@ class DraftModelSpeculator:
         self.token_request[:t].copy_(token_request)
         self.is_real_token[:t] = True
         self.is_real_req[:r] = True
+        return qsl, staged_extra
+
+    def _eager_pass(
+        self, batch: DraftBatch, rows: Sequence[Sequence[int]], extra: Sequence[np.ndarray] = ()
+    ) -> tuple[torch.Tensor, np.ndarray, list[torch.Tensor]]:
+        """Run ``rows`` (see :meth:`_write_pass_inputs`) through the model eagerly, writing
+        their KV; returns the hidden states, the query offsets and the staged ``extra``.
+        The metadata covers exactly the real tokens."""
+        qsl, staged_extra = self._write_pass_inputs(batch, rows, extra)
+        t = int(qsl[-1])
+        ctx = np.array(batch.context_lens, dtype=np.int64)
         common = build_attention_metadata(
-            buffers=b, batch_desc=BatchExecutionDescriptor(CUDAGraphMode.NONE, t),
-            num_reqs=r, query_start_loc_np=qsl, base_seq_lens_np=ctx + q, step=0,
-            max_model_len=self.max_model_len,
+            buffers=self.buffers, batch_desc=BatchExecutionDescriptor(CUDAGraphMode.NONE, t),
+            num_reqs=batch.num_reqs, query_start_loc_np=qsl, base_seq_lens_np=ctx + np.diff(qsl),
+            step=0, max_model_len=self.max_model_len,
         )
         self._compute_slot_mappings(t, 0)
         return self._run_model(t, [g.build(common) for g in self.groups]), qsl, staged_extra

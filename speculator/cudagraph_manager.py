@@ -65,6 +65,9 @@ class CudaGraphManager:
         self._graphs[key] = graph
         logger.debug("captured CUDA graph %s", key)
 
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
+
     def replay(self, key: Hashable) -> None:
         graph = self._graphs.get(key)
         if graph is None:

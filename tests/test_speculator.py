@@ -24,6 +24,7 @@ from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.cudagraph_manager import CudaGraphUnavailable
 from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.factory import create_speculator
+from speccheck.speculator.kv_cache import SINK_BLOCK
 from speccheck.speculator.model import DrafterConfig
 
 SHIPPED = load_matrix()
@@ -301,3 +302,80 @@ def test_a_shared_kv_cache_must_match_the_layers() -> None:
     with pytest.raises(ValueError, match="does not match the layers"):
         create_speculator("autoregressive", ["reference"] * 2, _config(3), DRAFTER, DEVICE,
                           OPTIONS, matrix=MATRIX, kv_cache=smaller)
+
+
+def _padded_first_pass_speculator(k: int, mode: str) -> AutoregressiveSpeculator:
+    options = SpeculatorOptions(OPTIONS.capture_sizes, OPTIONS.max_num_prefill_tokens,
+                                OPTIONS.num_blocks, pad_to_capture_sizes=True,
+                                first_pass_query_lens=(1, 2, 3))
+    spec = create_speculator("autoregressive", ["reference"] * 2, _config(k, mode), DRAFTER,
+                             DEVICE, options, matrix=MATRIX)
+    assert isinstance(spec, AutoregressiveSpeculator)
+    return spec
+
+
+@settings(max_examples=15, deadline=None)
+@given(data=st.data(), k=st.integers(1, 4), q=st.integers(1, 3))
+def test_padded_first_pass_equals_the_eager_one(data, k: int, q: int) -> None:
+    """A uniform batch's first pass, padded over the bucket (the body a FULL graph holds),
+    drafts what the eager pass over the real tokens drafts, and writes the same KV."""
+    batch = data.draw(draft_batches(_limits(k)))
+    batch = DraftBatch(batch.context_lens, tuple(row[:1] * q for row in batch.new_tokens),
+                       batch.block_table, batch.seeds)
+    eager, padded = _speculator(k), _padded_first_pass_speculator(k, "none")
+    assert padded.first_pass_width(batch) == q and eager.first_pass_width(batch) is None
+    try:
+        batch.validate(max_model_len=40, block_size=4, num_blocks=48, extra_positions=k - 1,
+                       max_num_reqs=4)
+    except ValueError:
+        return  # lengthening the new tokens pushed a request past its block-table row
+    for spec in (eager, padded):
+        spec.kv_cache.fill_random_(7)
+    expected, kv_expected = _run(eager, batch, "per_step")
+    got, kv_got = _run(padded, batch, "per_step")
+    assert torch.equal(expected.draft_tokens, got.draft_tokens)
+    torch.testing.assert_close(expected.logits, got.logits)
+    live = slice(SINK_BLOCK + 1, None)  # padding lanes write the sink block: garbage by design
+    for (ke, ve), (kg, vg) in zip(kv_expected, kv_got):
+        torch.testing.assert_close(ke[live], kg[live])
+        torch.testing.assert_close(ve[live], vg[live])
+
+
+def test_first_pass_lens_the_backends_cannot_capture_are_dropped() -> None:
+    spec = _padded_first_pass_speculator(2, "none")
+    assert spec.first_pass_query_lens == (1, 2, 3)
+    decode_only = SHIPPED.replacing(SHIPPED.backend("reference").model_copy(
+        update={"cudagraph_support": CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE}))
+    options = SpeculatorOptions(OPTIONS.capture_sizes, OPTIONS.max_num_prefill_tokens,
+                                OPTIONS.num_blocks, pad_to_capture_sizes=True,
+                                first_pass_query_lens=(1, 2, 3))
+    spec = create_speculator("autoregressive", ["reference"] * 2, _config(2), DRAFTER, DEVICE,
+                             options, matrix=decode_only)
+    assert isinstance(spec, AutoregressiveSpeculator)
+    assert spec.first_pass_query_lens == (1,)
+
+
+@pytest.mark.cuda
+@settings(max_examples=10, deadline=None)
+@given(data=st.data(), k=st.integers(2, 4))
+def test_first_pass_graph_equals_the_eager_pass(data, k: int) -> None:
+    """The first-pass graph (one replay) drafts what the eager pass drafts."""
+    spec = _padded_first_pass_speculator(k, "full")
+    spec.capture()
+    batch = data.draw(draft_batches(_limits(k)))
+    batch = DraftBatch(batch.context_lens, tuple(row[:1] * 2 for row in batch.new_tokens),
+                       batch.block_table, batch.seeds)
+    try:
+        batch.validate(max_model_len=40, block_size=4, num_blocks=48, extra_positions=k - 1,
+                       max_num_reqs=4)
+    except ValueError:
+        return
+    spec.kv_cache.fill_random_(k)
+    start = spec.kv_cache.snapshot()
+    replays = spec.counters.first_pass_replays
+    graph, _ = _run(spec, batch, "fused")
+    assert spec.counters.first_pass_replays == replays + 1
+    spec.kv_cache.restore(start)
+    eager = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
+    assert torch.equal(graph.draft_tokens, eager.draft_tokens)
+    torch.testing.assert_close(graph.logits, eager.logits)

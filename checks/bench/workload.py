@@ -82,7 +82,8 @@ def build_speculator(backend: str, config: RuntimeConfig, num_reqs: int, context
                      matrix: Matrix, device: torch.device) -> AutoregressiveSpeculator:
     """A two-layer autoregressive drafter on ``backend`` under ``config`` (its K
     included), with graphs (under ``cudagraph_mode=full``) for ``num_reqs`` requests only,
-    and the host_preplanned path enabled where it applies. Raises
+    the first pass among them (every request brings :data:`NEW_TOKENS`), and the
+    host_preplanned path enabled where it applies. Raises
     :class:`BackendCannotRun` when the backend's kernel package is missing and
     :class:`BenchInputError` when its matrix entry does not admit ``config``."""
     layout = matrix.backend(backend).constraints.kv_layout or KvLayout.NHD
@@ -90,7 +91,8 @@ def build_speculator(backend: str, config: RuntimeConfig, num_reqs: int, context
                                         num_layers=NUM_LAYERS, kv_layout=layout)
     options = SpeculatorOptions(
         capture_sizes=(num_reqs,), max_num_prefill_tokens=num_reqs * len(NEW_TOKENS),
-        num_blocks=num_reqs * blocks_per_row(config, context) + 1, host_preplanned=True)
+        num_blocks=num_reqs * blocks_per_row(config, context) + 1, host_preplanned=True,
+        first_pass_query_lens=(len(NEW_TOKENS),))
     try:
         spec = create_speculator("autoregressive", [backend] * NUM_LAYERS, config, drafter,
                                  device, options, matrix=matrix)

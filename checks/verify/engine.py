@@ -71,6 +71,11 @@ from speccheck.speculator.model import DrafterConfig
 
 logger = logging.getLogger(__name__)
 
+FIRST_PASS_QUERY_LENS = (1, 2)
+"""Uniform first passes the verified speculators pad and capture (one or two new tokens per
+request: a draft fully rejected, or one accepted): a batch of one request, or of requests
+that all bring one of these counts, runs its first pass as a graph in the candidates and as
+the same padded body in the oracle."""
 TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 """Absolute logit / KV tolerance per dtype; a top-2 logit gap below twice this makes the
 oracle's token choice indeterminate."""
@@ -219,6 +224,7 @@ class BackendVerifier:
             max_num_prefill_tokens=most * self.settings.max_new_tokens,
             num_blocks=live + 1,
             pad_to_capture_sizes=True,
+            first_pass_query_lens=FIRST_PASS_QUERY_LENS,
         )
 
     def limits(self, k: int) -> BatchLimits:
