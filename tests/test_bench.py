@@ -78,7 +78,7 @@ def test_different_draft_tokens_exit_1_naming_the_request(monkeypatch: pytest.Mo
     assert result.exit_code == 1, result.output
     line = _one_line(result.stderr.replace("bench reference: case 1/1: K=2, batch 2\n", ""))
     assert line.startswith("reference: draft tokens differ at K=2, batch 2: request 1 drafted ")
-    assert "on per_step and " in line and line.endswith(" on fused")
+    assert "on eager per_step and " in line and line.endswith(" on fused")
 
 
 @pytest.mark.parametrize(("args", "expected"), [

@@ -4,8 +4,8 @@ every K and batch size.
 Per case (K, batch): build and capture a speculator (its graphs serve every path), then
 ``warmup_rounds + repeats`` rounds in each of which every path runs ``propose_tokens``
 once; the order rotates from round to round, so drift and order effects fall on all paths
-alike. Wall time is the median of the timed rounds; graph replays are counted per call.
-Every call's draft tokens must equal the first call's (per-step's, in round 0), else
+alike. Wall time is the median of the timed rounds; decode-graph replays are counted per
+call. Every call's draft tokens must equal those of one eager per-step run (no graphs), else
 :class:`~speccheck.checks.bench.errors.DraftTokensDiffer`. With CUDA each path then runs
 ``repeats`` more calls under the profiler for host and GPU time.
 """
@@ -139,12 +139,14 @@ def _timed_rounds(
     settings: BenchSettings, spec: AutoregressiveSpeculator, work: DraftBatch,
     paths: Sequence[DecodePath], k: int,
 ) -> tuple[dict[DecodePath, list[float]], dict[DecodePath, list[int]]]:
-    """Seconds and graph replays per timed call, by path (warm-up rounds left out); every
-    call's tokens are checked against the first call's."""
+    """Seconds and decode-graph replays per timed call, by path (warm-up rounds left
+    out); every call's tokens are checked against an eager per-step run's (no graph at all:
+    the first-pass and decode graphs are checked too)."""
     gpu = spec.device.type == "cuda"
     walls: dict[DecodePath, list[float]] = {path: [] for path in paths}
     replays: dict[DecodePath, list[int]] = {path: [] for path in paths}
-    first: tuple[DecodePath, torch.Tensor] | None = None
+    eager = spec.propose(work, DecodePath.PER_STEP, use_graphs=False).draft_tokens
+    first = ("eager per_step", eager)
     for round_ in range(settings.warmup_rounds + settings.repeats):
         shift = round_ % len(paths)
         for path in (*paths[shift:], *paths[:shift]):
@@ -157,21 +159,16 @@ def _timed_rounds(
             if round_ >= settings.warmup_rounds:
                 walls[path].append(elapsed)
                 replays[path].append(spec.counters.graph_replays - replayed)
-            if first is None:
-                first = (path, tokens.clone())
-            else:
-                _require_same_tokens(settings.backend, k, work.num_reqs, first, (path, tokens))
+            _require_same_tokens(settings.backend, k, work.num_reqs, first, (path.value, tokens))
     return walls, replays
 
 
-def _require_same_tokens(backend: str, k: int, batch: int,
-                         expected: tuple[DecodePath, torch.Tensor],
-                         actual: tuple[DecodePath, torch.Tensor]) -> None:
+def _require_same_tokens(backend: str, k: int, batch: int, expected: tuple[str, torch.Tensor],
+                         actual: tuple[str, torch.Tensor]) -> None:
     (want_path, want), (got_path, got) = expected, actual
     if torch.equal(want, got):
         return
     request = int((want != got).any(dim=1).nonzero()[0])
     raise DraftTokensDiffer(
         f"{backend}: draft tokens differ at K={k}, batch {batch}: request {request} drafted "
-        f"{want[request].tolist()} on {want_path.value} and {got[request].tolist()} on "
-        f"{got_path.value}")
+        f"{want[request].tolist()} on {want_path} and {got[request].tolist()} on {got_path}")
