@@ -1,5 +1,5 @@
-"""The drafter's one-kernel layers (speculator/model_kernels.py) against their PyTorch
-form: under the Triton interpreter on CPU (fp32 inputs: the interpreter's bf16 math is
+"""The drafter's one-kernel layers (speculator/model_kernels.py) and Gumbel-max sampling
+(speculator/sampling.py) against their PyTorch form: under the Triton interpreter on CPU (fp32 inputs: the interpreter's bf16 math is
 wrong), compiled on CUDA in every dtype (marked ``cuda``), and compiled for sm_90 on any
 machine."""
 
@@ -23,6 +23,7 @@ from speccheck.speculator.model_kernels import (
     silu_mul,
     silu_mul_torch,
 )
+from speccheck.speculator.sampling import gumbel_argmax
 
 SMALL = settings(max_examples=15, deadline=None)
 
@@ -106,6 +107,11 @@ for dtype in ("bf16", "fp16", "fp32"):
             "x_row_stride": "i32", "width": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024}),
             target=target)
     print(dtype, "ok")
+from speccheck.speculator import sampling as s
+compile(ASTSource(s._gumbel_argmax_kernel, {"logits_ptr": "*bf16", "seeds_ptr": "*i64",
+        "positions_ptr": "*i64", "out_ptr": "*i64", "row_stride": "i32", "vocab": "i32",
+        "BLOCK": "constexpr"}, {"BLOCK": 1024}), target=target)
+print("gumbel ok")
 """
 
 
@@ -116,4 +122,18 @@ def test_kernels_compile_for_sm90() -> None:
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 3, proc.stdout
+    assert proc.stdout.count(" ok") == 4, proc.stdout
+
+
+@SMALL
+@given(rows=st.integers(0, 4), vocab=st.integers(1, 2500), seed=st.integers(0, 99))
+def test_gumbel_argmax_kernel_matches_torch(rows: int, vocab: int, seed: int) -> None:
+    """Same noise, same maximum, first index on ties (the logits are integers here, so
+    ties between equal noisy scores are as exact in both forms)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (rows, vocab), generator=gen).float()
+    seeds = torch.randint(0, 2**31 - 1, (rows,), generator=gen)
+    positions = torch.randint(0, 40000, (rows,), generator=gen)
+    got = gumbel_argmax(logits, seeds, positions, kernel=True)
+    want = gumbel_argmax(logits, seeds, positions, kernel=False)
+    assert torch.equal(got, want)
