@@ -303,6 +303,12 @@ class DraftModel(nn.Module):
             x = layer(x, positions, impls[i], layer_metadata[i], kv_caches[i])
         return self.final_norm(x)
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of the weights one decode step reads: every parameter but the embedding
+        table (of which it reads one row per token)."""
+        return sum(p.numel() * p.element_size() for name, p in self.named_parameters()
+                   if not name.startswith("embed."))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[..., vocab]`` in the model's dtype: one matmul over the LM head as
         stored (fp32 accumulation inside it), no per-call conversion of the weights. The

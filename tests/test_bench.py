@@ -117,10 +117,10 @@ def _report() -> BenchReport:
             for path, scale in ((DecodePath.PER_STEP, 1.0), (DecodePath.FUSED, 0.5)):
                 rows.append(BenchRow(path, k, batch, 2.0 * k * scale, 1.0 * k * scale, 0.5 * k,
                                      1.0 if path is DecodePath.FUSED else k - 1.0, 0.25,
-                                     3 << 20, 4 << 20))
+                                     3 << 20, 4 << 20, 0.09 * batch))
     return BenchReport("reference", "NVIDIA H200", "2.13.0", "0123456789abcdef", "speccheck bench",
                        {"dtype": "bfloat16"}, {"vocab_size": 32000, "context": 200}, 30, 3,
-                       tuple(rows))
+                       tuple(rows), weight_bytes=274_000_000, bandwidth_gbps=4567.0)
 
 
 def _render_script() -> ModuleType:
@@ -140,10 +140,37 @@ def test_render_markdown_from_json(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "### reference: propose latency per call" in text
     assert "NVIDIA H200, torch 2.13.0, commit 0123456789ab; `speccheck bench`" in text
     assert ("| path | K | batch | wall ms | host ms | GPU ms | replays/propose | capture s "
-            "| graph MiB alloc/resv | wall / per_step | host / per_step | GPU / per_step |") in text
-    assert "| per_step | 4 | 8 | 8.000 | 4.000 | 2.000 | 3.00 | 0.25 | 3.0/4.0 | 1.00 | 1.00 | 1.00 |" in text
-    assert "| fused | 4 | 8 | 4.000 | 2.000 | 2.000 | 1.00 | 0.25 | 3.0/4.0 | 0.50 | 0.50 | 1.00 |" in text
+            "| graph MiB alloc/resv | wall / per_step | host / per_step | GPU / per_step "
+            "| step GPU ms | step / weight-read bound |") in text
+    assert ("The weight-read bound of a decode step: 60.0 us (274.0 MB of weights at 4567 GB/s "
+            "measured copy bandwidth).") in text
+    assert ("| per_step | 4 | 8 | 8.000 | 4.000 | 2.000 | 3.00 | 0.25 | 3.0/4.0 | 1.00 | 1.00 "
+            "| 1.00 | 0.7200 | 12.00 |") in text
+    assert ("| fused | 4 | 1 | 4.000 | 2.000 | 2.000 | 1.00 | 0.25 | 3.0/4.0 | 0.50 | 0.50 | 1.00 "
+            "| 0.0900 | 1.50 |") in text
     assert text.count("| fused |") == 4
+
+
+def test_reports_written_before_the_weight_read_bound_still_load() -> None:
+    data = _report().to_json()
+    for key in ("weight_bytes", "bandwidth_gbps"):
+        del data[key]
+    for row in data["rows"]:
+        del row["step_gpu_ms"]
+    old = BenchReport.from_json(data)
+    assert old.weight_read_bound_ms is None and old.step_over_bound(old.rows[0]) is None
+    assert BenchReport.from_json(_report().to_json()) == _report()
+
+
+def test_decode_weight_bytes_leave_out_the_embedding() -> None:
+    from speccheck.speculator.model import DraftModel, DrafterConfig
+
+    cfg = DrafterConfig(vocab_size=100, num_layers=1, num_heads=2, num_kv_heads=1, head_size=8,
+                        intermediate_size=32, dtype="bfloat16")
+    model = DraftModel(cfg, torch.device("cpu"))
+    embedding = 100 * 16 * 2
+    total = sum(p.numel() * 2 for p in model.parameters())
+    assert model.decode_weight_bytes() == total - embedding
 
 
 def test_render_rejects_a_file_that_is_not_a_report(tmp_path: Path,
@@ -203,6 +230,9 @@ def test_gpu_replays_capture_cost_and_host_time() -> None:
     for row in report.rows:
         assert row.host_ms is not None and row.graph_reserved_bytes is not None
         assert row.capture_s > 0
+        assert row.step_gpu_ms is not None and row.step_gpu_ms > 0
+    assert report.bandwidth_gbps is not None and report.bandwidth_gbps > 100
+    assert report.weight_read_bound_ms is not None and report.weight_read_bound_ms > 0
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB or torch.cuda.is_available(),

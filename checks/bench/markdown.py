@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from speccheck.checks.bench.records import BenchReport
-from speccheck.checks.bench.table import COLUMNS, row_cells
+from speccheck.checks.bench.table import COLUMNS, bound_line, row_cells
 
 
 def _cell(text: str) -> str:
@@ -25,6 +25,7 @@ def render_report(report: BenchReport) -> str:
         f"`{report.command}`; median of {report.repeats} rounds after "
         f"{report.warmup_rounds} warm-up rounds.",
         f"Runtime config: {config}. Drafter: {drafter}.",
+        *([f"The {bound_line(report)}."] if bound_line(report) else []),
         "",
         "| " + " | ".join(_cell(column.header) for column in COLUMNS) + " |",
         "|" + "|".join("---" if column.key == "path" else "---:" for column in COLUMNS) + "|",

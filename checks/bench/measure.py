@@ -23,6 +23,7 @@ import torch
 from speccheck.checks.bench.errors import BenchInputError, DraftTokensDiffer
 from speccheck.checks.bench.profiling import profile_calls
 from speccheck.checks.bench.records import BenchReport, BenchRow
+from speccheck.checks.bench.roofline import copy_bandwidth_gbps, decode_step_gpu_ms
 from speccheck.checks.bench.workload import (
     NEW_TOKENS,
     NUM_LAYERS,
@@ -83,10 +84,11 @@ def run_bench(settings: BenchSettings, device: torch.device, *, commit: str, com
     cases = [(k, batch) for k in settings.steps for batch in settings.batches]
     rows: list[BenchRow] = []
     profiles: dict[tuple[int, int, DecodePath], str] = {}
+    weight_bytes: int | None = None
     for number, (k, batch) in enumerate(cases, start=1):
         if on_case is not None:
             on_case(k, batch, number, len(cases))
-        case_rows, case_profiles = _measure_case(settings, k, batch, context, device)
+        case_rows, case_profiles, weight_bytes = _measure_case(settings, k, batch, context, device)
         rows += case_rows
         profiles.update({(k, batch, path): tables for path, tables in case_profiles.items()})
         release(device)
@@ -96,7 +98,9 @@ def run_bench(settings: BenchSettings, device: torch.device, *, commit: str, com
         config=settings.config.model_dump(exclude={"num_speculative_steps"}),
         drafter={"vocab_size": vocab_size_for(device), "num_layers": NUM_LAYERS,
                  "context": context, "new_tokens": len(NEW_TOKENS)},
-        repeats=settings.repeats, warmup_rounds=settings.warmup_rounds, rows=tuple(rows))
+        repeats=settings.repeats, warmup_rounds=settings.warmup_rounds, rows=tuple(rows),
+        weight_bytes=weight_bytes,
+        bandwidth_gbps=copy_bandwidth_gbps(device) if device.type == "cuda" else None)
     return BenchRun(report, profiles)
 
 
@@ -114,7 +118,9 @@ def _chosen_paths(settings: BenchSettings, spec: AutoregressiveSpeculator,
 
 
 def _measure_case(settings: BenchSettings, k: int, batch: int, context: int,
-                  device: torch.device) -> tuple[list[BenchRow], dict[DecodePath, str]]:
+                  device: torch.device) -> tuple[list[BenchRow], dict[DecodePath, str], int]:
+    """The case's rows, its profiler tables by path, and the bytes of weights a decode
+    step of its drafter reads."""
     config = settings.config.model_copy(update={"num_speculative_steps": k})
     spec = build_speculator(settings.backend, config, batch, context,
                             settings.matrices.matrix, device)
@@ -123,6 +129,7 @@ def _measure_case(settings: BenchSettings, k: int, batch: int, context: int,
     paths = _chosen_paths(settings, spec, k)
     walls, replays = _timed_rounds(settings, spec, work, paths, k)
     gpu = device.type == "cuda"
+    step_ms = decode_step_gpu_ms(spec, batch, settings.repeats) if gpu and k > 1 else None
     rows, profiles = [], {}
     for path in paths:
         host_ms = gpu_ms = None
@@ -131,8 +138,8 @@ def _measure_case(settings: BenchSettings, k: int, batch: int, context: int,
             host_ms, gpu_ms, profiles[path] = times.host_ms, times.gpu_ms, times.tables
         rows.append(BenchRow(path, k, batch, statistics.median(walls[path]) * 1e3, host_ms,
                              gpu_ms, statistics.fmean(replays[path]), cost.seconds,
-                             cost.allocated_bytes, cost.reserved_bytes))
-    return rows, profiles
+                             cost.allocated_bytes, cost.reserved_bytes, step_ms))
+    return rows, profiles, spec.model.decode_weight_bytes()
 
 
 def _timed_rounds(

@@ -39,6 +39,10 @@ class BenchRow:
     capture_s: float
     graph_allocated_bytes: int | None
     graph_reserved_bytes: int | None
+    step_gpu_ms: float | None = None
+    """GPU time of one decode step at this K and batch (the single-step graph replayed
+    alone; :func:`~speccheck.checks.bench.roofline.decode_step_gpu_ms`), the case's, so
+    the rows of one K and batch repeat it; ``None`` without CUDA graphs."""
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "path": self.path.value}
@@ -64,6 +68,10 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return None if value is None or not base else value / base
 
 
+_OPTIONAL = frozenset({"weight_bytes", "bandwidth_gbps"})
+"""Report fields that reports written before they existed lack."""
+
+
 @dataclass(frozen=True)
 class BenchReport:
     """Every row of one backend, in measurement order (K, then batch, then path)."""
@@ -80,6 +88,21 @@ class BenchReport:
     repeats: int
     warmup_rounds: int
     rows: tuple[BenchRow, ...]
+    weight_bytes: int | None = None
+    """Bytes of the weights one decode step reads (every parameter but the embedding)."""
+    bandwidth_gbps: float | None = None
+    """The device's measured copy bandwidth (GB/s); ``None`` without CUDA."""
+
+    @property
+    def weight_read_bound_ms(self) -> float | None:
+        """The least GPU time a decode step can take: its weights read once."""
+        if self.weight_bytes is None or not self.bandwidth_gbps:
+            return None
+        return self.weight_bytes / (self.bandwidth_gbps * 1e9) * 1e3
+
+    def step_over_bound(self, row: BenchRow) -> float | None:
+        """``row``'s decode-step GPU time over :attr:`weight_read_bound_ms`."""
+        return _ratio(row.step_gpu_ms, self.weight_read_bound_ms)
 
     @property
     def steps(self) -> tuple[int, ...]:
@@ -113,5 +136,6 @@ class BenchReport:
     def from_json(cls, data: Mapping[str, Any]) -> BenchReport:
         """The report of :meth:`to_json`'s output. Raises ``KeyError``, ``TypeError`` or
         ``ValueError`` when ``data`` is not one."""
-        values = {f.name: data[f.name] for f in fields(cls) if f.name != "rows"}
+        values = {f.name: data[f.name] for f in fields(cls)
+                  if f.name != "rows" and (f.name in data or f.name not in _OPTIONAL)}
         return cls(**values, rows=tuple(BenchRow.from_json(row) for row in data["rows"]))

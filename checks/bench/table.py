@@ -1,8 +1,9 @@
 """A report for people: a rich table on a terminal, one plain line per row in logs.
 
 Both show, per path, K and batch size: wall, host and GPU ms per propose, graph replays
-per propose, capture seconds and graph memory, and the wall / host / GPU ratios to the
-per-step row (``-`` where a figure was not measured)."""
+per propose, capture seconds and graph memory, the wall / host / GPU ratios to the
+per-step row, and the GPU time of one decode step against the weight-read bound (``-``
+where a figure was not measured)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ COLUMNS = (
     Column("replays/propose", "replays"), Column("capture s", "capture_s"),
     Column("graph MiB alloc/resv", "graph_mib"), Column(f"wall / {_BASE}", "wall_ratio"),
     Column(f"host / {_BASE}", "host_ratio"), Column(f"GPU / {_BASE}", "gpu_ratio"),
+    Column("step GPU ms", "step_gpu_ms"), Column("step / weight-read bound", "step_over_bound"),
 )
 
 
@@ -50,11 +52,22 @@ def row_cells(report: BenchReport, row: BenchRow) -> tuple[str, ...]:
     ratios = report.ratios(row)
     return (row.path.value, str(row.k), str(row.batch), fmt(row.wall_ms), fmt(row.host_ms),
             fmt(row.gpu_ms), fmt(row.replays_per_propose, 2), fmt(row.capture_s, 2),
-            graph_mib(row), fmt(ratios.wall, 2), fmt(ratios.host, 2), fmt(ratios.gpu, 2))
+            graph_mib(row), fmt(ratios.wall, 2), fmt(ratios.host, 2), fmt(ratios.gpu, 2),
+            fmt(row.step_gpu_ms, 4), fmt(report.step_over_bound(row), 2))
 
 
 def title(report: BenchReport) -> str:
     return f"{report.backend} propose latency per call ({report.device})"
+
+
+def bound_line(report: BenchReport) -> str | None:
+    """The weight-read bound of a decode step and how it was derived, or ``None``."""
+    bound = report.weight_read_bound_ms
+    if bound is None or report.weight_bytes is None or report.bandwidth_gbps is None:
+        return None
+    return (f"weight-read bound of a decode step: {bound * 1e3:.1f} us "
+            f"({report.weight_bytes / 1e6:.1f} MB of weights at {report.bandwidth_gbps:.0f} GB/s "
+            f"measured copy bandwidth)")
 
 
 def bench_table(report: BenchReport) -> Table:
@@ -67,8 +80,9 @@ def bench_table(report: BenchReport) -> Table:
 
 
 def plain_lines(report: BenchReport) -> list[str]:
-    """A title line, then one line of ``key=value`` pairs per row."""
-    return [title(report)] + [
+    """A title line, the bound line, then one line of ``key=value`` pairs per row."""
+    bound = bound_line(report)
+    return [title(report), *([bound] if bound else [])] + [
         " ".join(f"{column.key}={cell}"
                  for column, cell in zip(COLUMNS, row_cells(report, row), strict=True))
         for row in report.rows]

@@ -184,7 +184,7 @@ def _measure(backend: str, config: RuntimeConfig, matrices: MatrixContext,
 
 def _print_report(report: BenchReport) -> None:
     """What ran, then the table (terminal) or one plain line per row (logs)."""
-    from speccheck.checks.bench.table import bench_table, plain_lines
+    from speccheck.checks.bench.table import bench_table, bound_line, plain_lines
 
     console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 200)
     header = [
@@ -197,6 +197,9 @@ def _print_report(report: BenchReport) -> None:
     for line in header:
         console.print(line, markup=False, soft_wrap=True)
     if console.is_terminal:
+        bound = bound_line(report)
+        if bound:
+            console.print(bound, markup=False, soft_wrap=True)
         console.print(bench_table(report))
         return
     for line in plain_lines(report):

@@ -1,0 +1,77 @@
+"""How far one decode step is from reading the drafter's weights once.
+
+A decode step at batch 1 is memory-bound: it must read every weight it multiplies with
+(every parameter but the embedding table, of which it reads one row per token). The
+*weight-read bound* is those bytes over the device's copy bandwidth, measured here with a
+device-to-device copy; a step's GPU time is the single-step graph replayed alone between
+CUDA events. Both need CUDA.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from speccheck.speculator.autoregressive import AutoregressiveSpeculator
+
+COPY_BYTES = 1 << 30
+"""Bytes copied per bandwidth measurement: large enough to stream from HBM, not cache."""
+
+
+@dataclass(frozen=True)
+class WeightReadBound:
+    """``weight_bytes`` a decode step reads, the copy ``bandwidth_gbps`` (GB/s, read plus
+    write), and their quotient ``ms``."""
+
+    weight_bytes: int
+    bandwidth_gbps: float
+
+    @property
+    def ms(self) -> float:
+        return self.weight_bytes / (self.bandwidth_gbps * 1e9) * 1e3
+
+
+def copy_bandwidth_gbps(device: torch.device, repeats: int = 10) -> float:
+    """GB/s of a device-to-device copy of :data:`COPY_BYTES` (bytes read plus written)."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * COPY_BYTES * repeats / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def weight_read_bound(spec: AutoregressiveSpeculator, bandwidth_gbps: float) -> WeightReadBound:
+    return WeightReadBound(spec.model.decode_weight_bytes(), bandwidth_gbps)
+
+
+def decode_step_gpu_ms(spec: AutoregressiveSpeculator, batch: int, repeats: int) -> float | None:
+    """Median GPU time of the single-step graph for ``batch`` requests, replayed alone
+    from the state the last propose left: the inputs a step advances (positions, lengths,
+    token ids, step counter) are restored before every replay, outside the timed span, so
+    each replay is the same step 1. ``None`` without that graph."""
+    key = ("step", spec.bucket_for(batch))
+    if spec.graphs is None or key not in spec.graphs:
+        return None
+    advanced = (spec.buffers.positions, spec.buffers.seq_lens, spec.input_ids)
+    saved = [tensor.clone() for tensor in advanced]
+    times = []
+    for _ in range(repeats):
+        for tensor, value in zip(advanced, saved, strict=True):
+            tensor.copy_(value)
+        spec.current_step.fill_(1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        spec.graphs.replay(key)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    for tensor, value in zip(advanced, saved, strict=True):
+        tensor.copy_(value)
+    return statistics.median(times)
