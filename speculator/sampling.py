@@ -69,7 +69,7 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, positions_ptr, out_ptr, row_str
         better = block_best > best  # strict: the first maximum wins, as torch.argmax
         best_index = tl.where(better, block_index, best_index)
         best = tl.where(better, block_best, best)
-    tl.store(out_ptr + row, best_index.to(tl.int64))
+    tl.store(out_ptr + row, best_index)  # stored as the int64 it points to
 
 
 _GUMBEL_BLOCK = 1024
