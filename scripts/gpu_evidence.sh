@@ -26,12 +26,18 @@
 #       refresh for ten seeds (FA3_SEEDS_LIMIT, 0 leaves it out), verify for each of BACKENDS
 #       (VERIFY_LIMIT, EXAMPLES), and triton_mla at DCP 2 per step (DCP2_EXAMPLES, 0 leaves it
 #       out). No benchmark: timings taken beside other runs would not mean anything.
+#   scripts/gpu_evidence.sh OUTDIR lean
+#       wheels in .gpu-wheels/fi (+ fi-jit): the serving path's CUDA tests (one-kernel layers,
+#       Gumbel sampling, first-pass graph, bench, FlashInfer device-built page indices and
+#       sync-free plans), speccheck bench for triton_attn and flashinfer (K=4, batches 1, 8,
+#       64: wall, host and GPU time per path, decode-step GPU time against the weight-read
+#       bound), and a short verify of triton_attn at the GPU defaults (no false positive)
 #   scripts/gpu_evidence.sh OUTDIR audit-core | audit-flashinfer
 #       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
 #       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
 #       verify runs of every shipped backend (no false positives), and the self-test
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|audit-core|audit-flashinfer [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|audit-core|audit-flashinfer [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
@@ -39,7 +45,7 @@ mkdir -p "$out"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
   core|audit-core|serving|latent|concurrent) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
-  flashinfer|audit-flashinfer)
+  flashinfer|audit-flashinfer|lean)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
     # -m: restored objects get the current time, newer than the sources just extracted,
@@ -53,7 +59,7 @@ export SPECCHECK_COMMIT=$commit
 {
   echo "commit: $commit"; echo "suite: $suite"; date -u; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  case $suite in *flashinfer) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
+  case $suite in *flashinfer|lean) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
 } > "$out/device-$suite.txt" 2>&1
 
 console=$out/verify-console-$suite.txt
@@ -63,6 +69,19 @@ run() {  # NAME TIMEOUT ARGS...
     echo "exit $?"; } >> "$console" 2>&1
 }
 
+if [ "$suite" = lean ]; then
+  timeout "${PYTEST_LIMIT:-80}" python3 -m pytest -rA -q -m cuda tests/test_model_kernels.py \
+    tests/test_speculator.py tests/test_bench.py tests/test_flashinfer_page_indices.py \
+    > "$out/pytest-cuda-lean.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-lean.txt"
+  for backend in triton_attn flashinfer; do
+    { timeout "${BENCH_LIMIT:-50}" speccheck bench --backend "$backend" --steps 4 \
+        --batches 1,8,64 --repeats "${REPEATS:-10}" --json "$out/bench-$backend.json"
+      echo "exit $?"; } > "$out/bench-$backend.txt" 2>&1
+  done
+  run triton_attn "${VERIFY_LIMIT:-50}" --backend triton_attn --examples "${EXAMPLES:-30}"
+  exit 0
+fi
 if [ "$suite" = concurrent ]; then
   if [ "${FA3_SEEDS_LIMIT:-400}" != 0 ]; then
     { timeout "${FA3_SEEDS_LIMIT:-400}" python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py \
