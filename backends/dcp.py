@@ -25,8 +25,9 @@ block_size)`` blocks of the row (vLLM's ``virtual_block_size = block_size * N`` 
 interleave size 1). A token another rank stores writes the sink slot
 (:data:`~speccheck.backends.kv_cache_write.SINK_SLOT`) instead, as padding tokens do.
 
-Where a rank comes from: a backend with real DCP takes a :class:`DcpRank` at construction
-(its builder's keyword ``dcp``; the builder hands it to the impl). Without one, a config's
+Where a rank comes from: a backend with real DCP takes a
+:class:`~speccheck.contract.dcp.DcpRank` at construction (its builder's keyword ``dcp``,
+from whoever constructs the builders; the builder hands it to the impl). Without one, a config's
 ``dcp_world_size`` is a configuration value only and the backend attends its whole cache.
 The one collective, :func:`merge_across_ranks`, takes the process group from it explicitly.
 """
@@ -34,7 +35,6 @@ The one collective, :func:`merge_across_ranks`, takes the process group from it 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ import torch.distributed as dist
 from speccheck.backends.batch_layout import token_request_index
 from speccheck.backends.kv_cache_write import SINK_SLOT
 from speccheck.contract.builder import AttentionMetadataBuilder, BuilderLimits
+from speccheck.contract.dcp import DcpRank
 from speccheck.contract.metadata import CommonAttentionMetadata
 
 
@@ -83,34 +84,6 @@ def merge_partials(outputs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     """
     weights = torch.exp(lses - torch.logsumexp(lses, dim=0))[..., None]
     return torch.where(torch.isneginf(lses)[..., None], 0.0, weights * outputs).sum(dim=0)
-
-
-@dataclass(frozen=True)
-class DcpRank:
-    """One process's place in decode context parallelism: DCP rank ``rank`` of
-    ``world_size``, and ``group``, the process group whose members are exactly the DCP ranks
-    (group rank ``k`` is DCP rank ``k``), over which the partials are all-gathered. ``group``
-    may be ``None`` only at ``world_size == 1`` (nothing to gather)."""
-
-    rank: int
-    world_size: int
-    group: dist.ProcessGroup | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"dcp rank {self.rank} is not in [0, {self.world_size})")
-        if self.world_size > 1 and self.group is None:
-            raise ValueError(f"dcp_world_size={self.world_size} needs a process group")
-
-    def check_group(self) -> None:
-        """Raise ``ValueError`` unless ``group`` has ``world_size`` members and this process
-        is its member ``rank`` (host calls, no communication; run at construction)."""
-        if self.group is None:
-            return
-        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        if (size, rank) != (self.world_size, self.rank):
-            raise ValueError(f"DCP rank {self.rank} of {self.world_size} runs in a process "
-                             f"group where it is rank {rank} of {size}")
 
 
 def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor, dcp: DcpRank) -> torch.Tensor:

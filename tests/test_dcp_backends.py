@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from speccheck.backends.dcp import (
     DcpLocalShare,
-    DcpRank,
     dcp_local_lengths,
     write_dcp_local_lengths,
     write_dcp_slot_mapping,
@@ -46,6 +45,7 @@ from speccheck.checks.selftest.dcp_mutants import DCP_LOCAL_FIELD, STALE_DCP_BUI
 from speccheck.checks.verify.state_walk import walk_tensors
 from speccheck.contract.builder import AttentionLayerSpec, AttentionMetadataBuilder, BuilderLimits
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.contract.dcp import DcpRank
 from speccheck.contract.metadata import AttentionInputBuffers, CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import (

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from speccheck.backends.dcp import DcpLocalShare, DcpRank, merge_across_ranks
+from speccheck.backends.dcp import DcpLocalShare, merge_across_ranks
 from speccheck.backends.kv_cache_write import write_kv_cache, write_latent_cache
 from speccheck.backends.reference.attention import (
     paged_attention_reference,
@@ -22,6 +22,7 @@ from speccheck.contract.builder import (
     BuilderLimits,
     zeros_allocator,
 )
+from speccheck.contract.dcp import DcpRank
 from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -32,7 +33,7 @@ class ReferenceMetadata:
     """Views of the speculator's persistent buffers; without decode context parallelism
     nothing is derived, so nothing needs refreshing.
 
-    Under DCP (a builder given a :class:`~speccheck.backends.dcp.DcpRank` of more than one
+    Under DCP (a builder given a :class:`~speccheck.contract.dcp.DcpRank` of more than one
     rank) ``slot_mapping`` and ``dcp_local_seq_lens`` are views of the builder's
     :class:`~speccheck.backends.dcp.DcpLocalShare` instead: this rank's local KV slots and
     local lengths, step dependent, recomputed by the refresh from ``seq_lens`` and
@@ -114,7 +115,7 @@ class ReferenceMetadataBuilder(AttentionMetadataBuilder[ReferenceMetadata]):
     """Refresh strategy ``none_needed`` without DCP: every step-dependent field is a view of
     a persistent input buffer that the speculator advances in place.
 
-    With ``dcp`` (a :class:`~speccheck.backends.dcp.DcpRank` of more than one rank, which
+    With ``dcp`` (a :class:`~speccheck.contract.dcp.DcpRank` of more than one rank, which
     must match ``config.dcp_world_size``) this process is one DCP rank: the builder owns a
     :class:`~speccheck.backends.dcp.DcpLocalShare` (persistent ``dcp_local_seq_lens`` and
     ``dcp_slot_mapping``, zeroed tails), written by :meth:`build` and recomputed in place by

@@ -7,7 +7,7 @@ grids. A draft step that advances ``seq_lens`` / ``slot_mapping`` in place is th
 seen by the next replay without any refresh work.
 
 Under decode context parallelism (a builder given a
-:class:`~speccheck.backends.dcp.DcpRank` of more than one rank) this process is one DCP
+:class:`~speccheck.contract.dcp.DcpRank` of more than one rank) this process is one DCP
 rank: its cache holds the rank's interleaved share, the split kernel attends that share
 (bounded by the step-dependent ``dcp_local_seq_lens``), the reduction also emits the
 log-sum-exp, and the impl merges every rank's partials. The local lengths and KV slots live
@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 import triton
 
-from speccheck.backends.dcp import DcpLocalShare, DcpRank, merge_across_ranks
+from speccheck.backends.dcp import DcpLocalShare, merge_across_ranks
 from speccheck.backends.kv_cache_write import write_kv_cache
 from speccheck.backends.triton_attn.kernels import (
     LOG2E,
@@ -39,6 +39,7 @@ from speccheck.contract.builder import (
     BuilderLimits,
     zeros_allocator,
 )
+from speccheck.contract.dcp import DcpRank
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 
@@ -282,7 +283,7 @@ class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
     Persistent state: the :class:`SplitKVScratch`, allocated here once for
     ``limits.max_num_tokens`` tokens and handed to every metadata object.
 
-    With ``dcp`` (a :class:`~speccheck.backends.dcp.DcpRank` of more than one rank, which
+    With ``dcp`` (a :class:`~speccheck.contract.dcp.DcpRank` of more than one rank, which
     must match ``config.dcp_world_size``) this process is one DCP rank: the builder also
     owns a :class:`~speccheck.backends.dcp.DcpLocalShare` (persistent
     ``dcp_local_seq_lens`` and ``dcp_slot_mapping``, zeroed tails), written by

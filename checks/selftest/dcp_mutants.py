@@ -1,5 +1,5 @@
 """Known-bad builders of the backends with real decode context parallelism (``reference``
-and ``triton_attn`` given a :class:`~speccheck.backends.dcp.DcpRank`).
+and ``triton_attn`` given a :class:`~speccheck.contract.dcp.DcpRank`).
 
 Each is the shipped builder with the refresh of vLLM's Triton MLA under DCP: between draft
 steps it recomputes this rank's KV slots but leaves the DCP-local lengths at the values
