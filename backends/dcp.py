@@ -12,12 +12,39 @@ on the rank that receives the new token, which is why a builder that does not re
 between draft steps computes the wrong attention (the reason backends gate fused drafting on
 ``dcp_world_size == 1``).
 
-Every function is capture-safe: fixed shapes, no host synchronisation, nothing persistent.
+Every function is capture-safe: fixed shapes, no host synchronisation, nothing persistent
+(:func:`merge_across_ranks` is a collective: capturable where its process group is, i.e.
+NCCL). :class:`DcpLocalShare` holds a builder's persistent local lengths and slots.
+
+A rank's local cache (the layout :class:`DcpLocalShare` writes and the backends read):
+every rank has a paged KV cache of its own and uses each request's block table as it is.
+The ``j``-th position a rank holds of a request (global position ``j * N + rank``) goes to
+local position ``j``, i.e. slot ``block_table[r, j // block_size] * block_size + j %
+block_size``: the rank's share of a request is dense, in the first ``ceil(local_len /
+block_size)`` blocks of the row (vLLM's ``virtual_block_size = block_size * N`` layout at
+interleave size 1). A token another rank stores writes the sink slot
+(:data:`~speccheck.backends.kv_cache_write.SINK_SLOT`) instead, as padding tokens do.
+
+Where a rank comes from: a backend with real DCP takes a
+:class:`~speccheck.contract.dcp.DcpRank` at construction (its builder's keyword ``dcp``,
+from whoever constructs the builders; the builder hands it to the impl). Without one, a config's
+``dcp_world_size`` is a configuration value only and the backend attends its whole cache.
+The one collective, :func:`merge_across_ranks`, takes the process group from it explicitly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch.distributed as dist
+
+from speccheck.backends.batch_layout import token_request_index
+from speccheck.backends.kv_cache_write import SINK_SLOT
+from speccheck.contract.builder import AttentionMetadataBuilder, BuilderLimits
+from speccheck.contract.dcp import DcpRank
+from speccheck.contract.metadata import CommonAttentionMetadata
 
 
 def _held(lengths: torch.Tensor, rank: torch.Tensor | int, world: int) -> torch.Tensor:
@@ -57,3 +84,148 @@ def merge_partials(outputs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     """
     weights = torch.exp(lses - torch.logsumexp(lses, dim=0))[..., None]
     return torch.where(torch.isneginf(lses)[..., None], 0.0, weights * outputs).sum(dim=0)
+
+
+def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor, dcp: DcpRank) -> torch.Tensor:
+    """The attention over every rank's keys from this rank's partial: ``out`` ``[T, H, D]``
+    (normalised over this rank's keys) and ``lse`` ``[T, H]`` (their log-sum-exp, ``-inf``
+    where it saw none), both fp32, as every rank of ``dcp.group`` calls it with its own.
+
+    One ``all_gather`` over ``dcp.group`` of both packed together, then
+    :func:`merge_partials`; every rank returns the same ``[T, H, D]`` fp32 (zeros for rows no
+    rank saw). A collective: every rank calls it with the same ``T``. Capture-safe with a
+    group that can be captured (NCCL): fixed shapes, no host synchronisation; the gathered
+    copies are temporaries.
+    """
+    if dcp.world_size == 1:
+        return merge_partials(out.float()[None], lse.float()[None])
+    packed = torch.cat([out.float(), lse.float()[..., None]], dim=-1).contiguous()
+    gathered = packed.new_empty((dcp.world_size, *packed.shape))
+    dist.all_gather(list(gathered.unbind(0)), packed, group=dcp.group)
+    return merge_partials(gathered[..., :-1], gathered[..., -1])
+
+
+def write_dcp_local_lengths(
+    seq_lens: torch.Tensor, rank: int, world: int, out: torch.Tensor
+) -> None:
+    """:func:`dcp_local_lengths` of ``seq_lens`` written into ``out`` (same shape, integer
+    dtype), in place and without temporaries: ``(L - rank + world - 1) // world`` (never
+    negative for ``L >= 0``). Capture-safe."""
+    torch.sub(seq_lens, rank - world + 1, out=out)
+    out.floor_divide_(world)
+    out.clamp_(min=0)
+
+
+def write_dcp_slot_mapping(
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    rank: int,
+    world: int,
+    out: torch.Tensor,
+) -> None:
+    """Where each of the ``out.shape[0]`` tokens writes its KV on rank ``rank`` of
+    ``world`` (the module's local layout), into ``out`` (int64) in place: a real token at a
+    global position ``p`` with ``p % world == rank`` writes local position ``p // world`` of
+    its request's block-table row; padding tokens (past ``query_start_loc[-1]``) and tokens
+    of other ranks write :data:`~speccheck.backends.kv_cache_write.SINK_SLOT`.
+
+    ``positions`` are the tokens' global positions (the speculator's, advanced in place by
+    draft steps), ``query_start_loc`` ``[num_reqs + 1]`` and ``block_table`` ``[num_reqs,
+    *]`` the batch's. Capture-safe: gathers and one in-place copy (the intermediates are
+    temporaries), no host values but shapes.
+    """
+    num_tokens, num_reqs = out.shape[0], block_table.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        out.fill_(SINK_SLOT)
+        return
+    req = token_request_index(query_start_loc, num_tokens)
+    real = req < num_reqs
+    req = req.clamp(max=num_reqs - 1).long()
+    pos = positions[:num_tokens]
+    local = torch.div(pos, world, rounding_mode="floor")
+    block = block_table[req, torch.div(local, block_size, rounding_mode="floor")].long()
+    slot = block * block_size + local % block_size
+    out.copy_(torch.where(real & (pos % world == rank), slot, SINK_SLOT))
+
+
+class DcpLocalShare:
+    """A DCP rank's step-dependent view of each batch, in two persistent buffers that its
+    builder allocates once (through
+    :meth:`~speccheck.contract.builder.AttentionMetadataBuilder.allocate_persistent`, so
+    they are guarded) and whose tails past the batch stay zero:
+
+    - ``dcp_local_seq_lens`` ``[max_num_reqs]`` int32: positions each request holds on this
+      rank (:func:`dcp_local_lengths` of the global ``seq_lens``);
+    - ``dcp_slot_mapping`` ``[max_num_tokens]`` int64: where each token writes its KV in
+      this rank's cache (:func:`write_dcp_slot_mapping`; the sink, slot 0, in the tail).
+
+    :meth:`bind` writes both for a batch and returns the views the metadata holds;
+    :meth:`refresh_lengths` and :meth:`refresh_slots` recompute them in place from the
+    speculator's advanced ``seq_lens`` and ``positions`` (capture-safe, so a builder calls
+    them from ``update_draft_decode_metadata``).
+    """
+
+    LENGTHS = "dcp_local_seq_lens"
+    SLOTS = "dcp_slot_mapping"
+
+    def __init__(
+        self,
+        dcp: DcpRank,
+        allocate: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor],
+        limits: BuilderLimits,
+        block_size: int,
+    ) -> None:
+        self.dcp = dcp
+        self.block_size = block_size
+        self.local_seq_lens = allocate(self.LENGTHS, (limits.max_num_reqs,), torch.int32)
+        self.slot_mapping = allocate(self.SLOTS, (limits.max_num_tokens,), torch.int64)
+
+    @classmethod
+    def for_builder(
+        cls, builder: AttentionMetadataBuilder[Any], dcp: DcpRank | None
+    ) -> DcpLocalShare | None:
+        """The share of ``builder`` (allocated through it) when ``dcp`` spans more than one
+        rank, else ``None``. Raises ``ValueError`` when ``dcp`` disagrees with the builder's
+        ``config.dcp_world_size`` or with its process group."""
+        if dcp is None:
+            return None
+        if dcp.world_size != builder.config.dcp_world_size:
+            raise ValueError(f"DCP rank of a world of {dcp.world_size} for a config with "
+                             f"dcp_world_size={builder.config.dcp_world_size}")
+        if dcp.world_size == 1:
+            return None
+        dcp.check_group()
+        return cls(dcp, builder.allocate_persistent, builder.limits, builder.layer.block_size)
+
+    def bind(self, common: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dcp_local_seq_lens, slot_mapping)`` for ``common``: the first ``num_reqs`` and
+        ``num_actual_tokens`` rows of the buffers, written for ``common``'s step; the rows
+        past them are zeroed. Host work (build time)."""
+        n, t = common.num_reqs, common.num_actual_tokens
+        lens, slots = self.local_seq_lens[:n], self.slot_mapping[:t]
+        self.local_seq_lens[n:].zero_()
+        self.slot_mapping[t:].fill_(SINK_SLOT)
+        self.refresh_lengths(common.seq_lens, lens)
+        self.refresh_slots(common.positions, common.query_start_loc, common.block_table, slots)
+        return lens, slots
+
+    def refresh_lengths(self, seq_lens: torch.Tensor, local_seq_lens: torch.Tensor) -> None:
+        """Recompute ``local_seq_lens`` (a view :meth:`bind` returned) from the global
+        ``seq_lens`` in place, without temporaries. Capture-safe."""
+        write_dcp_local_lengths(seq_lens, self.dcp.rank, self.dcp.world_size, local_seq_lens)
+
+    def refresh_slots(
+        self, positions: torch.Tensor, query_start_loc: torch.Tensor, block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Recompute ``slot_mapping`` (a view :meth:`bind` returned) from the tokens' global
+        ``positions`` in place. Capture-safe."""
+        write_dcp_slot_mapping(positions, query_start_loc, block_table, self.block_size,
+                               self.dcp.rank, self.dcp.world_size, slot_mapping)
+
+    def extents(self, local_seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> dict[str, int]:
+        """Rows of each buffer a metadata object uses (its views' lengths); the tail past
+        them is zero (``SINK_SLOT`` is slot 0)."""
+        return {self.LENGTHS: local_seq_lens.shape[0], self.SLOTS: slot_mapping.shape[0]}

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import torch
 
+SINK_SLOT = 0
+"""The reserved sink slot (the first slot of block 0, which no block table holds): padding
+tokens, and under decode context parallelism tokens another rank stores, write there, and
+nothing reads it. It is the speculator's ``PAD_SLOT``; a test holds the two equal."""
+
 
 def write_kv_cache(
     key: torch.Tensor,

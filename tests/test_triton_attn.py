@@ -297,7 +297,8 @@ _AOT_SCRIPT = textwrap.dedent(
         assert compiled.asm["cubin"], fn.__name__
         print(fn.__name__, "ok", flush=True)
 
-    index = {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
+    index = {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "local_lens_ptr",
+                                 "query_start_loc_ptr")}
     for dtype, extra in [
         ("bf16", dict(NUM_HEADS=32, GROUP=4, GROUP_P=4, HEAD_SIZE=128, BLOCK_SIZE=16,
                       BLOCK_M=1, NUM_SPLITS=8, CAUSAL=True, UPCAST=False)),
@@ -310,8 +311,8 @@ _AOT_SCRIPT = textwrap.dedent(
         compile_sm90(kernels.paged_attention_split_kernel, {**data, **index},
                      dict(BLOCK_N=32, **extra))
     for dtype, extra in [
-        ("bf16", dict(NUM_HEADS=32, HEAD_SIZE=128, NUM_SPLITS=8, SPLITS_P=8)),
-        ("fp32", dict(NUM_HEADS=6, HEAD_SIZE=16, NUM_SPLITS=3, SPLITS_P=4)),
+        ("bf16", dict(NUM_HEADS=32, HEAD_SIZE=128, NUM_SPLITS=8, SPLITS_P=8, WRITE_LSE=False)),
+        ("fp32", dict(NUM_HEADS=6, HEAD_SIZE=16, NUM_SPLITS=3, SPLITS_P=4, WRITE_LSE=True)),
     ]:
         compile_sm90(kernels.paged_attention_reduce_kernel,
                      {"out_ptr": "*" + dtype, "query_start_loc_ptr": "*i32"}, extra)

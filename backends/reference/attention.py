@@ -17,14 +17,8 @@ import itertools
 
 import torch
 
+from speccheck.backends.batch_layout import token_request_index
 from speccheck.backends.dcp import dcp_local_lengths
-
-
-def token_request_index(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Request index of each of ``num_tokens`` tokens (``num_reqs`` for tokens past the last
-    real query offset, i.e. padding tokens)."""
-    tokens = torch.arange(num_tokens, device=query_start_loc.device, dtype=query_start_loc.dtype)
-    return torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True)
 
 
 GATHER_BYTES = 256 * 2**20

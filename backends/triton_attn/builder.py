@@ -5,16 +5,26 @@ persistent input buffers and of this builder's persistent split-KV scratch, and 
 read lengths, offsets and block ids from those buffers at run time with value-independent
 grids. A draft step that advances ``seq_lens`` / ``slot_mapping`` in place is therefore
 seen by the next replay without any refresh work.
+
+Under decode context parallelism (a builder given a
+:class:`~speccheck.contract.dcp.DcpRank` of more than one rank) this process is one DCP
+rank: its cache holds the rank's interleaved share, the split kernel attends that share
+(bounded by the step-dependent ``dcp_local_seq_lens``), the reduction also emits the
+log-sum-exp, and the impl merges every rank's partials. The local lengths and KV slots live
+in the builder's :class:`~speccheck.backends.dcp.DcpLocalShare` and the refresh recomputes
+them in place (``in_graph``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import triton
 
+from speccheck.backends.dcp import DcpLocalShare, merge_across_ranks
 from speccheck.backends.kv_cache_write import write_kv_cache
 from speccheck.backends.triton_attn.kernels import (
     LOG2E,
@@ -29,6 +39,7 @@ from speccheck.contract.builder import (
     BuilderLimits,
     zeros_allocator,
 )
+from speccheck.contract.dcp import DcpRank
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 
@@ -103,46 +114,62 @@ class SplitKVScratch:
 
     def reduce_into(
         self, output: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
-        num_tokens: int,
+        num_tokens: int, lse: torch.Tensor | None = None,
     ) -> None:
         """Merge every split's partials of the first ``num_tokens`` rows into ``output``
         (``[T, heads, width]``, last dimension contiguous), zeros for padding tokens (those
         at or past ``query_start_loc[num_reqs]``): one capture-safe launch whose grid
-        depends on shapes only."""
+        depends on shapes only. With ``lse`` (fp32 ``[T, heads]``) also each row's
+        natural-log log-sum-exp, ``-inf`` where it saw no key."""
         num_heads, width = output.shape[1], output.shape[2]
         paged_attention_reduce_kernel[(num_tokens, num_heads)](
             output,
             self.part_max,
             self.part_sum,
             self.part_acc,
+            output if lse is None else lse,
             query_start_loc,
             num_reqs,
             output.stride(0),
             output.stride(1),
+            0 if lse is None else lse.stride(0),
+            0 if lse is None else lse.stride(1),
             NUM_HEADS=num_heads,
             HEAD_SIZE=width,
             NUM_SPLITS=self.num_splits,
             SPLITS_P=triton.next_power_of_2(self.num_splits),
+            WRITE_LSE=lse is not None,
         )
 
 
 @dataclass
 class TritonAttnMetadata:
-    """Views of the speculator's persistent buffers plus the builder's scratch; nothing is
-    derived from tensor values, so nothing is step dependent.
+    """Views of the speculator's persistent buffers plus the builder's scratch; without
+    decode context parallelism nothing is derived from tensor values, so nothing is step
+    dependent.
 
     ``max_query_len`` only picks the query-block size (a performance choice): any value
     gives correct results for any query lengths the buffers hold at replay time.
+
+    Under DCP ``slot_mapping`` and ``dcp_local_seq_lens`` are views of the builder's
+    :class:`~speccheck.backends.dcp.DcpLocalShare`: this rank's local KV slots and local
+    lengths, step dependent, recomputed by the refresh from ``seq_lens`` and ``positions``.
     """
 
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    """Where each token writes its KV in the cache this process holds."""
     num_actual_tokens: int
     max_query_len: int
     causal: bool
     scratch: SplitKVScratch
+    positions: torch.Tensor | None = None
+    """The tokens' global positions (a view of the speculator's buffer)."""
+    dcp_local_seq_lens: torch.Tensor | None = None
+    """``[num_reqs]`` int32: positions of each request this rank's cache holds; without DCP
+    ``seq_lens`` itself (the same tensor). ``None`` reads as ``seq_lens``."""
 
 
 class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
@@ -150,7 +177,17 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
 
     Capture-safe: two in-place cache scatters and two kernel launches whose grids depend on
     shapes only; no allocation, no host synchronisation.
+
+    With ``dcp`` (more than one rank) the cache holds this rank's interleaved share: the
+    kernels compute its partial attention and log-sum-exp into fp32 temporaries, and the
+    impl writes the merge of every rank's partials
+    (:func:`~speccheck.backends.dcp.merge_across_ranks`, a collective), so every rank
+    returns the attention over the whole context.
     """
+
+    def __init__(self, layer: AttentionLayerSpec, scale: float, dcp: DcpRank | None = None) -> None:
+        super().__init__(layer, scale)
+        self.dcp = dcp if dcp is not None and dcp.world_size > 1 else None
 
     max_query_block: int = 16
     """Upper bound on ``BLOCK_M``, the query tokens of one request a program handles."""
@@ -190,6 +227,9 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
         group = num_heads // num_kv_heads
         group_p = triton.next_power_of_2(group)
         num_reqs = metadata.seq_lens.shape[0]
+        local = metadata.dcp_local_seq_lens
+        local = metadata.seq_lens if local is None else local
+        rank, world = (0, 1) if self.dcp is None else (self.dcp.rank, self.dcp.world_size)
         if num_reqs > 0:
             block_m = self.query_block(metadata.max_query_len, group_p)
             grid = (n // block_m + num_reqs, num_kv_heads, scratch.num_splits)
@@ -199,12 +239,15 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 value_cache,
                 metadata.block_table,
                 metadata.seq_lens,
+                local,
                 metadata.query_start_loc,
                 scratch.part_max,
                 scratch.part_sum,
                 scratch.part_acc,
                 self.scale * LOG2E,
                 num_reqs,
+                rank,
+                world,
                 query.stride(0),
                 query.stride(1),
                 key_cache.stride(0),
@@ -225,7 +268,13 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 CAUSAL=metadata.causal,
                 UPCAST=query.device.type != "cuda",
             )
-        scratch.reduce_into(output, metadata.query_start_loc, num_reqs, n)
+        if self.dcp is None:
+            scratch.reduce_into(output, metadata.query_start_loc, num_reqs, n)
+            return
+        partial = output.new_empty(output[:n].shape, dtype=torch.float32)
+        lse = output.new_empty(output.shape[:2], dtype=torch.float32)[:n]
+        scratch.reduce_into(partial, metadata.query_start_loc, num_reqs, n, lse=lse)
+        output[:n] = merge_across_ranks(partial, lse, self.dcp).to(output.dtype)
 
 
 class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
@@ -234,13 +283,21 @@ class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
     Persistent state: the :class:`SplitKVScratch`, allocated here once for
     ``limits.max_num_tokens`` tokens and handed to every metadata object.
 
+    With ``dcp`` (a :class:`~speccheck.contract.dcp.DcpRank` of more than one rank, which
+    must match ``config.dcp_world_size``) this process is one DCP rank: the builder also
+    owns a :class:`~speccheck.backends.dcp.DcpLocalShare` (persistent
+    ``dcp_local_seq_lens`` and ``dcp_slot_mapping``, zeroed tails), written by
+    :meth:`build` and recomputed in place by :meth:`update_draft_decode_metadata`
+    (``in_graph``). Without ``dcp`` a config's ``dcp_world_size`` is a configuration value
+    only: the cache holds every position.
+
     What the kernels need of the layer and config (power-of-two head sizes from 16 to 256,
     KV cache in the activation dtype) is stated as the ``triton_attn`` matrix entry's
     constraints and enforced from there before construction.
     """
 
     backend_name = "triton_attn"
-    impl_cls = TritonAttnImpl
+    impl_cls: ClassVar[type[TritonAttnImpl]] = TritonAttnImpl
 
     def __init__(
         self,
@@ -252,9 +309,10 @@ class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
         supports_draft_decode_metadata_update: bool = False,
         buffer_allocator: BufferAllocator = zeros_allocator,
         num_kv_splits: int | None = None,
+        dcp: DcpRank | None = None,
     ) -> None:
         """``num_kv_splits`` overrides :func:`default_num_kv_splits` (fixed for the builder's
-        lifetime, like the scratch it sizes)."""
+        lifetime, like the scratch it sizes); ``dcp`` makes this process a DCP rank."""
         super().__init__(
             layer,
             config,
@@ -269,22 +327,57 @@ class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
         self.scratch = SplitKVScratch.allocate(
             limits.max_num_tokens, layer.num_heads, splits, layer.head_size, device
         )
+        self.dcp_share = DcpLocalShare.for_builder(self, dcp)
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttnMetadata:
+        slots, local = common.slot_mapping, common.seq_lens
+        if self.dcp_share is not None:
+            local, slots = self.dcp_share.bind(common)
         return TritonAttnMetadata(
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
             block_table=common.block_table,
-            slot_mapping=common.slot_mapping,
+            slot_mapping=slots,
             num_actual_tokens=common.num_actual_tokens,
             max_query_len=common.max_query_len,
             causal=common.causal,
             scratch=self.scratch,
+            positions=common.positions,
+            dcp_local_seq_lens=local,
         )
 
     def update_draft_decode_metadata(self, metadata: TritonAttnMetadata) -> None:
-        """``none_needed``: every field is a view of a persistent buffer that the speculator
-        advances in place, and the kernels read it at run time."""
+        """Without DCP ``none_needed``: every field is a view of a persistent buffer that
+        the speculator advances in place, and the kernels read it at run time. Under DCP:
+        the local slots and lengths recomputed in place (:meth:`refresh_dcp_slots`,
+        :meth:`refresh_dcp_lengths`)."""
+        self.refresh_dcp_slots(metadata)
+        self.refresh_dcp_lengths(metadata)
+
+    def refresh_dcp_slots(self, metadata: TritonAttnMetadata) -> None:
+        """Under DCP: ``slot_mapping`` recomputed in place from ``positions``. Capture-safe."""
+        if self.dcp_share is not None:
+            assert metadata.positions is not None
+            self.dcp_share.refresh_slots(metadata.positions, metadata.query_start_loc,
+                                         metadata.block_table, metadata.slot_mapping)
+
+    def refresh_dcp_lengths(self, metadata: TritonAttnMetadata) -> None:
+        """Under DCP: ``dcp_local_seq_lens`` recomputed in place from ``seq_lens``.
+        Capture-safe."""
+        if self.dcp_share is not None:
+            assert metadata.dcp_local_seq_lens is not None
+            self.dcp_share.refresh_lengths(metadata.seq_lens, metadata.dcp_local_seq_lens)
+
+    def persistent_buffer_extents(self, metadata: TritonAttnMetadata) -> Mapping[str, int]:
+        """Under DCP: the rows of the local lengths and slots the batch uses."""
+        if self.dcp_share is None or metadata.dcp_local_seq_lens is None:
+            return {}
+        return self.dcp_share.extents(metadata.dcp_local_seq_lens, metadata.slot_mapping)
+
+    def make_impl(self, scale: float) -> TritonAttnImpl:
+        """The impl, given this builder's DCP rank (it all-gathers the partials)."""
+        dcp = self.dcp_share.dcp if self.dcp_share is not None else None
+        return self.impl_cls(self.layer, scale, dcp)
 
     def workspace_buffers(self) -> Mapping[str, torch.Tensor]:
         """The split-KV scratch: allocated once, rewritten by every forward."""

@@ -26,6 +26,15 @@ running maximum (log2 domain), the softmax denominator and the weighted value su
 ``query_start_loc[num_reqs]`` (padding) get zeros without reading scratch, and a row that saw
 no key (``seq_len == 0``, or a causal position before the first key) gets zeros too.
 
+Decode context parallelism: the split kernel attends the KV positions of one DCP rank's
+share (``dcp_rank`` of ``dcp_world``; the layout of :mod:`speccheck.backends.dcp`): local
+position ``j`` of a request, bounded by ``local_lens[r]``, holds global position
+``j * dcp_world + dcp_rank``, and the causal rule applies to the global position. With
+``dcp_world == 1`` (``local_lens`` is ``seq_lens``) that is the whole cache. With
+``WRITE_LSE`` the reduction also writes each row's natural-log log-sum-exp (``-inf`` for a
+row that saw no key, padding included), which :func:`~speccheck.backends.dcp.merge_partials`
+needs to merge the ranks' partials.
+
 Numerics: scores and accumulators are fp32. With ``UPCAST`` the kernels convert loaded
 queries, keys and values to fp32 before any arithmetic; the Triton interpreter (CPU) needs
 it, as it computes bf16 arithmetic and bf16 ``tl.dot`` wrongly. Without it (GPU), ``tl.dot``
@@ -43,6 +52,9 @@ from speccheck.backends.triton_shared import online_softmax_step
 
 LOG2E = 1.4426950408889634
 """``log2(e)``: scores are scaled by ``scale * LOG2E`` so the kernels can use ``exp2``."""
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+"""``ln(2)``: turns the log2-domain log-sum-exp into the natural-log one (a constexpr, so
+kernels may read it)."""
 
 
 @triton.jit
@@ -67,12 +79,15 @@ def paged_attention_split_kernel(
     v_cache_ptr,
     block_table_ptr,
     seq_lens_ptr,
+    local_lens_ptr,
     query_start_loc_ptr,
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
     scale_log2e,
     num_reqs,
+    dcp_rank,
+    dcp_world,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -96,7 +111,8 @@ def paged_attention_split_kernel(
     """Partial attention of one (query block, KV head, KV split); see the module docstring.
 
     Shapes: q ``[T, NUM_HEADS, HEAD_SIZE]``; caches ``[num_blocks, BLOCK_SIZE, num_kv_heads,
-    HEAD_SIZE]``; block table ``[num_reqs, *]`` int32; seq_lens ``[num_reqs]`` int32;
+    HEAD_SIZE]``; block table ``[num_reqs, *]`` int32; seq_lens (global) and local_lens
+    (this DCP rank's share; ``seq_lens`` itself at ``dcp_world == 1``) ``[num_reqs]`` int32;
     query_start_loc ``[num_reqs + 1]`` int32; scratch contiguous ``[T', NUM_HEADS,
     NUM_SPLITS]`` (fp32 max and sum) and ``[T', NUM_HEADS, NUM_SPLITS, HEAD_SIZE]`` (fp32
     acc) with ``T' >= T``. The last dimension of q and of the caches must be contiguous.
@@ -112,6 +128,7 @@ def paged_attention_split_kernel(
     if block_q0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + req)
+    local_len = tl.load(local_lens_ptr + req)
 
     ROWS: tl.constexpr = BLOCK_M * GROUP_P
     rows = tl.arange(0, ROWS)
@@ -120,11 +137,14 @@ def paged_attention_split_kernel(
     row_ok = (tok < q_len) & (rows % GROUP_P < GROUP)
     position = seq_len - q_len + tok
 
-    # KV positions this query block may see, cut into NUM_SPLITS runs of whole tiles.
+    # Local KV positions this query block may see (those this rank holds below the global
+    # causal bound), cut into NUM_SPLITS runs of whole tiles.
     if CAUSAL:
-        kv_end = seq_len - q_len + tl.minimum(block_q0 + BLOCK_M, q_len)
+        global_end = seq_len - q_len + tl.minimum(block_q0 + BLOCK_M, q_len)
+        held = tl.maximum(global_end - dcp_rank + dcp_world - 1, 0) // dcp_world
+        kv_end = tl.minimum(local_len, held)
     else:
-        kv_end = seq_len
+        kv_end = local_len
     num_tiles = tl.cdiv(tl.maximum(kv_end, 0), BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
@@ -160,7 +180,7 @@ def paged_attention_split_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2e
         visible = kv_ok[None, :]
         if CAUSAL:
-            visible = visible & (kv[None, :] <= position[:, None])
+            visible = visible & (kv[None, :] * dcp_world + dcp_rank <= position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
 
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v)
@@ -179,23 +199,32 @@ def paged_attention_reduce_kernel(
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
+    lse_ptr,
     query_start_loc_ptr,
     num_reqs,
     stride_ot,
     stride_oh,
+    stride_lt,
+    stride_lh,
     NUM_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     """Merge the split partials of one (token, head) into ``out`` (``[T, NUM_HEADS,
-    HEAD_SIZE]``, last dimension contiguous), or write zeros for a padding token."""
+    HEAD_SIZE]``, last dimension contiguous), or write zeros for a padding token. With
+    ``WRITE_LSE`` also the row's natural-log log-sum-exp into ``lse`` (fp32, ``[T,
+    NUM_HEADS]`` with strides ``stride_lt, stride_lh``): ``-inf`` where no key was seen;
+    without it ``lse_ptr`` is never touched."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.arange(0, HEAD_SIZE)
     out_row = out_ptr + token * stride_ot + head * stride_oh + dims
     if token >= tl.load(query_start_loc_ptr + num_reqs):
         tl.store(out_row, tl.zeros([HEAD_SIZE], tl.float32).to(out_ptr.dtype.element_ty))
+        if WRITE_LSE:
+            tl.store(lse_ptr + token * stride_lt + head * stride_lh, float("-inf"))
         return
 
     splits = tl.arange(0, SPLITS_P)
@@ -211,3 +240,6 @@ def paged_attention_reduce_kernel(
     total = tl.sum(weight * l, 0)
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_row, out.to(out_ptr.dtype.element_ty))
+    if WRITE_LSE:
+        lse = tl.where(total == 0.0, float("-inf"), (m_max + tl.log2(total)) * LN2)
+        tl.store(lse_ptr + token * stride_lt + head * stride_lh, lse)
