@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from speccheck.contract.builder import (
     zeros_allocator,
 )
 from speccheck.contract.constraints import enforce_layer_constraints
+from speccheck.contract.dcp import DcpRank
 from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.resolution import resolve_backend
@@ -75,6 +77,7 @@ def build_attention_groups(
     builder_overrides: dict[str, type[AttentionMetadataBuilder[Any]]] | None = None,
     buffer_allocator: BufferAllocator = zeros_allocator,
     claim_fused: bool = False,
+    dcp: DcpRank | None = None,
 ) -> list[AttentionGroup]:
     """One group per distinct backend, in order of first use; layer ``i`` runs
     ``layer_backends[i]``. Each builder's ``supports_draft_decode_metadata_update`` is
@@ -84,7 +87,15 @@ def build_attention_groups(
     ``buffer_allocator`` backs the builders' persistent buffers. ``claim_fused`` grants
     every builder the refresh capability whatever the matrix says: the claims audit
     (``speccheck verify --audit-claims``) uses it to try a fused path the matrix forbids.
+
+    ``dcp`` (a rank of a real DCP group, ``world_size == config.dcp_world_size``) goes to
+    every builder, which must then hold its rank's share of the KV cache: a builder whose
+    constructor takes no ``dcp`` keyword raises ``ValueError``. Without one,
+    ``dcp_world_size`` is a configuration value only.
     """
+    if dcp is not None and dcp.world_size != config.dcp_world_size:
+        raise ValueError(f"a DCP rank of a group of {dcp.world_size} under dcp_world_size="
+                         f"{config.dcp_world_size}")
     groups: dict[str, AttentionGroup] = {}
     for index, name in enumerate(layer_backends):
         if name not in groups:
@@ -92,10 +103,17 @@ def build_attention_groups(
             entry = matrix.backend(name)
             resolution = resolve_backend(entry, config)
             enforce_layer_constraints(entry, config, layer)
+            share: dict[str, DcpRank] = {}
+            if dcp is not None:
+                if "dcp" not in inspect.signature(cls).parameters:
+                    raise ValueError(
+                        f"{name}: {cls.__name__} holds no share of a DCP group's KV cache (its "
+                        "constructor takes no dcp keyword); run it without a DCP rank")
+                share = {"dcp": dcp}
             builder = cls(
                 layer, config, device, limits,
                 supports_draft_decode_metadata_update=claim_fused or resolution.fused_multi_step,
-                buffer_allocator=buffer_allocator,
+                buffer_allocator=buffer_allocator, **share,
             )
             groups[name] = AttentionGroup(
                 name, builder, (), entry.draft_decode.refresh_strategy,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from speccheck.contract.builder import AttentionMetadataBuilder, BufferAllocator, zeros_allocator
+from speccheck.contract.dcp import DcpRank
 from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import build_attention_groups
@@ -32,13 +33,17 @@ def create_speculator(
     speculator_cls: type[AutoregressiveSpeculator | DFlashSpeculator] | None = None,
     claim_fused: bool = False,
     kv_cache: PagedKVCache | None = None,
+    dcp: DcpRank | None = None,
 ) -> AutoregressiveSpeculator | DFlashSpeculator:
     """``kind`` is ``"autoregressive"`` or ``"dflash"``; layer ``i`` of the drafter runs on
     backend ``layer_backends[i]`` (one name repeats for a single-backend model), as
     ``matrix`` declares it. ``speculator_cls`` swaps in a subclass of the kind's speculator
     (the DP regression plants the seed-004 bug with one); ``builder_overrides`` and
     ``claim_fused`` are passed to :func:`build_attention_groups`; ``kv_cache`` is shared
-    instead of allocated (see :class:`~speccheck.speculator.base.DraftModelSpeculator`)."""
+    instead of allocated (see :class:`~speccheck.speculator.base.DraftModelSpeculator`);
+    ``dcp`` makes this process one rank of a real DCP group: its builders hold the rank's
+    share of the KV cache and merge attention across the group (see
+    :func:`build_attention_groups`)."""
     kinds: dict[str, type[AutoregressiveSpeculator | DFlashSpeculator]] = {
         "autoregressive": AutoregressiveSpeculator, "dflash": DFlashSpeculator,
     }
@@ -62,5 +67,6 @@ def create_speculator(
         builder_overrides=builder_overrides,
         buffer_allocator=buffer_allocator,
         claim_fused=claim_fused,
+        dcp=dcp,
     )
     return cls(DraftModel(drafter, device), groups, config, device, options, kv_cache=kv_cache)
