@@ -41,6 +41,7 @@ from speccheck.backends.dcp import (
 from speccheck.backends.kv_cache_write import SINK_SLOT
 from speccheck.backends.reference.builder import ReferenceMetadataBuilder
 from speccheck.backends.triton_attn.builder import TritonAttnMetadataBuilder
+from speccheck.checks.probes import HostSyncRecorder, IdentityGuard, check_zero_tail
 from speccheck.checks.selftest.dcp_mutants import DCP_LOCAL_FIELD, STALE_DCP_BUILDERS
 from speccheck.checks.verify.state_walk import walk_tensors
 from speccheck.contract.builder import AttentionLayerSpec, AttentionMetadataBuilder, BuilderLimits
@@ -105,6 +106,9 @@ class Trace:
     """Per refresh, the metadata tensors that differ from a fresh build of the next step."""
     in_place: bool = True
     """Whether every refresh kept the metadata's local lengths and slots at their address."""
+    probe_findings: list[str] = field(default_factory=list)
+    """What the capture-safety probes found in the refreshes (host synchronisations,
+    rebound tensors) and in the persistent buffers after them (unzeroed tails)."""
     key_cache: torch.Tensor | None = None
     value_cache: torch.Tensor | None = None
 
@@ -211,6 +215,12 @@ def _differing(builder: AttentionMetadataBuilder[Any], md: Any, fresh: Any) -> l
             if t.data_ptr() not in workspace and not torch.equal(t, want[path])]
 
 
+def _unzeroed_tails(builder: AttentionMetadataBuilder[Any], md: Any) -> list[str]:
+    buffers = builder.persistent_buffers()
+    return [problem for name, used in builder.persistent_buffer_extents(md).items()
+            if (problem := check_zero_tail(buffers[name], used, name=name)) is not None]
+
+
 def run_steps(backend: Backend, variant: Variant, dtype: torch.dtype, rank: int,
               world: int, group: dist.ProcessGroup | None) -> Trace:
     """The eager first pass, then the fused draft-decode loop on DCP rank ``rank`` of
@@ -250,7 +260,11 @@ def run_steps(backend: Backend, variant: Variant, dtype: torch.dtype, rank: int,
         if step == STEPS:
             break
         _write_step_inputs(buffers, step + 1)
-        builder.update_draft_decode_metadata(md)
+        with HostSyncRecorder() as syncs, IdentityGuard({"metadata": md,
+                                                         "builder": builder}) as identity:
+            builder.update_draft_decode_metadata(md)
+        trace.probe_findings += [f.message for f in syncs.findings() + identity.findings()]
+        trace.probe_findings += _unzeroed_tails(builder, md)
         trace.in_place &= address == (md.dcp_local_seq_lens.data_ptr(),
                                       md.slot_mapping.data_ptr())
         fresh = fresh_builder.build(_common(buffers, step + 1))
@@ -306,10 +320,13 @@ def test_merged_decode_equals_the_single_rank_oracle(two_ranks, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_refresh_advances_the_local_lengths_in_place(two_ranks, dtype) -> None:
+    """Equal to a fresh build after every refresh, at the same addresses; the probes find
+    no host synchronisation, no rebound tensor and no unzeroed tail."""
     backend, ranks = two_ranks
     for rank, result in enumerate(ranks):
         trace = result[Variant.SHIPPED, str(dtype)]
         assert trace.in_place, f"{backend} rank {rank}: a refresh rebound a DCP buffer"
+        assert trace.probe_findings == [], trace.probe_findings
         assert trace.stale_fields == [[]] * (STEPS - 1), trace.stale_fields
         for step, lens in enumerate(trace.local_lens, 1):
             want = dcp_local_lengths(torch.tensor(_step_lengths(step) + [0] * PAD_REQS),
