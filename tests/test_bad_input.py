@@ -428,3 +428,18 @@ def test_bad_output_paths_are_one_line_errors_before_any_work(args: list[str]) -
     assert "Traceback" not in result.output and result.exception is None or isinstance(
         result.exception, SystemExit)
     assert "cannot write" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["verify", "--examples", "-3"], "--examples"),
+    (["verify", "--examples", "abc"], "--examples"),
+    (["verify", "--no-such-option"], "--no-such-option"),
+    (["bench", "--backend", "reference", "--repeats", "x"], "--repeats"),
+])
+def test_options_the_parser_rejects_are_one_line_and_exit_2(args: list[str], option: str) -> None:
+    proc = speccheck(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"speccheck {args[0]}: ") and option in lines[0], lines[0]
+    assert proc.stdout == ""

@@ -248,5 +248,20 @@ app.command("bench")(bench_command)
 
 
 def main() -> None:
-    """Console-script entry point (``speccheck``)."""
-    app()
+    """Console-script entry point (``speccheck``). A command line the parser rejects (an
+    unknown option, a value out of range or of the wrong type) is one line on stderr naming
+    the command and the option, exit status 2."""
+    try:
+        code = app(prog_name="speccheck", standalone_mode=False)
+    except Exception as exc:
+        usage_error = getattr(exc, "format_message", None)
+        exit_code = getattr(exc, "exit_code", None)
+        if usage_error is None or not isinstance(exit_code, int) or exit_code == 0:
+            raise
+        context = getattr(exc, "ctx", None)
+        command = context.command_path if context is not None else "speccheck"
+        message = " ".join(str(usage_error()).split())
+        if message:  # empty: the parser has printed the help (no command given)
+            print(f"{command}: {message}", file=sys.stderr)
+        sys.exit(exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
