@@ -34,8 +34,8 @@ The one collective, :func:`merge_across_ranks`, takes the process group from it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -229,3 +229,57 @@ class DcpLocalShare:
         """Rows of each buffer a metadata object uses (its views' lengths); the tail past
         them is zero (``SINK_SLOT`` is slot 0)."""
         return {self.LENGTHS: local_seq_lens.shape[0], self.SLOTS: slot_mapping.shape[0]}
+
+
+class DcpShareMetadata(Protocol):
+    """What the metadata of a builder holding a DCP share carries (read-only here)."""
+
+    @property
+    def positions(self) -> torch.Tensor | None: ...
+    @property
+    def query_start_loc(self) -> torch.Tensor: ...
+    @property
+    def block_table(self) -> torch.Tensor: ...
+    @property
+    def slot_mapping(self) -> torch.Tensor: ...
+    @property
+    def seq_lens(self) -> torch.Tensor: ...
+    @property
+    def dcp_local_seq_lens(self) -> torch.Tensor | None: ...
+
+
+ShareMetadataT = TypeVar("ShareMetadataT", bound=DcpShareMetadata)
+
+
+class HoldsDcpShare(Generic[ShareMetadataT]):
+    """The refresh of a builder whose metadata (:class:`DcpShareMetadata`) views a
+    :class:`DcpLocalShare` (``dcp_share``, ``None`` without DCP). Without DCP the refresh has
+    nothing to do: lengths, slots and offsets are views of persistent buffers the speculator
+    advances in place, read by the kernels at run time. Under DCP the local slots and lengths
+    are recomputed in place (:meth:`refresh_dcp_slots`, :meth:`refresh_dcp_lengths`).
+    Capture-safe."""
+
+    dcp_share: DcpLocalShare | None
+
+    def update_draft_decode_metadata(self, metadata: ShareMetadataT) -> None:
+        self.refresh_dcp_slots(metadata)
+        self.refresh_dcp_lengths(metadata)
+
+    def refresh_dcp_slots(self, metadata: ShareMetadataT) -> None:
+        """Under DCP: ``slot_mapping`` recomputed in place from ``positions``."""
+        if self.dcp_share is not None:
+            assert metadata.positions is not None
+            self.dcp_share.refresh_slots(metadata.positions, metadata.query_start_loc,
+                                         metadata.block_table, metadata.slot_mapping)
+
+    def refresh_dcp_lengths(self, metadata: ShareMetadataT) -> None:
+        """Under DCP: ``dcp_local_seq_lens`` recomputed in place from ``seq_lens``."""
+        if self.dcp_share is not None:
+            assert metadata.dcp_local_seq_lens is not None
+            self.dcp_share.refresh_lengths(metadata.seq_lens, metadata.dcp_local_seq_lens)
+
+    def persistent_buffer_extents(self, metadata: ShareMetadataT) -> Mapping[str, int]:
+        """Under DCP: the rows of the local lengths and slots the batch uses."""
+        if self.dcp_share is None or metadata.dcp_local_seq_lens is None:
+            return {}
+        return self.dcp_share.extents(metadata.dcp_local_seq_lens, metadata.slot_mapping)

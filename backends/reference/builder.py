@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from speccheck.backends.dcp import DcpLocalShare, merge_across_ranks
+from speccheck.backends.dcp import DcpLocalShare, HoldsDcpShare, merge_across_ranks
 from speccheck.backends.kv_cache_write import write_kv_cache, write_latent_cache
 from speccheck.backends.reference.attention import (
     paged_attention_reference,
@@ -111,7 +111,7 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
         output[:n] = merge_across_ranks(out, lse, self.dcp).to(output.dtype)
 
 
-class ReferenceMetadataBuilder(AttentionMetadataBuilder[ReferenceMetadata]):
+class ReferenceMetadataBuilder(HoldsDcpShare[ReferenceMetadata], AttentionMetadataBuilder[ReferenceMetadata]):
     """Refresh strategy ``none_needed`` without DCP: every step-dependent field is a view of
     a persistent input buffer that the speculator advances in place.
 
@@ -158,33 +158,6 @@ class ReferenceMetadataBuilder(AttentionMetadataBuilder[ReferenceMetadata]):
             positions=common.positions,
             dcp_local_seq_lens=local,
         )
-
-    def update_draft_decode_metadata(self, metadata: ReferenceMetadata) -> None:
-        """Without DCP nothing to do: lengths, slots and offsets are persistent views
-        already advanced. Under DCP: the local slots and lengths recomputed in place
-        (:meth:`refresh_dcp_slots`, :meth:`refresh_dcp_lengths`)."""
-        self.refresh_dcp_slots(metadata)
-        self.refresh_dcp_lengths(metadata)
-
-    def refresh_dcp_slots(self, metadata: ReferenceMetadata) -> None:
-        """Under DCP: ``slot_mapping`` recomputed in place from ``positions``. Capture-safe."""
-        if self.dcp_share is not None:
-            assert metadata.positions is not None
-            self.dcp_share.refresh_slots(metadata.positions, metadata.query_start_loc,
-                                         metadata.block_table, metadata.slot_mapping)
-
-    def refresh_dcp_lengths(self, metadata: ReferenceMetadata) -> None:
-        """Under DCP: ``dcp_local_seq_lens`` recomputed in place from ``seq_lens``.
-        Capture-safe."""
-        if self.dcp_share is not None:
-            assert metadata.dcp_local_seq_lens is not None
-            self.dcp_share.refresh_lengths(metadata.seq_lens, metadata.dcp_local_seq_lens)
-
-    def persistent_buffer_extents(self, metadata: ReferenceMetadata) -> Mapping[str, int]:
-        """Under DCP: the rows of the local lengths and slots the batch uses."""
-        if self.dcp_share is None or metadata.dcp_local_seq_lens is None:
-            return {}
-        return self.dcp_share.extents(metadata.dcp_local_seq_lens, metadata.slot_mapping)
 
     def make_impl(self, scale: float) -> ReferenceAttentionImpl:
         """The impl, given this builder's DCP rank (it all-gathers the partials)."""

@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 import triton
 
-from speccheck.backends.dcp import DcpLocalShare, merge_across_ranks
+from speccheck.backends.dcp import DcpLocalShare, HoldsDcpShare, merge_across_ranks
 from speccheck.backends.kv_cache_write import write_kv_cache
 from speccheck.backends.triton_attn.kernels import (
     LOG2E,
@@ -277,7 +277,7 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
         output[:n] = merge_across_ranks(partial, lse, self.dcp).to(output.dtype)
 
 
-class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
+class TritonAttnMetadataBuilder(HoldsDcpShare[TritonAttnMetadata], AttentionMetadataBuilder[TritonAttnMetadata]):
     """Builder of the ``triton_attn`` backend; refresh strategy ``none_needed``.
 
     Persistent state: the :class:`SplitKVScratch`, allocated here once for
@@ -345,34 +345,6 @@ class TritonAttnMetadataBuilder(AttentionMetadataBuilder[TritonAttnMetadata]):
             positions=common.positions,
             dcp_local_seq_lens=local,
         )
-
-    def update_draft_decode_metadata(self, metadata: TritonAttnMetadata) -> None:
-        """Without DCP ``none_needed``: every field is a view of a persistent buffer that
-        the speculator advances in place, and the kernels read it at run time. Under DCP:
-        the local slots and lengths recomputed in place (:meth:`refresh_dcp_slots`,
-        :meth:`refresh_dcp_lengths`)."""
-        self.refresh_dcp_slots(metadata)
-        self.refresh_dcp_lengths(metadata)
-
-    def refresh_dcp_slots(self, metadata: TritonAttnMetadata) -> None:
-        """Under DCP: ``slot_mapping`` recomputed in place from ``positions``. Capture-safe."""
-        if self.dcp_share is not None:
-            assert metadata.positions is not None
-            self.dcp_share.refresh_slots(metadata.positions, metadata.query_start_loc,
-                                         metadata.block_table, metadata.slot_mapping)
-
-    def refresh_dcp_lengths(self, metadata: TritonAttnMetadata) -> None:
-        """Under DCP: ``dcp_local_seq_lens`` recomputed in place from ``seq_lens``.
-        Capture-safe."""
-        if self.dcp_share is not None:
-            assert metadata.dcp_local_seq_lens is not None
-            self.dcp_share.refresh_lengths(metadata.seq_lens, metadata.dcp_local_seq_lens)
-
-    def persistent_buffer_extents(self, metadata: TritonAttnMetadata) -> Mapping[str, int]:
-        """Under DCP: the rows of the local lengths and slots the batch uses."""
-        if self.dcp_share is None or metadata.dcp_local_seq_lens is None:
-            return {}
-        return self.dcp_share.extents(metadata.dcp_local_seq_lens, metadata.slot_mapping)
 
     def make_impl(self, scale: float) -> TritonAttnImpl:
         """The impl, given this builder's DCP rank (it all-gathers the partials)."""
