@@ -84,6 +84,10 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     ) -> None:
         super().__init__(model, groups, config, device, options, kv_cache=kv_cache)
         self.step_observer: StepObserver | None = None
+        self.first_pass_observer: StepObserver | None = None
+        """Like :attr:`step_observer`, for a padded first pass (step 0, over ``bucket * q``
+        lanes), called on the host before it runs or replays with the metadata built for
+        it."""
         self.refresh_hook: RefreshHook | None = None
         self._captured_metadata: dict[tuple[str, int], list[Any]] = {}
         self.fused_decision = self._configure_fused_multi_step_decode()
@@ -302,8 +306,8 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             num_reqs=n, num_query_per_req=q, base_seq_lens_np=np.full(n, q), step=0,
             max_model_len=self.max_model_len,
         )
-        md = [g.build_for_cudagraph_capture(common) for g in self.groups]
         self._compute_slot_mappings(lanes, 0)
+        md = [g.build_for_cudagraph_capture(common) for g in self.groups]
         self.graphs.capture((FIRST_PASS, n, q), lambda: self._first_pass_body(n, q, md))
 
     def _first_pass_body(self, n: int, q: int, group_metadata: Sequence[Any]) -> None:
@@ -390,8 +394,10 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 num_reqs=r, num_query_per_req=q, base_seq_lens_np=base, step=0,
                 max_model_len=self.max_model_len,
             )
-            md = [g.build(common) for g in self.groups]
             self._compute_slot_mappings(n * q, 0)
+            md = [g.build(common) for g in self.groups]
+            if self.first_pass_observer is not None:
+                self.first_pass_observer(n * q, 0, md, None)
             key = (FIRST_PASS, n, q)
             if use_graphs and self.graphs is not None and key in self.graphs:
                 self.graphs.replay(key)

@@ -25,7 +25,13 @@ from speccheck.checks.selftest.mutants import (
     declaring_matrix,
 )
 from speccheck.checks.verify import step_recorder
-from speccheck.checks.verify.comparisons import Outcome, compare_steps, expected_slots, kv_untouched
+from speccheck.checks.verify.comparisons import (
+    FirstPassSnapshot,
+    Outcome,
+    compare_steps,
+    expected_slots,
+    kv_untouched,
+)
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder, StepSnapshots
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
@@ -158,6 +164,34 @@ def test_a_padding_lane_sent_to_a_slot_the_batch_writes_is_named_with_slot_and_l
     # without the slot mappings the write is invisible: the slot is one the batch writes
     assert _oracle_kv_outcome(PaddingSharesSlot, ONE_SHORT, ("slot_mapping",),
                               with_steps=False).result == "passed"
+
+
+def test_a_padding_lane_of_the_padded_first_pass_is_named_with_slot_and_lane() -> None:
+    """With the first pass padded over the bucket (uniform batch), the same builder is
+    caught there already, before any decode step (K = 1 has none)."""
+    spec = create_speculator(
+        "autoregressive", ["reference"] * 2, CONFIG.model_copy(update={"num_speculative_steps": 1}),
+        DrafterConfig.for_runtime(CONFIG, vocab_size=64), torch.device("cpu"),
+        SpeculatorOptions(capture_sizes=(2, 4), num_blocks=4 * (MML // BS) + 1,
+                          pad_to_capture_sizes=True, first_pass_query_lens=(2,)),
+        matrix=declaring_matrix(SHIPPED, ("slot_mapping",)),
+        builder_overrides={"reference": PaddingSharesSlot},
+    )
+    assert isinstance(spec, AutoregressiveSpeculator)
+    recorder = StepMetadataRecorder(spec.groups)
+    spec.first_pass_observer = recorder
+    spec.kv_cache.fill_random_(0)
+    start = spec.kv_cache.snapshot()
+    spec.propose(ONE_SHORT, DecodePath.PER_STEP, use_graphs=False)
+    first_pass = FirstPassSnapshot(recorder.collect(2 * 2), 2)
+    expected = expected_slots(ONE_SHORT, 1, BS, MML)
+    (outcome,) = kv_untouched(ONE_SHORT, expected, BS, start, spec.kv_cache.snapshot(), "oracle",
+                              None, first_pass)
+    assert (outcome.check, outcome.result, outcome.step) == ("kv_cache", "failed", 0)
+    assert outcome.diagnosis == (
+        "oracle: in the padded first pass, padding lane 2 (token 2) writes slot 21 (block 5, "
+        "request 0 position 5, which request 0 writes itself in its prefill pass) instead of the "
+        "sink block (reference.metadata.slot_mapping)")
 
 
 def test_a_write_that_ignores_the_slot_mapping_is_named_as_such() -> None:

@@ -25,6 +25,15 @@ SLOT_MAPPING_SUFFIX = ".metadata.slot_mapping"
 (every adapter's metadata names it ``slot_mapping``: one entry per token)."""
 
 
+@dataclass(frozen=True)
+class FirstPassSnapshot:
+    """The metadata a padded first pass ran with (``snapshots[0]``), ``query_len`` new
+    tokens per request."""
+
+    snapshots: StepSnapshots
+    query_len: int
+
+
 @dataclass
 class Outcome:
     """One check on one example. ``candidate`` names the candidate compared (``None`` for
@@ -91,7 +100,7 @@ def expected_slots(
 
 def kv_untouched(
     batch: DraftBatch, expected: set[int], block_size: int, start: KVSnapshot, after: KVSnapshot,
-    name: str, steps: StepSnapshots | None = None,
+    name: str, steps: StepSnapshots | None = None, first_pass: FirstPassSnapshot | None = None,
 ) -> list[Outcome]:
     """Padding lanes write only the sink block, and nothing outside ``expected`` and the
     sink block changed: no padding lane and no stale slot mapping writes a live slot.
@@ -104,13 +113,20 @@ def kv_untouched(
     request and position the slot belongs to. Then a changed slot outside ``expected`` is
     attributed to the lanes whose slot mapping points at it, or to none (the write ignores
     the slot mapping).
+
+    With ``first_pass`` (the padded first pass's snapshot, step 0, ``q`` tokens per
+    request: lanes from ``batch.num_reqs * q`` on are padding) the same holds there first.
     """
     bs = block_size
-    padding = [] if steps is None else _padding_writes(batch, steps, bs)
+    padding = [] if first_pass is None else _padding_writes(
+        batch, first_pass.snapshots, bs, first_pass.query_len)
+    if steps is not None:
+        padding += _padding_writes(batch, steps, bs)
     if padding:
         step, path, lane, slot = padding[0]
+        when = "in the padded first pass" if step == 0 else f"before draft step {step}"
         return [Outcome(Check.KV_CACHE, Result.FAILED,
-                        f"{name}: before draft step {step}, padding lane {lane} (token {lane}) "
+                        f"{name}: {when}, padding lane {lane} (token {lane}) "
                         f"writes {describe_slot(batch, bs, expected, slot)} instead of the sink "
                         f"block ({path})", name, step, path)]
     for layer, ((k0, v0), (k1, v1)) in enumerate(zip(start, after)):
@@ -162,13 +178,14 @@ def _slot_mappings(steps: StepSnapshots) -> list[tuple[int, str, list[int]]]:
 
 
 def _padding_writes(
-    batch: DraftBatch, steps: StepSnapshots, block_size: int
+    batch: DraftBatch, steps: StepSnapshots, block_size: int, query_len: int = 1
 ) -> list[tuple[int, str, int, int]]:
-    """``(step, path, lane, slot)`` for every padding lane whose slot is not a sink slot."""
+    """``(step, path, lane, slot)`` for every padding lane (from ``batch.num_reqs *
+    query_len`` on) whose slot is not a sink slot."""
     return [(step, path, lane, slot)
             for step, path, slots in _slot_mappings(steps)
             for lane, slot in enumerate(slots)
-            if lane >= batch.num_reqs and slot // block_size != SINK_BLOCK]
+            if lane >= batch.num_reqs * query_len and slot // block_size != SINK_BLOCK]
 
 
 def _mapped_by(steps: StepSnapshots, slot: int) -> str:

@@ -31,6 +31,7 @@ from speccheck.checks.probes import (
 )
 from speccheck.checks.verify.breakpoints import Breakpoints, discover_breakpoints
 from speccheck.checks.verify.comparisons import (
+    FirstPassSnapshot,
     KVSnapshot,
     Outcome,
     compare_drafts,
@@ -124,6 +125,8 @@ class _Harness:
 
     spec: AutoregressiveSpeculator
     recorder: StepMetadataRecorder
+    first_pass_recorder: StepMetadataRecorder
+    """The metadata of the padded first pass (step 0), for the padding-lane check."""
     reference: AutoregressiveSpeculator | None
     capture_error: str | None
     """Why capture failed (a host sync or host copy inside the captured body), if it did."""
@@ -251,6 +254,8 @@ class BackendVerifier:
             self._kv_cache = spec.kv_cache
             recorder = StepMetadataRecorder(spec.groups)
             spec.step_observer = recorder
+            first_pass_recorder = StepMetadataRecorder(spec.groups)
+            spec.first_pass_observer = first_pass_recorder
             start = time.perf_counter()
             capture_error = None
             try:
@@ -270,7 +275,8 @@ class BackendVerifier:
                 assert isinstance(ref, AutoregressiveSpeculator)
                 self._reference_kv_cache = ref.kv_cache
                 reference = ref
-            self._harness[k] = _Harness(spec, recorder, reference, capture_error)
+            self._harness[k] = _Harness(spec, recorder, first_pass_recorder, reference,
+                                        capture_error)
         return self._harness[k]
 
     @property
@@ -391,9 +397,16 @@ class BackendVerifier:
             return [Outcome(Check.CAPTURE, Result.FAILED, h.capture_error)]
         spec = h.spec
         lanes = spec.bucket_for(batch.num_reqs)
+        query_len = spec.first_pass_width(batch)
         start = self._start_state(h, example)
 
+        def first_pass() -> FirstPassSnapshot | None:
+            if query_len is None:
+                return None
+            return FirstPassSnapshot(h.first_pass_recorder.collect(lanes * query_len), query_len)
+
         oracle = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
+        oracle_first_pass = first_pass()
         oracle_steps = h.recorder.collect(lanes)
         oracle_storage = dict(h.recorder.storage_of)
         self.last_derived_changes = derived_step_changes(
@@ -401,7 +414,8 @@ class BackendVerifier:
         oracle_kv = spec.kv_cache.snapshot()
         bs, mml = self.config.block_size, self.config.max_model_len
         written = expected_slots(batch, k, bs, mml)
-        outcomes = kv_untouched(batch, written, bs, start, oracle_kv, "oracle", oracle_steps)
+        outcomes = kv_untouched(batch, written, bs, start, oracle_kv, "oracle", oracle_steps,
+                                oracle_first_pass)
         if self.gpu:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 
@@ -419,7 +433,7 @@ class BackendVerifier:
             steps = h.recorder.collect(lanes)
             kv = spec.kv_cache.snapshot()
             outcomes += compare_drafts(oracle, result, name, self.tol)
-            outcomes += kv_untouched(batch, written, bs, start, kv, name, steps)
+            outcomes += kv_untouched(batch, written, bs, start, kv, name, steps, first_pass())
             agreed = expected_slots(batch, k, bs, mml, first_divergence(oracle, result, k))
             outcomes += kv_matches(agreed, oracle_kv, kv, self.tol, name)
             outcomes += compare_steps(
