@@ -268,16 +268,24 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             self._in_capture = False
             self._reset_index_buffers()
 
+    def _write_dummy_lanes(self, n: int, q: int) -> None:
+        """Capture inputs: every index buffer reset (every block-table entry the sink), then
+        ``n`` live requests of ``q`` live tokens each at positions ``0 .. q - 1`` (length
+        ``q``)."""
+        lanes = n * q
+        self._reset_index_buffers()
+        self.buffers.seq_lens[:n].fill_(q)
+        self.buffers.positions[:lanes].copy_(torch.arange(q, device=self.device).repeat(n))
+        self.token_request[:lanes].copy_(torch.arange(lanes, device=self.device) // q)
+        self.is_real_req[:n] = True
+        self.is_real_token[:lanes] = True
+
     def _capture_one(self, key: tuple[str, int], body: Callable[[list[Any]], None]) -> None:
         """Dummy inputs for ``n`` lanes, all live, every block-table entry the sink (so
         warm-up and capture write only the sink), fresh capture metadata, then capture."""
         assert self.graphs is not None
         n = key[1]
-        self._reset_index_buffers()
-        self.buffers.seq_lens[:n].fill_(1)
-        self.is_real_req[:n] = True
-        self.is_real_token[:n] = True
-        self.token_request[:n].copy_(torch.arange(n, device=self.device))
+        self._write_dummy_lanes(n, 1)
         self.current_step.fill_(1)
         desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, n, n, 1)
         base = np.zeros(n, np.int64)
@@ -295,12 +303,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         0, every block the sink), with capture metadata."""
         assert self.graphs is not None
         lanes = n * q
-        self._reset_index_buffers()
-        self.buffers.seq_lens[:n].fill_(q)
-        self.buffers.positions[:lanes].copy_(torch.arange(q, device=self.device).repeat(n))
-        self.token_request[:lanes].copy_(torch.arange(lanes, device=self.device) // q)
-        self.is_real_req[:n] = True
-        self.is_real_token[:lanes] = True
+        self._write_dummy_lanes(n, q)
         common = build_uniform_attention_metadata(
             buffers=self.buffers, batch_desc=BatchExecutionDescriptor(CUDAGraphMode.FULL, lanes, n, q),
             num_reqs=n, num_query_per_req=q, base_seq_lens_np=np.full(n, q), step=0,
@@ -315,10 +318,15 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         are request ``r``'s; padding requests' lanes write the sink and their drafts are
         ignored). Capture-safe."""
         hidden = self._run_model(n * q, group_metadata).view(n, q, -1)[:, -1]
+        self._store_draft_zero(hidden, self.buffers.positions[: n * q].view(n, q)[:, -1])
+
+    def _store_draft_zero(self, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """Draft token 0 (and its logits) of the first ``len(hidden)`` requests from the
+        hidden state of each one's last new token at ``positions``. Capture-safe."""
+        n = hidden.shape[0]
         logits = self.model.compute_logits(hidden)
-        positions = self.buffers.positions[: n * q].view(n, q)[:, -1]
-        self.draft_tokens[:n, 0] = sample_tokens(logits, self.options.sampling,
-                                                 self.seeds[:n], positions)
+        self.draft_tokens[:n, 0] = sample_tokens(logits, self.options.sampling, self.seeds[:n],
+                                                 positions)
         self.draft_logits[:n, 0] = logits
 
     # --------------------------------------------------------------- propose
@@ -408,11 +416,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         last_host = np.cumsum([len(row) for row in batch.new_tokens]) - 1
         hidden, _, (last, staged_base) = self._eager_pass(batch, batch.new_tokens,
                                                            [last_host, base])
-        logits = self.model.compute_logits(hidden[last])
-        self.draft_tokens[:r, 0] = sample_tokens(
-            logits, self.options.sampling, self.seeds[:r], self.buffers.positions[last]
-        )
-        self.draft_logits[:r, 0] = logits
+        self._store_draft_zero(hidden[last], self.buffers.positions[last])
         return staged_base
 
     def _prepare_decode_inputs(self, r: int, n: int, base_lens: torch.Tensor) -> None:

@@ -28,7 +28,9 @@ class HostStaging:
         self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=pinned)
         self.device_buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
         self._host_view = self.host.numpy()
-        self._copied: torch.cuda.Event | None = None
+        self._copied = torch.cuda.Event() if pinned else None
+        """Recorded after each copy (CUDA only); waited on before the pinned buffer is
+        rewritten."""
 
     def stage(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """Copy ``arrays`` (integers, any shapes) to the device in one transfer; returns
@@ -38,7 +40,7 @@ class HostStaging:
         if total > self.capacity:
             raise ValueError(f"{total} staged values exceed the staging capacity {self.capacity}")
         if self._copied is not None:
-            self._copied.synchronize()
+            self._copied.synchronize()  # returns at once before the first record
         offsets = []
         offset = 0
         for array in arrays:
@@ -46,8 +48,7 @@ class HostStaging:
             offsets.append(offset)
             offset += int(array.size)
         self.device_buffer[:total].copy_(self.host[:total], non_blocking=True)
-        if self.device_buffer.is_cuda:
-            self._copied = torch.cuda.Event()
+        if self._copied is not None:
             self._copied.record()
         return [self.device_buffer[o: o + math.prod(a.shape)].view(a.shape)
                 for o, a in zip(offsets, arrays, strict=True)]

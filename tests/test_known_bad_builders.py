@@ -56,15 +56,17 @@ TWO_LONG = DraftBatch((20, 3), ((1,), (2, 3)), ((1, 2, 4, 7, 8, 9), (10, 11)), (
 
 
 def _speculator(
-    builder: type[AttentionMetadataBuilder[Any]], declares: tuple[str, ...] = (DERIVED_FIELD,)
+    builder: type[AttentionMetadataBuilder[Any]], declares: tuple[str, ...] = (DERIVED_FIELD,),
+    *, k: int = K, first_pass_query_lens: tuple[int, ...] = (),
 ) -> tuple[AutoregressiveSpeculator, StepMetadataRecorder]:
-    """The self-test's CPU harness for ``builder`` (buckets 2 and 4, padded), with a step
-    recorder installed."""
+    """The self-test's CPU harness for ``builder`` (buckets 2 and 4, padded; K draft
+    tokens; the first passes ``first_pass_query_lens`` padded too), with a step recorder
+    installed."""
     spec = create_speculator(
-        "autoregressive", ["reference"] * 2, CONFIG,
+        "autoregressive", ["reference"] * 2, CONFIG.model_copy(update={"num_speculative_steps": k}),
         DrafterConfig.for_runtime(CONFIG, vocab_size=64), torch.device("cpu"),
         SpeculatorOptions(capture_sizes=(2, 4), num_blocks=4 * (MML // BS) + 1,
-                          pad_to_capture_sizes=True),
+                          pad_to_capture_sizes=True, first_pass_query_lens=first_pass_query_lens),
         matrix=declaring_matrix(SHIPPED, declares), builder_overrides={"reference": builder},
     )
     assert isinstance(spec, AutoregressiveSpeculator)
@@ -169,15 +171,7 @@ def test_a_padding_lane_sent_to_a_slot_the_batch_writes_is_named_with_slot_and_l
 def test_a_padding_lane_of_the_padded_first_pass_is_named_with_slot_and_lane() -> None:
     """With the first pass padded over the bucket (uniform batch), the same builder is
     caught there already, before any decode step (K = 1 has none)."""
-    spec = create_speculator(
-        "autoregressive", ["reference"] * 2, CONFIG.model_copy(update={"num_speculative_steps": 1}),
-        DrafterConfig.for_runtime(CONFIG, vocab_size=64), torch.device("cpu"),
-        SpeculatorOptions(capture_sizes=(2, 4), num_blocks=4 * (MML // BS) + 1,
-                          pad_to_capture_sizes=True, first_pass_query_lens=(2,)),
-        matrix=declaring_matrix(SHIPPED, ("slot_mapping",)),
-        builder_overrides={"reference": PaddingSharesSlot},
-    )
-    assert isinstance(spec, AutoregressiveSpeculator)
+    spec, _ = _speculator(PaddingSharesSlot, ("slot_mapping",), k=1, first_pass_query_lens=(2,))
     recorder = StepMetadataRecorder(spec.groups)
     spec.first_pass_observer = recorder
     spec.kv_cache.fill_random_(0)

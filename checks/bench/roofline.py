@@ -3,14 +3,14 @@
 A decode step at batch 1 is memory-bound: it must read every weight it multiplies with
 (every parameter but the embedding table, of which it reads one row per token). The
 *weight-read bound* is those bytes over the device's copy bandwidth, measured here with a
-device-to-device copy; a step's GPU time is the single-step graph replayed alone between
-CUDA events. Both need CUDA.
+device-to-device copy (the report divides them:
+:attr:`~speccheck.checks.bench.records.BenchReport.weight_read_bound_ms`); a step's GPU
+time is the single-step graph replayed alone between CUDA events. Both need CUDA.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 
 import torch
 
@@ -18,19 +18,6 @@ from speccheck.speculator.autoregressive import AutoregressiveSpeculator
 
 COPY_BYTES = 1 << 30
 """Bytes copied per bandwidth measurement: large enough to stream from HBM, not cache."""
-
-
-@dataclass(frozen=True)
-class WeightReadBound:
-    """``weight_bytes`` a decode step reads, the copy ``bandwidth_gbps`` (GB/s, read plus
-    write), and their quotient ``ms``."""
-
-    weight_bytes: int
-    bandwidth_gbps: float
-
-    @property
-    def ms(self) -> float:
-        return self.weight_bytes / (self.bandwidth_gbps * 1e9) * 1e3
 
 
 def copy_bandwidth_gbps(device: torch.device, repeats: int = 10) -> float:
@@ -45,10 +32,6 @@ def copy_bandwidth_gbps(device: torch.device, repeats: int = 10) -> float:
     end.record()
     end.synchronize()
     return 2 * COPY_BYTES * repeats / (start.elapsed_time(end) / 1e3) / 1e9
-
-
-def weight_read_bound(spec: AutoregressiveSpeculator, bandwidth_gbps: float) -> WeightReadBound:
-    return WeightReadBound(spec.model.decode_weight_bytes(), bandwidth_gbps)
 
 
 def decode_step_gpu_ms(spec: AutoregressiveSpeculator, batch: int, repeats: int) -> float | None:
