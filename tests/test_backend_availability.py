@@ -174,8 +174,9 @@ def test_flashinfer_rejects_fp32_before_importing() -> None:
 
 
 def test_flashinfer_paged_kv_layout() -> None:
-    """The host CSR page table the builder plans with (pure host code, no package)."""
-    from speccheck.backends.flashinfer.builder import paged_kv_layout
+    """The host CSR page table: the reference for the device-built indices (pure host
+    code, no package)."""
+    from speccheck.backends.flashinfer.page_indices import paged_kv_layout
 
     table = np.array([[7, 3, 9, 0], [5, 0, 0, 0], [2, 4, 0, 0], [0, 0, 0, 0]], dtype=np.int32)
     seq = np.array([33, 16, 17, 0], dtype=np.int32)  # 3 pages, exactly 1, 2, padding lane

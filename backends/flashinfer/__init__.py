@@ -1,17 +1,20 @@
 """FlashInfer adapter: paged decode/prefill wrappers in CUDA-graph mode, planned on the
-host (no in-graph refresh; ``plan_draft_steps`` pre-plans every draft step). The kernel
-package is imported lazily, so this package imports on machines without it."""
+host from host lengths while the page indices are gathered on the device (no
+device-to-host copy per plan; no in-graph refresh; ``plan_draft_steps`` pre-plans every
+draft step). The kernel package is imported lazily, so this package imports on machines
+without it."""
 
 from speccheck.backends.flashinfer.builder import (
     FlashInferAttentionImpl,
     FlashInferMetadata,
     FlashInferMetadataBuilder,
-    paged_kv_layout,
 )
+from speccheck.backends.flashinfer.page_indices import paged_kv_layout, write_paged_kv_indices
 
 __all__ = [
     "FlashInferAttentionImpl",
     "FlashInferMetadata",
     "FlashInferMetadataBuilder",
     "paged_kv_layout",
+    "write_paged_kv_indices",
 ]

@@ -11,6 +11,35 @@ How the wrappers behave, and what this adapter does about it:
   speculator falls back to per-step rebuilds). The ``host_preplanned`` strategy is offered
   by :meth:`FlashInferMetadataBuilder.plan_draft_steps`: one wrapper per draft step, every
   one planned on the host before a single replay.
+- A plan makes no device-to-host copy and no stream synchronisation, so planning ahead can
+  overlap the GPU's work. FlashInfer reads ``indptr`` and ``last_page_len`` on the host
+  (it calls ``.to("cpu")`` on them), so they are computed there, from the host-tracked
+  lengths, staged in pinned buffers of the wrapper and handed over as host tensors (its
+  copies into the fixed buffers are then truly asynchronous). ``indices`` are block-table
+  entries, which live on the device: the plan is given the used head of the wrapper's own
+  indices buffer (its copy onto itself is a no-op, and nothing on the host reads it), and
+  :func:`~speccheck.backends.flashinfer.page_indices.write_paged_kv_indices` then gathers
+  the indices into that buffer on the device from the block table and the indptr buffer
+  the plan has just filled, zeroing the buffer's tail.
+- FlashInfer's plan writes its schedule into page-locked host memory owned by the wrapper
+  and uploads it with an asynchronous copy; so do the staged ``indptr`` and
+  ``last_page_len``. Re-planning a wrapper before that copy has run would overwrite what
+  it is about to read (the host no longer waits for the GPU elsewhere in a plan). Each
+  wrapper therefore records an event after its plan, and its next plan waits on that
+  event only: it has long completed when each wrapper is planned once per replay
+  (``plan_draft_steps``), and it keeps the host at most one plan ahead on a wrapper that
+  is re-planned every step (the per-step path).
+- FlashInfer attends to exactly the planned lengths, never to the device ``seq_lens``.
+  They come from ``CommonAttentionMetadata.seq_lens_cpu_upper_bound``, which is exact for
+  every live batch this builder plans: ``build_attention_metadata`` computes it from the
+  same base lengths, step and ``max_model_len`` clamp as the device ``seq_lens`` the
+  speculator writes (the prefill pass, each decode step of the per-step and preplanned
+  paths, DFlash blocks; zero for padding lanes). It lags the device lengths in the fused
+  loop after step 1 (this backend has no fused loop: no in-graph refresh), and the DFlash
+  drafter's capture plans with 0 where the device holds the block length: that plan
+  serves only the dummy capture inputs and is replaced before every replay (a graph-mode
+  plan fixes the grid and the split-KV mode from the batch size and row bound, not from
+  the lengths).
 - A wrapper constructed with ``use_cuda_graph=True`` freezes its batch size (the length of
   its ``last_page_len`` buffer), so wrappers are created lazily, one decode/prefill pair per
   padded batch size (and per draft step for :meth:`~FlashInferMetadataBuilder.plan_draft_steps`),
@@ -32,6 +61,7 @@ KV layout ``NHD``; the cache is passed as the pair ``(key_cache, value_cache)``,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MethodType, ModuleType
@@ -41,6 +71,11 @@ import numpy as np
 import torch
 
 from speccheck.backends.availability import require_module
+from speccheck.backends.flashinfer.page_indices import (
+    PagedKVLengths,
+    paged_kv_lengths,
+    write_paged_kv_indices,
+)
 from speccheck.backends.kv_cache_write import write_kv_cache
 from speccheck.contract.builder import (
     AttentionImpl,
@@ -57,6 +92,8 @@ FLASHINFER_INSTALL_HINT = (
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
+logger = logging.getLogger(__name__)
+
 
 def flashinfer_module() -> ModuleType:
     """The ``flashinfer`` module, or :class:`BackendUnavailable` with the install hint.
@@ -64,62 +101,10 @@ def flashinfer_module() -> ModuleType:
     return require_module(FLASHINFER_IMPORT_NAME, FLASHINFER_PACKAGE, FLASHINFER_INSTALL_HINT)
 
 
-@dataclass(frozen=True)
-class PagedKVLayout:
-    """FlashInfer's CSR page table of one batch, on the host (int32).
-
-    - ``indptr``: ``[num_reqs + 1]``, request ``r`` owns ``indices[indptr[r]:indptr[r+1]]``;
-    - ``indices``: ``[indptr[-1]]``, physical block ids in order;
-    - ``last_page_len``: ``[num_reqs]``, entries in each request's last page, in
-      ``1 .. page_size`` for a request with pages and 0 for one without (padding lanes:
-      FlashInfer's device-side length is 0 whenever a request owns no page).
-    """
-
-    indptr: torch.Tensor
-    indices: torch.Tensor
-    last_page_len: torch.Tensor
-
-    @property
-    def num_pages(self) -> int:
-        return int(self.indices.numel())
-
-
-def paged_kv_layout(
-    seq_lens: torch.Tensor | np.ndarray, block_table: torch.Tensor | np.ndarray, page_size: int
-) -> PagedKVLayout:
-    """The CSR page table of requests with KV lengths ``seq_lens`` (``[num_reqs]``) whose
-    blocks are the rows of ``block_table`` (``[num_reqs, max_blocks]``). Host arrays only."""
-    seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
-    table = np.asarray(block_table)
-    num_reqs = seq.shape[0]
-    if table.ndim != 2 or table.shape[0] < num_reqs:
-        raise ValueError(
-            f"block_table of shape {tuple(table.shape)} does not cover num_reqs={num_reqs}"
-        )
-    if (seq < 0).any():
-        raise ValueError(f"negative sequence length in {seq.tolist()}")
-    pages = (seq + page_size - 1) // page_size
-    max_blocks = table.shape[1]
-    if num_reqs and int(pages.max()) > max_blocks:
-        raise ValueError(
-            f"a sequence of length {int(seq.max())} needs {int(pages.max())} pages of "
-            f"{page_size} but the block table has {max_blocks} columns"
-        )
-    indptr = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(pages, out=indptr[1:])
-    used = np.arange(max_blocks)[None, :] < pages[:, None]
-    indices = np.ascontiguousarray(table[:num_reqs][used], dtype=np.int32)
-    last = np.where(pages > 0, seq - (pages - 1) * page_size, 0).astype(np.int32)
-    return PagedKVLayout(
-        indptr=torch.from_numpy(indptr),
-        indices=torch.from_numpy(indices),
-        last_page_len=torch.from_numpy(last),
-    )
-
-
 @dataclass
 class _GraphWrapper:
-    """One CUDA-graph-mode wrapper and the fixed device buffers it was constructed with."""
+    """One CUDA-graph-mode wrapper, the fixed device buffers it was constructed with, and
+    the pinned host buffers its plans are staged in."""
 
     kind: str
     """``"decode"`` or ``"prefill"``."""
@@ -128,6 +113,12 @@ class _GraphWrapper:
     paged_kv_indices: torch.Tensor
     paged_kv_last_page_len: torch.Tensor
     qo_indptr: torch.Tensor | None
+    staged: dict[str, torch.Tensor]
+    """Pinned host copies of the plan inputs handed to ``plan()`` (``paged_kv_indptr``,
+    ``paged_kv_last_page_len`` and, for prefill, ``qo_indptr``); overwritten by each plan."""
+    uploaded: torch.cuda.Event
+    """Recorded after each plan: once it has completed, the plan's asynchronous uploads
+    from the staged buffers and FlashInfer's page-locked workspace have run."""
 
 
 @dataclass
@@ -148,7 +139,8 @@ class FlashInferMetadata:
     paged_kv_indptr: torch.Tensor
     """``[num_reqs + 1]`` int32: the wrapper's fixed indptr buffer."""
     paged_kv_indices: torch.Tensor
-    """``[num_pages]`` int32: the used head of the wrapper's fixed indices buffer."""
+    """``[num_pages]`` int32: the used head of the wrapper's fixed indices buffer, written
+    on the device from the block table; the rest of that buffer is zero."""
     paged_kv_last_page_len: torch.Tensor
     """``[num_reqs]`` int32: the wrapper's fixed last-page-length buffer."""
     qo_indptr: torch.Tensor | None
@@ -253,17 +245,26 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     def _new_wrapper(self, kind: str, batch_size: int, slot: tuple[str, int]) -> _GraphWrapper:
         """A graph-mode wrapper over index buffers of its own, allocated as persistent
-        buffers (named ``KIND[bs=N,SLOT=I].FIELD``)."""
+        buffers (named ``KIND[bs=N,SLOT=I].FIELD``), with pinned host buffers to stage its
+        plans in."""
         fi = self._flashinfer
         prefix = f"{kind}[bs={batch_size},{slot[0]}={slot[1]}]"
+        logger.debug("flashinfer: new graph-mode wrapper %s", prefix)
 
         def buffer(field: str, size: int) -> torch.Tensor:
             return self.allocate_persistent(f"{prefix}.{field}", (size,), torch.int32)
+
+        def pinned(size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.int32, pin_memory=True)
 
         indptr = buffer("paged_kv_indptr", batch_size + 1)
         # Largest page count the wrapper can ever see: every request at max_model_len.
         indices = buffer("paged_kv_indices", batch_size * self.layer.max_blocks_per_req)
         last_page_len = buffer("paged_kv_last_page_len", batch_size)
+        staged = {
+            "paged_kv_indptr": pinned(batch_size + 1),
+            "paged_kv_last_page_len": pinned(batch_size),
+        }
         if kind == "decode":
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace,
@@ -274,8 +275,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last_page_len,
             )
-            return _GraphWrapper(kind, wrapper, indptr, indices, last_page_len, None)
+            return _GraphWrapper(
+                kind, wrapper, indptr, indices, last_page_len, None, staged, torch.cuda.Event()
+            )
         qo_indptr = buffer("qo_indptr", batch_size + 1)
+        staged["qo_indptr"] = pinned(batch_size + 1)
         wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace,
             kv_layout=self.kv_layout,
@@ -285,62 +289,84 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             paged_kv_indices_buf=indices,
             paged_kv_last_page_len_buf=last_page_len,
         )
-        created = _GraphWrapper(kind, wrapper, indptr, indices, last_page_len, qo_indptr)
+        created = _GraphWrapper(
+            kind, wrapper, indptr, indices, last_page_len, qo_indptr, staged, torch.cuda.Event()
+        )
         self._prime_prefill(created, batch_size)
         return created
 
     def _prime_prefill(self, graph_wrapper: _GraphWrapper, batch_size: int) -> None:
         """Plan a new graph-mode prefill wrapper once with the largest row count it will
         ever serve: FlashInfer freezes the row bound (and sizes the captured grid from it)
-        at the first plan, and rejects later plans with more rows."""
+        at the first plan, and rejects later plans with more rows. Only the plan matters
+        here, so the indices buffer is left as it is (the next real plan rewrites it)."""
         rows = max(self.limits.max_num_tokens, batch_size)
         qo_lens = np.full(batch_size, rows // batch_size, dtype=np.int64)
         qo_lens[: rows % batch_size] += 1
         qo_indptr = np.zeros(batch_size + 1, dtype=np.int32)
         np.cumsum(qo_lens, out=qo_indptr[1:])
         kv_lens = np.minimum(np.maximum(qo_lens, 1), self.layer.max_model_len)
-        table = np.zeros((batch_size, self.layer.max_blocks_per_req), dtype=np.int32)
-        layout = paged_kv_layout(kv_lens, table, self.layer.block_size)
-        self._plan_prefill(graph_wrapper, torch.from_numpy(qo_indptr), layout, causal=True)
+        lengths = paged_kv_lengths(kv_lens, self.layer.block_size, self.layer.max_blocks_per_req)
+        self._upload_plan(graph_wrapper, lengths, torch.from_numpy(qo_indptr), causal=True)
 
-    def _plan_decode(self, graph_wrapper: _GraphWrapper, layout: PagedKVLayout) -> None:
-        layer = self.layer
-        graph_wrapper.wrapper.plan(
-            layout.indptr,
-            layout.indices,
-            layout.last_page_len,
-            layer.num_heads,
-            layer.num_kv_heads,
-            layer.head_size,
-            layer.block_size,
-            q_data_type=layer.dtype,
-            kv_data_type=layer.dtype,
-            sm_scale=self.sm_scale,
-        )
-
-    def _plan_prefill(
+    def _upload_plan(
         self,
         graph_wrapper: _GraphWrapper,
-        qo_indptr: torch.Tensor,
-        layout: PagedKVLayout,
+        lengths: PagedKVLengths,
+        qo_indptr: torch.Tensor | None,
         *,
         causal: bool,
     ) -> None:
+        """``plan()`` the wrapper from host lengths (and, for prefill, the host query
+        offsets ``qo_indptr``), without reading anything back from the device.
+
+        Waits for the wrapper's previous plan to have been uploaded (see the module
+        docstring), stages the host arrays in the wrapper's pinned buffers and plans with
+        the used head of its own indices buffer as ``indices``. Leaves the indices buffer
+        to the caller: FlashInfer's scheduler does not read it, and its kernels read it
+        only when they run."""
+        num_pages = lengths.num_pages
+        capacity = graph_wrapper.paged_kv_indices.shape[0]
+        if num_pages > capacity:
+            raise ValueError(
+                f"flashinfer: the batch needs {num_pages} pages but the wrapper's indices "
+                f"buffer holds {capacity}"
+            )
+        if not graph_wrapper.uploaded.query():
+            logger.debug("flashinfer: re-planning a wrapper whose last plan is still queued")
+            graph_wrapper.uploaded.synchronize()
+        staged = graph_wrapper.staged
+        staged["paged_kv_indptr"].copy_(lengths.indptr)
+        staged["paged_kv_last_page_len"].copy_(lengths.last_page_len)
+        indices = graph_wrapper.paged_kv_indices[:num_pages]
         layer = self.layer
-        graph_wrapper.wrapper.plan(
-            qo_indptr,
-            layout.indptr,
-            layout.indices,
-            layout.last_page_len,
-            layer.num_heads,
-            layer.num_kv_heads,
-            layer.head_size,
-            layer.block_size,
-            causal=causal,
-            sm_scale=self.sm_scale,
-            q_data_type=layer.dtype,
-            kv_data_type=layer.dtype,
-        )
+        shape = (layer.num_heads, layer.num_kv_heads, layer.head_size, layer.block_size)
+        if graph_wrapper.kind == "decode":
+            graph_wrapper.wrapper.plan(
+                staged["paged_kv_indptr"],
+                indices,
+                staged["paged_kv_last_page_len"],
+                *shape,
+                q_data_type=layer.dtype,
+                kv_data_type=layer.dtype,
+                sm_scale=self.sm_scale,
+            )
+        else:
+            if qo_indptr is None:
+                raise ValueError("flashinfer: a prefill plan needs the query offsets")
+            staged["qo_indptr"].copy_(qo_indptr)
+            graph_wrapper.wrapper.plan(
+                staged["qo_indptr"],
+                staged["paged_kv_indptr"],
+                indices,
+                staged["paged_kv_last_page_len"],
+                *shape,
+                causal=causal,
+                sm_scale=self.sm_scale,
+                q_data_type=layer.dtype,
+                kv_data_type=layer.dtype,
+            )
+        graph_wrapper.uploaded.record()
 
     # -- protocol -----------------------------------------------------------------------
 
@@ -399,24 +425,28 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 sm_scale=self.sm_scale,
                 draft_step=draft_step,
             )
-        # Host work: the block table comes back from the device (a synchronisation).
-        layout = paged_kv_layout(
-            common.seq_lens_cpu_upper_bound[:num_reqs].numpy(),
-            common.block_table[:num_reqs].cpu().numpy(),
+        # Host work from host lengths only; the indices are gathered on the device.
+        lengths = paged_kv_lengths(
+            common.seq_lens_cpu_upper_bound[:num_reqs],
             self.layer.block_size,
+            common.block_table.shape[1],
         )
         use_decode = common.max_query_len == 1 and common.num_actual_tokens == num_reqs
         if use_decode:
             graph_wrapper = self._wrapper("decode", num_reqs, slot)
-            self._plan_decode(graph_wrapper, layout)
+            self._upload_plan(graph_wrapper, lengths, None, causal=common.causal)
         else:
             graph_wrapper = self._wrapper("prefill", num_reqs, slot)
-            qo_indptr = common.query_start_loc_cpu[: num_reqs + 1].to(torch.int32)
-            self._plan_prefill(graph_wrapper, qo_indptr, layout, causal=common.causal)
-        num_pages = layout.num_pages
-        # The kernels read only indices[:indptr[-1]]; zero the rest so no stale block id of
-        # an earlier, larger batch stays in the persistent buffer.
-        graph_wrapper.paged_kv_indices[num_pages:].zero_()
+            qo_indptr = common.query_start_loc_cpu[: num_reqs + 1]
+            self._upload_plan(graph_wrapper, lengths, qo_indptr, causal=common.causal)
+        # The plan has queued the copy of indptr into the fixed buffer the kernel reads.
+        write_paged_kv_indices(
+            graph_wrapper.paged_kv_indices,
+            common.block_table,
+            graph_wrapper.paged_kv_indptr,
+            num_reqs,
+        )
+        num_pages = lengths.num_pages
         return FlashInferMetadata(
             run=graph_wrapper.wrapper.run,
             use_decode=use_decode,

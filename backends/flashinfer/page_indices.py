@@ -1,0 +1,190 @@
+"""FlashInfer's CSR page table: the lengths on the host, the page indices on the device.
+
+FlashInfer describes the KV pages of a batch in CSR form (int32): request ``r`` owns the
+physical blocks ``indices[indptr[r]:indptr[r + 1]]``, and ``last_page_len[r]`` entries of
+its last one. ``indptr`` and ``last_page_len`` depend only on the KV lengths, which the
+host knows, so :func:`paged_kv_lengths` computes them there. ``indices`` are block-table
+entries, which live on the device: :func:`write_paged_kv_indices` gathers them there with
+one Triton kernel, so planning never copies the block table back to the host.
+
+:func:`paged_kv_layout` is the whole table built on the host from a host block table: the
+reference the kernel is tested against. The builder never calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+INDEX_BLOCK = 128
+"""Block-table columns (and tail entries) one kernel program handles per iteration."""
+
+
+@dataclass(frozen=True)
+class PagedKVLengths:
+    """The length-only part of a CSR page table, on the host (int32).
+
+    - ``indptr``: ``[num_reqs + 1]``, request ``r`` owns ``indices[indptr[r]:indptr[r+1]]``;
+    - ``last_page_len``: ``[num_reqs]``, entries in each request's last page, in
+      ``1 .. page_size`` for a request with pages and 0 for one without (padding lanes:
+      FlashInfer's device-side length is 0 whenever a request owns no page).
+    """
+
+    indptr: torch.Tensor
+    last_page_len: torch.Tensor
+
+    @property
+    def num_pages(self) -> int:
+        """``indptr[-1]``: the used head of the indices."""
+        return int(self.indptr[-1])
+
+
+@dataclass(frozen=True)
+class PagedKVLayout(PagedKVLengths):
+    """A whole CSR page table on the host: :class:`PagedKVLengths` and ``indices``
+    (``[indptr[-1]]`` int32, the physical block ids in order)."""
+
+    indices: torch.Tensor
+
+
+def paged_kv_lengths(
+    seq_lens: torch.Tensor | np.ndarray, page_size: int, max_blocks: int
+) -> PagedKVLengths:
+    """``indptr`` and ``last_page_len`` of requests with KV lengths ``seq_lens``
+    (``[num_reqs]``, host) in pages of ``page_size``; raises if a request needs more than
+    ``max_blocks`` pages (the block table's width). Host arithmetic only."""
+    seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    if (seq < 0).any():
+        raise ValueError(f"negative sequence length in {seq.tolist()}")
+    pages = (seq + page_size - 1) // page_size
+    if seq.size and int(pages.max()) > max_blocks:
+        raise ValueError(
+            f"a sequence of length {int(seq.max())} needs {int(pages.max())} pages of "
+            f"{page_size} but the block table has {max_blocks} columns"
+        )
+    indptr = np.zeros(seq.size + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    last = np.where(pages > 0, seq - (pages - 1) * page_size, 0).astype(np.int32)
+    return PagedKVLengths(indptr=torch.from_numpy(indptr), last_page_len=torch.from_numpy(last))
+
+
+def paged_kv_layout(
+    seq_lens: torch.Tensor | np.ndarray, block_table: torch.Tensor | np.ndarray, page_size: int
+) -> PagedKVLayout:
+    """The CSR page table of requests with KV lengths ``seq_lens`` (``[num_reqs]``) whose
+    blocks are the rows of ``block_table`` (``[num_reqs, max_blocks]``). Host arrays only:
+    the reference for :func:`write_paged_kv_indices`."""
+    table = np.asarray(block_table)
+    num_reqs = np.asarray(seq_lens).reshape(-1).shape[0]
+    if table.ndim != 2 or table.shape[0] < num_reqs:
+        raise ValueError(
+            f"block_table of shape {tuple(table.shape)} does not cover num_reqs={num_reqs}"
+        )
+    lengths = paged_kv_lengths(seq_lens, page_size, table.shape[1])
+    pages = np.diff(lengths.indptr.numpy())
+    used = np.arange(table.shape[1])[None, :] < pages[:, None]
+    indices = np.ascontiguousarray(table[:num_reqs][used], dtype=np.int32)
+    return PagedKVLayout(
+        indptr=lengths.indptr,
+        last_page_len=lengths.last_page_len,
+        indices=torch.from_numpy(indices),
+    )
+
+
+@triton.jit
+def paged_kv_indices_kernel(
+    indices_ptr,
+    block_table_ptr,
+    indptr_ptr,
+    num_reqs,
+    max_blocks,
+    capacity,
+    tail_per_program,
+    stride_bt,
+    BLOCK: tl.constexpr,
+):
+    """Program ``r`` (grid ``(num_reqs,)``) writes request ``r``'s page indices and zeroes
+    one share of the tail.
+
+    ``indices[indptr[r] + j] = block_table[r, j]`` for ``j < indptr[r + 1] - indptr[r]``;
+    then ``indices[used + r * tail_per_program ...]`` (``tail_per_program`` entries, where
+    ``used = indptr[num_reqs]``) are set to 0. With ``tail_per_program * num_reqs >=
+    capacity`` the programs together zero every entry from ``used`` to ``capacity``. No
+    store leaves ``indices[0:capacity]``, whatever ``indptr`` holds.
+    """
+    req = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    start = tl.load(indptr_ptr + req)
+    pages = tl.minimum(tl.load(indptr_ptr + req + 1) - start, max_blocks)
+    row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for first in range(0, pages, BLOCK):
+        col = first + cols
+        dst = start + col
+        live = (col < pages) & (dst >= 0) & (dst < capacity)
+        tl.store(indices_ptr + dst, tl.load(row + col, mask=live, other=0), mask=live)
+    tail = tl.load(indptr_ptr + num_reqs) + req * tail_per_program
+    for first in range(0, tail_per_program, BLOCK):
+        part = first + cols
+        dst = tail + part
+        stale = (part < tail_per_program) & (dst >= 0) & (dst < capacity)
+        tl.store(indices_ptr + dst, tl.zeros([BLOCK], tl.int32), mask=stale)
+
+
+def write_paged_kv_indices(
+    indices: torch.Tensor, block_table: torch.Tensor, indptr: torch.Tensor, num_reqs: int
+) -> None:
+    """Fill the persistent ``indices`` buffer (``[capacity]`` int32, device) with the CSR
+    page indices of the first ``num_reqs`` requests, and zero the rest of it.
+
+    ``indptr`` (``[>= num_reqs + 1]`` int32) and ``block_table`` (``[>= num_reqs,
+    max_blocks]`` int32, rows contiguous) are read on the device, where they must already
+    hold this batch's values (stream order); ``indptr[num_reqs]`` may not exceed
+    ``capacity``. Afterwards ``indices[indptr[r] + j] = block_table[r, j]`` for every
+    request ``r`` and ``j < indptr[r + 1] - indptr[r]``, and ``indices[indptr[num_reqs]:]``
+    is zero, so no block id of an earlier, larger batch remains.
+
+    Capture-safe: one kernel launch whose grid depends only on ``num_reqs`` and the
+    buffers' shapes, no host synchronisation, no allocation; ``indices`` is written in
+    place.
+    """
+    for name, t in (("indices", indices), ("block_table", block_table), ("indptr", indptr)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"write_paged_kv_indices: {name} must be int32, got {t.dtype}")
+        if t.device != indices.device:
+            raise ValueError(
+                f"write_paged_kv_indices: {name} is on {t.device}, indices on {indices.device}"
+            )
+    if indices.dim() != 1 or not indices.is_contiguous():
+        raise ValueError("write_paged_kv_indices: indices must be one contiguous row")
+    if block_table.dim() != 2 or block_table.shape[0] < num_reqs or block_table.stride(1) != 1:
+        raise ValueError(
+            f"write_paged_kv_indices: block_table of shape {tuple(block_table.shape)} does "
+            f"not hold {num_reqs} contiguous rows"
+        )
+    if indptr.dim() != 1 or indptr.shape[0] < num_reqs + 1 or not indptr.is_contiguous():
+        raise ValueError(
+            f"write_paged_kv_indices: indptr of shape {tuple(indptr.shape)} does not cover "
+            f"num_reqs={num_reqs}"
+        )
+    capacity = indices.shape[0]
+    if num_reqs == 0:
+        indices.zero_()
+        return
+    if capacity == 0:
+        return
+    paged_kv_indices_kernel[(num_reqs,)](
+        indices,
+        block_table,
+        indptr,
+        num_reqs,
+        block_table.shape[1],
+        capacity,
+        triton.cdiv(capacity, num_reqs),
+        block_table.stride(0),
+        BLOCK=INDEX_BLOCK,
+        num_warps=1,
+    )
