@@ -33,9 +33,10 @@ from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_uniform_attention_metadata
 from speccheck.speculator.base import DraftModelSpeculator, SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch, DraftResult
+from speccheck.speculator.decode_inputs import DecodeLaneBuffers, prepare_decode_lanes
 from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.model import DraftModel
-from speccheck.speculator.sampling import sample_tokens
+from speccheck.speculator.sampling import finish_decode_step, sample_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -176,18 +177,14 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         if observe and self.step_observer is not None:
             self.step_observer(n, step, group_metadata, None)
         b = self.buffers
-        logits = self.model.compute_logits(self._run_model(n, group_metadata))
-        tokens = sample_tokens(logits, self.options.sampling, self.seeds[:n], b.positions[:n])
-        at_step = self.current_step.view(1)
-        self.draft_tokens[:n].index_copy_(1, at_step, tokens.view(n, 1))
-        self.draft_logits[:n].index_copy_(1, at_step, logits.view(n, 1, -1).float())
-        self.input_ids[:n].copy_(tokens)
-        if self.config.advance_draft_positions:
-            # Real lanes advance one position (clamped); padding lanes (position and length
-            # 0) stay.
-            real = self.is_real_req[:n]
-            b.positions[:n].add_(real).clamp_(max=self.max_model_len - 1)
-            b.seq_lens[:n].add_(real).clamp_(max=self.max_model_len)
+        # Real lanes advance one position (clamped); padding lanes (position and length 0)
+        # stay.
+        finish_decode_step(
+            self.model.compute_logits(self._run_model(n, group_metadata)),
+            self.options.sampling, self.seeds[:n], b.positions[:n], b.seq_lens[:n],
+            self.is_real_req[:n], self.current_step, self.draft_tokens[:n],
+            self.draft_logits[:n], self.input_ids[:n],
+            advance=self.config.advance_draft_positions, max_model_len=self.max_model_len)
         self.current_step.add_(1)
         if not self._in_capture:
             self.counters.eager_step_calls += 1
@@ -423,19 +420,14 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         """Lanes ``0..n-1`` for decode: draft token 0 as input, positions and lengths for
         step 1 from ``base_lens`` (the ``r`` real requests' lengths after the prefill pass,
         on the device; clamped at ``max_model_len``); padding lanes have length 0, sink
-        slots."""
+        slots (:func:`~speccheck.speculator.decode_inputs.prepare_decode_lanes`)."""
         b = self.buffers
-        lanes = torch.arange(n, device=self.device)
-        real = lanes < r
-        base = torch.zeros(n, dtype=torch.int64, device=self.device)
-        base[:r] = base_lens
-        b.positions[:n].copy_(torch.where(real, base.clamp(max=self.max_model_len - 1), 0))
-        b.seq_lens[:n].copy_(torch.where(real, (base + 1).clamp(max=self.max_model_len), 0))
-        self.input_ids[:n].copy_(torch.where(real, self.draft_tokens[:n, 0], 0))
-        self.token_request[:n].copy_(lanes)
-        self.is_real_req[:n].copy_(real)
-        self.is_real_token[:n].copy_(real)
-        self.current_step.fill_(1)
+        lanes = DecodeLaneBuffers(
+            positions=b.positions[:n], seq_lens=b.seq_lens[:n], input_ids=self.input_ids[:n],
+            token_request=self.token_request[:n], is_real_req=self.is_real_req[:n],
+            is_real_token=self.is_real_token[:n], draft_tokens=self.draft_tokens[:n],
+            current_step=self.current_step)
+        prepare_decode_lanes(lanes, base_lens[:r], self.max_model_len)
 
     def _multi_step_decode(
         self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from speccheck.contract.builder import AttentionLayerSpec
 
@@ -81,6 +83,24 @@ class PagedKVCache:
                 torch.randn(tensor.shape, generator=generator, out=tensor)
 
 
+@triton.jit
+def _slot_mapping_kernel(positions_ptr, token_request_ptr, block_table_ptr, is_real_ptr, out_ptr,
+                         table_row_stride, num_tokens, block_size, pad_slot,
+                         BLOCK: tl.constexpr):
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = lanes < num_tokens
+    real = tl.load(is_real_ptr + lanes, mask=in_range, other=0).to(tl.int1)
+    position = tl.load(positions_ptr + lanes, mask=in_range, other=0)
+    request = tl.load(token_request_ptr + lanes, mask=in_range, other=0)
+    block = tl.load(block_table_ptr + request * table_row_stride + position // block_size,
+                    mask=in_range & real, other=0).to(tl.int64)
+    slot = tl.where(real, block * block_size + position % block_size, pad_slot)
+    tl.store(out_ptr + lanes, slot, mask=in_range)
+
+
+_SLOT_BLOCK = 256
+
+
 def compute_slot_mapping(
     positions: torch.Tensor,
     token_request: torch.Tensor,
@@ -88,10 +108,21 @@ def compute_slot_mapping(
     is_real_token: torch.Tensor,
     block_size: int,
     out: torch.Tensor,
+    *,
+    kernel: bool | None = None,
 ) -> None:
     """``out[t] = block_table[req, pos // bs] * bs + pos % bs`` for real tokens, the sink
-    slot for padding tokens. Capture-safe: gathers and an in-place copy, no host values."""
-    block_index = torch.div(positions, block_size, rounding_mode="floor")
-    block = block_table[token_request, block_index].long()
-    slots = block * block_size + positions % block_size
-    out.copy_(torch.where(is_real_token, slots, torch.full_like(slots, PAD_SLOT)))
+    slot for padding tokens. Capture-safe: gathers and an in-place write, no host values.
+    One Triton kernel on CUDA (``kernel`` forces or avoids it; the block table's rows must
+    be contiguous), tensor ops elsewhere."""
+    if not (positions.is_cuda if kernel is None else kernel):
+        block_index = torch.div(positions, block_size, rounding_mode="floor")
+        block = block_table[token_request, block_index].long()
+        slots = block * block_size + positions % block_size
+        out.copy_(torch.where(is_real_token, slots, torch.full_like(slots, PAD_SLOT)))
+        return
+    n = positions.shape[0]
+    if n:
+        _slot_mapping_kernel[(triton.cdiv(n, _SLOT_BLOCK),)](
+            positions, token_request, block_table, is_real_token, out, block_table.stride(0),
+            n, block_size, PAD_SLOT, BLOCK=_SLOT_BLOCK)

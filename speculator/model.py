@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -19,7 +19,14 @@ from torch import nn
 from speccheck.contract.builder import AttentionImpl, AttentionLayerSpec
 from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.speculator.model_kernels import rms_norm, rotary, rotary_inv_freq, silu_mul
+from speccheck.speculator.model_kernels import (
+    add_rms_norm,
+    rms_norm,
+    rotary,
+    rotary_inv_freq,
+    rotary_qkv,
+    silu_mul,
+)
 
 DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -124,6 +131,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(x + delta), x + delta)`` for 2-D ``x`` and ``delta``: one kernel on CUDA
+        (:func:`add_rms_norm`)."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
+
 
 class GQAAttention(nn.Module):
     """Grouped-query attention: fused QKV projection, rotary on queries and keys, the
@@ -148,12 +160,8 @@ class GQAAttention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        kv_size = cfg.num_kv_heads * cfg.head_size
-        q, k, v = qkv.split([cfg.num_heads * cfg.head_size, kv_size, kv_size], dim=-1)
-        q = rotary(q.view(t, cfg.num_heads, cfg.head_size), positions, self.inv_freq)
-        k = rotary(k.view(t, cfg.num_kv_heads, cfg.head_size), positions, self.inv_freq)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_size).contiguous()
+        q, k, v = rotary_qkv(self.qkv_proj(x), positions, self.inv_freq, cfg.num_heads,
+                             cfg.num_kv_heads, cfg.head_size)
         attn = torch.zeros_like(q)
         impl.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn)
         return self.o_proj(attn.reshape(t, -1))
@@ -255,14 +263,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
+        normed: torch.Tensor,
         x: torch.Tensor,
         positions: torch.Tensor,
         impl: AttentionImpl[Any],
         metadata: Any,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), positions, impl, metadata, kv_cache)
-        return x + self.down_proj(silu_mul(self.gate_up_proj(self.post_norm(x))))
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(next_norm(y), y)`` where ``y`` is this layer's output for the residual stream
+        ``x`` and ``normed = self.input_norm(x)`` (computed by the caller, fused with the
+        previous residual add): each residual add runs in one kernel with the norm after
+        it."""
+        attn = self.attn(normed, positions, impl, metadata, kv_cache)
+        h, x = self.post_norm.add_and_norm(x, attn)
+        return next_norm.add_and_norm(x, self.down_proj(silu_mul(self.gate_up_proj(h))))
 
 
 class DraftModel(nn.Module):
@@ -299,9 +314,13 @@ class DraftModel(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the ``T = len(input_ids)`` tokens."""
         x = self.embed(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, impls[i], layer_metadata[i], kv_caches[i])
-        return self.final_norm(x)
+        layers = cast(list[DecoderLayer], list(self.layers))
+        normed = layers[0].input_norm(x) if layers else self.final_norm(x)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.final_norm
+            normed, x = layer(normed, x, positions, impls[i], layer_metadata[i], kv_caches[i],
+                              next_norm)
+        return normed
 
     def decode_weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads: every parameter but the embedding

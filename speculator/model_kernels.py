@@ -1,6 +1,8 @@
 """The drafter's elementwise layers as single Triton kernels on CUDA.
 
-RMSNorm, NeoX rotary embedding and the SwiGLU gate are each several PyTorch kernels when
+RMSNorm (alone, or fused with the residual add before it), NeoX rotary embedding (alone,
+or applied to a fused QKV projection's queries and keys while its values are copied out)
+and the SwiGLU gate are each several PyTorch kernels when
 written with tensor ops (a decode step of a two-layer drafter launched about 180 kernels,
 most of them a couple of microseconds of GPU time each: far more than reading the weights).
 Each function here is one kernel on a CUDA tensor and the same math in PyTorch ops
@@ -59,6 +61,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     return out
 
 
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, x_row_stride, d_row_stride,
+                         width, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < width
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + row * d_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    # The sum is rounded to the residual's dtype first, as ``x + d`` in PyTorch is, and the
+    # norm reads the rounded sum.
+    s = (x + d).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + row * width + cols, s, mask=mask)
+    s32 = s.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(s32 * s32, axis=0) / width + eps)
+    tl.store(out_ptr + row * width + cols, (s32 * inv * w).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + delta), x + delta)`` for 2-D ``x`` and ``delta`` of one shape and
+    dtype (rows contiguous): the residual add of a pre-norm layer and the norm after it,
+    one kernel on CUDA. The sum is rounded to ``x``'s dtype before it is normalised, as the
+    two separate ops do."""
+    if not (use_kernels(x) if kernel is None else kernel):
+        summed = x + delta
+        return rms_norm_torch(summed, weight, eps), summed
+    rows, width = x.shape
+    summed = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
+    if rows:
+        _add_rms_norm_kernel[(rows,)](x, delta, weight, summed, out, x.stride(0),
+                                      delta.stride(0), width, eps,
+                                      BLOCK=triton.next_power_of_2(width))
+    return out, summed
+
+
 # ------------------------------------------------------------------------------ rotary
 
 @triton.jit
@@ -107,6 +148,62 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
         _rotary_kernel[(tokens, heads)](x, positions, inv_freq, out, x.stride(0), x.stride(1),
                                         heads, half, BLOCK=triton.next_power_of_2(half))
     return out
+
+
+
+@triton.jit
+def _rotary_qkv_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, v_ptr, qkv_tok_stride,
+                       num_heads, num_kv_heads, half, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # 0 .. num_heads + 2 * num_kv_heads - 1, in the projection's order
+    j = tl.arange(0, BLOCK)
+    mask = j < half
+    dim = 2 * half
+    src = qkv_ptr + token * qkv_tok_stride + head * dim
+    x1 = tl.load(src + j, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + j, mask=mask, other=0.0).to(tl.float32)
+    if head < num_heads + num_kv_heads:
+        pos = tl.load(pos_ptr + token).to(tl.float32)
+        angle = pos * tl.load(inv_freq_ptr + j, mask=mask, other=0.0)
+        cos, sin = tl.cos(angle), tl.sin(angle)
+        y1 = x1 * cos - x2 * sin
+        y2 = x2 * cos + x1 * sin
+        if head < num_heads:
+            dst = q_ptr + (token * num_heads + head) * dim
+        else:
+            dst = k_ptr + (token * num_kv_heads + head - num_heads) * dim
+    else:
+        y1 = x1
+        y2 = x2
+        dst = v_ptr + (token * num_kv_heads + head - num_heads - num_kv_heads) * dim
+    ty = q_ptr.dtype.element_ty
+    tl.store(dst + j, y1.to(ty), mask=mask)
+    tl.store(dst + half + j, y2.to(ty), mask=mask)
+
+
+def rotary_qkv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+               num_heads: int, num_kv_heads: int, head_size: int, *,
+               kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v)`` of a fused projection ``qkv`` (``[T, (num_heads + 2 * num_kv_heads) *
+    head_size]``, rows contiguous, in that order): :func:`rotary` applied to the queries and
+    keys, the values copied; three new contiguous ``[T, heads, head_size]`` tensors, one
+    kernel on CUDA."""
+    t = qkv.shape[0]
+    if not (use_kernels(qkv) if kernel is None else kernel):
+        kv_size = num_kv_heads * head_size
+        q, k, v = qkv.split([num_heads * head_size, kv_size, kv_size], dim=-1)
+        return (rotary_torch(q.view(t, num_heads, head_size), positions, inv_freq),
+                rotary_torch(k.view(t, num_kv_heads, head_size), positions, inv_freq),
+                v.reshape(t, num_kv_heads, head_size).contiguous())
+    q = torch.empty((t, num_heads, head_size), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((t, num_kv_heads, head_size), dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty((t, num_kv_heads, head_size), dtype=qkv.dtype, device=qkv.device)
+    if t:
+        half = head_size // 2
+        _rotary_qkv_kernel[(t, num_heads + 2 * num_kv_heads)](
+            qkv, positions, inv_freq, q, k, v, qkv.stride(0), num_heads, num_kv_heads, half,
+            BLOCK=triton.next_power_of_2(half))
+    return q, k, v
 
 
 # --------------------------------------------------------------------------- SwiGLU gate

@@ -15,15 +15,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speccheck.speculator.model_kernels import (
+    add_rms_norm,
     rms_norm,
     rms_norm_torch,
     rotary,
     rotary_inv_freq,
+    rotary_qkv,
     rotary_torch,
     silu_mul,
     silu_mul_torch,
 )
-from speccheck.speculator.sampling import gumbel_argmax
+from speccheck.speculator.sampling import SamplingMethod, finish_decode_step, gumbel_argmax
 
 SMALL = settings(max_examples=15, deadline=None)
 
@@ -59,6 +61,75 @@ def test_rotary_kernel_matches_torch(tokens: int, heads: int, half: int, seed: i
 
 
 @SMALL
+@given(rows=st.integers(0, 5), width=st.integers(1, 70), seed=st.integers(0, 99))
+def test_add_rms_norm_kernel_matches_torch(rows: int, width: int, seed: int) -> None:
+    """The sum, and the norm of the sum, as the two separate ops give them."""
+    x = _rows(seed, rows, width + 2)[:, :width]
+    delta = _rows(seed + 1, rows, width)
+    weight = _rows(seed + 2, 1, width)[0]
+    normed, summed = add_rms_norm(x, delta, weight, 1e-6, kernel=True)
+    torch.testing.assert_close(summed, x + delta, rtol=0, atol=0)
+    torch.testing.assert_close(normed, rms_norm_torch(x + delta, weight, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+
+
+@SMALL
+@given(tokens=st.integers(0, 4), heads=st.integers(1, 3), kv_heads=st.integers(1, 2),
+       half=st.integers(1, 20), seed=st.integers(0, 99))
+def test_rotary_qkv_kernel_matches_torch(tokens: int, heads: int, kv_heads: int, half: int,
+                                         seed: int) -> None:
+    """Queries and keys rotated, values copied, each into a contiguous tensor of its own."""
+    dim = 2 * half
+    wide = _rows(seed, tokens, (heads + 2 * kv_heads) * dim + 3)
+    qkv = wide[:, : (heads + 2 * kv_heads) * dim]  # rows strided wider than their width
+    positions = torch.randint(0, 40000, (tokens,), generator=torch.Generator().manual_seed(seed))
+    inv_freq = rotary_inv_freq(dim, 10000.0, torch.device("cpu"))
+    got = rotary_qkv(qkv, positions, inv_freq, heads, kv_heads, dim, kernel=True)
+    want = rotary_qkv(qkv, positions, inv_freq, heads, kv_heads, dim, kernel=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.is_contiguous() and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-3)
+    assert torch.equal(got[2], want[2])  # values are copied, not computed
+
+
+@SMALL
+@given(rows=st.integers(0, 4), vocab=st.integers(1, 2500), steps=st.integers(1, 3),
+       method=st.sampled_from(["argmax", "gumbel"]), advance=st.booleans(),
+       seed=st.integers(0, 99))
+def test_decode_step_epilogue_kernel_matches_torch(rows: int, vocab: int, steps: int,
+                                                   method: SamplingMethod, advance: bool,
+                                                   seed: int) -> None:
+    """Token and fp32 logits stored at the device step, token fed back, real lanes advanced
+    and clamped, padding lanes left: every output buffer equal to the tensor-op form's."""
+    gen = torch.Generator().manual_seed(seed)
+    max_len = 50
+    logits = torch.randint(-3, 4, (rows, vocab), generator=gen).float()
+    step = torch.tensor(int(torch.randint(0, steps, (1,), generator=gen)))
+
+    def state() -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed + 1)
+        return {
+            "seeds": torch.randint(0, 2**31 - 1, (rows,), generator=g),
+            "positions": torch.randint(max_len - 3, max_len, (rows,), generator=g),
+            "seq_lens": torch.randint(max_len - 2, max_len + 1, (rows,), generator=g).int(),
+            "is_real": torch.rand(rows, generator=g) < 0.7,
+            "draft_tokens": torch.randint(0, 9, (rows, steps), generator=g),
+            "draft_logits": torch.randn(rows, steps, vocab, generator=g),
+            "input_ids": torch.randint(0, 9, (rows,), generator=g),
+        }
+
+    got, want = state(), state()
+    for buffers, kernel in ((got, True), (want, False)):
+        finish_decode_step(logits, method, buffers["seeds"], buffers["positions"],
+                           buffers["seq_lens"], buffers["is_real"], step,
+                           buffers["draft_tokens"], buffers["draft_logits"],
+                           buffers["input_ids"], advance=advance, max_model_len=max_len,
+                           kernel=kernel)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@SMALL
 @given(rows=st.integers(0, 4), width=st.integers(1, 2100), seed=st.integers(0, 99))
 def test_silu_mul_kernel_matches_torch(rows: int, width: int, seed: int) -> None:
     gate_up = _rows(seed, rows, 2 * width)
@@ -87,6 +158,15 @@ def test_cuda_kernels_match_torch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(rotary(q, positions, inv_freq), rotary_torch(q, positions, inv_freq),
                                **tol)
     torch.testing.assert_close(silu_mul(x), silu_mul_torch(x), **tol)
+    delta = _rows(3, 64, 2048, "cuda", dtype)
+    normed, summed = add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(summed, x + delta)
+    torch.testing.assert_close(normed, rms_norm_torch(x + delta, weight, 1e-6), **tol)
+    qkv = _rows(4, 64, 24 * 128, "cuda", dtype)
+    for got, want in zip(rotary_qkv(qkv, positions, inv_freq, 16, 4, 128),
+                         rotary_qkv(qkv, positions, inv_freq, 16, 4, 128, kernel=False),
+                         strict=True):
+        torch.testing.assert_close(got, want, **tol)
 
 
 _AOT_SCRIPT = """
@@ -106,12 +186,31 @@ for dtype in ("bf16", "fp16", "fp32"):
     compile(ASTSource(k._silu_mul_kernel, {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype,
             "x_row_stride": "i32", "width": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024}),
             target=target)
+    compile(ASTSource(k._add_rms_norm_kernel, {"x_ptr": "*" + dtype, "d_ptr": "*" + dtype,
+            "w_ptr": "*" + dtype, "sum_ptr": "*" + dtype, "out_ptr": "*" + dtype,
+            "x_row_stride": "i32", "d_row_stride": "i32", "width": "i32", "eps": "fp32",
+            "BLOCK": "constexpr"}, {"BLOCK": 2048}), target=target)
+    compile(ASTSource(k._rotary_qkv_kernel, {"qkv_ptr": "*" + dtype, "pos_ptr": "*i64",
+            "inv_freq_ptr": "*fp32", "q_ptr": "*" + dtype, "k_ptr": "*" + dtype,
+            "v_ptr": "*" + dtype, "qkv_tok_stride": "i32", "num_heads": "i32",
+            "num_kv_heads": "i32", "half": "i32", "BLOCK": "constexpr"}, {"BLOCK": 64}),
+            target=target)
     print(dtype, "ok")
 from speccheck.speculator import sampling as s
 compile(ASTSource(s._gumbel_argmax_kernel, {"logits_ptr": "*bf16", "seeds_ptr": "*i64",
         "positions_ptr": "*i64", "out_ptr": "*i64", "row_stride": "i32", "vocab": "i32",
         "BLOCK": "constexpr"}, {"BLOCK": 1024}), target=target)
 print("gumbel ok")
+for gumbel in (False, True):
+    compile(ASTSource(s._decode_step_epilogue_kernel, {"logits_ptr": "*bf16",
+            "seeds_ptr": "*i64", "positions_ptr": "*i64", "seq_lens_ptr": "*i32",
+            "is_real_ptr": "*i1", "step_ptr": "*i64", "tokens_ptr": "*i64",
+            "draft_logits_ptr": "*fp32", "input_ids_ptr": "*i64", "logits_row_stride": "i32",
+            "tokens_row_stride": "i32", "draft_logits_row_stride": "i32",
+            "draft_logits_step_stride": "i32", "vocab": "i32", "max_model_len": "i32",
+            "GUMBEL": "constexpr", "ADVANCE": "constexpr", "BLOCK": "constexpr"},
+            {"GUMBEL": gumbel, "ADVANCE": True, "BLOCK": 1024}), target=target)
+    print("epilogue ok")
 """
 
 
@@ -122,7 +221,7 @@ def test_kernels_compile_for_sm90() -> None:
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 4, proc.stdout
+    assert proc.stdout.count(" ok") == 6, proc.stdout
 
 
 @SMALL

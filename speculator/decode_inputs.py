@@ -1,0 +1,86 @@
+"""The decode lanes' inputs after the first pass, written in place in one kernel on CUDA.
+
+After the first pass has stored draft token 0 of each request, the ``n`` decode lanes of
+the bucket are reset for step 1: lane ``i < r`` (request ``i``) feeds back its draft token 0
+at its first draft position, padding lanes get position and length 0 (they write the sink
+slot). In tensor ops that is a dozen small kernels per propose call; here it is one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class DecodeLaneBuffers:
+    """The persistent buffers a decode step reads its lanes from (views of the first
+    ``n`` lanes): ``positions``, ``seq_lens``, ``input_ids``, ``token_request``,
+    ``is_real_req``, ``is_real_token``, and ``draft_tokens`` (``[n, K]``, column 0 written by
+    the first pass) and ``current_step`` (a device scalar)."""
+
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    input_ids: torch.Tensor
+    token_request: torch.Tensor
+    is_real_req: torch.Tensor
+    is_real_token: torch.Tensor
+    draft_tokens: torch.Tensor
+    current_step: torch.Tensor
+
+
+@triton.jit
+def _prepare_decode_lanes_kernel(base_ptr, positions_ptr, seq_lens_ptr, input_ids_ptr,
+                                 token_request_ptr, is_real_req_ptr, is_real_token_ptr,
+                                 draft_tokens_ptr, current_step_ptr, draft_row_stride,
+                                 num_lanes, num_reqs, max_model_len, BLOCK: tl.constexpr):
+    lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = lanes < num_lanes
+    real = lanes < num_reqs
+    base = tl.load(base_ptr + lanes, mask=real, other=0)
+    token = tl.load(draft_tokens_ptr + lanes * draft_row_stride, mask=real, other=0)
+    tl.store(positions_ptr + lanes, tl.where(real, tl.minimum(base, max_model_len - 1), 0),
+             mask=in_range)
+    length = tl.where(real, tl.minimum(base + 1, max_model_len), 0)
+    tl.store(seq_lens_ptr + lanes, length.to(seq_lens_ptr.dtype.element_ty), mask=in_range)
+    tl.store(input_ids_ptr + lanes, tl.where(real, token, 0), mask=in_range)
+    tl.store(token_request_ptr + lanes, lanes.to(tl.int64), mask=in_range)
+    tl.store(is_real_req_ptr + lanes, real, mask=in_range)
+    tl.store(is_real_token_ptr + lanes, real, mask=in_range)
+    tl.store(current_step_ptr, 1, mask=tl.program_id(0) == 0)
+
+
+_LANE_BLOCK = 256
+
+
+def prepare_decode_lanes(lanes: DecodeLaneBuffers, base_lens: torch.Tensor, max_model_len: int,
+                         *, kernel: bool | None = None) -> None:
+    """Lanes ``0 .. n - 1`` (``n = len(lanes.positions)``) for decode step 1 from
+    ``base_lens`` (int64, the ``r`` real requests' lengths after the first pass, on the
+    device): position ``min(base, max_model_len - 1)``, length ``min(base + 1,
+    max_model_len)``, input draft token 0, token ``i`` of request ``i``; padding lanes
+    (``i >= r``) position, length and input 0 and not real; ``current_step`` 1.
+
+    One Triton kernel on CUDA (``kernel`` forces or avoids it), tensor ops elsewhere.
+    Capture-safe: no host values but the sizes, every write in place."""
+    n, r = lanes.positions.shape[0], base_lens.shape[0]
+    if not (lanes.positions.is_cuda if kernel is None else kernel):
+        index = torch.arange(n, device=lanes.positions.device)
+        real = index < r
+        base = torch.zeros(n, dtype=torch.int64, device=lanes.positions.device)
+        base[:r] = base_lens
+        lanes.positions.copy_(torch.where(real, base.clamp(max=max_model_len - 1), 0))
+        lanes.seq_lens.copy_(torch.where(real, (base + 1).clamp(max=max_model_len), 0))
+        lanes.input_ids.copy_(torch.where(real, lanes.draft_tokens[:, 0], 0))
+        lanes.token_request.copy_(index)
+        lanes.is_real_req.copy_(real)
+        lanes.is_real_token.copy_(real)
+        lanes.current_step.fill_(1)
+        return
+    _prepare_decode_lanes_kernel[(max(1, triton.cdiv(n, _LANE_BLOCK)),)](
+        base_lens, lanes.positions, lanes.seq_lens, lanes.input_ids, lanes.token_request,
+        lanes.is_real_req, lanes.is_real_token, lanes.draft_tokens, lanes.current_step,
+        lanes.draft_tokens.stride(0), n, r, max_model_len, BLOCK=_LANE_BLOCK)
