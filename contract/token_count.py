@@ -102,6 +102,11 @@ def build_attention_metadata(
         base_seq_lens_np, num_reqs, num_reqs_attn, step, max_model_len
     )
     qsl_cpu = torch.from_numpy(qsl)
+    if buffers.query_start_loc.is_cuda:
+        # From page-locked memory the copy is queued and the host goes on; from pageable
+        # memory it would first wait for every earlier launch on the stream to finish.
+        # PyTorch's host allocator keeps the block until the copy has run.
+        qsl_cpu = qsl_cpu.pin_memory()
     buffers.query_start_loc[: num_reqs_attn + 1].copy_(qsl_cpu, non_blocking=True)
     query_lens = np.diff(qsl[: num_reqs + 1])
     if batch_desc.uniform_token_count is not None:

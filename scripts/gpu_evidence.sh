@@ -33,19 +33,23 @@
 #       (one-kernel layers, Gumbel sampling, first-pass graph, bench, FlashInfer's
 #       device-built page indices), short verifies of triton_attn and flashinfer at the GPU
 #       defaults (no false positive), and FlashInfer's JIT cache in fi-jit/
+#   scripts/gpu_evidence.sh OUTDIR lean-core
+#       wheels in .gpu-wheels/core: speccheck bench for triton_attn and fa3 (K=4 and 8,
+#       batches 1, 8, 64), the one-kernel layers' and speculator's CUDA tests, and verify
+#       of triton_attn (EXAMPLES, default 60) and fa3 (FA3_EXAMPLES, 30) at the GPU defaults
 #   scripts/gpu_evidence.sh OUTDIR audit-core | audit-flashinfer
 #       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
 #       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
 #       verify runs of every shipped backend (no false positives), and the self-test
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|audit-core|audit-flashinfer [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-core|audit-core|audit-flashinfer [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
-  core|audit-core|serving|latent|concurrent) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
+  core|audit-core|serving|latent|concurrent|lean-core) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
   flashinfer|audit-flashinfer|lean)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
@@ -87,6 +91,19 @@ if [ "$suite" = lean ]; then
   tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
   run triton_attn "${VERIFY_LIMIT:-60}" --backend triton_attn --examples "${EXAMPLES:-30}"
   run flashinfer "${VERIFY_LIMIT:-60}" --backend flashinfer --examples "${EXAMPLES:-30}"
+  exit 0
+fi
+if [ "$suite" = lean-core ]; then
+  for backend in triton_attn fa3; do
+    { timeout "${BENCH_LIMIT:-90}" speccheck bench --backend "$backend" --steps "${STEPS:-4,8}" \
+        --batches 1,8,64 --repeats "${REPEATS:-10}" --json "$out/bench-$backend.json"
+      echo "exit $?"; } > "$out/bench-$backend.txt" 2>&1
+  done
+  timeout "${PYTEST_LIMIT:-150}" python3 -m pytest -rA -q -m cuda tests/test_model_kernels.py \
+    tests/test_speculator.py > "$out/pytest-cuda-lean-core.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-lean-core.txt"
+  run triton_attn "${VERIFY_LIMIT:-120}" --backend triton_attn --examples "${EXAMPLES:-60}"
+  run fa3 "${VERIFY_LIMIT:-120}" --backend fa3 --examples "${FA3_EXAMPLES:-30}"
   exit 0
 fi
 if [ "$suite" = concurrent ]; then
