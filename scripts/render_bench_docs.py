@@ -2,9 +2,10 @@
 reports: a table per backend (path, K, batch, wall, host and GPU ms, replays per propose,
 capture time, graph memory, ratios to per-step).
 
-    python scripts/render_bench_docs.py BENCH.json [MORE.json ...] [--output FILE]
+    python scripts/render_bench_docs.py BENCH.json [MORE.json ...] [--output FILE] [--plots DIR]
 
-Prints to stdout unless ``--output`` is given. A file that is not such a report is one
+Prints to stdout unless ``--output`` is given. ``--plots`` also draws each report's PNG
+plots into DIR, as ``speccheck bench --plots`` does (needs matplotlib). A file that is not such a report is one
 line on stderr and exit status 2.
 """
 
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from speccheck.checks.bench.markdown import render_markdown
+from speccheck.checks.bench.plots import matplotlib_missing, write_plots
 from speccheck.checks.bench.records import BenchReport
 
 EXIT_BAD_INPUT = 2
@@ -39,12 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", type=Path, nargs="+", help="speccheck bench --json files")
     parser.add_argument("--output", type=Path, help="write the markdown here")
+    parser.add_argument("--plots", type=Path, help="draw each report's PNG plots into this folder")
     args = parser.parse_args(argv)
+    if args.plots is not None and (missing := matplotlib_missing()) is not None:
+        print(missing, file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
-        text = render_markdown([_load(path) for path in args.reports])
+        reports = [_load(path) for path in args.reports]
     except BadReport as exc:
         print(exc, file=sys.stderr)
         return EXIT_BAD_INPUT
+    text = render_markdown(reports)
+    if args.plots is not None:
+        for report in reports:
+            write_plots(report, args.plots)
     if args.output is None:
         sys.stdout.write(text)
     else:
