@@ -41,8 +41,15 @@
 #       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
 #       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
 #       verify runs of every shipped backend (no false positives), and the self-test
+#   scripts/gpu_evidence.sh OUTDIR two-gpu
+#       on the nvidia-h200-x2 machine (two GPUs), wheels in .gpu-wheels/fi (+ fi-jit): one DP
+#       rank per GPU over gloo (CPU) + NCCL (CUDA). The two-GPU tests of the rank launcher and
+#       the DP drafter (TWO_GPU_PYTEST_LIMIT, 0 leaves them out), then verify --dp-size 2 for
+#       triton_attn and flashinfer (eager and FULL each; DP2_LIMIT, DP2_EXAMPLES) and verify
+#       --dcp-world-size 2 for reference and triton_attn (DCP2_LIMIT, DCP2_EXAMPLES), one after
+#       the other (each run uses both GPUs), each into a console file of its own.
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-core|audit-core|audit-flashinfer [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-core|audit-core|audit-flashinfer|two-gpu [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
@@ -50,7 +57,7 @@ mkdir -p "$out"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
   core|audit-core|serving|latent|concurrent|lean-core) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
-  flashinfer|audit-flashinfer|lean)
+  flashinfer|audit-flashinfer|lean|two-gpu)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
     # -m: restored objects get the current time, newer than the sources just extracted,
@@ -64,7 +71,8 @@ export SPECCHECK_COMMIT=$commit
 {
   echo "commit: $commit"; echo "suite: $suite"; date -u; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  case $suite in *flashinfer|lean) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
+  case $suite in *flashinfer|lean|two-gpu) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
+  [ "$suite" = two-gpu ] && python3 -c "import torch, torch.distributed as d; print('GPUs', torch.cuda.device_count(), 'nccl', d.is_nccl_available() and torch.cuda.nccl.version())"
 } > "$out/device-$suite.txt" 2>&1
 
 console=$out/verify-console-$suite.txt
@@ -74,6 +82,26 @@ run() {  # NAME TIMEOUT ARGS...
     echo "exit $?"; } >> "$console" 2>&1
 }
 
+if [ "$suite" = two-gpu ]; then
+  # The machine turns NVLink multicast off (KINDS.md); keep it off whatever this shell got.
+  export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+  if [ "${TWO_GPU_PYTEST_LIMIT:-120}" != 0 ]; then
+    timeout "${TWO_GPU_PYTEST_LIMIT:-120}" python3 -m pytest -rA -q -m cuda tests/test_dp_collectives.py \
+      tests/test_dp_dflash.py -k "not flashinfer" > "$out/pytest-cuda-two-gpu.txt" 2>&1
+    echo "pytest exit $?" >> "$out/pytest-cuda-two-gpu.txt"
+  fi
+  for backend in triton_attn flashinfer; do
+    console=$out/verify-console-$backend-dp2.txt run "$backend-dp2" "${DP2_LIMIT:-150}" \
+      --backend "$backend" --dp-size 2 --num-speculative-steps 3 --examples "${DP2_EXAMPLES:-8}"
+  done
+  for backend in reference triton_attn; do
+    console=$out/verify-console-$backend-dcp2.txt run "$backend-dcp2" "${DCP2_LIMIT:-90}" \
+      --backend "$backend" --dcp-world-size 2 --examples "${DCP2_EXAMPLES:-50}"
+  done
+  mkdir -p "$out/fi-jit"
+  tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
+  exit 0
+fi
 if [ "$suite" = lean ]; then
   { timeout "${BENCH_LIMIT:-90}" speccheck bench --backend triton_attn --steps "${STEPS:-4,8}" \
       --batches 1,8,64 --repeats "${REPEATS:-10}" --json "$out/bench-triton_attn.json"

@@ -1,9 +1,19 @@
-"""Run a function on ``dp_size`` real processes joined by a gloo process group.
+"""Run a function on ``dp_size`` real processes joined by one default process group.
 
 Each rank is a fresh interpreter (``spawn``): ``fn`` and ``args`` travel pickled, so ``fn``
 must be a module-level function of a module the children can import (they inherit the
 parent's ``sys.path``), and classes in ``args`` likewise. Ranks meet over TCP on loopback
 (``GLOO_SOCKET_IFNAME=lo``, a free port found by binding port 0).
+
+The group's backends are a :class:`~speccheck.speculator.collectives.Collectives` decided
+once, in the parent (:func:`~speccheck.speculator.collectives.rank_collectives`): with at
+least one GPU per rank, rank ``r`` makes ``cuda:r`` its current device and the group is
+``"cpu:gloo,cuda:nccl"`` (CPU tensors over gloo, CUDA tensors over NCCL); otherwise plain
+gloo, ranks sharing the device (NCCL refuses two ranks on one GPU). NCCL's own bootstrap is
+kept on loopback too (``NCCL_SOCKET_IFNAME=lo`` unless already set); on one host its data
+moves over NVLink, PCIe peer-to-peer or shared memory, not sockets. Every other variable of
+the parent's environment (``NCCL_NVLS_ENABLE``, ``CUDA_VISIBLE_DEVICES``, ...) reaches the
+ranks unchanged.
 
 A rank that raises, dies, or does not report within ``timeout_s`` ends the run: the other
 ranks are terminated and :class:`RankFailed` or :class:`RanksTimedOut` names the rank.
@@ -25,6 +35,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from speccheck.speculator.collectives import Collectives, rank_collectives
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +89,9 @@ def free_port() -> int:
 
 def rank_device(dp_rank: int) -> torch.device:
     """The device a DP rank runs on: ``cuda:<rank mod GPU count>`` (so every rank shares
-    ``cuda:0`` on a one-GPU machine), else the CPU."""
+    ``cuda:0`` on a one-GPU machine), else the CPU. Under
+    :attr:`~speccheck.speculator.collectives.Collectives.GLOO_CPU_NCCL_CUDA` (at least one
+    GPU per rank) this is ``cuda:<rank>``, the device :func:`run_ranks` makes current."""
     if torch.cuda.is_available():
         return torch.device("cuda", dp_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -90,10 +104,16 @@ def run_ranks(
     *,
     timeout_s: float = 120.0,
     threads_per_rank: int | None = None,
+    collectives: Collectives | None = None,
 ) -> list[R]:
     """``[fn(0, dp_size, *args), ..., fn(dp_size - 1, dp_size, *args)]``, each call in its
-    own spawned process, inside an initialised gloo default process group of ``dp_size``
-    ranks (destroyed afterwards). Results must be picklable.
+    own spawned process, inside an initialised default process group of ``dp_size`` ranks
+    (destroyed afterwards). Results must be picklable.
+
+    ``collectives`` picks the group's backends (default: :func:`rank_collectives` for
+    ``dp_size``); under ``GLOO_CPU_NCCL_CUDA`` each rank runs with ``rank_device(rank)``
+    current. Raises ``ValueError`` for ``GLOO_CPU_NCCL_CUDA`` on a machine where
+    :func:`rank_collectives` would not choose it (no CUDA or NCCL, or fewer GPUs than ranks).
 
     ``timeout_s`` bounds the whole run, process start-up included, and is also the process
     group's timeout (a collective waiting on a dead peer fails after it). ``threads_per_rank``
@@ -104,6 +124,13 @@ def run_ranks(
     """
     if dp_size < 1:
         raise ValueError(f"dp_size={dp_size} must be >= 1")
+    fitting = rank_collectives(dp_size)
+    chosen = fitting if collectives is None else collectives
+    if chosen.one_gpu_per_rank and fitting is not chosen:
+        raise ValueError(
+            f"collectives {chosen.backend!r} need CUDA, NCCL and one GPU for each of the "
+            f"{dp_size} ranks; this machine has {torch.cuda.device_count()} GPU(s)"
+        )
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // dp_size)
     payload = pickle.dumps((fn, tuple(args)))
     port = free_port()
@@ -112,7 +139,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, dp_size, port, payload, results, timeout_s, threads),
+            args=(rank, dp_size, port, payload, results, timeout_s, threads, chosen),
             name=f"dp-rank-{rank}",
             daemon=True,
         )
@@ -121,7 +148,8 @@ def run_ranks(
     started = time.monotonic()
     for p in procs:
         p.start()
-    logger.debug("spawned %d DP ranks on port %d", dp_size, port)
+    logger.info("spawned %d ranks on port %d: collectives %s, devices %s", dp_size, port,
+                chosen.backend, ", ".join(str(rank_device(r)) for r in range(dp_size)))
     try:
         collected = _collect(procs, results, dp_size, started + timeout_s, timeout_s)
     except BaseException:
@@ -200,21 +228,28 @@ def _stop(procs: list[Any], grace_s: float) -> None:
 
 
 def _rank_main(
-    rank: int, dp_size: int, port: int, payload: bytes, results: Any, timeout_s: float, threads: int
+    rank: int, dp_size: int, port: int, payload: bytes, results: Any, timeout_s: float,
+    threads: int, collectives: Collectives,
 ) -> None:
-    """Body of one rank process: join the group, run the function, report.
+    """Body of one rank process: (one GPU per rank: make ``rank_device(rank)`` current) join
+    the group, run the function, report.
 
     The report is flushed into the pipe *before* the process group is torn down: a peer
     blocked in a collective fails only once this rank's sockets close, so the parent reads
     the root cause before any error that it caused in other ranks.
     """
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if collectives.one_gpu_per_rank:
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     torch.set_num_threads(threads)
     joined = False
     try:
         fn, args = pickle.loads(payload)
+        if collectives.one_gpu_per_rank:
+            torch.cuda.set_device(rank_device(rank))
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=dp_size,
+            collectives.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+            world_size=dp_size,
             timeout=timedelta(seconds=timeout_s),
         )
         joined = True

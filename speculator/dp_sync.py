@@ -3,10 +3,12 @@
 Under data parallelism every rank must run its forward on the same number of tokens (the
 model's DP collectives exchange fixed shapes), so the ranks agree before each forward:
 
-- :func:`sync_dp_padding` runs **one** CPU all-reduce over a gloo group (a CPU tensor even
-  when the model runs on GPUs) of an int64 ``[4, dp_size]`` table in which each rank fills
-  only its own column (:func:`dp_column`), and reduces the summed table with the pure
-  :func:`reduce_dp_table`, so every rank derives the same :class:`DPSyncState`;
+- :func:`sync_dp_padding` runs **one** CPU all-reduce (a CPU tensor even when the model runs
+  on GPUs, as vLLM's DP sync does over its CPU group) over the group's CPU backend — gloo,
+  also in a mixed ``"cpu:gloo,cuda:nccl"`` group — of an int64 ``[4, dp_size]`` table in
+  which each rank fills only its own column (:func:`dp_column`), and reduces the summed
+  table with the pure :func:`reduce_dp_table`, so every rank derives the same
+  :class:`DPSyncState`;
 - :func:`agreed_descriptor` turns that state into the descriptor each rank executes;
 - :func:`reuse_for_draft` derives the drafter's agreement from the target's, with no new
   collective.
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.speculator.collectives import backend_for_device
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +130,14 @@ def sync_dp_padding(
     ``local`` is this rank's own descriptor (a captured FULL bucket, or the real tokens when
     eager) and ``num_reqs`` its real request count. Every rank of ``group`` (default: the
     default group) must call this once per forward, in the same order: it is one
-    ``all_reduce`` over a gloo group of a CPU int64 tensor, whatever device the model runs on.
-    ``dp_size == 1`` issues no collective and needs no process group.
+    ``all_reduce`` of a CPU int64 tensor, whatever device the model runs on, so ``group``
+    needs a backend for CPU tensors (:func:`cpu_collective_backend`): ``"gloo"`` or a mixed
+    ``"cpu:gloo,cuda:nccl"`` group, not ``"nccl"`` alone. ``dp_size == 1`` issues no
+    collective and needs no process group.
+
+    Raises ``RuntimeError`` if ``dp_size > 1`` and torch.distributed is not initialised,
+    ``ValueError`` if the group has no CPU backend or its size and rank are not ``dp_size``
+    and ``dp_rank``.
     """
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} is outside 0..{dp_size - 1}")
@@ -142,16 +151,30 @@ def sync_dp_padding(
     return state
 
 
+def cpu_collective_backend(backend: str) -> str:
+    """The backend that carries the DP sync's CPU all-reduce in a group whose backend string
+    (as ``dist.get_backend`` returns it) is ``backend``: ``"gloo"`` for ``"gloo"`` and for
+    ``"cpu:gloo,cuda:nccl"``. Pure.
+
+    Raises ``ValueError`` (one line) if no backend of the group handles CPU tensors
+    (``"nccl"``, ``"cuda:nccl"``).
+    """
+    cpu = backend_for_device(backend, "cpu")
+    if cpu is None:
+        raise ValueError(
+            f"the DP sync all-reduces a CPU tensor, but process group backend {backend!r} has no "
+            f"backend for CPU tensors; use 'gloo' or a mixed group such as 'cpu:gloo,cuda:nccl'"
+        )
+    return cpu
+
+
 def _check_group(group: dist.ProcessGroup | None, dp_rank: int, dp_size: int) -> None:
     if not dist.is_initialized():
         raise RuntimeError(
-            f"dp_size={dp_size} needs torch.distributed initialised (a gloo group); it is not"
+            f"dp_size={dp_size} needs torch.distributed initialised (a group with gloo for CPU "
+            f"tensors); it is not"
         )
-    backend = dist.get_backend(group)
-    if backend != "gloo":
-        raise ValueError(
-            f"the DP sync all-reduces a CPU tensor and needs a gloo group, got backend {backend!r}"
-        )
+    cpu_collective_backend(str(dist.get_backend(group)))
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if (world, rank) != (dp_size, dp_rank):
         raise ValueError(

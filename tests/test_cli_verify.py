@@ -168,6 +168,9 @@ def test_dp_run_honours_the_step_count_and_records_the_given_commit(
     (backend,) = report["backends"]
     assert backend["runtime_config"]["num_speculative_steps"] == 2
     assert backend["checks"]["dp_token_count"]["passed"] > 0
+    assert backend["data_parallel"] == {"dp_size": 2, "collectives": "gloo",
+                                        "devices": ["cpu", "cpu"]}
+    assert "reference: 2 DP ranks on cpu, cpu, collectives gloo" in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks CPU-only skips")

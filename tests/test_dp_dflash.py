@@ -36,6 +36,8 @@ from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.batch import DraftBatch
+from speccheck.speculator.collectives import Collectives, rank_collectives
+from speccheck.speculator.dp_launch import rank_device
 from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.model import DrafterConfig
 from speccheck.checks.verify.context import MatrixContext
@@ -158,6 +160,32 @@ def test_reports_tally_the_dp_checks(correct: DPVerifyResult, variant: DPVerifyR
     assert bad.failures[0].diagnosis.startswith("rank 0, mode none, round 0: attention covers 20")
     assert bad.minimal_example is not None and len(bad.minimal_example["batches_per_rank"]) == 2
     assert BackendReport.from_json(bad.to_json()) == bad
+
+
+def test_the_result_names_the_collectives_and_every_ranks_device(correct: DPVerifyResult) -> None:
+    """Decided once in the parent, as :func:`rank_collectives` says for this machine."""
+    assert correct.collectives is rank_collectives(2)
+    assert correct.devices == (str(rank_device(0)), str(rank_device(1)))
+    report = correct.to_report()
+    assert report.data_parallel == {"dp_size": 2, "collectives": correct.collectives.backend,
+                                    "devices": list(correct.devices)}
+    assert BackendReport.from_json(report.to_json()).data_parallel == report.data_parallel
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+def test_without_cuda_the_ranks_share_the_cpu_over_gloo(correct: DPVerifyResult) -> None:
+    assert correct.collectives is Collectives.GLOO and correct.devices == ("cpu", "cpu")
+    assert correct.to_report().data_parallel == {"dp_size": 2, "collectives": "gloo",
+                                                 "devices": ["cpu", "cpu"]}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (one DP rank per GPU over NCCL)")
+def test_on_two_gpus_each_rank_has_its_own_gpu_over_nccl(correct: DPVerifyResult) -> None:
+    assert correct.collectives is Collectives.GLOO_CPU_NCCL_CUDA
+    assert correct.devices == ("cuda:0", "cuda:1") and "full" in correct.modes
+    assert correct.passed, [o.diagnosis for o in correct.failures()]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")

@@ -212,6 +212,11 @@ def _finish(console: Console, result: VerifyReport, json_path: Path | None,
     console.print(table)
     for line in result.summary_lines():
         console.print(line, markup=False, soft_wrap=True)
+    for r in reports:
+        if r.data_parallel is not None:
+            dp = r.data_parallel
+            console.print(f"{r.backend}: {dp['dp_size']} DP ranks on {', '.join(dp['devices'])}, "
+                          f"collectives {dp['collectives']}", markup=False)
     console.print(f"checks: {', '.join(check.value for check in Check)}", markup=False)
     if json_path:
         write_json(reports, json_path, {

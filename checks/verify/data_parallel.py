@@ -1,8 +1,11 @@
-"""Data-parallel verification of the DFlash drafter (seed 004), on real gloo ranks.
+"""Data-parallel verification of the DFlash drafter (seed 004), on real ranks.
 
-:func:`verify_dp` spawns ``dp_size`` ranks (:func:`~speccheck.speculator.dp_launch.run_ranks`).
-Every rank builds the same drafter (same weight seed) on its device, and for each graph
-mode and each round of batches (a different real batch size on each rank):
+:func:`verify_dp` spawns ``dp_size`` ranks (:func:`~speccheck.speculator.dp_launch.run_ranks`)
+joined by the collectives :func:`~speccheck.speculator.collectives.rank_collectives` picks:
+with a GPU per rank, gloo for CPU tensors and NCCL for CUDA tensors, each rank on
+``cuda:<rank>``; otherwise gloo, the ranks sharing the device. Every rank builds the same
+drafter (same weight seed) on its device, and for each graph mode and each round of
+batches (a different real batch size on each rank):
 
 1. fills its KV cache with the same deterministic values and drafts its batch alone, eagerly,
    with no padding (the single-rank run);
@@ -20,7 +23,7 @@ Two checks per rank, mode and round:
   (a difference at a near-tie of the single-rank logits is indeterminate).
 
 The eager mode (``"none"``) runs anywhere; ``"full"`` needs CUDA (with one GPU every rank
-shares ``cuda:0``).
+shares ``cuda:0``). The result names the collectives and every rank's device.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from speccheck.contract.token_count import attention_token_count, uniform_query_
 from speccheck.speculator.attention_setup import device_name, machine_platform, unrunnable_reason
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch, DraftResult
+from speccheck.speculator.collectives import Collectives, rank_collectives
 from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.dp_launch import RankFailed, rank_device, run_ranks
 from speccheck.speculator.dp_sync import agreed_descriptor, sync_dp_padding
@@ -95,6 +99,10 @@ class DPVerifyResult:
     """Whether the ranks ran on CUDA."""
     device: str
     """The device's name, as reports show it."""
+    collectives: Collectives
+    """The ranks' process group: gloo, or gloo for CPU and NCCL for CUDA tensors."""
+    devices: tuple[str, ...]
+    """Rank ``r``'s device, ``devices[r]`` (``"cuda:1"``)."""
     modes: tuple[str, ...]
     batches_per_rank: list[list[DraftBatch]]
     outcomes: list[DPOutcome] = field(default_factory=list)
@@ -125,7 +133,8 @@ class DPVerifyResult:
 
     def to_report(self) -> BackendReport:
         """The result as a :class:`BackendReport` (tier ``gpu`` when the ranks ran on CUDA),
-        with one tally per DP check and one :class:`Failure` per failed outcome, whose
+        whose ``data_parallel`` names the collectives and the ranks' devices when the ranks
+        ran, with one tally per DP check and one :class:`Failure` per failed outcome, whose
         diagnosis names the rank, mode and round; ``minimal_example`` holds the first
         failing round's batches, one per rank."""
         report = BackendReport(
@@ -140,6 +149,8 @@ class DPVerifyResult:
             report.status = Status.SKIPPED
             report.detail = "; ".join([self.skipped] if self.skipped else notes)
             return report
+        report.data_parallel = {"dp_size": self.dp_size, "collectives": self.collectives.backend,
+                                "devices": list(self.devices)}
         report.detail = "; ".join(notes)
         report.tally(self.outcomes)
         failed = self.failures()
@@ -173,6 +184,7 @@ class _RankPlan:
     speculator_cls: type[DFlashSpeculator]
     seed: int
     matrix: Matrix
+    collectives: Collectives
 
 
 def default_drafter(config: RuntimeConfig, seed: int = 0) -> DrafterConfig:
@@ -233,7 +245,9 @@ def verify_dp(
     speculator_cls: type[DFlashSpeculator] = DFlashSpeculator,
     timeout_s: float = 300.0,
 ) -> DPVerifyResult:
-    """Verify ``backend``'s DFlash drafting under data parallelism on ``dp_size`` gloo ranks.
+    """Verify ``backend``'s DFlash drafting under data parallelism on ``dp_size`` ranks, over
+    the collectives :func:`~speccheck.speculator.collectives.rank_collectives` picks (decided
+    here, once, and recorded in the result with every rank's device).
 
     ``batches_per_rank[r][i]`` is rank ``r``'s batch in round ``i`` (every rank needs the
     same number of rounds); ``None`` draws ``examples`` rounds with hypothesis from ``seed``
@@ -282,18 +296,21 @@ def verify_dp(
         skipped_modes["full"] = shortfall
     runnable = tuple(m for m in wanted if m not in skipped_modes)
     device = device_name(rank_device(0))
+    collectives = rank_collectives(dp_size)
+    devices = tuple(str(rank_device(rank)) for rank in range(dp_size))
     result = DPVerifyResult(
-        backend, dp_size, config.model_copy(update={"dp_size": dp_size}), cuda, device, runnable,
-        batches, skipped_modes=skipped_modes,
+        backend, dp_size, config.model_copy(update={"dp_size": dp_size}), cuda, device,
+        collectives, devices, runnable, batches, skipped_modes=skipped_modes,
     )
     resolution = resolve_backend(entry, result.config)
     result.fused_allowed, result.fused_reason = resolution.fused_multi_step, resolution.reason
     result.skipped = unrunnable_reason(backend, machine_platform(), matrices.matrix)
     if result.skipped is None and runnable:
         plan = _RankPlan(backend, result.config, runnable, batches, drafter, options,
-                         speculator_cls, seed, matrices.matrix)
+                         speculator_cls, seed, matrices.matrix, collectives)
         try:
-            per_rank = run_ranks(_verify_rank, dp_size, (plan,), timeout_s=timeout_s)
+            per_rank = run_ranks(_verify_rank, dp_size, (plan,), timeout_s=timeout_s,
+                                 collectives=collectives)
         except RankFailed as exc:
             if exc.exc_type != BackendUnavailable.__name__:
                 raise
@@ -301,8 +318,9 @@ def verify_dp(
         else:
             result.outcomes = [o for outcomes in per_rank for o in outcomes]
     result.seconds = time.perf_counter() - started
-    logger.info("verify_dp %s dp=%d modes=%s: %d outcomes, %d failed", backend, dp_size,
-                runnable, len(result.outcomes), len(result.failures()))
+    logger.info("verify_dp %s dp=%d (%s on %s) modes=%s: %d outcomes, %d failed", backend,
+                dp_size, collectives.backend, ", ".join(devices), runnable, len(result.outcomes),
+                len(result.failures()))
     return result
 
 
@@ -317,8 +335,13 @@ def _build(plan: _RankPlan, config: RuntimeConfig, device: torch.device) -> DFla
 
 
 def _verify_rank(dp_rank: int, dp_size: int, plan: _RankPlan) -> list[DPOutcome]:
-    """One rank's share of :func:`verify_dp` (runs in a spawned rank process)."""
+    """One rank's share of :func:`verify_dp` (runs in a spawned rank process). Under one GPU
+    per rank, ``rank_device(dp_rank)`` is the device :func:`run_ranks` made current; the rank
+    refuses to run elsewhere."""
     device = rank_device(dp_rank)
+    if plan.collectives.one_gpu_per_rank and torch.cuda.current_device() != device.index:
+        raise RuntimeError(f"DP rank {dp_rank} runs on {device}, but "
+                           f"cuda:{torch.cuda.current_device()} is its current device")
     outcomes: list[DPOutcome] = []
     for mode in plan.modes:
         config = plan.config.model_copy(update={"cudagraph_mode": mode})

@@ -101,6 +101,9 @@ class BackendReport:
     breakpoints: dict[str, Any] | None = None
     """Where the backend's derived metadata changes with one request's length
     (:meth:`~speccheck.checks.verify.breakpoints.Breakpoints.to_json`)."""
+    data_parallel: dict[str, Any] | None = None
+    """For a ``--dp-size N`` run: ``{"dp_size": N, "collectives": the ranks' process-group
+    backend ("gloo" or "cpu:gloo,cuda:nccl"), "devices": rank r's device at index r}``."""
 
     def tally(self, outcomes: Any) -> None:
         """Count every outcome (anything with ``check`` and ``result``) in its check."""
