@@ -26,6 +26,7 @@ from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.cudagraph_manager import CudaGraphManager, require_graph_support
 from speccheck.speculator.kv_cache import PagedKVCache, compute_slot_mapping
 from speccheck.speculator.model import DraftModel
+from speccheck.speculator.pass_inputs import IndexBuffers, PassInputs, scatter_pass_inputs
 from speccheck.speculator.sampling import SamplingMethod
 from speccheck.speculator.staging import HostStaging
 
@@ -143,6 +144,15 @@ class DraftModelSpeculator:
             r, self.num_steps, self.vocab_size, dtype=torch.float32, device=device
         )
         self.current_step = torch.zeros((), dtype=torch.int64, device=device)
+        b = self.buffers
+        self.index_buffers = IndexBuffers(
+            block_table=b.block_table, seeds=self.seeds, seq_lens=b.seq_lens,
+            query_start_loc=b.query_start_loc, is_real_req=self.is_real_req,
+            positions=b.positions, input_ids=self.input_ids, token_request=self.token_request,
+            slot_mapping=b.slot_mapping, is_real_token=self.is_real_token,
+            draft_tokens=self.draft_tokens, current_step=self.current_step)
+        """Every index buffer, for :meth:`_reset_index_buffers` and the one-kernel scatter
+        of a pass's inputs."""
         self.staging = HostStaging(r * (max_blocks + 4) + 3 * t, device)
         """A call's host inputs cross to the device in one copy (see :meth:`_eager_pass`)."""
         self.graphs = (
@@ -209,11 +219,7 @@ class DraftModelSpeculator:
 
     def _reset_index_buffers(self) -> None:
         """Zero every index buffer, so no stale index can point out of bounds."""
-        b = self.buffers
-        for t in (b.block_table, b.slot_mapping, b.positions, b.seq_lens, b.query_start_loc,
-                  self.token_request, self.input_ids, self.draft_tokens, self.current_step,
-                  self.is_real_req, self.is_real_token):
-            t.zero_()
+        self.index_buffers.reset()
 
     @staticmethod
     def _request_arrays(batch: DraftBatch) -> list[np.ndarray]:
@@ -241,8 +247,9 @@ class DraftModelSpeculator:
         """Inputs of a pass over ``rows[r]`` (tokens following request ``r``'s context):
         every index buffer reset, then the real tokens' lanes, lengths, block-table rows
         and seeds written, all crossing to the device in one :class:`HostStaging` copy with
-        ``extra`` (host arrays the caller needs next). Returns the query offsets and device
-        views of ``extra``. Host work."""
+        ``extra`` (host arrays the caller needs next) and scattered by one kernel on CUDA
+        (:func:`~speccheck.speculator.pass_inputs.scatter_pass_inputs`). Returns the query
+        offsets and device views of ``extra``. Host work."""
         r = batch.num_reqs
         q = np.array([len(row) for row in rows], dtype=np.int64)
         t = int(q.sum())
@@ -256,15 +263,8 @@ class DraftModelSpeculator:
         ids = np.fromiter((x for row in rows for x in row), dtype=np.int64, count=t)
         table, seeds, lens, pos, input_ids, token_request, *staged_extra = self.staging.stage(
             [*self._request_arrays(batch), ctx + q, positions, ids, req_of_token, *extra])
-        b = self.buffers
-        self._reset_index_buffers()
-        self._copy_request_inputs(table, seeds)
-        b.seq_lens[:r].copy_(lens)
-        b.positions[:t].copy_(pos)
-        self.input_ids[:t].copy_(input_ids)
-        self.token_request[:t].copy_(token_request)
-        self.is_real_token[:t] = True
-        self.is_real_req[:r] = True
+        scatter_pass_inputs(self.index_buffers,
+                            PassInputs(table, seeds, lens, pos, input_ids, token_request))
         return qsl, staged_extra
 
     def _eager_pass(

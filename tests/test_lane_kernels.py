@@ -1,6 +1,7 @@
-"""The propose call's index-buffer kernels against their tensor-op form: the slot mapping
-(speculator/kv_cache.py) and the decode lanes' inputs after the first pass
-(speculator/decode_inputs.py), under the Triton interpreter on CPU, and compiled for sm_90."""
+"""The propose call's index-buffer kernels against their tensor-op form: the scatter of a
+pass's inputs (speculator/pass_inputs.py), the slot mapping (speculator/kv_cache.py) and
+the decode lanes' inputs after the first pass (speculator/decode_inputs.py), under the
+Triton interpreter on CPU, and compiled for sm_90."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from speccheck.speculator.decode_inputs import DecodeLaneBuffers, prepare_decode_lanes
 from speccheck.speculator.kv_cache import PAD_SLOT, compute_slot_mapping
+from speccheck.speculator.pass_inputs import IndexBuffers, PassInputs, scatter_pass_inputs
 
 SMALL = settings(max_examples=15, deadline=None)
 
@@ -36,6 +38,50 @@ def test_slot_mapping_kernel_matches_torch(tokens: int, reqs: int, width: int,
     compute_slot_mapping(positions, token_request, table, is_real, block_size, want, kernel=False)
     assert torch.equal(got, want)
     assert bool((got[~is_real] == PAD_SLOT).all())
+
+
+def _index_buffers(reqs: int, blocks: int, tokens: int, k: int, seed: int) -> IndexBuffers:
+    """Whole index buffers full of an earlier call's leftovers (nothing zero)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def ints(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.randint(1, 99, shape, generator=gen, dtype=dtype)
+
+    return IndexBuffers(
+        block_table=ints(reqs, blocks, dtype=torch.int32), seeds=ints(reqs),
+        seq_lens=ints(reqs, dtype=torch.int32), query_start_loc=ints(reqs + 1, dtype=torch.int32),
+        is_real_req=torch.ones(reqs, dtype=torch.bool), positions=ints(tokens),
+        input_ids=ints(tokens), token_request=ints(tokens), slot_mapping=ints(tokens),
+        is_real_token=torch.ones(tokens, dtype=torch.bool), draft_tokens=ints(reqs, k),
+        current_step=torch.tensor(3))
+
+
+@SMALL
+@given(data=st.data(), reqs=st.integers(1, 6), blocks=st.integers(1, 200),
+       tokens=st.integers(1, 40), k=st.integers(1, 3), seed=st.integers(0, 99))
+def test_scatter_pass_inputs_kernel_matches_torch(data: st.DataObject, reqs: int, blocks: int,
+                                                  tokens: int, k: int, seed: int) -> None:
+    """Every buffer equal to the tensor-op form's: the batch's rows, lengths and tokens at
+    the head, every other entry reset (seeds past the batch left as they were), block tables
+    larger than one program's share."""
+    r = data.draw(st.integers(0, reqs))
+    width = data.draw(st.integers(0, blocks))
+    t = data.draw(st.integers(0, tokens))
+    gen = torch.Generator().manual_seed(seed + 7)
+    inputs = PassInputs(
+        table=torch.randint(1, 500, (r, width), generator=gen),
+        seeds=torch.randint(0, 2**31, (r,), generator=gen),
+        seq_lens=torch.randint(1, 300, (r,), generator=gen),
+        positions=torch.randint(0, 300, (t,), generator=gen),
+        input_ids=torch.randint(0, 300, (t,), generator=gen),
+        token_request=torch.randint(0, max(r, 1), (t,), generator=gen))
+    got = _index_buffers(reqs, blocks, tokens, k, seed)
+    want = _index_buffers(reqs, blocks, tokens, k, seed)
+    scatter_pass_inputs(got, inputs, kernel=True)
+    scatter_pass_inputs(want, inputs, kernel=False)
+    for name in IndexBuffers.__dataclass_fields__:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert int(want.block_table[r:].abs().sum()) == 0 and int(want.slot_mapping.abs().sum()) == 0
 
 
 def _lanes(n: int, k: int, seed: int) -> DecodeLaneBuffers:
@@ -88,6 +134,18 @@ compile(ASTSource(decode_inputs._prepare_decode_lanes_kernel, {"base_ptr": "*i64
         "num_lanes": "i32", "num_reqs": "i32", "max_model_len": "i32", "BLOCK": "constexpr"},
         {"BLOCK": 256}), target=target)
 print("lanes ok")
+from speccheck.speculator import pass_inputs
+compile(ASTSource(pass_inputs._scatter_pass_inputs_kernel, {"table_ptr": "*i64",
+        "in_seeds_ptr": "*i64", "in_lens_ptr": "*i64", "in_positions_ptr": "*i64",
+        "in_ids_ptr": "*i64", "in_requests_ptr": "*i64", "num_reqs": "i32", "num_tokens": "i32",
+        "table_width": "i32", "block_table_ptr": "*i32", "table_row_stride": "i32",
+        "table_rows": "i32", "table_cols": "i32", "seeds_ptr": "*i64", "seq_lens_ptr": "*i32",
+        "query_start_loc_ptr": "*i32", "is_real_req_ptr": "*i1", "positions_ptr": "*i64",
+        "input_ids_ptr": "*i64", "token_request_ptr": "*i64", "slot_mapping_ptr": "*i64",
+        "is_real_token_ptr": "*i1", "max_tokens": "i32", "draft_tokens_ptr": "*i64",
+        "draft_size": "i32", "current_step_ptr": "*i64", "BLOCK": "constexpr"},
+        {"BLOCK": 1024}), target=target)
+print("scatter ok")
 """
 
 
@@ -98,4 +156,4 @@ def test_lane_kernels_compile_for_sm90() -> None:
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 2, proc.stdout
+    assert proc.stdout.count(" ok") == 3, proc.stdout

@@ -1,0 +1,142 @@
+"""A pass's inputs written into the speculator's persistent index buffers, in one kernel on
+CUDA.
+
+Before a pass over a batch (the first pass, or a DFlash block) every index buffer is reset
+(so no stale index of an earlier, larger batch can point out of bounds) and the batch's
+block-table rows, seeds, lengths, positions, token ids and token-to-request map are written
+from their staged device copies. In tensor ops that is about twenty launches per call
+(eleven resets, then the copies and fills); here it is one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class IndexBuffers:
+    """The speculator's persistent index buffers (whole buffers, not views of a batch).
+
+    Per request (``[R]``): ``seeds`` (int64; never reset: only live requests' are read),
+    ``seq_lens`` (int32), ``is_real_req`` (bool); ``query_start_loc`` ``[R + 1]`` (int32);
+    ``block_table`` ``[R, max_blocks]`` (int32, rows contiguous); per token (``[T]``):
+    ``positions``, ``input_ids``, ``token_request``, ``slot_mapping`` (int64),
+    ``is_real_token`` (bool); ``draft_tokens`` ``[R, K]`` (int64, contiguous) and
+    ``current_step`` (an int64 scalar)."""
+
+    block_table: torch.Tensor
+    seeds: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    is_real_req: torch.Tensor
+    positions: torch.Tensor
+    input_ids: torch.Tensor
+    token_request: torch.Tensor
+    slot_mapping: torch.Tensor
+    is_real_token: torch.Tensor
+    draft_tokens: torch.Tensor
+    current_step: torch.Tensor
+
+    def reset(self) -> None:
+        """Zero every buffer but ``seeds`` (tensor ops; also inside capture)."""
+        for field in fields(self):
+            if field.name != "seeds":
+                getattr(self, field.name).zero_()
+
+
+@dataclass(frozen=True)
+class PassInputs:
+    """A batch's staged inputs on the device (int64): ``table`` ``[r, width]`` (each
+    request's block-table row, zero past its end), ``seeds``, ``seq_lens`` (``[r]``), and
+    ``positions``, ``input_ids``, ``token_request`` (``[t]``, the pass's real tokens)."""
+
+    table: torch.Tensor
+    seeds: torch.Tensor
+    seq_lens: torch.Tensor
+    positions: torch.Tensor
+    input_ids: torch.Tensor
+    token_request: torch.Tensor
+
+
+@triton.jit
+def _scatter_pass_inputs_kernel(
+    table_ptr, in_seeds_ptr, in_lens_ptr, in_positions_ptr, in_ids_ptr, in_requests_ptr,
+    num_reqs, num_tokens, table_width,
+    block_table_ptr, table_row_stride, table_rows, table_cols,
+    seeds_ptr, seq_lens_ptr, query_start_loc_ptr, is_real_req_ptr,
+    positions_ptr, input_ids_ptr, token_request_ptr, slot_mapping_ptr, is_real_token_ptr,
+    max_tokens, draft_tokens_ptr, draft_size, current_step_ptr,
+    BLOCK: tl.constexpr,
+):
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # The block table, flattened: live rows and columns from the staged rows, the rest 0.
+    row = idx // table_cols
+    col = idx % table_cols
+    in_table = idx < table_rows * table_cols
+    live = in_table & (row < num_reqs) & (col < table_width)
+    block = tl.load(table_ptr + row * table_width + col, mask=live, other=0)
+    tl.store(block_table_ptr + row * table_row_stride + col,
+             block.to(block_table_ptr.dtype.element_ty), mask=in_table)
+    # Per request.
+    in_reqs = idx < table_rows
+    real_req = idx < num_reqs
+    tl.store(seeds_ptr + idx, tl.load(in_seeds_ptr + idx, mask=real_req, other=0), mask=real_req)
+    length = tl.load(in_lens_ptr + idx, mask=real_req, other=0)
+    tl.store(seq_lens_ptr + idx, length.to(seq_lens_ptr.dtype.element_ty), mask=in_reqs)
+    tl.store(is_real_req_ptr + idx, real_req, mask=in_reqs)
+    tl.store(query_start_loc_ptr + idx, tl.zeros_like(length).to(
+        query_start_loc_ptr.dtype.element_ty), mask=idx < table_rows + 1)
+    # Per token.
+    in_tokens = idx < max_tokens
+    real_token = idx < num_tokens
+    tl.store(positions_ptr + idx, tl.load(in_positions_ptr + idx, mask=real_token, other=0),
+             mask=in_tokens)
+    tl.store(input_ids_ptr + idx, tl.load(in_ids_ptr + idx, mask=real_token, other=0),
+             mask=in_tokens)
+    tl.store(token_request_ptr + idx, tl.load(in_requests_ptr + idx, mask=real_token, other=0),
+             mask=in_tokens)
+    tl.store(slot_mapping_ptr + idx, tl.zeros_like(idx).to(tl.int64), mask=in_tokens)
+    tl.store(is_real_token_ptr + idx, real_token, mask=in_tokens)
+    tl.store(draft_tokens_ptr + idx, tl.zeros_like(idx).to(tl.int64), mask=idx < draft_size)
+    tl.store(current_step_ptr + idx, tl.zeros_like(idx).to(tl.int64), mask=idx < 1)
+
+
+_SCATTER_BLOCK = 1024
+
+
+def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, *,
+                        kernel: bool | None = None) -> None:
+    """:meth:`IndexBuffers.reset`, then ``inputs`` written into the head of each buffer:
+    the first ``r`` rows of the block table (``width`` columns), seeds, lengths and
+    ``is_real_req``; the first ``t`` positions, token ids, token-to-request entries and
+    ``is_real_token``. Device work only (the host gives sizes), in place.
+
+    One Triton kernel on CUDA (``kernel`` forces or avoids it), tensor ops elsewhere."""
+    r, width = inputs.table.shape
+    t = inputs.positions.shape[0]
+    if not (buffers.positions.is_cuda if kernel is None else kernel):
+        buffers.reset()
+        buffers.block_table[:r, :width].copy_(inputs.table)
+        buffers.seeds[:r].copy_(inputs.seeds)
+        buffers.seq_lens[:r].copy_(inputs.seq_lens)
+        buffers.positions[:t].copy_(inputs.positions)
+        buffers.input_ids[:t].copy_(inputs.input_ids)
+        buffers.token_request[:t].copy_(inputs.token_request)
+        buffers.is_real_token[:t] = True
+        buffers.is_real_req[:r] = True
+        return
+    rows, cols = buffers.block_table.shape
+    max_tokens = buffers.positions.shape[0]
+    size = max(rows * cols, rows + 1, max_tokens, buffers.draft_tokens.numel(), 1)
+    _scatter_pass_inputs_kernel[(triton.cdiv(size, _SCATTER_BLOCK),)](
+        inputs.table, inputs.seeds, inputs.seq_lens, inputs.positions, inputs.input_ids,
+        inputs.token_request, r, t, width,
+        buffers.block_table, buffers.block_table.stride(0), rows, cols,
+        buffers.seeds, buffers.seq_lens, buffers.query_start_loc, buffers.is_real_req,
+        buffers.positions, buffers.input_ids, buffers.token_request, buffers.slot_mapping,
+        buffers.is_real_token, max_tokens, buffers.draft_tokens, buffers.draft_tokens.numel(),
+        buffers.current_step, BLOCK=_SCATTER_BLOCK)
