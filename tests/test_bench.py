@@ -37,9 +37,11 @@ def _one_line(text: str) -> str:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU run's figures")
 def test_reference_row_per_path_k_and_batch(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
+    profile = tmp_path / "profile.txt"
     result = _bench("--backend", "reference", "--steps", "2,3", "--batches", "1,2",
-                    "--repeats", "2", "--json", str(out), *TINY)
+                    "--repeats", "2", "--json", str(out), "--profile", str(profile), *TINY)
     assert result.exit_code == 0, result.output
+    assert profile.read_text().startswith("no profiler tables: host and GPU time are measured on CUDA only")
     lines = result.stdout.splitlines()
     assert lines[0].startswith("device: CPU (no CUDA device), torch ")
     assert "reference propose latency per call (CPU (no CUDA device))" in lines
@@ -222,7 +224,10 @@ def test_gpu_replays_capture_cost_and_host_time() -> None:
                            head_size=64, num_heads=4, num_kv_heads=2, block_size=16,
                            max_model_len=512)
     settings = BenchSettings("reference", config, MatrixContext.load(None), (3,), (2,), 2)
-    report = run_bench(settings, torch.device("cuda"), commit="test", command="test").report
+    run = run_bench(settings, torch.device("cuda"), commit="test", command="test")
+    report = run.report
+    for path in ("per_step", "fused"):
+        assert f"=== reference: K=3, batch 2, path {path} " in run.profile_text()
     by_path = {row.path: row for row in report.rows}
     assert set(by_path) == {DecodePath.PER_STEP, DecodePath.FUSED}
     assert by_path[DecodePath.PER_STEP].replays_per_propose == 2.0

@@ -72,6 +72,16 @@ class BenchRun:
     report: BenchReport
     profiles: dict[tuple[int, int, DecodePath], str] = field(default_factory=dict)
 
+    def profile_text(self) -> str:
+        """Every case's and path's profiler tables under a heading naming them (what
+        ``speccheck bench --profile`` writes); a line saying there are none without CUDA."""
+        if not self.profiles:
+            return "no profiler tables: host and GPU time are measured on CUDA only\n"
+        parts = [f"=== {self.report.backend}: K={k}, batch {batch}, path {path.value} "
+                 f"(per call of propose_tokens, {self.report.repeats} calls profiled) ===\n"
+                 f"{tables}\n" for (k, batch, path), tables in self.profiles.items()]
+        return "\n".join(parts)
+
 
 def run_bench(settings: BenchSettings, device: torch.device, *, commit: str, command: str,
               on_case: CaseObserver | None = None) -> BenchRun:

@@ -41,6 +41,7 @@ from speccheck.checks.cli.runtime_options import (
 from speccheck.checks.cli.verify import commit_under_test, shown_tier_default
 
 if TYPE_CHECKING:
+    from speccheck.checks.bench.measure import BenchRun
     from speccheck.checks.bench.records import BenchReport
     from speccheck.checks.verify.context import MatrixContext
     from speccheck.contract.runtime_config import RuntimeConfig
@@ -85,6 +86,7 @@ def bench_command(
     repeats: Annotated[int, typer.Option("--repeats", help=f"Timed rounds per case (1..{MAX_REPEATS}); each path runs once per round, after 3 warm-up rounds.")] = 30,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.", dir_okay=False)] = None,  # noqa: UP045
     plots: Annotated[Optional[Path], typer.Option("--plots", help="Write PNG plots into this directory (needs matplotlib: pip install 'speccheck\\[bench]').", file_okay=False)] = None,  # noqa: UP045
+    profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Write the profiler's tables (operators by host time, kernels by GPU time) of every case and path here (CUDA only).", dir_okay=False)] = None,  # noqa: UP045
     matrix_path: MatrixPathOption = None,
     *,
     runtime: RuntimeOverrides,
@@ -93,6 +95,8 @@ def bench_command(
     preplanned) at each K and batch size: wall, host and GPU time, graph replays, capture
     time and graph memory; the paths must draft identical tokens."""
     _check_outputs(json_path, plots)
+    if profile_path is not None and (problem := output_path_problem(profile_path)) is not None:
+        raise _exit(EXIT_BAD_INPUT, f"--profile: {problem}")
     ks = parse_counts("--steps", steps, MAX_STEPS)
     sizes = parse_counts("--batches", batches, MAX_BATCH)
     if not 1 <= repeats <= MAX_REPEATS:
@@ -106,8 +110,12 @@ def bench_command(
         config = plan_verification(backend, config=runtime, matrix=matrix_path).config_for(backend)
     except VerifyInputError as exc:
         raise _exit(EXIT_BAD_INPUT, str(exc)) from None
-    report = _measure(backend, config, matrices, ks, sizes, repeats)
+    run = _measure(backend, config, matrices, ks, sizes, repeats)
+    report = run.report
     _print_report(report)
+    if profile_path is not None:
+        profile_path.write_text(run.profile_text(), encoding="utf-8")
+        _stderr().print(f"wrote {profile_path}", markup=False)
     if json_path is not None:
         json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
         _stderr().print(f"wrote {json_path}", markup=False)
@@ -152,7 +160,7 @@ def _matrices(path: Path | None) -> MatrixContext:
 
 
 def _measure(backend: str, config: RuntimeConfig, matrices: MatrixContext,
-             ks: tuple[int, ...], sizes: tuple[int, ...], repeats: int) -> BenchReport:
+             ks: tuple[int, ...], sizes: tuple[int, ...], repeats: int) -> BenchRun:
     """Run the benchmark, with a progress line per case on stderr; map its errors to exit
     statuses."""
     import torch
@@ -173,7 +181,7 @@ def _measure(backend: str, config: RuntimeConfig, matrices: MatrixContext,
 
     try:
         return run_bench(settings, device, commit=commit_under_test(), on_case=on_case,
-                         command="speccheck bench " + shlex.join(sys.argv[2:])).report
+                         command="speccheck bench " + shlex.join(sys.argv[2:]))
     except BenchInputError as exc:
         raise _exit(EXIT_BAD_INPUT, str(exc)) from None
     except BackendCannotRun as exc:
