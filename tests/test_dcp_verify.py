@@ -43,7 +43,8 @@ def _verify(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str
 def test_reference_passes_on_two_dcp_ranks_from_the_command_line(tmp_path: Path) -> None:
     out = tmp_path / "dcp.json"
     proc = _verify("--backend", "reference", "--dcp-world-size", "2",
-                   "--num-speculative-steps", "3", "--examples", "3", "--json", str(out))
+                   "--num-speculative-steps", "3", "--examples", "3", "--capture-sizes", "1,2",
+                   "--max-new-tokens", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ("reference: decode context parallelism on 2 real ranks, each holding its "
             "interleaved share of the KV cache") in proc.stdout
@@ -60,7 +61,7 @@ def test_reference_passes_on_two_dcp_ranks_from_the_command_line(tmp_path: Path)
 
 @CPU_ONLY
 def test_triton_attn_passes_on_two_dcp_ranks_through_the_api() -> None:
-    report = speccheck.verify("triton_attn", examples=2,
+    report = speccheck.verify("triton_attn", examples=2, capture_sizes=[2], max_new_tokens=2,
                               config={"dcp_world_size": 2, "num_speculative_steps": 3})
     assert report.passed, report.summary_lines()
     (backend,) = report.backends
