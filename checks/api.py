@@ -19,6 +19,7 @@ find the tier), and the workers do.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -342,14 +343,26 @@ class VerifyPlan:
 
     def _verify_dcp_ranks(self, name: str) -> BackendReport:
         """Backend ``name`` on :meth:`dcp_ranks` real DCP ranks (their own processes), on
-        examples drawn here, or on the ``reproduce`` example alone."""
+        examples drawn here, or on the ``reproduce`` example alone; with ``audit_claims``
+        and fusing not allowed, again with the fused path claimed, on the same examples."""
         from speccheck.checks.verify.dcp_ranks import verify_dcp
         from speccheck.checks.verify.examples import decode_example
 
+        from speccheck.checks.verify.report import ClaimAudit
+
         examples = None if self.reproduce is None else [decode_example(self.reproduce)]
-        return verify_dcp(self.settings_for(name), self.dcp_ranks(name), examples,
-                          example_timeout=self.example_timeout,
-                          reproduce_prefix=self.reproduce_prefix(name))
+        settings, world = self.settings_for(name), self.dcp_ranks(name)
+        prefix = self.reproduce_prefix(name)
+        report = verify_dcp(settings, world, examples, example_timeout=self.example_timeout,
+                            reproduce_prefix=prefix)
+        if (self.audit_claims and not report.fused_allowed
+                and report.status in (Status.PASSED, Status.FAILED)):
+            audited = verify_dcp(dataclasses.replace(settings, claim_fused=True), world, examples,
+                                 example_timeout=self.example_timeout,
+                                 reproduce_prefix=prefix + " --audit-claims")
+            report.claim_audit = ClaimAudit(audited.status, audited.examples,
+                                            audited.failures, audited.detail)
+        return report
 
     def _verify_data_parallel(self, name: str) -> BackendReport:
         """The DFlash drafter on ``dp_size`` real ranks (their own processes), each with a
