@@ -105,6 +105,30 @@ def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor, dcp: DcpRank) -> to
     return merge_partials(gathered[..., :-1], gathered[..., -1])
 
 
+def group_capturable(group: dist.ProcessGroup | None) -> bool:
+    """Whether a CUDA graph can capture :func:`merge_across_ranks` over ``group``: true
+    when CUDA is available and the group runs collectives on CUDA tensors through NCCL
+    (``"nccl"``, or a ``"cpu:gloo,cuda:nccl"`` style group), and for ``None`` (a single
+    rank gathers nothing). Gloo collectives cannot be captured, and a process group shared
+    by several ranks on one GPU cannot be NCCL (NCCL refuses duplicate devices), so both
+    give false: such ranks run the fused refresh eagerly. Host call, no communication."""
+    if group is None:
+        return True
+    if not torch.cuda.is_available():
+        return False
+    return _cuda_backend(dist.get_backend_config(group)) == "nccl"
+
+
+def _cuda_backend(config: str) -> str | None:
+    """The backend of CUDA tensors in a process group's backend config: ``"nccl"`` for
+    ``"cpu:gloo,cuda:nccl"``; a config naming one backend without devices (``"gloo"``)
+    uses it for every device."""
+    mapping = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    if not mapping:
+        return config.strip() or None
+    return mapping.get("cuda")
+
+
 def write_dcp_local_lengths(
     seq_lens: torch.Tensor, rank: int, world: int, out: torch.Tensor
 ) -> None:

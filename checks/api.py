@@ -19,6 +19,7 @@ find the tier), and the workers do.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -55,6 +56,10 @@ VERIFY_FIELDS = VERIFIABLE_FIELDS
 """The runtime fields a verification takes
 (:data:`~speccheck.contract.matrix_model.VERIFIABLE_FIELDS`); platform, compute capability
 and graph mode come from the machine."""
+
+MAX_DCP_RANKS = 16
+"""Most DCP ranks a verification spawns (``--dcp-world-size`` for a backend whose builders
+hold a real DCP share: one process per rank)."""
 
 class VerifyInputError(ValueError):
     """Input a verification cannot run with (an unknown backend, a bad runtime value, a
@@ -148,6 +153,8 @@ class VerifyReport:
                 lines.append(f"{r.backend}: audit: {r.claim_audit.verdict}")
             if r.status in (Status.SKIPPED, Status.CRASHED):
                 lines.append(f"{r.backend}: {r.status.value}: {r.detail}")
+            elif r.detail:
+                lines.append(f"{r.backend}: {r.detail}")
             lines += [f"FAIL {r.backend} {f.check}{_where(f)}: {f.diagnosis}" for f in r.failures]
             lines += _example_lines(r, self.notes.get(r.backend))
         return lines
@@ -253,9 +260,38 @@ class VerifyPlan:
         return HarnessScale(self.capture_sizes or tier_scale.capture_sizes,
                             self.max_new_tokens or tier_scale.max_new_tokens)
 
+    def dcp_ranks(self, name: str) -> int:
+        """How many DCP rank processes backend ``name`` is verified on: its config's
+        ``dcp_world_size`` when that is above 1 and its builders hold a real DCP share
+        (:func:`~speccheck.speculator.attention_setup.holds_dcp_share`), else 1 (one
+        process; ``dcp_world_size`` is then a configuration value only). Imports torch."""
+        from speccheck.speculator.attention_setup import builder_class, holds_dcp_share
+
+        world = self.config_for(name).dcp_world_size
+        entry = self.matrices.matrix.backend(name)
+        if world == 1 or entry.implementation is None:
+            return 1
+        return world if holds_dcp_share(builder_class(name, self.matrices.matrix)) else 1
+
+    def dcp_note(self, name: str) -> str | None:
+        """How backend ``name`` runs decode context parallelism, in words, or ``None`` at
+        ``dcp_world_size == 1``."""
+        world = self.config_for(name).dcp_world_size
+        if world == 1:
+            return None
+        if self.dcp_ranks(name) > 1:
+            return (f"decode context parallelism on {world} real ranks, each holding its "
+                    "interleaved share of the KV cache")
+        return (f"dcp_world_size={world} is a configuration value only (its builder holds no "
+                "DCP share: one process attends the whole KV cache)")
+
     def run(self, progress: ProgressDisplay | None = None) -> VerifyReport:
         """Verify every backend: each in a worker process of its own, or, with
-        ``dp_size > 1``, the DFlash drafter on that many rank processes. A failure's
+        ``dp_size > 1``, the DFlash drafter on that many rank processes, or, for a backend
+        with a real DCP share at ``dcp_world_size > 1`` (:meth:`dcp_ranks`), on that many
+        DCP rank processes (:func:`~speccheck.checks.verify.dcp_ranks.verify_dcp`; the
+        report's ``detail`` says how they ran; a backend without a share notes that
+        ``dcp_world_size`` was a configuration value only). A failure's
         reproduce command is re-run in a fresh worker (the report says whether it failed the
         same way there); with ``audit_claims``, another worker runs the fused path of a
         backend the matrix does not allow to fuse. A worker that dies or hangs is a
@@ -268,7 +304,12 @@ class VerifyPlan:
         if self.config.dp_size > 1:
             reports = [self._verify_data_parallel(name) for name in self.names]
         else:
-            reports = [self._verify_in_worker(name, progress, notes) for name in self.names]
+            reports = [self._verify_dcp_ranks(name) if self.dcp_ranks(name) > 1
+                       else self._verify_in_worker(name, progress, notes)
+                       for name in self.names]
+        for report in reports:
+            if report.status in (Status.PASSED, Status.FAILED) and not report.detail:
+                report.detail = self.dcp_note(report.backend) or ""
         return VerifyReport(tuple(reports), self.tier, self.device, self.config,
                             self.matrices.path, notes)
 
@@ -296,6 +337,29 @@ class VerifyPlan:
                              "reproduce_prefix": prefix + " --audit-claims"}
             audited = run_worker(audit_request, progress, self.example_timeout, self.tier,
                                  label=f"{name} audit")
+            report.claim_audit = ClaimAudit(audited.status, audited.examples,
+                                            audited.failures, audited.detail)
+        return report
+
+    def _verify_dcp_ranks(self, name: str) -> BackendReport:
+        """Backend ``name`` on :meth:`dcp_ranks` real DCP ranks (their own processes), on
+        examples drawn here, or on the ``reproduce`` example alone; with ``audit_claims``
+        and fusing not allowed, again with the fused path claimed, on the same examples."""
+        from speccheck.checks.verify.dcp_ranks import verify_dcp
+        from speccheck.checks.verify.examples import decode_example
+
+        from speccheck.checks.verify.report import ClaimAudit
+
+        examples = None if self.reproduce is None else [decode_example(self.reproduce)]
+        settings, world = self.settings_for(name), self.dcp_ranks(name)
+        prefix = self.reproduce_prefix(name)
+        report = verify_dcp(settings, world, examples, example_timeout=self.example_timeout,
+                            reproduce_prefix=prefix)
+        if (self.audit_claims and not report.fused_allowed
+                and report.status in (Status.PASSED, Status.FAILED)):
+            audited = verify_dcp(dataclasses.replace(settings, claim_fused=True), world, examples,
+                                 example_timeout=self.example_timeout,
+                                 reproduce_prefix=prefix + " --audit-claims")
             report.claim_audit = ClaimAudit(audited.status, audited.examples,
                                             audited.failures, audited.detail)
         return report
@@ -353,6 +417,7 @@ def plan_verification(
     plan = VerifyPlan(names, effective, overrides, matrices, tier, device, examples, seed,
                       _steps(steps, overrides), sizes, max_new_tokens, reproduce, audit_claims,
                       example_timeout)
+    _check_dcp(plan)
     if reproduce is not None:
         _check_reproduce(reproduce, plan)
     return plan
@@ -458,6 +523,25 @@ def _capture_sizes(sizes: Sequence[int] | None) -> tuple[int, ...] | None:
         raise VerifyInputError(f"capture_sizes: request counts must lie in 1..{MAX_REQUESTS}, "
                                f"got {list(sizes)}")
     return tuple(chosen)
+
+
+def _check_dcp(plan: VerifyPlan) -> None:
+    """A backend verified on real DCP ranks (:meth:`VerifyPlan.dcp_ranks`) needs at most
+    :data:`MAX_DCP_RANKS` of them, and data parallelism off (DP and DCP together are not
+    verified)."""
+    for name in plan.names:
+        config = plan.config_for(name)
+        if plan.dcp_ranks(name) == 1:
+            continue
+        if config.dcp_world_size > MAX_DCP_RANKS:
+            raise VerifyInputError(
+                f"--dcp-world-size {config.dcp_world_size}: {name} is verified on one process "
+                f"per DCP rank, at most {MAX_DCP_RANKS}")
+        if config.dp_size > 1:
+            raise VerifyInputError(
+                f"--dcp-world-size {config.dcp_world_size} runs {name} on real DCP ranks, which "
+                f"cannot be combined with --dp-size {config.dp_size} (data parallelism runs "
+                "the DFlash drafter without DCP)")
 
 
 def _check_reproduce(blob: str, plan: VerifyPlan) -> None:

@@ -66,6 +66,14 @@ def builder_class(backend_name: str, matrix: Matrix) -> type[AttentionMetadataBu
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def holds_dcp_share(cls: type[AttentionMetadataBuilder[Any]]) -> bool:
+    """Whether builders of ``cls`` can hold one rank's share of a real DCP group's KV cache:
+    their constructor takes the keyword ``dcp`` (a
+    :class:`~speccheck.contract.dcp.DcpRank`). Otherwise ``dcp_world_size`` is a
+    configuration value only for them."""
+    return "dcp" in inspect.signature(cls).parameters
+
+
 def build_attention_groups(
     layer_backends: Sequence[str],
     layer: AttentionLayerSpec,
@@ -105,7 +113,7 @@ def build_attention_groups(
             enforce_layer_constraints(entry, config, layer)
             share: dict[str, DcpRank] = {}
             if dcp is not None:
-                if "dcp" not in inspect.signature(cls).parameters:
+                if not holds_dcp_share(cls):
                     raise ValueError(
                         f"{name}: {cls.__name__} holds no share of a DCP group's KV cache (its "
                         "constructor takes no dcp keyword); run it without a DCP rank")

@@ -92,7 +92,7 @@ def test_flashinfer_never_fuses_because_plan_runs_on_the_host() -> None:
     )
 
 
-@pytest.mark.parametrize(("name", "strategy"), [("triton_attn", "none_needed"), ("reference", "none_needed")])
+@pytest.mark.parametrize(("name", "strategy"), [("triton_attn", "in_graph"), ("reference", "in_graph")])
 @pytest.mark.parametrize("dcp_world_size", [1, 2])
 def test_always_supported_backends_fuse_on_cuda(
     name: str, strategy: str, dcp_world_size: int

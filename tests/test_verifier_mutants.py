@@ -76,7 +76,8 @@ def test_selftest_command_reports_every_mutant_caught(tmp_path) -> None:
     assert "MISSED" not in result.output
     rows = json.loads(out.read_text())
     assert [r["name"] for r in rows[1:]] == [
-        *(m.name for m in MUTANTS), *(m.name for m in SWA_MUTANTS), "mla_stale_dcp_local_lens"]
+        *(m.name for m in MUTANTS), *(m.name for m in SWA_MUTANTS), "mla_stale_dcp_local_lens",
+        "reference_stale_dcp_local_lens", "triton_attn_stale_dcp_local_lens"]
     assert all(r["caught"] for r in rows)
 
 

@@ -150,6 +150,11 @@ def verify_command(
         for name in plan.names:
             console.print(f"{name}: data-parallel DFlash drafting on {plan.config.dp_size} ranks",
                           markup=False)
+    else:
+        for name in plan.names:
+            note = plan.dcp_note(name)
+            if note is not None:
+                console.print(f"{name}: {note}", markup=False)
     with _progress_display(console) as progress:
         try:
             result = plan.run(progress)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from speccheck.checks.api import backend_runtime_config
+from speccheck.checks.selftest import dcp_mutants
 from speccheck.checks.selftest.latent_mutants import (
     DCP_LOCAL_FIELD,
     StaleDcpLocalLens,
@@ -24,6 +25,7 @@ from speccheck.checks.selftest.mutants import (
 )
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.context import MatrixContext
+from speccheck.checks.verify.dcp_ranks import verify_dcp
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.scale import TIER_SCALE
@@ -42,6 +44,31 @@ class SelftestResult:
     recreates: str
 
 
+def settings_at_defaults(
+    backend: str,
+    builder: type[AttentionMetadataBuilder],  # type: ignore[type-arg]
+    device: torch.device,
+    matrix: Matrix,
+    *,
+    config_changes: Mapping[str, object] | None = None,
+    **settings_changes: Any,
+) -> VerifySettings:
+    """The settings ``speccheck verify --backend BACKEND`` uses by default on ``device``'s
+    tier, with ``builder`` swapped in, under ``matrix`` (the fp32 reference under the
+    shipped one): the tier's runtime config, then the entry's ``verify_defaults``, then
+    ``config_changes``; the tier's batch scale, draft step counts and example count, unless
+    ``settings_changes`` replaces a :class:`VerifySettings` field (a mechanism test pinning
+    one example, say)."""
+    tier = Tier.GPU if device.type == "cuda" else Tier.CPU
+    config = backend_runtime_config(tier, matrix, backend, config_changes or {})
+    scale = TIER_SCALE[tier]
+    settings = VerifySettings(backend, config, capture_sizes=scale.capture_sizes,
+                              max_new_tokens=scale.max_new_tokens,
+                              builder_overrides=((backend, builder),),
+                              matrices=MatrixContext(matrix, None, load_matrix(None)))
+    return dataclasses.replace(settings, **settings_changes)
+
+
 def verify_at_defaults(
     backend: str,
     builder: type[AttentionMetadataBuilder],  # type: ignore[type-arg]
@@ -51,24 +78,30 @@ def verify_at_defaults(
     config_changes: Mapping[str, object] | None = None,
     **settings_changes: Any,
 ) -> BackendReport:
-    """Verify ``backend`` with ``builder`` swapped in, under ``matrix`` (the fp32 reference
-    under the shipped one), at what ``speccheck verify --backend BACKEND`` uses by default
-    on ``device``'s tier: the tier's runtime config, then the entry's ``verify_defaults``,
-    then ``config_changes``; the tier's batch scale, draft step counts and example count,
-    unless ``settings_changes`` replaces a :class:`VerifySettings` field (a mechanism test
-    pinning one example, say). With neither, a known-bad builder caught here is caught by
-    the search a user gets."""
-    tier = Tier.GPU if device.type == "cuda" else Tier.CPU
-    config = backend_runtime_config(tier, matrix, backend, config_changes or {})
-    scale = TIER_SCALE[tier]
-    settings = VerifySettings(backend, config, capture_sizes=scale.capture_sizes,
-                              max_new_tokens=scale.max_new_tokens,
-                              builder_overrides=((backend, builder),),
-                              matrices=MatrixContext(matrix, None, load_matrix(None)))
-    settings = dataclasses.replace(settings, **settings_changes)
-    report = BackendReport(backend, tier, Status.PASSED)
+    """Verify ``backend`` with ``builder`` swapped in, in this process, at
+    :func:`settings_at_defaults`. With no changes, a known-bad builder caught here is
+    caught by the search a user gets."""
+    settings = settings_at_defaults(backend, builder, device, matrix,
+                                    config_changes=config_changes, **settings_changes)
+    report = BackendReport(backend, Tier.GPU if device.type == "cuda" else Tier.CPU,
+                           Status.PASSED)
     BackendVerifier(settings, device).run(report, lambda i, e: None)
     return report
+
+
+def verify_dcp_at_defaults(
+    backend: str,
+    builder: type[AttentionMetadataBuilder],  # type: ignore[type-arg]
+    device: torch.device,
+    matrix: Matrix,
+    world: int = 2,
+) -> BackendReport:
+    """Verify ``backend`` with ``builder`` swapped in on ``world`` real DCP ranks, as
+    ``speccheck verify --backend BACKEND --dcp-world-size WORLD`` does by default
+    (:func:`settings_at_defaults` at that DCP size; the examples drawn in this process)."""
+    settings = settings_at_defaults(backend, builder, device, matrix,
+                                    config_changes={"dcp_world_size": world})
+    return verify_dcp(settings, world)
 
 
 def verify_builder(
@@ -100,9 +133,11 @@ def _result(name: str, check: str, recreates: str, report: BackendReport,
 
 def run_selftest(device: torch.device) -> list[SelftestResult]:
     """The control must pass; every known-bad builder must be caught by its check: the
-    reference-based mutants, the sparse_swa ones (under the shipped entry), and the
-    triton_mla builder that keeps the DCP-local lengths of step 1 (under the matrix its
-    author would ship, at DCP 2)."""
+    reference-based mutants, the sparse_swa ones (under the shipped entry), the triton_mla
+    builder that keeps the DCP-local lengths of step 1 (under the matrix its author would
+    ship, at DCP 2, one process), and the reference and triton_attn builders that keep
+    them on two real DCP ranks (:data:`~speccheck.checks.selftest.dcp_mutants.
+    STALE_DCP_BUILDERS`, under the matrix their author would ship)."""
     gpu = device.type == "cuda"
     control = verify_builder(DerivedBuilder, device)
     results = [SelftestResult(
@@ -125,4 +160,12 @@ def run_selftest(device: torch.device) -> list[SelftestResult]:
         "DCP-local lengths derived at build and not advanced between fused draft steps "
         "(vLLM's Triton MLA refresh under DCP)", report,
         f"triton_mla.metadata.{DCP_LOCAL_FIELD}"))
+    for backend, stale in dcp_mutants.STALE_DCP_BUILDERS.items():
+        report = verify_dcp_at_defaults(backend, stale, device,
+                                        dcp_mutants.claiming_matrix(shipped, backend))
+        results.append(_result(
+            f"{backend}_stale_dcp_local_lens", Check.STEP_METADATA,
+            "DCP-local lengths not advanced between fused draft steps while the local slots "
+            "are (vLLM's Triton MLA refresh under DCP), on two real DCP ranks", report,
+            f"{backend}.metadata.{dcp_mutants.DCP_LOCAL_FIELD}"))
     return results

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from speccheck.checks.verify.kv_share import WHOLE_CACHE, KVSnapshot, KvShare
 from speccheck.checks.verify.state_walk import describe_host_value, same_host_value, same_value
 from speccheck.checks.verify.step_recorder import StepSnapshots
 from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.kv_cache import SINK_BLOCK
-
-KVSnapshot = list[tuple[torch.Tensor, torch.Tensor]]
 
 SLOT_MAPPING_SUFFIX = ".metadata.slot_mapping"
 """Snapshot paths that end so hold the slot each lane's new key and value are written to
@@ -84,23 +83,26 @@ def compare_drafts(
 
 
 def expected_slots(
-    batch: DraftBatch, k: int, block_size: int, max_model_len: int, upto: Sequence[int] | None = None
+    batch: DraftBatch, k: int, block_size: int, max_model_len: int, upto: Sequence[int] | None = None,
+    share: KvShare = WHOLE_CACHE,
 ) -> set[int]:
     """Slots each real request writes: its new tokens, then one per decode step (clamped at
-    ``max_model_len``); ``upto[r]`` limits request ``r`` to its first ``upto[r]`` steps."""
-    bs = block_size
+    ``max_model_len``); ``upto[r]`` limits request ``r`` to its first ``upto[r]`` steps.
+    ``share``: the positions this process's cache holds (a DCP rank writes only its own)."""
     slots: set[int] = set()
     for r, (ctx, new, row) in enumerate(zip(batch.context_lens, batch.new_tokens, batch.block_table)):
         steps = k - 1 if upto is None else upto[r]
         base = ctx + len(new)
         positions = [*range(ctx, base), *(min(base + s, max_model_len - 1) for s in range(steps))]
-        slots.update(row[pos // bs] * bs + pos % bs for pos in positions)
+        held = (share.slot(row, pos, block_size) for pos in positions)
+        slots.update(slot for slot in held if slot is not None)
     return slots
 
 
 def kv_untouched(
     batch: DraftBatch, expected: set[int], block_size: int, start: KVSnapshot, after: KVSnapshot,
     name: str, steps: StepSnapshots | None = None, first_pass: FirstPassSnapshot | None = None,
+    share: KvShare = WHOLE_CACHE,
 ) -> list[Outcome]:
     """Padding lanes write only the sink block, and nothing outside ``expected`` and the
     sink block changed: no padding lane and no stale slot mapping writes a live slot.
@@ -116,6 +118,7 @@ def kv_untouched(
 
     With ``first_pass`` (the padded first pass's snapshot, step 0, ``q`` tokens per
     request: lanes from ``batch.num_reqs * q`` on are padding) the same holds there first.
+    ``share`` names positions in diagnoses (a DCP rank's cache holds only its own).
     """
     bs = block_size
     padding = [] if first_pass is None else _padding_writes(
@@ -127,7 +130,7 @@ def kv_untouched(
         when = "in the padded first pass" if step == 0 else f"before draft step {step}"
         return [Outcome(Check.KV_CACHE, Result.FAILED,
                         f"{name}: {when}, padding lane {lane} (token {lane}) "
-                        f"writes {describe_slot(batch, bs, expected, slot)} instead of the sink "
+                        f"writes {describe_slot(batch, bs, expected, slot, share)} instead of the sink "
                         f"block ({path})", name, step, path)]
     for layer, ((k0, v0), (k1, v1)) in enumerate(zip(start, after)):
         # per slot, each tensor on its own: an MLA layer's second tensor is empty
@@ -136,7 +139,7 @@ def kv_untouched(
         stray = sorted(set(torch.nonzero(changed).flatten().tolist()) - expected)
         if stray:
             where = ", ".join(
-                describe_slot(batch, bs, expected, s)
+                describe_slot(batch, bs, expected, s, share)
                 + ("" if steps is None else f", {_mapped_by(steps, s)}")
                 for s in stray[:4]
             )
@@ -147,11 +150,14 @@ def kv_untouched(
     return [Outcome(Check.KV_CACHE, Result.PASSED, candidate=name)]
 
 
-def describe_slot(batch: DraftBatch, block_size: int, expected: set[int], slot: int) -> str:
+def describe_slot(
+    batch: DraftBatch, block_size: int, expected: set[int], slot: int,
+    share: KvShare = WHOLE_CACHE,
+) -> str:
     """``slot`` as a diagnosis names it: its block, the request whose block table holds the
-    block and the position it is there, and whether the batch writes it (``expected``) and
-    when: ``slot 37 (block 9, request 1 position 13, which request 1 writes itself at draft
-    step 2)``."""
+    block and the position it is there (the position ``share`` keeps there), and whether
+    the batch writes it (``expected``) and when: ``slot 37 (block 9, request 1 position 13,
+    which request 1 writes itself at draft step 2)``."""
     block = slot // block_size
     if block == SINK_BLOCK:
         return f"slot {slot} (the sink block)"
@@ -159,7 +165,7 @@ def describe_slot(batch: DraftBatch, block_size: int, expected: set[int], slot: 
     if not owners:
         return f"slot {slot} (block {block}, owned by no request of the batch)"
     r = owners[0]
-    position = batch.block_table[r].index(block) * block_size + slot % block_size
+    position = share.position(batch.block_table[r].index(block) * block_size + slot % block_size)
     base = batch.context_lens[r] + len(batch.new_tokens[r])
     if slot not in expected:
         written = "which the batch does not write"

@@ -43,6 +43,7 @@ from speccheck.checks.verify.comparisons import (
 )
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.examples import Example, encode_example, example_json
+from speccheck.checks.verify.kv_share import WHOLE_CACHE, KvShare, whole_cache_start
 from speccheck.checks.verify.localise import earliest_divergence, localise, trace_run, traced_slots
 from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.scale import (
@@ -60,6 +61,7 @@ from speccheck.checks.verify.strategies import (
 )
 from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Status
 from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
+from speccheck.contract.dcp import DcpRank
 from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -178,13 +180,29 @@ def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
 
 
 class BackendVerifier:
-    """Verifies ``settings.backend`` under ``settings.config`` on ``device``."""
+    """Verifies ``settings.backend`` under ``settings.config`` on ``device``.
 
-    def __init__(self, settings: VerifySettings, device: torch.device) -> None:
+    With ``dcp`` this process is one rank of a real DCP group
+    (:mod:`speccheck.checks.verify.dcp_ranks` runs every rank, in lockstep): the speculator
+    under test holds the rank's share of the KV cache (its expected writes are the rank's
+    local slots), and the fp32 reference is one process holding the whole cache, started
+    from what the ranks hold together (:func:`~speccheck.checks.verify.kv_share.
+    whole_cache_start`), so it checks the DCP layout and merge as well. Graph candidates
+    run only where the config captures graphs (``cudagraph_mode == "full"`` on CUDA).
+    """
+
+    def __init__(
+        self, settings: VerifySettings, device: torch.device, dcp: DcpRank | None = None
+    ) -> None:
         self.settings = settings
         self.device = device
         self.config = settings.config
         self.gpu = device.type == "cuda"
+        self.graphs = self.gpu and self.config.cudagraph_mode == "full"
+        """Whether graph candidates run (a DCP rank whose group cannot be captured runs
+        with ``cudagraph_mode`` none on CUDA too)."""
+        self.dcp = dcp
+        self.share = WHOLE_CACHE if dcp is None else KvShare(dcp.rank, dcp.world_size)
         self.tol = TOLERANCE[self.config.dtype]
         self.reference_tol = 4 * self.tol
         """Tolerance of the oracle against the fp32 reference (a different dtype's rounding)."""
@@ -249,6 +267,7 @@ class BackendVerifier:
                 buffer_allocator=self.guards,
                 claim_fused=self.settings.claim_fused,
                 kv_cache=self._kv_cache,
+                dcp=self.dcp,
             )
             assert isinstance(spec, AutoregressiveSpeculator)
             self._kv_cache = spec.kv_cache
@@ -264,8 +283,10 @@ class BackendVerifier:
                 capture_error = f"capturing the draft-decode graphs failed: {exc}"
             self.capture_seconds += time.perf_counter() - start
             reference = None
-            if not (self.settings.backend == "reference" and config.dtype == "float32"):
-                ref_config = config.model_copy(update={"dtype": "float32", "cudagraph_mode": "none"})
+            if self.dcp is not None or not (self.settings.backend == "reference"
+                                            and config.dtype == "float32"):
+                ref_config = config.model_copy(update={
+                    "dtype": "float32", "cudagraph_mode": "none", "dcp_world_size": 1})
                 ref = create_speculator(
                     "autoregressive", ["reference"] * self.settings.num_layers, ref_config,
                     self.drafter("float32"), self.device, self.options(),
@@ -294,8 +315,9 @@ class BackendVerifier:
             return []
         spec = self.harness(k).spec
         if spec.use_fused_multi_step_decode:
-            return candidates_for(DecodePath.FUSED, self.gpu)
-        return candidates_for(DecodePath.PREPLANNED if spec.preplanned_capable else None, self.gpu)
+            return candidates_for(DecodePath.FUSED, self.graphs)
+        return candidates_for(DecodePath.PREPLANNED if spec.preplanned_capable else None,
+                              self.graphs)
 
     def example_problem(self, example: Example) -> str | None:
         """Why ``example`` cannot run in this harness, as one line that names the limit and
@@ -413,10 +435,10 @@ class BackendVerifier:
             oracle_steps, oracle_storage, input_storages(spec))
         oracle_kv = spec.kv_cache.snapshot()
         bs, mml = self.config.block_size, self.config.max_model_len
-        written = expected_slots(batch, k, bs, mml)
+        written = expected_slots(batch, k, bs, mml, share=self.share)
         outcomes = kv_untouched(batch, written, bs, start, oracle_kv, "oracle", oracle_steps,
-                                oracle_first_pass)
-        if self.gpu:
+                                oracle_first_pass, self.share)
+        if self.graphs:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 
         for candidate in self.candidates(k):
@@ -433,8 +455,10 @@ class BackendVerifier:
             steps = h.recorder.collect(lanes)
             kv = spec.kv_cache.snapshot()
             outcomes += compare_drafts(oracle, result, name, self.tol)
-            outcomes += kv_untouched(batch, written, bs, start, kv, name, steps, first_pass())
-            agreed = expected_slots(batch, k, bs, mml, first_divergence(oracle, result, k))
+            outcomes += kv_untouched(batch, written, bs, start, kv, name, steps, first_pass(),
+                                     self.share)
+            agreed = expected_slots(batch, k, bs, mml, first_divergence(oracle, result, k),
+                                    self.share)
             outcomes += kv_matches(agreed, oracle_kv, kv, self.tol, name)
             outcomes += compare_steps(
                 oracle_steps, steps, name,
@@ -446,7 +470,7 @@ class BackendVerifier:
         self._probe_outcomes = []
         outcomes += self._guard_bands()
         if h.reference is not None:
-            h.reference.kv_cache.restore(start)
+            h.reference.kv_cache.restore(whole_cache_start(start, batch, bs, self.share.world))
             expected = h.reference.propose(batch, DecodePath.PER_STEP)
             outcomes += compare_drafts(
                 expected, oracle, "oracle vs fp32 reference", self.reference_tol,
