@@ -8,7 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import fields
+from typing import TypeVar
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -157,3 +160,54 @@ def test_lane_kernels_compile_for_sm90() -> None:
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count(" ok") == 3, proc.stdout
+
+
+B = TypeVar("B", IndexBuffers, PassInputs, DecodeLaneBuffers)
+
+
+def _on(buffers: B, device: torch.device) -> B:
+    """A copy of a record of tensors with every tensor on ``device``."""
+    return type(buffers)(**{f.name: getattr(buffers, f.name).to(device) for f in fields(buffers)})
+
+
+@pytest.mark.cuda
+def test_cuda_lane_kernels_match_torch() -> None:
+    """Compiled on the GPU, each index-buffer kernel writes what its tensor-op form writes
+    (the speculator's oracle and candidates both run them, so the verifier cannot tell a
+    wrong kernel from a right one: this test can)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    reqs, blocks, tokens, k = 64, 2048, 256, 8
+    inputs = PassInputs(
+        table=torch.randint(1, 9999, (40, 300), generator=gen),
+        seeds=torch.randint(0, 2**31, (40,), generator=gen),
+        seq_lens=torch.randint(1, 4800, (40,), generator=gen),
+        positions=torch.randint(0, 4800, (200,), generator=gen),
+        input_ids=torch.randint(0, 32000, (200,), generator=gen),
+        token_request=torch.randint(0, 40, (200,), generator=gen))
+    on_gpu = _on(inputs, cuda)
+    got = _on(_index_buffers(reqs, blocks, tokens, k, 1), cuda)
+    want = _index_buffers(reqs, blocks, tokens, k, 1)
+    scatter_pass_inputs(got, on_gpu)
+    scatter_pass_inputs(want, inputs, kernel=False)
+    for name in IndexBuffers.__dataclass_fields__:
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+    is_real = torch.rand(tokens, generator=gen) < 0.8
+    slots_got = torch.full((tokens,), -1, dtype=torch.int64, device=cuda)
+    slots_want = torch.full((tokens,), -1, dtype=torch.int64)
+    positions = torch.randint(0, 300 * 16, (tokens,), generator=gen)
+    requests = torch.randint(0, 40, (tokens,), generator=gen)
+    table = inputs.table.int()
+    compute_slot_mapping(positions.to(cuda), requests.to(cuda), table.to(cuda),
+                         is_real.to(cuda), 16, slots_got)
+    compute_slot_mapping(positions, requests, table, is_real, 16, slots_want, kernel=False)
+    assert torch.equal(slots_got.cpu(), slots_want)
+    lanes_got = _on(_lanes(reqs, k, 2), cuda)
+    lanes_want = _lanes(reqs, k, 2)
+    base = torch.randint(4000, 4100, (40,), generator=gen)
+    prepare_decode_lanes(lanes_got, base.to(cuda), 4096)
+    prepare_decode_lanes(lanes_want, base, 4096, kernel=False)
+    for name in DecodeLaneBuffers.__dataclass_fields__:
+        assert torch.equal(getattr(lanes_got, name).cpu(), getattr(lanes_want, name)), name

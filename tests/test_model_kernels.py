@@ -25,7 +25,12 @@ from speccheck.speculator.model_kernels import (
     silu_mul,
     silu_mul_torch,
 )
-from speccheck.speculator.sampling import SamplingMethod, finish_decode_step, gumbel_argmax
+from speccheck.speculator.sampling import (
+    SamplingMethod,
+    finish_decode_step,
+    gumbel_argmax,
+    gumbel_noise,
+)
 
 SMALL = settings(max_examples=15, deadline=None)
 
@@ -167,6 +172,33 @@ def test_cuda_kernels_match_torch(dtype: torch.dtype) -> None:
                          rotary_qkv(qkv, positions, inv_freq, 16, 4, 128, kernel=False),
                          strict=True):
         torch.testing.assert_close(got, want, **tol)
+    # The end of a decode step: the same tokens, fp32 logits and advanced lanes.
+    logits = _rows(5, 64, 32000, "cuda", dtype)
+    for method in ("argmax", "gumbel"):
+        state = {
+            "seeds": torch.arange(64, device="cuda") * 7919, "positions": positions.clone(),
+            "seq_lens": (positions + 1).int(), "is_real": torch.arange(64, device="cuda") < 50,
+            "draft_tokens": torch.zeros(64, 4, dtype=torch.int64, device="cuda"),
+            "draft_logits": torch.zeros(64, 4, 32000, device="cuda"),
+            "input_ids": torch.zeros(64, dtype=torch.int64, device="cuda"),
+        }
+        twin = {name: t.clone() for name, t in state.items()}
+        step = torch.tensor(2, device="cuda")
+        for buffers, kernel in ((state, True), (twin, False)):
+            finish_decode_step(logits, method, buffers["seeds"], buffers["positions"],
+                               buffers["seq_lens"], buffers["is_real"], step,
+                               buffers["draft_tokens"], buffers["draft_logits"],
+                               buffers["input_ids"], advance=True, max_model_len=32768,
+                               kernel=kernel)
+        for name in state:
+            if name in ("draft_tokens", "input_ids") and method == "gumbel":
+                continue  # compared below: log differs in its last bits between the forms
+            assert torch.equal(state[name], twin[name]), (method, name)
+        if method == "gumbel":
+            scores = logits.float() + gumbel_noise(twin["seeds"], positions, 32000)
+            chosen = scores.gather(1, state["input_ids"][:, None])[:, 0]
+            assert bool((chosen >= scores.max(dim=1).values - 1e-4).all())
+            assert torch.equal(state["draft_tokens"][:, 2], state["input_ids"])
 
 
 _AOT_SCRIPT = """
