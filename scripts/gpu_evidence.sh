@@ -35,8 +35,10 @@
 #       defaults (no false positive), and FlashInfer's JIT cache in fi-jit/
 #   scripts/gpu_evidence.sh OUTDIR lean-core
 #       wheels in .gpu-wheels/core: speccheck bench for triton_attn and fa3 (K=4 and 8,
-#       batches 1, 8, 64), the one-kernel layers' and speculator's CUDA tests, and verify
-#       of triton_attn (EXAMPLES, default 60) and fa3 (FA3_EXAMPLES, 30) at the GPU defaults
+#       batches 1, 8, 64, with the profiler's tables), the one-kernel layers', index-buffer
+#       kernels' and speculator's CUDA tests, verify of triton_attn (EXAMPLES, default 60)
+#       and fa3 (FA3_EXAMPLES, 30) at the GPU defaults, and reference on two DCP ranks
+#       sharing the GPU (DCP2_EXAMPLES, 20)
 #   scripts/gpu_evidence.sh OUTDIR audit-core | audit-flashinfer
 #       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
 #       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
@@ -124,14 +126,18 @@ fi
 if [ "$suite" = lean-core ]; then
   for backend in triton_attn fa3; do
     { timeout "${BENCH_LIMIT:-90}" speccheck bench --backend "$backend" --steps "${STEPS:-4,8}" \
-        --batches 1,8,64 --repeats "${REPEATS:-10}" --json "$out/bench-$backend.json"
+        --batches 1,8,64 --repeats "${REPEATS:-10}" --json "$out/bench-$backend.json" \
+        --profile "$out/profile-$backend.txt"
       echo "exit $?"; } > "$out/bench-$backend.txt" 2>&1
   done
   timeout "${PYTEST_LIMIT:-150}" python3 -m pytest -rA -q -m cuda tests/test_model_kernels.py \
-    tests/test_speculator.py > "$out/pytest-cuda-lean-core.txt" 2>&1
+    tests/test_lane_kernels.py tests/test_speculator.py > "$out/pytest-cuda-lean-core.txt" 2>&1
   echo "pytest exit $?" >> "$out/pytest-cuda-lean-core.txt"
   run triton_attn "${VERIFY_LIMIT:-120}" --backend triton_attn --examples "${EXAMPLES:-60}"
   run fa3 "${VERIFY_LIMIT:-120}" --backend fa3 --examples "${FA3_EXAMPLES:-30}"
+  # DCP ranks sharing the one GPU (gloo: graphs off, the fused refresh run eagerly).
+  run reference-dcp2 "${VERIFY_LIMIT:-120}" --backend reference --dcp-world-size 2 \
+    --examples "${DCP2_EXAMPLES:-20}"
   exit 0
 fi
 if [ "$suite" = concurrent ]; then
