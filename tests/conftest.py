@@ -1,11 +1,22 @@
 """Test-suite setup. TRITON_INTERPRET must be set before any kernel module is imported
-(the decorator reads it), so it is set here, at the very top, when there is no GPU."""
+(the decorator reads it), so it is set here, at the very top, when there is no GPU.
+
+Torch runs on one CPU thread, in this process and (through ``OMP_NUM_THREADS``) in every
+process a test starts, as ``speccheck verify`` runs its workers
+(:data:`~speccheck.checks.verify.runner.WORKER_ENV`): the tests' tensors are small, and
+contending intra-op threads run them several times slower (the whole suite: 13 minutes
+against 24 on a loaded 2-core machine). An environment that sets ``OMP_NUM_THREADS`` keeps
+its own count."""
 
 from __future__ import annotations
 
 import os
 
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
