@@ -184,7 +184,8 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             self.options.sampling, self.seeds[:n], b.positions[:n], b.seq_lens[:n],
             self.is_real_req[:n], self.current_step, self.draft_tokens[:n],
             self.draft_logits[:n], self.input_ids[:n],
-            advance=self.config.advance_draft_positions, max_model_len=self.max_model_len)
+            advance=self.config.advance_draft_positions, max_model_len=self.max_model_len,
+            kernel=self.kernel)
         self.current_step.add_(1)
         if not self._in_capture:
             self.counters.eager_step_calls += 1
@@ -323,7 +324,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         n = hidden.shape[0]
         logits = self.model.compute_logits(hidden)
         self.draft_tokens[:n, 0] = sample_tokens(logits, self.options.sampling, self.seeds[:n],
-                                                 positions)
+                                                 positions, kernel=self.kernel)
         self.draft_logits[:n, 0] = logits
 
     # --------------------------------------------------------------- propose
@@ -427,7 +428,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             token_request=self.token_request[:n], is_real_req=self.is_real_req[:n],
             is_real_token=self.is_real_token[:n], draft_tokens=self.draft_tokens[:n],
             current_step=self.current_step)
-        prepare_decode_lanes(lanes, base_lens[:r], self.max_model_len)
+        prepare_decode_lanes(lanes, base_lens[:r], self.max_model_len, kernel=self.kernel)
 
     def _multi_step_decode(
         self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool

@@ -94,6 +94,9 @@ class DraftModelSpeculator:
         cache must never draft at the same time: the verifier's one-per-K speculators do
         not, and a serving-scale cache is gigabytes per layer."""
         self.model = model
+        self.kernel = model.cfg.kernel_choice
+        """The ``kernel`` argument of every one-kernel update this speculator makes (see
+        :attr:`DrafterConfig.kernels`)."""
         self.groups = groups
         self.config = config
         self.device = device
@@ -214,6 +217,7 @@ class DraftModelSpeculator:
             self.is_real_token[:num_tokens],
             self.block_size,
             out=b.slot_mapping[:num_tokens],
+            kernel=self.kernel,
         )
         self._record("slots", step)
 
@@ -264,7 +268,8 @@ class DraftModelSpeculator:
         table, seeds, lens, pos, input_ids, token_request, *staged_extra = self.staging.stage(
             [*self._request_arrays(batch), ctx + q, positions, ids, req_of_token, *extra])
         scatter_pass_inputs(self.index_buffers,
-                            PassInputs(table, seeds, lens, pos, input_ids, token_request))
+                            PassInputs(table, seeds, lens, pos, input_ids, token_request),
+                            kernel=self.kernel)
         return qsl, staged_extra
 
     def _eager_pass(

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from speccheck.speculator.model_kernels import use_kernels
+
 
 @dataclass(frozen=True)
 class DecodeLaneBuffers:
@@ -67,7 +69,7 @@ def prepare_decode_lanes(lanes: DecodeLaneBuffers, base_lens: torch.Tensor, max_
     One Triton kernel on CUDA (``kernel`` forces or avoids it), tensor ops elsewhere.
     Capture-safe: no host values but the sizes, every write in place."""
     n, r = lanes.positions.shape[0], base_lens.shape[0]
-    if not (lanes.positions.is_cuda if kernel is None else kernel):
+    if not (use_kernels(lanes.positions) if kernel is None else kernel):
         index = torch.arange(n, device=lanes.positions.device)
         real = index < r
         base = torch.zeros(n, dtype=torch.int64, device=lanes.positions.device)

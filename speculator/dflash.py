@@ -70,6 +70,7 @@ class DFlashSpeculator(DraftModelSpeculator):
             self.options.sampling,
             self.seeds[:n].repeat_interleave(self.num_steps, output_size=n * self.num_steps),
             positions.reshape(-1),
+            kernel=self.kernel,
         )
         self.draft_tokens[:n].copy_(tokens.view(n, self.num_steps))
         self.draft_logits[:n].copy_(logits)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from speccheck.contract.builder import AttentionLayerSpec
+from speccheck.speculator.model_kernels import use_kernels
 
 SINK_BLOCK = 0
 PAD_SLOT = SINK_BLOCK  # first slot of the sink block
@@ -115,7 +116,7 @@ def compute_slot_mapping(
     slot for padding tokens. Capture-safe: gathers and an in-place write, no host values.
     One Triton kernel on CUDA (``kernel`` forces or avoids it; the block table's rows must
     be contiguous), tensor ops elsewhere."""
-    if not (positions.is_cuda if kernel is None else kernel):
+    if not (use_kernels(positions) if kernel is None else kernel):
         block_index = torch.div(positions, block_size, rounding_mode="floor")
         block = block_table[token_request, block_index].long()
         slots = block * block_size + positions % block_size

@@ -60,6 +60,12 @@ class DrafterConfig:
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
     sliding_window: int = 0
+    kernels: bool = True
+    """Run the layers, the sampling and the speculator's index-buffer updates as their
+    one-kernel Triton forms on CUDA (:mod:`~speccheck.speculator.model_kernels`); ``False``:
+    their tensor-op forms everywhere. The verifier's fp32 reference drafter sets ``False``,
+    so it shares no Triton kernel with the drafter under test and a wrong kernel shows up
+    as a difference from it."""
 
     def __post_init__(self) -> None:
         if self.kv_layout not in (KvLayout.NHD, KvLayout.LATENT):
@@ -104,6 +110,12 @@ class DrafterConfig:
             width += self.qk_rope_head_dim
         return float(width**-0.5)
 
+    @property
+    def kernel_choice(self) -> bool | None:
+        """The ``kernel`` argument of the one-kernel functions: ``None`` (Triton on CUDA)
+        when :attr:`kernels`, else ``False`` (tensor ops)."""
+        return None if self.kernels else False
+
     def layer_spec(self, block_size: int, max_model_len: int) -> AttentionLayerSpec:
         latent = self.kv_layout is KvLayout.LATENT
         return AttentionLayerSpec(
@@ -121,20 +133,23 @@ class DrafterConfig:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension (one kernel on CUDA: :func:`rms_norm`)."""
+    """RMSNorm over the last dimension (one kernel on CUDA: :func:`rms_norm`; ``kernel``
+    as for :func:`rms_norm`)."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, kernel: bool | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+        return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps,
+                        kernel=self.kernel).view(x.shape)
 
     def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(x + delta), x + delta)`` for 2-D ``x`` and ``delta``: one kernel on CUDA
         (:func:`add_rms_norm`)."""
-        return add_rms_norm(x, delta, self.weight, self.eps)
+        return add_rms_norm(x, delta, self.weight, self.eps, kernel=self.kernel)
 
 
 class GQAAttention(nn.Module):
@@ -161,7 +176,7 @@ class GQAAttention(nn.Module):
         cfg = self.cfg
         t = x.shape[0]
         q, k, v = rotary_qkv(self.qkv_proj(x), positions, self.inv_freq, cfg.num_heads,
-                             cfg.num_kv_heads, cfg.head_size)
+                             cfg.num_kv_heads, cfg.head_size, kernel=cfg.kernel_choice)
         attn = torch.zeros_like(q)
         impl.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn)
         return self.o_proj(attn.reshape(t, -1))
@@ -193,7 +208,7 @@ class MLAAttention(nn.Module):
         """fp32 rotary frequencies of the rope part (a plain attribute, as for GQA)."""
         self.q_proj = nn.Linear(h, heads * (d + rope), bias=False)
         self.kv_a_proj = nn.Linear(h, rank + rope, bias=False)
-        self.kv_a_norm = RMSNorm(rank, cfg.rms_eps)
+        self.kv_a_norm = RMSNorm(rank, cfg.rms_eps, cfg.kernel_choice)
         self.kv_b_proj = nn.Linear(rank, heads * 2 * d, bias=False)
         self.o_proj = nn.Linear(heads * d, h, bias=False)
 
@@ -220,8 +235,8 @@ class MLAAttention(nn.Module):
         q = self.q_proj(x).view(t, cfg.num_heads, cfg.head_size + rope)
         q_nope, q_pe = q.split([cfg.head_size, rope], dim=-1)
         kv_c, k_pe = self.kv_a_proj(x).split([cfg.kv_lora_rank, rope], dim=-1)
-        q_pe = rotary(q_pe, positions, self.inv_freq)
-        k_pe = rotary(k_pe.view(t, 1, rope), positions, self.inv_freq)
+        q_pe = rotary(q_pe, positions, self.inv_freq, kernel=cfg.kernel_choice)
+        k_pe = rotary(k_pe.view(t, 1, rope), positions, self.inv_freq, kernel=cfg.kernel_choice)
         return q_nope, q_pe, self.kv_a_norm(kv_c), k_pe
 
     def forward(
@@ -252,12 +267,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
-        self.input_norm = RMSNorm(h, cfg.rms_eps)
+        self.input_norm = RMSNorm(h, cfg.rms_eps, cfg.kernel_choice)
         self.attn: GQAAttention | MLAAttention = (
             MLAAttention(cfg, device) if cfg.kv_layout is KvLayout.LATENT
             else GQAAttention(cfg, device)
         )
-        self.post_norm = RMSNorm(h, cfg.rms_eps)
+        self.post_norm = RMSNorm(h, cfg.rms_eps, cfg.kernel_choice)
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
@@ -277,7 +292,8 @@ class DecoderLayer(nn.Module):
         it."""
         attn = self.attn(normed, positions, impl, metadata, kv_cache)
         h, x = self.post_norm.add_and_norm(x, attn)
-        return next_norm.add_and_norm(x, self.down_proj(silu_mul(self.gate_up_proj(h))))
+        gate = silu_mul(self.gate_up_proj(h), kernel=self.cfg.kernel_choice)
+        return next_norm.add_and_norm(x, self.down_proj(gate))
 
 
 class DraftModel(nn.Module):
@@ -289,7 +305,7 @@ class DraftModel(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_layers))
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.kernel_choice)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._init_weights()
         self.to(device=device, dtype=cfg.torch_dtype)

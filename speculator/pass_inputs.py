@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from speccheck.speculator.model_kernels import use_kernels
+
 
 @dataclass(frozen=True)
 class IndexBuffers:
@@ -118,7 +120,7 @@ def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, *,
     One Triton kernel on CUDA (``kernel`` forces or avoids it), tensor ops elsewhere."""
     r, width = inputs.table.shape
     t = inputs.positions.shape[0]
-    if not (buffers.positions.is_cuda if kernel is None else kernel):
+    if not (use_kernels(buffers.positions) if kernel is None else kernel):
         buffers.reset()
         buffers.block_table[:r, :width].copy_(inputs.table)
         buffers.seeds[:r].copy_(inputs.seeds)

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from speccheck.speculator.model_kernels import use_kernels
+
 SamplingMethod = Literal["argmax", "gumbel"]
 
 _MASK31 = 0x7FFFFFFF
@@ -82,7 +84,7 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     """``argmax(logits + gumbel_noise(seeds, positions))`` per row, int64 ``[R]``: one
     Triton kernel on CUDA (``kernel`` forces or avoids it), tensor ops elsewhere. Rows of
     ``logits`` must be contiguous."""
-    if not (logits.is_cuda if kernel is None else kernel):
+    if not (use_kernels(logits) if kernel is None else kernel):
         return (logits + gumbel_noise(seeds, positions, logits.shape[-1])).argmax(dim=-1)
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -164,8 +166,8 @@ def finish_decode_step(
     One Triton kernel on CUDA (``kernel`` forces or avoids it), tensor ops elsewhere.
     Capture-safe: no host values, every write in place."""
     n = logits.shape[0]
-    if not (logits.is_cuda if kernel is None else kernel):
-        tokens = sample_tokens(logits, method, seeds, positions)
+    if not (use_kernels(logits) if kernel is None else kernel):
+        tokens = sample_tokens(logits, method, seeds, positions, kernel=False)
         at_step = step.view(1)
         draft_tokens.index_copy_(1, at_step, tokens.unsqueeze(1))
         draft_logits.index_copy_(1, at_step, logits.unsqueeze(1).float())
@@ -188,9 +190,11 @@ def sample_tokens(
     method: SamplingMethod,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    *,
+    kernel: bool | None = None,
 ) -> torch.Tensor:
     """Token ids ``[R]`` (int64) from ``logits`` ``[R, vocab]`` (the model's dtype; the
     Gumbel noise is fp32, so the noisy argmax is taken in fp32)."""
     if method == "argmax":
         return logits.argmax(dim=-1)
-    return gumbel_argmax(logits, seeds, positions)
+    return gumbel_argmax(logits, seeds, positions, kernel=kernel)

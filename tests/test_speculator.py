@@ -379,3 +379,40 @@ def test_first_pass_graph_equals_the_eager_pass(data, k: int) -> None:
     eager = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
     assert torch.equal(graph.draft_tokens, eager.draft_tokens)
     torch.testing.assert_close(graph.logits, eager.logits)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_a_drafter_without_kernels_never_chooses_a_triton_kernel(
+    kernels: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``DrafterConfig.kernels`` off (the verifier's fp32 reference) no layer, sampling
+    or index-buffer update even asks whether to run its Triton kernel, on any device; with
+    it on, they all ask (here answered "no", so the run stays on the tensor-op forms)."""
+    from speccheck.speculator import decode_inputs, kv_cache, model_kernels, pass_inputs, sampling
+
+    asked: set[str] = set()
+    for module in (model_kernels, sampling, kv_cache, decode_inputs, pass_inputs):
+        def record(x: torch.Tensor, name: str = module.__name__) -> bool:
+            asked.add(name.rsplit(".", 1)[-1])
+            return False
+        monkeypatch.setattr(module, "use_kernels", record)
+    drafter = DrafterConfig(**{**DRAFTER.__dict__, "kernels": kernels})
+    spec = create_speculator("autoregressive", ["reference"] * 2, _config(3), drafter, DEVICE,
+                             SpeculatorOptions(OPTIONS.capture_sizes, OPTIONS.max_num_prefill_tokens,
+                                               OPTIONS.num_blocks, "gumbel"), matrix=MATRIX)
+    assert isinstance(spec, AutoregressiveSpeculator)
+    batch = DraftBatch((5, 3), ((7, 8), (9, 10)), ((1, 2, 3), (4, 5, 6)), (0, 1))
+    for path in (DecodePath.PER_STEP, DecodePath.FUSED):
+        spec.propose(batch, path)
+    everything = {"model_kernels", "sampling", "kv_cache", "decode_inputs", "pass_inputs"}
+    assert asked == (everything if kernels else set())
+
+
+def test_the_verifiers_fp32_reference_drafter_runs_no_triton_kernel() -> None:
+    from speccheck.checks.verify.context import MatrixContext
+    from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
+
+    verifier = BackendVerifier(VerifySettings("triton_attn", _config(3),
+                                              matrices=MatrixContext.load(None)), DEVICE)
+    assert verifier.reference_drafter().kernels is False
+    assert verifier.drafter("float32").kernels is True

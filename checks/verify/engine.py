@@ -231,6 +231,13 @@ class BackendVerifier:
             kv_layout=layout or KvLayout.NHD,
         )
 
+    def reference_drafter(self) -> DrafterConfig:
+        """The fp32 reference's drafter: :meth:`drafter` in fp32 on the tensor-op forms of
+        every layer, sampling and index-buffer update (no Triton kernel), so a kernel the
+        drafter under test runs in both its oracle and its candidates is still checked
+        against an independent computation."""
+        return dataclasses.replace(self.drafter("float32"), kernels=False)
+
     def options(self) -> SpeculatorOptions:
         """The drafter's sizes: graphs for every capture size, a prefill budget of
         ``max_new_tokens`` per request of the largest, and a KV cache of one full block-table
@@ -289,7 +296,7 @@ class BackendVerifier:
                     "dtype": "float32", "cudagraph_mode": "none", "dcp_world_size": 1})
                 ref = create_speculator(
                     "autoregressive", ["reference"] * self.settings.num_layers, ref_config,
-                    self.drafter("float32"), self.device, self.options(),
+                    self.reference_drafter(), self.device, self.options(),
                     matrix=self.settings.matrices.shipped,
                     kv_cache=self._reference_kv_cache,
                 )

@@ -73,8 +73,9 @@ class Check(enum.StrEnum):
     )
     VS_FP32_REFERENCE = (
         "vs_fp32_reference",
-        "the oracle agrees with the fp32 `reference` backend (graph and eager can agree and "
-        "both be wrong)",
+        "the oracle agrees with the fp32 `reference` backend, whose drafter runs the "
+        "tensor-op form of every layer, sampling and index-buffer update (graph and eager "
+        "can agree and both be wrong; they also share the drafter's Triton kernels)",
     )
     REFRESH_ERROR = (
         "refresh_error",
