@@ -82,7 +82,7 @@ def test_plain_progress_prints_a_line_per_interval_and_where_it_ended() -> None:
         "progress: reference: started, 50 example(s)",
         "progress: reference: 7/50 examples, 11s elapsed",
         "progress: reference: 12/50 examples, 22s elapsed",
-        "progress: reference (failed): 12/50 examples in 22s",
+        "progress: reference (failed): 12/50 examples in 22s (0.55 examples/s)",
     ]
 
 

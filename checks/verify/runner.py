@@ -112,9 +112,13 @@ class PlainProgress:
                         f"{now - task.started:.0f}s elapsed")
 
     def stop_task(self, task_id: TaskID) -> None:
+        """The task's last line: examples done, seconds taken (capture included) and, when
+        any time passed, examples per second."""
         task = self._tasks[task_id]
+        elapsed = self._clock() - task.started
+        rate = f" ({task.completed / elapsed:.2f} examples/s)" if elapsed > 0 else ""
         self._print(f"{task.description}: {task.completed}/{task.total} examples in "
-                    f"{self._clock() - task.started:.0f}s")
+                    f"{elapsed:.0f}s{rate}")
 
     def _print(self, line: str) -> None:
         self._console.print(f"progress: {line}", markup=False, highlight=False)
