@@ -28,15 +28,20 @@ def use_kernels(x: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------- RMSNorm
 
 @triton.jit
+def _rms_normalised(x, w_ptr, cols, mask, width, eps):
+    """The fp32 row ``x`` (zero past ``width``) normalised and scaled by the weights."""
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)) * w
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, out_row_stride, width, eps,
                      BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / width + eps)
-    y = x * inv * w
+    y = _rms_normalised(x, w_ptr, cols, mask, width, eps)
     tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -61,7 +66,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     return out
 
 
-
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, x_row_stride, d_row_stride,
                          width, eps, BLOCK: tl.constexpr):
@@ -74,11 +78,8 @@ def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, x_row_stride, d_
     # norm reads the rounded sum.
     s = (x + d).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * width + cols, s, mask=mask)
-    s32 = s.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(s32 * s32, axis=0) / width + eps)
-    tl.store(out_ptr + row * width + cols, (s32 * inv * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    y = _rms_normalised(s.to(tl.float32), w_ptr, cols, mask, width, eps)
+    tl.store(out_ptr + row * width + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -103,6 +104,15 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 # ------------------------------------------------------------------------------ rotary
 
 @triton.jit
+def _rotated(x1, x2, pos_ptr, token, inv_freq_ptr, j, mask):
+    """NeoX rotary of one head's halves ``x1``, ``x2`` (fp32) at ``token``'s position."""
+    pos = tl.load(pos_ptr + token).to(tl.float32)
+    angle = pos * tl.load(inv_freq_ptr + j, mask=mask, other=0.0)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, pos_ptr, inv_freq_ptr, out_ptr, x_tok_stride, x_head_stride,
                    num_heads, half, BLOCK: tl.constexpr):
     token = tl.program_id(0)
@@ -112,13 +122,11 @@ def _rotary_kernel(x_ptr, pos_ptr, inv_freq_ptr, out_ptr, x_tok_stride, x_head_s
     base = x_ptr + token * x_tok_stride + head * x_head_stride
     x1 = tl.load(base + j, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + half + j, mask=mask, other=0.0).to(tl.float32)
-    pos = tl.load(pos_ptr + token).to(tl.float32)
-    angle = pos * tl.load(inv_freq_ptr + j, mask=mask, other=0.0)
-    cos, sin = tl.cos(angle), tl.sin(angle)
+    y1, y2 = _rotated(x1, x2, pos_ptr, token, inv_freq_ptr, j, mask)
     out = out_ptr + (token * num_heads + head) * 2 * half
     ty = out_ptr.dtype.element_ty
-    tl.store(out + j, (x1 * cos - x2 * sin).to(ty), mask=mask)
-    tl.store(out + half + j, (x2 * cos + x1 * sin).to(ty), mask=mask)
+    tl.store(out + j, y1.to(ty), mask=mask)
+    tl.store(out + half + j, y2.to(ty), mask=mask)
 
 
 def rotary_inv_freq(dim: int, theta: float, device: torch.device) -> torch.Tensor:
@@ -150,7 +158,6 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
     return out
 
 
-
 @triton.jit
 def _rotary_qkv_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, v_ptr, qkv_tok_stride,
                        num_heads, num_kv_heads, half, BLOCK: tl.constexpr):
@@ -163,11 +170,7 @@ def _rotary_qkv_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, v_ptr, qkv_
     x1 = tl.load(src + j, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + j, mask=mask, other=0.0).to(tl.float32)
     if head < num_heads + num_kv_heads:
-        pos = tl.load(pos_ptr + token).to(tl.float32)
-        angle = pos * tl.load(inv_freq_ptr + j, mask=mask, other=0.0)
-        cos, sin = tl.cos(angle), tl.sin(angle)
-        y1 = x1 * cos - x2 * sin
-        y2 = x2 * cos + x1 * sin
+        y1, y2 = _rotated(x1, x2, pos_ptr, token, inv_freq_ptr, j, mask)
         if head < num_heads:
             dst = q_ptr + (token * num_heads + head) * dim
         else:

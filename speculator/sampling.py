@@ -52,27 +52,46 @@ def _mix_kernel(x):
 
 
 @triton.jit
+def _row_key(seed, position):
+    """A row's Gumbel hash key from its seed and position (int64), as :func:`gumbel_noise`
+    computes it."""
+    h = _mix_kernel((seed & 0x7FFFFFFF) ^ 0x5BD1E995)
+    return _mix_kernel((h + position * 0x3C6EF35F) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _gumbel_score(x, key, cols):
+    """``x`` (fp32) plus the Gumbel noise of vocabulary entries ``cols`` of the row keyed
+    ``key``."""
+    noise_hash = _mix_kernel((key + cols.to(tl.int64) * 0x61C88647) & 0x7FFFFFFF)
+    u = (noise_hash.to(tl.float32) + 0.5) / 2147483648.0
+    return x - tl.log(-tl.log(u))
+
+
+@triton.jit
+def _running_argmax(score, start, best, best_index):
+    """The row's best score and its index so far, after the block of ``score`` that starts
+    at vocabulary entry ``start``; strict, so the first maximum wins, as ``torch.argmax``."""
+    block_best = tl.max(score, axis=0)
+    block_index = tl.argmax(score, axis=0) + start
+    better = block_best > best
+    return tl.where(better, block_best, best), tl.where(better, block_index, best_index)
+
+
+@triton.jit
 def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, positions_ptr, out_ptr, row_stride, vocab,
                           BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    seed = tl.load(seeds_ptr + row).to(tl.int64)
-    position = tl.load(positions_ptr + row).to(tl.int64)
-    h = _mix_kernel((seed & 0x7FFFFFFF) ^ 0x5BD1E995)
-    h = _mix_kernel((h + position * 0x3C6EF35F) & 0x7FFFFFFF)
+    key = _row_key(tl.load(seeds_ptr + row).to(tl.int64),
+                   tl.load(positions_ptr + row).to(tl.int64))
     best = -float("inf")
     best_index = 0
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < vocab
-        noise_hash = _mix_kernel((h + cols.to(tl.int64) * 0x61C88647) & 0x7FFFFFFF)
-        u = (noise_hash.to(tl.float32) + 0.5) / 2147483648.0
         x = tl.load(logits_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        score = tl.where(mask, x - tl.log(-tl.log(u)), -float("inf"))
-        block_best = tl.max(score, axis=0)
-        block_index = tl.argmax(score, axis=0) + start
-        better = block_best > best  # strict: the first maximum wins, as torch.argmax
-        best_index = tl.where(better, block_index, best_index)
-        best = tl.where(better, block_best, best)
+        score = tl.where(mask, _gumbel_score(x, key, cols), -float("inf"))
+        best, best_index = _running_argmax(score, start, best, best_index)
     tl.store(out_ptr + row, best_index)  # stored as the int64 it points to
 
 
@@ -104,11 +123,9 @@ def _decode_step_epilogue_kernel(
     row = tl.program_id(0)
     step = tl.load(step_ptr)
     position = tl.load(positions_ptr + row)
-    h = 0
+    key = 0
     if GUMBEL:
-        seed = tl.load(seeds_ptr + row).to(tl.int64)
-        h = _mix_kernel((seed & 0x7FFFFFFF) ^ 0x5BD1E995)
-        h = _mix_kernel((h + position.to(tl.int64) * 0x3C6EF35F) & 0x7FFFFFFF)
+        key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), position.to(tl.int64))
     out_logits = draft_logits_ptr + row * draft_logits_row_stride + step * draft_logits_step_stride
     best = -float("inf")
     best_index = 0
@@ -120,15 +137,9 @@ def _decode_step_epilogue_kernel(
         tl.store(out_logits + cols, x, mask=mask)
         score = x
         if GUMBEL:
-            noise_hash = _mix_kernel((h + cols.to(tl.int64) * 0x61C88647) & 0x7FFFFFFF)
-            u = (noise_hash.to(tl.float32) + 0.5) / 2147483648.0
-            score = x - tl.log(-tl.log(u))
+            score = _gumbel_score(x, key, cols)
         score = tl.where(mask, score, -float("inf"))
-        block_best = tl.max(score, axis=0)
-        block_index = tl.argmax(score, axis=0) + start
-        better = block_best > best  # strict: the first maximum wins, as torch.argmax
-        best_index = tl.where(better, block_index, best_index)
-        best = tl.where(better, block_best, best)
+        best, best_index = _running_argmax(score, start, best, best_index)
     tl.store(tokens_ptr + row * tokens_row_stride + step, best_index)
     tl.store(input_ids_ptr + row, best_index)
     if ADVANCE:
