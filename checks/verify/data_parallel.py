@@ -35,7 +35,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
-from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from speccheck.backends.availability import BackendUnavailable
@@ -43,7 +42,7 @@ from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import TOLERANCE
 from speccheck.checks.verify.examples import example_json
 from speccheck.checks.verify.report import BackendReport, Failure
-from speccheck.checks.verify.strategies import BatchLimits, draft_batches
+from speccheck.checks.verify.strategies import BatchLimits, draft_batches, draw_values
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
 from speccheck.contract.builder import blocks_for
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
@@ -214,19 +213,11 @@ def draw_dp_rounds(limits: BatchLimits, dp_size: int, rounds: int, seed_value: i
     """``rounds`` hypothesis-drawn rounds, as ``[rank][round]``: in each round every rank gets
     an independent batch, and (for ``dp_size > 1``) not every rank has the same request
     count, so some rank pads. Deterministic in ``seed_value``."""
-    drawn: list[tuple[DraftBatch, ...]] = []
     strategy = st.lists(draft_batches(limits), min_size=dp_size, max_size=dp_size).map(tuple)
     if dp_size > 1:
         strategy = strategy.filter(lambda batches: len({b.num_reqs for b in batches}) > 1)
 
-    @seed(seed_value)
-    @settings(max_examples=rounds, database=None, deadline=None, derandomize=False,
-              phases=(Phase.generate,), suppress_health_check=list(HealthCheck))
-    @given(strategy)
-    def collect(batches: tuple[DraftBatch, ...]) -> None:
-        drawn.append(batches)
-
-    collect()
+    drawn = draw_values(strategy, rounds, seed_value)
     return [[batches[rank] for batches in drawn] for rank in range(dp_size)]
 
 

@@ -41,8 +41,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, given, seed
-from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from speccheck.backends.availability import BackendUnavailable
@@ -55,7 +53,7 @@ from speccheck.checks.verify.examples import (
     reproduce_command,
 )
 from speccheck.checks.verify.report import BackendReport, Failure
-from speccheck.checks.verify.strategies import draft_batches
+from speccheck.checks.verify.strategies import draft_batches, draw_values
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.contract.dcp import DcpRank
 from speccheck.contract.resolution import resolve_backend
@@ -121,18 +119,7 @@ def draw_examples(settings: VerifySettings) -> list[Example]:
     limits = BackendVerifier(settings, torch.device("cpu")).limits
     strategy = st.sampled_from(settings.steps).flatmap(
         lambda k: st.tuples(st.just(k), draft_batches(limits(k))))
-    drawn: list[Example] = []
-
-    @seed(settings.seed)
-    @hypothesis_settings(max_examples=settings.examples, database=None, deadline=None,
-                         derandomize=False, phases=(Phase.generate,),
-                         suppress_health_check=list(HealthCheck))
-    @given(strategy)
-    def collect(example: Example) -> None:
-        drawn.append(example)
-
-    collect()
-    return drawn
+    return draw_values(strategy, settings.examples, settings.seed)
 
 
 def verify_dcp(

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
+from hypothesis import HealthCheck, Phase, given, seed, settings, target
 from hypothesis import strategies as st
-from hypothesis import target
 
 from speccheck.checks.verify.state_walk import same_value
 from speccheck.contract.builder import blocks_for
@@ -180,3 +181,24 @@ def target_derived_changes(count: int) -> None:
     function, once per example, with :func:`derived_step_changes`; targeting runs only
     when ``Phase.target`` is among the settings' phases."""
     target(float(count), label=TARGET_LABEL)
+
+
+T = TypeVar("T")
+
+
+def draw_values(strategy: st.SearchStrategy[T], count: int, seed_value: int) -> list[T]:
+    """``count`` values of ``strategy`` drawn by hypothesis from ``seed_value`` (generation
+    only: no shrinking, no database), deterministic in the seed. For runs whose examples are
+    drawn once, in one process, and handed to several (DP and DCP ranks), where a search
+    running in each could go different ways."""
+    drawn: list[T] = []
+
+    @seed(seed_value)
+    @settings(max_examples=count, database=None, deadline=None, derandomize=False,
+              phases=(Phase.generate,), suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(value: T) -> None:
+        drawn.append(value)
+
+    collect()
+    return drawn
