@@ -350,8 +350,15 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     ) -> torch.Tensor:
         """The serving loop's form of :meth:`propose`: only the ``[R, K]`` draft tokens come
         back to the host; the logits stay in :attr:`draft_logits` on the device."""
-        r = self._draft(batch, path, use_graphs=True)
-        return self.draft_tokens[:r].cpu()
+        return self.draft_tokens[: self.launch(batch, path)].cpu()
+
+    def launch(self, batch: DraftBatch, path: DecodePath = DecodePath.AUTO) -> int:
+        """Queue the work of :meth:`propose_tokens` (graphs where captured) and return the
+        number of requests ``R`` without waiting for the device: the tokens are in
+        ``draft_tokens[:R]`` and the logits in ``draft_logits[:R]`` once the stream has run
+        it. What it costs is the launching thread's host time per propose (``speccheck
+        bench`` times it, and lists whatever in it synchronises with the device)."""
+        return self._draft(batch, path, use_graphs=True)
 
     def _draft(self, batch: DraftBatch, path: DecodePath, use_graphs: bool) -> int:
         """Run the prefill pass and the chosen decode loop; the results are left in

@@ -3,6 +3,7 @@ markdown renderer, the plots, and on a GPU the replay counts and capture cost.""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -13,10 +14,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from speccheck.checks.bench.profiling import blocked_and_device_us
+from speccheck.checks.bench.markdown import render_markdown
+from speccheck.checks.bench.profiling import device_us
 from speccheck.checks.bench.records import BenchReport, BenchRow
+from speccheck.checks.bench.table import sync_lines
+from speccheck.checks.bench.workload import bench_batch, build_speculator, context_for
 from speccheck.checks.cli.app import app
+from speccheck.checks.verify.context import MatrixContext
+from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
+from speccheck.speculator.batch import DraftBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--head-size", "16", "--num-heads", "2", "--num-kv-heads", "1", "--max-model-len", "64",
@@ -66,15 +73,15 @@ def test_reference_row_per_path_k_and_batch(tmp_path: Path) -> None:
 
 
 def test_different_draft_tokens_exit_1_naming_the_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = AutoregressiveSpeculator.propose_tokens
+    original = AutoregressiveSpeculator.launch
 
-    def corrupt(self: AutoregressiveSpeculator, batch: Any, path: DecodePath = DecodePath.AUTO) -> torch.Tensor:
-        tokens = original(self, batch, path).clone()
+    def corrupt(self: AutoregressiveSpeculator, batch: Any, path: DecodePath = DecodePath.AUTO) -> int:
+        r = original(self, batch, path)
         if path is DecodePath.FUSED:
-            tokens[1, -1] += 1
-        return tokens
+            self.draft_tokens[1, -1] += 1
+        return r
 
-    monkeypatch.setattr(AutoregressiveSpeculator, "propose_tokens", corrupt)
+    monkeypatch.setattr(AutoregressiveSpeculator, "launch", corrupt)
     result = _bench("--backend", "reference", "--steps", "2", "--batches", "2",
                     "--repeats", "1", *TINY)
     assert result.exit_code == 1, result.output
@@ -125,6 +132,19 @@ def _report() -> BenchReport:
                        tuple(rows), weight_bytes=274_000_000, bandwidth_gbps=4567.0)
 
 
+_TINY_CONFIG = RuntimeConfig(head_size=16, num_heads=2, num_kv_heads=1, max_model_len=64,
+                             block_size=4, num_speculative_steps=3, cudagraph_mode="none")
+
+
+def _reference_speculator() -> AutoregressiveSpeculator:
+    return build_speculator("reference", _TINY_CONFIG, 2, context_for(_TINY_CONFIG, 3),
+                            MatrixContext.load(None).matrix, torch.device("cpu"))
+
+
+def _work() -> DraftBatch:
+    return bench_batch(_TINY_CONFIG, 2, context_for(_TINY_CONFIG, 3))
+
+
 def _render_script() -> ModuleType:
     spec = importlib.util.spec_from_file_location("render_bench_docs",
                                                   ROOT / "scripts" / "render_bench_docs.py")
@@ -165,7 +185,7 @@ def test_reports_written_before_the_weight_read_bound_still_load() -> None:
 
 
 def test_decode_weight_bytes_leave_out_the_embedding() -> None:
-    from speccheck.speculator.model import DraftModel, DrafterConfig
+    from speccheck.speculator.model import DrafterConfig, DraftModel
 
     cfg = DrafterConfig(vocab_size=100, num_layers=1, num_heads=2, num_kv_heads=1, head_size=8,
                         intermediate_size=32, dtype="bfloat16")
@@ -201,7 +221,7 @@ def test_write_plots_one_png_per_k(tmp_path: Path) -> None:
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
 
 
-def test_host_time_leaves_out_blocking_calls_and_sums_device_time() -> None:
+def test_device_time_sums_device_events_only() -> None:
     from torch.autograd import DeviceType
 
     def event(kind: DeviceType, name: str, us: float) -> SimpleNamespace:
@@ -209,16 +229,37 @@ def test_host_time_leaves_out_blocking_calls_and_sums_device_time() -> None:
                                time_range=SimpleNamespace(elapsed_us=lambda: us))
 
     events = [event(DeviceType.CPU, "cudaStreamSynchronize", 30.0),
-              event(DeviceType.CPU, "cudaMemcpy", 5.0), event(DeviceType.CPU, "aten::mm", 7.0),
+              event(DeviceType.CPU, "aten::mm", 7.0),
               event(DeviceType.CUDA, "gemm", 11.0), event(DeviceType.CUDA, "memcpy", 2.0)]
-    assert blocked_and_device_us(events) == (35.0, 13.0)
+    assert device_us(events) == 13.0
+
+
+def test_launch_queues_the_work_propose_tokens_returns() -> None:
+    """``launch`` leaves in ``draft_tokens`` what ``propose_tokens`` hands back: the bench
+    times the first as host time and the second as wall time."""
+    spec = _reference_speculator()
+    work = _work()
+    want = spec.propose_tokens(work, DecodePath.FUSED)
+    r = spec.launch(work, DecodePath.PER_STEP)
+    assert r == work.num_reqs and torch.equal(spec.draft_tokens[:r].cpu(), want)
+
+
+def test_rows_name_where_a_launch_synchronises() -> None:
+    report = _report()
+    row = report.rows[0]
+    synced = dataclasses.replace(row, host_ms=1.0, launch_syncs=("item at x.py:3",))
+    again = BenchRow.from_json(json.loads(json.dumps(synced.to_json())))
+    assert again == synced
+    report = dataclasses.replace(report, rows=(synced, *report.rows[1:]))
+    assert sync_lines(report) == [
+        (f"{row.path.value} K={row.k} batch {row.batch}: the launch synchronises with the "
+         "device at item at x.py:3 (its host time includes the wait)")]
+    assert "- " + sync_lines(report)[0] in render_markdown([report])
 
 
 @pytest.mark.cuda
 def test_gpu_replays_capture_cost_and_host_time() -> None:
     from speccheck.checks.bench.measure import BenchSettings, run_bench
-    from speccheck.checks.verify.context import MatrixContext
-    from speccheck.contract.runtime_config import RuntimeConfig
 
     config = RuntimeConfig(platform="cuda", cudagraph_mode="full", dtype="bfloat16",
                            head_size=64, num_heads=4, num_kv_heads=2, block_size=16,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from speccheck.checks.bench.records import BenchReport
-from speccheck.checks.bench.table import COLUMNS, bound_line, row_cells
+from speccheck.checks.bench.table import COLUMNS, bound_line, row_cells, sync_lines
 
 
 def _cell(text: str) -> str:
@@ -32,6 +32,9 @@ def render_report(report: BenchReport) -> str:
     ]
     lines += ["| " + " | ".join(_cell(cell) for cell in row_cells(report, row)) + " |"
               for row in report.rows]
+    syncs = sync_lines(report)
+    if syncs:
+        lines += ["", *(f"- {line}" for line in syncs)]
     return "\n".join(lines) + "\n"
 
 

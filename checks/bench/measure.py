@@ -4,10 +4,15 @@ every K and batch size.
 Per case (K, batch): build and capture a speculator (its graphs serve every path), then
 ``warmup_rounds + repeats`` rounds in each of which every path runs ``propose_tokens``
 once; the order rotates from round to round, so drift and order effects fall on all paths
-alike. Wall time is the median of the timed rounds; decode-graph replays are counted per
-call. Every call's draft tokens must equal those of one eager per-step run (no graphs), else
-:class:`~speccheck.checks.bench.errors.DraftTokensDiffer`. With CUDA each path then runs
-``repeats`` more calls under the profiler for host and GPU time.
+alike. Wall time is the median of the timed rounds (launch and the copy of the tokens back);
+host time, with CUDA, the median time the launching thread spends queueing the work
+(:meth:`~speccheck.speculator.autoregressive.AutoregressiveSpeculator.launch`), unprofiled;
+decode-graph replays are counted per call. Every call's draft tokens must equal those of one
+eager per-step run (no graphs), else
+:class:`~speccheck.checks.bench.errors.DraftTokensDiffer`. With CUDA each path then launches
+once under a host-synchronisation recorder (a launch that waits for the device would count
+that wait as host time: its sites are reported) and runs ``repeats`` more calls under the
+profiler for GPU time and the profile tables.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from functools import partial
 import torch
 
 from speccheck.checks.bench.errors import BenchInputError, DraftTokensDiffer
-from speccheck.checks.bench.profiling import profile_calls
+from speccheck.checks.bench.profiling import launch_sync_sites, profile_calls
 from speccheck.checks.bench.records import BenchReport, BenchRow
 from speccheck.checks.bench.roofline import copy_bandwidth_gbps, decode_step_gpu_ms
 from speccheck.checks.bench.workload import (
@@ -137,31 +142,43 @@ def _measure_case(settings: BenchSettings, k: int, batch: int, context: int,
     cost = capture(spec)
     work = bench_batch(config, batch, context)
     paths = _chosen_paths(settings, spec, k)
-    walls, replays = _timed_rounds(settings, spec, work, paths, k)
+    timed = _timed_rounds(settings, spec, work, paths, k)
     gpu = device.type == "cuda"
     step_ms = decode_step_gpu_ms(spec, batch, settings.repeats) if gpu and k > 1 else None
     rows, profiles = [], {}
     for path in paths:
         host_ms = gpu_ms = None
+        sync_sites: tuple[str, ...] = ()
         if gpu:
-            times = profile_calls(partial(spec.propose_tokens, work, path), settings.repeats)
-            host_ms, gpu_ms, profiles[path] = times.host_ms, times.gpu_ms, times.tables
-        rows.append(BenchRow(path, k, batch, statistics.median(walls[path]) * 1e3, host_ms,
-                             gpu_ms, statistics.fmean(replays[path]), cost.seconds,
-                             cost.allocated_bytes, cost.reserved_bytes, step_ms))
+            host_ms = statistics.median(timed.hosts[path]) * 1e3
+            sync_sites = launch_sync_sites(partial(spec.launch, work, path))
+            times = profile_calls(partial(spec.launch, work, path), settings.repeats)
+            gpu_ms, profiles[path] = times.gpu_ms, times.tables
+        rows.append(BenchRow(path, k, batch, statistics.median(timed.walls[path]) * 1e3,
+                             host_ms, gpu_ms, statistics.fmean(timed.replays[path]),
+                             cost.seconds, cost.allocated_bytes, cost.reserved_bytes, step_ms,
+                             sync_sites))
     return rows, profiles, spec.model.decode_weight_bytes()
 
 
-def _timed_rounds(
-    settings: BenchSettings, spec: AutoregressiveSpeculator, work: DraftBatch,
-    paths: Sequence[DecodePath], k: int,
-) -> tuple[dict[DecodePath, list[float]], dict[DecodePath, list[int]]]:
-    """Seconds and decode-graph replays per timed call, by path (warm-up rounds left
-    out); every call's tokens are checked against an eager per-step run's (no graph at all:
-    the first-pass and decode graphs are checked too)."""
+@dataclass(frozen=True)
+class _TimedRounds:
+    """Per path, one entry per timed call: seconds of the whole call (``walls``), seconds
+    the launch took (``hosts``), decode-graph replays (``replays``)."""
+
+    walls: dict[DecodePath, list[float]]
+    hosts: dict[DecodePath, list[float]]
+    replays: dict[DecodePath, list[int]]
+
+
+def _timed_rounds(settings: BenchSettings, spec: AutoregressiveSpeculator, work: DraftBatch,
+                  paths: Sequence[DecodePath], k: int) -> _TimedRounds:
+    """The timed calls (warm-up rounds left out); every call's tokens are checked against
+    an eager per-step run's (no graph at all: the first-pass and decode graphs are checked
+    too)."""
     gpu = spec.device.type == "cuda"
-    walls: dict[DecodePath, list[float]] = {path: [] for path in paths}
-    replays: dict[DecodePath, list[int]] = {path: [] for path in paths}
+    timed = _TimedRounds({path: [] for path in paths}, {path: [] for path in paths},
+                         {path: [] for path in paths})
     eager = spec.propose(work, DecodePath.PER_STEP, use_graphs=False).draft_tokens
     first = ("eager per_step", eager)
     for round_ in range(settings.warmup_rounds + settings.repeats):
@@ -171,13 +188,16 @@ def _timed_rounds(
                 torch.cuda.synchronize(spec.device)
             replayed = spec.counters.graph_replays
             start = time.perf_counter()
-            tokens = spec.propose_tokens(work, path)
-            elapsed = time.perf_counter() - start
+            r = spec.launch(work, path)
+            launched = time.perf_counter()
+            tokens = spec.draft_tokens[:r].cpu()
+            done = time.perf_counter()
             if round_ >= settings.warmup_rounds:
-                walls[path].append(elapsed)
-                replays[path].append(spec.counters.graph_replays - replayed)
+                timed.walls[path].append(done - start)
+                timed.hosts[path].append(launched - start)
+                timed.replays[path].append(spec.counters.graph_replays - replayed)
             _require_same_tokens(settings.backend, k, work.num_reqs, first, (path.value, tokens))
-    return walls, replays
+    return timed
 
 
 def _require_same_tokens(backend: str, k: int, batch: int, expected: tuple[str, torch.Tensor],

@@ -1,17 +1,20 @@
-"""Host and device time of repeated calls, from one ``torch.profiler`` run (CUDA only).
+"""What the profilers say about repeated launches (CUDA only).
 
-- host: the profiled wall time minus the time spent in the CUDA runtime's synchronising
-  calls (:data:`BLOCKING_CALLS`), i.e. the time the launching thread works rather than
-  waits. It includes the profiler's own overhead and the wait inside blocking copies to
-  pageable memory, so it is an upper bound and can exceed the unprofiled wall time;
-- device: the sum of the kernels, copies and memsets the profiler traced (busy time, not
-  the span from first launch to last completion).
+- :func:`profile_calls`: ``torch.profiler`` over ``repeats`` launches: the device's busy
+  time (the sum of the kernels, copies and memsets it traced, not the span from first
+  launch to last completion), its operator and kernel tables, and ``cProfile``'s table of
+  the launching thread's Python functions (where host time goes; the profilers' own
+  overhead inflates both, so host time itself is measured unprofiled, by the caller);
+- :func:`launch_sync_sites`: the call sites in one launch that synchronise with the device
+  (a launch's host time would include the wait).
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import logging
-import time
+import pstats
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,53 +23,72 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from speccheck.checks.probes.host_sync import HostSyncRecorder
+
 logger = logging.getLogger(__name__)
 
-BLOCKING_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize",
-                            "cudaEventSynchronize", "cudaMemcpy"})
-"""CUDA runtime calls in which the host waits for the device."""
+HOST_FUNCTIONS = 25
+"""Rows of the launching thread's Python profile (by own time) in the tables."""
 
 
 @dataclass(frozen=True)
 class ProfiledTimes:
-    """Per call, in ms: ``host_ms``; ``gpu_ms`` (``None`` when the profiler traced no
-    device activity, e.g. without CUPTI); ``tables``: the profiler's operators by host
-    time and kernels by device time, as text."""
+    """Per call: ``gpu_ms`` (``None`` when the profiler traced no device activity, e.g.
+    without CUPTI); ``tables``: the profiler's operators by host time and kernels by device
+    time, then the launching thread's Python functions by own time, as text."""
 
-    host_ms: float
     gpu_ms: float | None
     tables: str
 
 
-def blocked_and_device_us(events: Iterable[Any]) -> tuple[float, float]:
-    """Microseconds the host spent in :data:`BLOCKING_CALLS`, and the device's busy time,
-    summed over profiler ``events`` (``FunctionEvent``\\ s: ``device_type``, ``name``,
-    ``time_range.elapsed_us()``)."""
-    blocked = device = 0.0
-    for event in events:
-        if event.device_type == DeviceType.CPU and event.name in BLOCKING_CALLS:
-            blocked += event.time_range.elapsed_us()
-        elif event.device_type == DeviceType.CUDA:
-            device += event.time_range.elapsed_us()
-    return blocked, device
+def device_us(events: Iterable[Any]) -> float:
+    """Microseconds of device activity summed over profiler ``events`` (``FunctionEvent``\\ s:
+    ``device_type``, ``time_range.elapsed_us()``)."""
+    return sum(event.time_range.elapsed_us() for event in events
+               if event.device_type == DeviceType.CUDA)
 
 
 def profile_calls(call: Callable[[], object], repeats: int) -> ProfiledTimes:
-    """Run ``call`` ``repeats`` times under the profiler (CPU and CUDA activity) after a
-    device synchronisation, and return the figures per call. Needs CUDA."""
+    """Run ``call`` ``repeats`` times under the profiler (CPU and CUDA activity), then once
+    more ``repeats`` times under ``cProfile``, each after a device synchronisation, and
+    return the figures per call. Needs CUDA."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  acc_events=True) as prof:
-        start = time.perf_counter()
         for _ in range(repeats):
             call()
-        wall_us = (time.perf_counter() - start) * 1e6
-    blocked_us, device_us = blocked_and_device_us(prof.events())
-    if device_us == 0:
+        torch.cuda.synchronize()
+    busy_us = device_us(prof.events())
+    if busy_us == 0:
         logger.warning("the profiler traced no device activity (CUPTI missing?): no GPU time")
     averages = prof.key_averages()
     tables = averages.table(sort_by="self_cpu_time_total", row_limit=15)
-    if device_us:
+    if busy_us:
         tables += "\n" + averages.table(sort_by="self_device_time_total", row_limit=10)
-    return ProfiledTimes((wall_us - blocked_us) / repeats / 1e3,
-                         device_us / repeats / 1e3 if device_us else None, tables)
+    tables += "\n" + _python_profile(call, repeats)
+    return ProfiledTimes(busy_us / repeats / 1e3 if busy_us else None, tables)
+
+
+def _python_profile(call: Callable[[], object], repeats: int) -> str:
+    """``cProfile``'s functions of ``repeats`` calls by own time (:data:`HOST_FUNCTIONS`)."""
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(repeats):
+        call()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats(pstats.SortKey.TIME).print_stats(HOST_FUNCTIONS)
+    return f"launching thread, Python functions by own time ({repeats} calls):\n{text.getvalue()}"
+
+
+def launch_sync_sites(call: Callable[[], object]) -> tuple[str, ...]:
+    """The distinct ``op at site`` of every host synchronisation one ``call`` makes, in
+    first-seen order (:class:`~speccheck.checks.probes.host_sync.HostSyncRecorder`)."""
+    torch.cuda.synchronize()
+    with HostSyncRecorder() as syncs:
+        call()
+    torch.cuda.synchronize()
+    return tuple(dict.fromkeys(f"{event.op} at {event.site}" for event in syncs.events))

@@ -23,9 +23,10 @@ BASELINE_PATH = DecodePath.PER_STEP
 class BenchRow:
     """One path at one K and batch size; times per ``propose_tokens`` call in ms.
 
-    ``host_ms`` (time the launching thread is not blocked on the device) and ``gpu_ms``
-    (device busy time) are ``None`` without CUDA; ``graph_*_bytes`` (CUDA memory allocated
-    and reserved across ``capture()``) too. ``capture_s`` and the graph memory belong to
+    ``host_ms`` (the launching thread's time to queue the work, unprofiled: the launch
+    without the copy of the tokens back) and ``gpu_ms`` (device busy time) are ``None``
+    without CUDA, where the launch runs the work itself; ``graph_*_bytes`` (CUDA memory
+    allocated and reserved across ``capture()``) too. ``capture_s`` and the graph memory belong to
     the case's speculator, which captures every path's graphs at once: the rows of one K
     and batch repeat them."""
 
@@ -43,15 +44,19 @@ class BenchRow:
     """GPU time of one decode step at this K and batch (the single-step graph replayed
     alone; :func:`~speccheck.checks.bench.roofline.decode_step_gpu_ms`), the case's, so
     the rows of one K and batch repeat it; ``None`` without CUDA graphs."""
+    launch_syncs: tuple[str, ...] = ()
+    """Where the launch synchronises with the device (``op at file:line``; CUDA only): each
+    one's wait is in ``host_ms``. Empty for a launch that only queues work."""
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "path": self.path.value}
+        return {**asdict(self), "path": self.path.value, "launch_syncs": list(self.launch_syncs)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> BenchRow:
         known = {f.name for f in fields(cls)}
         values = {name: value for name, value in data.items() if name in known}
-        return cls(**{**values, "path": DecodePath(data["path"])})
+        return cls(**{**values, "path": DecodePath(data["path"]),
+                      "launch_syncs": tuple(data.get("launch_syncs", ()))})
 
 
 @dataclass(frozen=True)

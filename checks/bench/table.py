@@ -2,8 +2,9 @@
 
 Both show, per path, K and batch size: wall, host and GPU ms per propose, graph replays
 per propose, capture seconds and graph memory, the wall / host / GPU ratios to the
-per-step row, and the GPU time of one decode step against the weight-read bound (``-``
-where a figure was not measured)."""
+per-step row, the GPU time of one decode step against the weight-read bound, and how many
+call sites in the launch synchronise with the device (``-`` where a figure was not
+measured)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ COLUMNS = (
     Column("graph MiB alloc/resv", "graph_mib"), Column(f"wall / {_BASE}", "wall_ratio"),
     Column(f"host / {_BASE}", "host_ratio"), Column(f"GPU / {_BASE}", "gpu_ratio"),
     Column("step GPU ms", "step_gpu_ms"), Column("step / weight-read bound", "step_over_bound"),
+    Column("launch syncs", "launch_syncs"),
 )
 
 
@@ -53,7 +55,8 @@ def row_cells(report: BenchReport, row: BenchRow) -> tuple[str, ...]:
     return (row.path.value, str(row.k), str(row.batch), fmt(row.wall_ms), fmt(row.host_ms),
             fmt(row.gpu_ms), fmt(row.replays_per_propose, 2), fmt(row.capture_s, 2),
             graph_mib(row), fmt(ratios.wall, 2), fmt(ratios.host, 2), fmt(ratios.gpu, 2),
-            fmt(row.step_gpu_ms, 4), fmt(report.step_over_bound(row), 2))
+            fmt(row.step_gpu_ms, 4), fmt(report.step_over_bound(row), 2),
+            str(len(row.launch_syncs)) if row.host_ms is not None else "-")
 
 
 def title(report: BenchReport) -> str:
@@ -86,3 +89,10 @@ def plain_lines(report: BenchReport) -> list[str]:
         " ".join(f"{column.key}={cell}"
                  for column, cell in zip(COLUMNS, row_cells(report, row), strict=True))
         for row in report.rows]
+
+
+def sync_lines(report: BenchReport) -> list[str]:
+    """One line per row whose launch synchronises with the device, naming the sites."""
+    return [f"{row.path.value} K={row.k} batch {row.batch}: the launch synchronises with the "
+            f"device at {'; '.join(row.launch_syncs)} (its host time includes the wait)"
+            for row in report.rows if row.launch_syncs]

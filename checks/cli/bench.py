@@ -86,7 +86,7 @@ def bench_command(
     repeats: Annotated[int, typer.Option("--repeats", help=f"Timed rounds per case (1..{MAX_REPEATS}); each path runs once per round, after 3 warm-up rounds.")] = 30,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.", dir_okay=False)] = None,  # noqa: UP045
     plots: Annotated[Optional[Path], typer.Option("--plots", help="Write PNG plots into this directory (needs matplotlib: pip install 'speccheck\\[bench]').", file_okay=False)] = None,  # noqa: UP045
-    profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Write the profiler's tables (operators by host time, kernels by GPU time) of every case and path here (CUDA only).", dir_okay=False)] = None,  # noqa: UP045
+    profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Write the profiler's tables (operators by host time, kernels by GPU time, the launching thread's Python functions) of every case and path here (CUDA only).", dir_okay=False)] = None,  # noqa: UP045
     matrix_path: MatrixPathOption = None,
     *,
     runtime: RuntimeOverrides,
@@ -192,7 +192,7 @@ def _measure(backend: str, config: RuntimeConfig, matrices: MatrixContext,
 
 def _print_report(report: BenchReport) -> None:
     """What ran, then the table (terminal) or one plain line per row (logs)."""
-    from speccheck.checks.bench.table import bench_table, bound_line, plain_lines
+    from speccheck.checks.bench.table import bench_table, bound_line, plain_lines, sync_lines
 
     console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 200)
     header = [
@@ -209,6 +209,8 @@ def _print_report(report: BenchReport) -> None:
         if bound:
             console.print(bound, markup=False, soft_wrap=True)
         console.print(bench_table(report))
-        return
-    for line in plain_lines(report):
+    else:
+        for line in plain_lines(report):
+            console.print(line, markup=False, soft_wrap=True)
+    for line in sync_lines(report):
         console.print(line, markup=False, soft_wrap=True)
