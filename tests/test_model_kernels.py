@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from speccheck.speculator import sampling
 from speccheck.speculator.model_kernels import (
     add_rms_norm,
     rms_norm,
@@ -97,41 +99,82 @@ def test_rotary_qkv_kernel_matches_torch(tokens: int, heads: int, kv_heads: int,
     assert torch.equal(got[2], want[2])  # values are copied, not computed
 
 
-@SMALL
-@given(rows=st.integers(0, 4), vocab=st.integers(1, 2500), steps=st.integers(1, 3),
-       method=st.sampled_from(["argmax", "gumbel"]), advance=st.booleans(),
-       seed=st.integers(0, 99))
-def test_decode_step_epilogue_kernel_matches_torch(rows: int, vocab: int, steps: int,
-                                                   method: SamplingMethod, advance: bool,
-                                                   seed: int) -> None:
-    """Token and fp32 logits stored at the device step, token fed back, real lanes advanced
-    and clamped, padding lanes left: every output buffer equal to the tensor-op form's."""
-    gen = torch.Generator().manual_seed(seed)
+def _decode_state(rows: int, steps: int, vocab: int, max_len: int,
+                  seed: int) -> dict[str, torch.Tensor]:
+    """The buffers :func:`finish_decode_step` reads and writes, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "seeds": torch.randint(0, 2**31 - 1, (rows,), generator=g),
+        "positions": torch.randint(max_len - 3, max_len, (rows,), generator=g),
+        "seq_lens": torch.randint(max_len - 2, max_len + 1, (rows,), generator=g).int(),
+        "is_real": torch.rand(rows, generator=g) < 0.7,
+        "draft_tokens": torch.randint(0, 9, (rows, steps), generator=g),
+        "draft_logits": torch.randn(rows, steps, vocab, generator=g),
+        "input_ids": torch.randint(0, 9, (rows,), generator=g),
+    }
+
+
+def _assert_decode_step_forms_agree(logits: torch.Tensor, method: SamplingMethod, steps: int,
+                                    step: int, advance: bool, seed: int) -> torch.Tensor:
+    """Run :func:`finish_decode_step` as kernels and as tensor ops on twin buffers: every
+    buffer equal afterwards. Returns the tokens."""
+    rows, vocab = logits.shape
     max_len = 50
-    logits = torch.randint(-3, 4, (rows, vocab), generator=gen).float()
-    step = torch.tensor(int(torch.randint(0, steps, (1,), generator=gen)))
-
-    def state() -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(seed + 1)
-        return {
-            "seeds": torch.randint(0, 2**31 - 1, (rows,), generator=g),
-            "positions": torch.randint(max_len - 3, max_len, (rows,), generator=g),
-            "seq_lens": torch.randint(max_len - 2, max_len + 1, (rows,), generator=g).int(),
-            "is_real": torch.rand(rows, generator=g) < 0.7,
-            "draft_tokens": torch.randint(0, 9, (rows, steps), generator=g),
-            "draft_logits": torch.randn(rows, steps, vocab, generator=g),
-            "input_ids": torch.randint(0, 9, (rows,), generator=g),
-        }
-
-    got, want = state(), state()
+    got = _decode_state(rows, steps, vocab, max_len, seed)
+    want = _decode_state(rows, steps, vocab, max_len, seed)
     for buffers, kernel in ((got, True), (want, False)):
         finish_decode_step(logits, method, buffers["seeds"], buffers["positions"],
-                           buffers["seq_lens"], buffers["is_real"], step,
+                           buffers["seq_lens"], buffers["is_real"], torch.tensor(step),
                            buffers["draft_tokens"], buffers["draft_logits"],
                            buffers["input_ids"], advance=advance, max_model_len=max_len,
                            kernel=kernel)
     for name in want:
         assert torch.equal(got[name], want[name]), name
+    return got["input_ids"]
+
+
+@SMALL
+@given(rows=st.integers(0, 4), vocab=st.integers(1, 2500), steps=st.integers(1, 3),
+       method=st.sampled_from(["argmax", "gumbel"]), advance=st.booleans(),
+       block=st.sampled_from([16, 64, 1024]), seed=st.integers(0, 99))
+def test_decode_step_epilogue_kernel_matches_torch(rows: int, vocab: int, steps: int,
+                                                   method: SamplingMethod, advance: bool,
+                                                   block: int, seed: int) -> None:
+    """Token and fp32 logits stored at the device step, token fed back, real lanes advanced
+    and clamped, padding lanes left: every output buffer equal to the tensor-op form's.
+    Small blocks split these vocabularies over up to 32 chunks, as 32000 is on a GPU."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (rows, vocab), generator=gen).float()
+    step = int(torch.randint(0, steps, (1,), generator=gen))
+    with mock.patch.object(sampling, "_ARGMAX_BLOCK", block):
+        _assert_decode_step_forms_agree(logits, method, steps, step, advance, seed + 1)
+
+
+@pytest.mark.parametrize(("vocab", "block"), [(200, 16), (333, 16), (5000, 1024)])
+def test_split_argmax_ties_take_the_lowest_index(vocab: int, block: int) -> None:
+    """Equal maxima in different chunks (adjacent across a chunk boundary, in the first
+    and the last chunk, at the very end of a vocabulary that is no multiple of the block or
+    the chunk), every entry equal, every entry -inf: the lowest index wins, as
+    ``torch.argmax`` has it, in the Gumbel and the plain argmax, alone and in a decode step.
+    The maxima are 1e9, which the Gumbel noise (|noise| < 32, half an ulp) leaves exact."""
+    with mock.patch.object(sampling, "_ARGMAX_BLOCK", block):
+        got_block, chunk, splits = sampling._split_plan(vocab)
+        assert got_block == block and splits >= 3 and vocab % chunk and vocab % block
+        last = (splits - 1) * chunk
+        ties = [(chunk - 1, chunk), (chunk + 1, last + 1), (last - 1, vocab - 1),
+                tuple(range(vocab)), ()]
+        logits = torch.zeros(len(ties), vocab)
+        for row, at in enumerate(ties):
+            logits[row, list(at)] = 1e9
+        logits[-1] = -float("inf")
+        expected = torch.tensor([at[0] if at else 0 for at in ties])
+        seeds = torch.arange(len(ties)) * 7919
+        positions = torch.arange(len(ties)) * 31
+        assert torch.equal(gumbel_argmax(logits, seeds, positions, kernel=True), expected)
+        assert torch.equal(gumbel_argmax(logits, seeds, positions, kernel=False), expected)
+        for method in ("argmax", "gumbel"):
+            tokens = _assert_decode_step_forms_agree(logits, method, 2, 1, True, 0)
+            assert torch.equal(tokens, expected), method
 
 
 @SMALL
@@ -190,15 +233,33 @@ def test_cuda_kernels_match_torch(dtype: torch.dtype) -> None:
                                buffers["draft_tokens"], buffers["draft_logits"],
                                buffers["input_ids"], advance=True, max_model_len=32768,
                                kernel=kernel)
-        for name in state:
+        for name, value in state.items():
             if name in ("draft_tokens", "input_ids") and method == "gumbel":
                 continue  # compared below: log differs in its last bits between the forms
-            assert torch.equal(state[name], twin[name]), (method, name)
+            assert torch.equal(value, twin[name]), (method, name)
         if method == "gumbel":
             scores = logits.float() + gumbel_noise(twin["seeds"], positions, 32000)
             chosen = scores.gather(1, state["input_ids"][:, None])[:, 0]
             assert bool((chosen >= scores.max(dim=1).values - 1e-4).all())
             assert torch.equal(state["draft_tokens"][:, 2], state["input_ids"])
+    # Equal maxima in different chunks of the split scan (16 chunks of 2048 at vocabulary
+    # 32000), 1e9 (inf in fp16) so that the noise leaves them equal: the lowest index wins.
+    ties = ((2047, 2048), (4100, 31999), (0, 16000))
+    tied = torch.zeros(len(ties), 32000, device="cuda", dtype=dtype)
+    for row, at in enumerate(ties):
+        tied[row, list(at)] = 1e9
+    expected = torch.tensor([at[0] for at in ties], device="cuda")
+    seeds, tied_positions = torch.arange(3, device="cuda") * 7919, positions[:3].clone()
+    assert torch.equal(gumbel_argmax(tied, seeds, tied_positions), expected)
+    for method in ("argmax", "gumbel"):
+        input_ids = torch.zeros(3, dtype=torch.int64, device="cuda")
+        finish_decode_step(tied, method, seeds, tied_positions, (tied_positions + 1).int(),
+                           torch.ones(3, dtype=torch.bool, device="cuda"),
+                           torch.tensor(0, device="cuda"),
+                           torch.zeros(3, 1, dtype=torch.int64, device="cuda"),
+                           torch.zeros(3, 1, 32000, device="cuda"), input_ids, advance=False,
+                           max_model_len=32768)
+        assert torch.equal(input_ids, expected), method
 
 
 _AOT_SCRIPT = """
@@ -229,20 +290,28 @@ for dtype in ("bf16", "fp16", "fp32"):
             target=target)
     print(dtype, "ok")
 from speccheck.speculator import sampling as s
-compile(ASTSource(s._gumbel_argmax_kernel, {"logits_ptr": "*bf16", "seeds_ptr": "*i64",
-        "positions_ptr": "*i64", "out_ptr": "*i64", "row_stride": "i32", "vocab": "i32",
-        "BLOCK": "constexpr"}, {"BLOCK": 1024}), target=target)
-print("gumbel ok")
-for gumbel in (False, True):
-    compile(ASTSource(s._decode_step_epilogue_kernel, {"logits_ptr": "*bf16",
-            "seeds_ptr": "*i64", "positions_ptr": "*i64", "seq_lens_ptr": "*i32",
+for gumbel, store in ((True, False), (False, True), (True, True)):  # as the callers launch it
+    pointer = {"step_ptr": "*i64", "draft_logits_ptr": "*fp32"}
+    compile(ASTSource(s._chunk_argmax_kernel, {"logits_ptr": "*bf16", "seeds_ptr": "*i64",
+            "positions_ptr": "*i64", **(pointer if store else dict.fromkeys(pointer, "constexpr")),
+            "part_best_ptr": "*fp32", "part_index_ptr": "*i64", "logits_row_stride": "i32",
+            "draft_logits_row_stride": "i32", "draft_logits_step_stride": "i32",
+            "vocab": "i32", "chunk": "i32", "GUMBEL": "constexpr", "STORE_LOGITS": "constexpr",
+            "BLOCK": "constexpr"}, {"GUMBEL": gumbel, "STORE_LOGITS": store, "BLOCK": 1024,
+            **({} if store else dict.fromkeys(pointer))}), target=target)
+    print("chunk argmax ok")
+compile(ASTSource(s._store_argmax_kernel, {"part_best_ptr": "*fp32", "part_index_ptr": "*i64",
+        "out_ptr": "*i64", "splits": "i32", "SPLITS": "constexpr"}, {"SPLITS": 16}),
+        target=target)
+print("store argmax ok")
+for advance in (False, True):
+    compile(ASTSource(s._decode_step_finish_kernel, {"part_best_ptr": "*fp32",
+            "part_index_ptr": "*i64", "positions_ptr": "*i64", "seq_lens_ptr": "*i32",
             "is_real_ptr": "*i1", "step_ptr": "*i64", "tokens_ptr": "*i64",
-            "draft_logits_ptr": "*fp32", "input_ids_ptr": "*i64", "logits_row_stride": "i32",
-            "tokens_row_stride": "i32", "draft_logits_row_stride": "i32",
-            "draft_logits_step_stride": "i32", "vocab": "i32", "max_model_len": "i32",
-            "GUMBEL": "constexpr", "ADVANCE": "constexpr", "BLOCK": "constexpr"},
-            {"GUMBEL": gumbel, "ADVANCE": True, "BLOCK": 1024}), target=target)
-    print("epilogue ok")
+            "input_ids_ptr": "*i64", "tokens_row_stride": "i32", "splits": "i32",
+            "max_model_len": "i32", "ADVANCE": "constexpr", "SPLITS": "constexpr"},
+            {"ADVANCE": advance, "SPLITS": 16}), target=target)
+    print("decode step finish ok")
 """
 
 
@@ -251,20 +320,24 @@ def test_kernels_compile_for_sm90() -> None:
     under ``TRITON_INTERPRET=1`` cannot be compiled."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 6, proc.stdout
+    assert proc.stdout.count(" ok") == 3 + 3 + 1 + 2, proc.stdout
 
 
 @SMALL
-@given(rows=st.integers(0, 4), vocab=st.integers(1, 2500), seed=st.integers(0, 99))
-def test_gumbel_argmax_kernel_matches_torch(rows: int, vocab: int, seed: int) -> None:
+@given(rows=st.integers(0, 4), vocab=st.integers(1, 2500), block=st.sampled_from([16, 64, 1024]),
+       seed=st.integers(0, 99))
+def test_gumbel_argmax_kernel_matches_torch(rows: int, vocab: int, block: int,
+                                            seed: int) -> None:
     """Same noise, same maximum, first index on ties (the logits are integers here, so
-    ties between equal noisy scores are as exact in both forms)."""
+    ties between equal noisy scores are as exact in both forms), the vocabulary split over
+    up to 32 chunks."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randint(-3, 4, (rows, vocab), generator=gen).float()
     seeds = torch.randint(0, 2**31 - 1, (rows,), generator=gen)
     positions = torch.randint(0, 40000, (rows,), generator=gen)
-    got = gumbel_argmax(logits, seeds, positions, kernel=True)
+    with mock.patch.object(sampling, "_ARGMAX_BLOCK", block):
+        got = gumbel_argmax(logits, seeds, positions, kernel=True)
     want = gumbel_argmax(logits, seeds, positions, kernel=False)
     assert torch.equal(got, want)
