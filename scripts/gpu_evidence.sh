@@ -134,7 +134,8 @@ if [ "$suite" = lean-core ]; then
       echo "exit $?"; } > "$out/bench-$backend.txt" 2>&1
   done
   timeout "${PYTEST_LIMIT:-150}" python3 -m pytest -rA -q -m cuda tests/test_model_kernels.py \
-    tests/test_lane_kernels.py tests/test_speculator.py > "$out/pytest-cuda-lean-core.txt" 2>&1
+    tests/test_lane_kernels.py tests/test_speculator.py tests/test_bench.py \
+    > "$out/pytest-cuda-lean-core.txt" 2>&1
   echo "pytest exit $?" >> "$out/pytest-cuda-lean-core.txt"
   run triton_attn "${VERIFY_LIMIT:-120}" --backend triton_attn --examples "${EXAMPLES:-60}"
   run fa3 "${VERIFY_LIMIT:-120}" --backend fa3 --examples "${FA3_EXAMPLES:-30}"
