@@ -33,6 +33,10 @@
 #       (one-kernel layers, Gumbel sampling, first-pass graph, bench, FlashInfer's
 #       device-built page indices), short verifies of triton_attn and flashinfer at the GPU
 #       defaults (no false positive), and FlashInfer's JIT cache in fi-jit/
+#   scripts/gpu_evidence.sh OUTDIR lean-fi
+#       wheels in .gpu-wheels/fi (+ fi-jit): speccheck bench for flashinfer (K=4, batches 1,
+#       8, 64, with the profiler's tables), verify of flashinfer (EXAMPLES, default 30) at the
+#       GPU defaults, and FlashInfer's JIT cache in fi-jit/
 #   scripts/gpu_evidence.sh OUTDIR lean-core
 #       wheels in .gpu-wheels/core: speccheck bench for triton_attn and fa3 (K=4 and 8,
 #       batches 1, 8, 64, with the profiler's tables), the one-kernel layers', index-buffer
@@ -51,7 +55,7 @@
 #       --dcp-world-size 2 for reference and triton_attn (DCP2_LIMIT, DCP2_EXAMPLES), one after
 #       the other (each run uses both GPUs), each into a console file of its own.
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-core|audit-core|audit-flashinfer|two-gpu [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|audit-core|audit-flashinfer|two-gpu [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
@@ -59,7 +63,7 @@ mkdir -p "$out"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
   core|audit-core|serving|latent|concurrent|lean-core) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
-  flashinfer|audit-flashinfer|lean|two-gpu)
+  flashinfer|audit-flashinfer|lean|lean-fi|two-gpu)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
     # Ninja rebuilds an output when any input is newer than the output's mtime in its
@@ -76,7 +80,7 @@ export SPECCHECK_COMMIT=$commit
 {
   echo "commit: $commit"; echo "suite: $suite"; date -u; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  case $suite in *flashinfer|lean|two-gpu) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
+  case $suite in *flashinfer|lean|lean-fi|two-gpu) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
   [ "$suite" = two-gpu ] && python3 -c "import torch, torch.distributed as d; print('GPUs', torch.cuda.device_count(), 'nccl', d.is_nccl_available() and torch.cuda.nccl.version())"
 } > "$out/device-$suite.txt" 2>&1
 
@@ -124,6 +128,16 @@ if [ "$suite" = lean ]; then
   tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
   run triton_attn "${VERIFY_LIMIT:-60}" --backend triton_attn --examples "${EXAMPLES:-30}"
   run flashinfer "${VERIFY_LIMIT:-60}" --backend flashinfer --examples "${EXAMPLES:-30}"
+  exit 0
+fi
+if [ "$suite" = lean-fi ]; then
+  { timeout "${FI_BENCH_LIMIT:-240}" speccheck bench --backend flashinfer --steps 4 \
+      --batches 1,8,64 --repeats "${REPEATS:-10}" --json "$out/bench-flashinfer.json" \
+      --profile "$out/profile-flashinfer.txt"
+    echo "exit $?"; } > "$out/bench-flashinfer.txt" 2>&1
+  mkdir -p "$out/fi-jit"
+  tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
+  run flashinfer "${VERIFY_LIMIT:-120}" --backend flashinfer --examples "${EXAMPLES:-30}"
   exit 0
 fi
 if [ "$suite" = lean-core ]; then
