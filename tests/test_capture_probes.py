@@ -260,6 +260,20 @@ def test_host_sync_recorder_catches_sync_with_call_site(
     assert op in finding.message and "(1x)" in finding.message
 
 
+def test_device_only_recorder_leaves_out_host_tensors() -> None:
+    """What a launch's host work does with host tensors never waits for the device; a
+    tensor built on another device (here ``meta``) is still recorded."""
+    host = torch.arange(4)
+    with HostSyncRecorder(device_only=True) as syncs:
+        int(host[-1])
+        host.cpu().tolist()
+        torch.tensor([1, 2], device="meta")
+    assert [event.op for event in syncs.events] == ["torch.tensor"]
+    with HostSyncRecorder() as syncs:
+        int(host[-1])
+    assert [event.op for event in syncs.events] == ["Tensor.__int__"]
+
+
 def test_host_sync_counts_repeats_once_per_site() -> None:
     def refresh(md: DraftMeta) -> None:
         for i in range(3):

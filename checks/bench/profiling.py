@@ -86,9 +86,10 @@ def _python_profile(call: Callable[[], object], repeats: int) -> str:
 
 def launch_sync_sites(call: Callable[[], object]) -> tuple[str, ...]:
     """The distinct ``op at site`` of every host synchronisation one ``call`` makes, in
-    first-seen order (:class:`~speccheck.checks.probes.host_sync.HostSyncRecorder`)."""
+    first-seen order (:class:`~speccheck.checks.probes.host_sync.HostSyncRecorder`, device
+    tensors only: host-side tensor work does not wait for the device)."""
     torch.cuda.synchronize()
-    with HostSyncRecorder() as syncs:
+    with HostSyncRecorder(device_only=True) as syncs:
         call()
     torch.cuda.synchronize()
     return tuple(dict.fromkeys(f"{event.op} at {event.site}" for event in syncs.events))

@@ -225,11 +225,15 @@ class HostSyncRecorder:
       for the duration when CUDA is available, so that a real synchronisation raises at
       once (the event is recorded before it raises); the previous mode is restored on exit.
       Without CUDA the flag is ignored (logged).
+    - ``device_only=True`` records only calls that touch a tensor off the CPU (or build one
+      there): what synchronises on this machine, rather than what would on a GPU. The
+      bench uses it to name the real waits in a launch.
     - Events accumulate in :attr:`events` in call order; use a fresh recorder per refresh.
     """
 
-    def __init__(self, *, cuda_sync_debug: bool = False) -> None:
+    def __init__(self, *, cuda_sync_debug: bool = False, device_only: bool = False) -> None:
         self.cuda_sync_debug = cuda_sync_debug
+        self.device_only = device_only
         self.events: list[HostSyncEvent] = []
         self._suppress = 0
         self._stack = ExitStack()
@@ -279,6 +283,18 @@ class HostSyncRecorder:
         ]
 
 
+def _touches_device(args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """A tensor among ``args`` (or in a list or tuple there) or ``kwargs`` lives off the
+    CPU, or ``kwargs`` name a device off the CPU."""
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "cpu":
+        return True
+    values = [*args, *kwargs.values()]
+    values += [item for value in values if isinstance(value, list | tuple) for item in value]
+    return any(isinstance(value, torch.Tensor) and value.device.type != "cpu"
+               for value in values)
+
+
 class _SyncFunctionMode(TorchFunctionMode):
     def __init__(self, recorder: HostSyncRecorder) -> None:
         super().__init__()
@@ -293,7 +309,7 @@ class _SyncFunctionMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         kind = _function_sync(func, args, kwargs)
-        if kind is None:
+        if kind is None or (self._recorder.device_only and not _touches_device(args, kwargs)):
             return func(*args, **kwargs)
         self._recorder._record(_function_label(func), kind)
         self._recorder._suppress += 1
@@ -316,7 +332,8 @@ class _SyncDispatchMode(TorchDispatchMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if not self._recorder._suppress:
+        if not self._recorder._suppress and (not self._recorder.device_only
+                                             or _touches_device(args, kwargs)):
             kind = _dispatch_sync(func, args, kwargs)
             if kind is not None:
                 self._recorder._record(str(func), kind)
