@@ -49,15 +49,17 @@ def device_us(events: Iterable[Any]) -> float:
 
 
 def profile_calls(call: Callable[[], object], repeats: int) -> ProfiledTimes:
-    """Run ``call`` ``repeats`` times under the profiler (CPU and CUDA activity), then once
-    more ``repeats`` times under ``cProfile``, each after a device synchronisation, and
+    """Run ``call`` ``repeats`` times under the profiler (CPU and CUDA activity), then
+    ``repeats`` times under ``cProfile``, waiting for the device after each call (as a
+    serving loop does when it copies the tokens back: back to back, a replay of a graph
+    still in flight blocks the launching thread, and the tables would show that wait), and
     return the figures per call. Needs CUDA."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  acc_events=True) as prof:
         for _ in range(repeats):
             call()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
     busy_us = device_us(prof.events())
     if busy_us == 0:
         logger.warning("the profiler traced no device activity (CUPTI missing?): no GPU time")
@@ -73,11 +75,11 @@ def _python_profile(call: Callable[[], object], repeats: int) -> str:
     """``cProfile``'s functions of ``repeats`` calls by own time (:data:`HOST_FUNCTIONS`)."""
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
-    profiler.enable()
     for _ in range(repeats):
+        profiler.enable()
         call()
-    profiler.disable()
-    torch.cuda.synchronize()
+        profiler.disable()
+        torch.cuda.synchronize()
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats(pstats.SortKey.TIME).print_stats(HOST_FUNCTIONS)
