@@ -192,10 +192,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self._record("generate", step)
 
     def _generate_fused_drafts(self, n: int, group_metadata: Sequence[Any]) -> None:
-        """Every decode step in one body, step 1's slot mappings first (from the lanes'
-        device positions: the graph owns every slot mapping it writes through); refresh
-        between steps, never after the last."""
-        self._compute_slot_mappings(n, 1)
+        """Every decode step in one body; refresh between steps, never after the last."""
         for step in range(1, self.num_steps):
             self._generate_draft(n, group_metadata, step)
             if step == self.num_steps - 1 or not self.config.advance_draft_positions:
@@ -467,9 +464,9 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool
     ) -> None:
         """Fused path: build once (this also writes the builders' persistent buffers for
-        step 1), then one replay of the fused graph, or the same body eagerly. A build never
-        reads the slot mappings, which the body computes."""
+        step 1), then one replay of the fused graph, or the same body eagerly."""
         n = desc.num_tokens
+        self._compute_slot_mappings(n, 1)
         md = self._build_decode_metadata(desc, r, base, 1)
         if not replay:
             self._generate_fused_drafts(n, md)
