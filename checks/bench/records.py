@@ -45,8 +45,9 @@ class BenchRow:
     alone; :func:`~speccheck.checks.bench.roofline.decode_step_gpu_ms`), the case's, so
     the rows of one K and batch repeat it; ``None`` without CUDA graphs."""
     launch_syncs: tuple[str, ...] = ()
-    """Where the launch synchronises with the device (``op at file:line``; CUDA only): each
-    one's wait is in ``host_ms``. Empty for a launch that only queues work."""
+    """Where the launch may wait for the device (``op at file:line``; CUDA only: a scalar
+    read, a copy to the host, a copy from pageable host memory, ...); any such wait is in
+    ``host_ms``. Empty for a launch that only queues work."""
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "path": self.path.value, "launch_syncs": list(self.launch_syncs)}

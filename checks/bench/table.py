@@ -92,7 +92,7 @@ def plain_lines(report: BenchReport) -> list[str]:
 
 
 def sync_lines(report: BenchReport) -> list[str]:
-    """One line per row whose launch synchronises with the device, naming the sites."""
-    return [f"{row.path.value} K={row.k} batch {row.batch}: the launch synchronises with the "
-            f"device at {'; '.join(row.launch_syncs)} (its host time includes the wait)"
+    """One line per row whose launch may wait for the device, naming the sites."""
+    return [f"{row.path.value} K={row.k} batch {row.batch}: the launch may wait for the "
+            f"device at {'; '.join(row.launch_syncs)} (host time includes any such wait)"
             for row in report.rows if row.launch_syncs]
