@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,11 @@ class AttentionInputBuffers:
     - ``block_table``: ``[max_num_reqs, max_blocks_per_req]`` int32, physical block ids.
     - ``slot_mapping``: ``[max_num_tokens]`` int64, KV-cache slot written by each token.
     - ``positions``: ``[max_num_tokens]`` int64, rotary position of each token.
+    - ``request_index``: ``[max_num_reqs + 1]`` int32, ``0, 1, 2, ...``: never written; the
+      query offsets of a uniform batch are computed from it on the device.
+
+    The buffers must never be rebound: :meth:`views` hands out the same view objects for the
+    same sizes every time.
     """
 
     query_start_loc: torch.Tensor
@@ -27,6 +32,24 @@ class AttentionInputBuffers:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     positions: torch.Tensor
+    request_index: torch.Tensor
+    _views: dict[tuple[int, int], BufferViews] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+
+    def views(self, num_reqs: int, num_tokens: int) -> BufferViews:
+        """The buffers' heads for ``num_reqs`` requests and ``num_tokens`` tokens, made once
+        per size (slicing costs host time on every build otherwise)."""
+        key = (num_reqs, num_tokens)
+        views = self._views.get(key)
+        if views is None:
+            views = BufferViews(
+                query_start_loc=self.query_start_loc[: num_reqs + 1],
+                seq_lens=self.seq_lens[:num_reqs], block_table=self.block_table[:num_reqs],
+                slot_mapping=self.slot_mapping[:num_tokens],
+                positions=self.positions[:num_tokens],
+                request_index=self.request_index[: num_reqs + 1])
+            self._views[key] = views
+        return views
 
     @classmethod
     def allocate(
@@ -40,7 +63,20 @@ class AttentionInputBuffers:
             ),
             slot_mapping=torch.zeros(max_num_tokens, dtype=torch.int64, device=device),
             positions=torch.zeros(max_num_tokens, dtype=torch.int64, device=device),
+            request_index=torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device),
         )
+
+
+@dataclass(frozen=True)
+class BufferViews:
+    """Heads of :class:`AttentionInputBuffers` for one request and token count."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    request_index: torch.Tensor
 
 
 @dataclass

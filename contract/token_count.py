@@ -14,7 +14,11 @@ import numpy as np
 import torch
 
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
-from speccheck.contract.metadata import AttentionInputBuffers, CommonAttentionMetadata
+from speccheck.contract.metadata import (
+    AttentionInputBuffers,
+    BufferViews,
+    CommonAttentionMetadata,
+)
 
 
 def attention_token_count(
@@ -82,6 +86,7 @@ def build_attention_metadata(
     step: int,
     max_model_len: int,
     causal: bool = True,
+    uniform_query_len: int | None = None,
 ) -> CommonAttentionMetadata:
     """Common metadata for one attention call, following the token-count rule.
 
@@ -89,6 +94,8 @@ def build_attention_metadata(
     into ``buffers.query_start_loc`` and returns views of the persistent buffers sized to
     the attention request and token counts. ``buffers.seq_lens``, ``positions``,
     ``slot_mapping`` and ``block_table`` are owned by the caller and only viewed here.
+    ``uniform_query_len``: every request brings that many tokens (``query_start_loc_np``
+    is ``0, q, 2q, ...``), so the offsets are computed on the device instead of copied.
     """
     num_reqs_attn = attention_request_count(batch_desc, num_reqs)
     num_tokens_attn = attention_token_count(batch_desc, query_start_loc_np)
@@ -101,26 +108,26 @@ def build_attention_metadata(
     seq_upper = draft_seq_lens_upper_bound(
         base_seq_lens_np, num_reqs, num_reqs_attn, step, max_model_len
     )
+    views = buffers.views(num_reqs_attn, num_tokens_attn)
     qsl_cpu = torch.from_numpy(qsl)
-    if buffers.query_start_loc.is_cuda:
-        # From page-locked memory the copy is queued and the host goes on; from pageable
-        # memory it would first wait for every earlier launch on the stream to finish.
-        # PyTorch's host allocator keeps the block until the copy has run.
-        qsl_cpu = qsl_cpu.pin_memory()
-    buffers.query_start_loc[: num_reqs_attn + 1].copy_(qsl_cpu, non_blocking=True)
-    query_lens = np.diff(qsl[: num_reqs + 1])
+    if uniform_query_len is not None:
+        _write_uniform_query_start_loc(views, num_reqs, uniform_query_len)
+    else:
+        _copy_query_start_loc(views.query_start_loc, qsl_cpu)
     if batch_desc.uniform_token_count is not None:
         max_query_len = batch_desc.uniform_token_count
+    elif uniform_query_len is not None:
+        max_query_len = uniform_query_len if num_reqs else 0
     else:
-        max_query_len = int(query_lens.max()) if num_reqs else 0
+        max_query_len = int(np.diff(qsl[: num_reqs + 1]).max()) if num_reqs else 0
     return CommonAttentionMetadata(
-        query_start_loc=buffers.query_start_loc[: num_reqs_attn + 1],
+        query_start_loc=views.query_start_loc,
         query_start_loc_cpu=qsl_cpu,
-        seq_lens=buffers.seq_lens[:num_reqs_attn],
+        seq_lens=views.seq_lens,
         seq_lens_cpu_upper_bound=torch.from_numpy(seq_upper),
-        block_table=buffers.block_table[:num_reqs_attn],
-        slot_mapping=buffers.slot_mapping[:num_tokens_attn],
-        positions=buffers.positions[:num_tokens_attn],
+        block_table=views.block_table,
+        slot_mapping=views.slot_mapping,
+        positions=views.positions,
         num_reqs=num_reqs_attn,
         num_real_reqs=num_reqs,
         num_actual_tokens=num_tokens_attn,
@@ -129,6 +136,21 @@ def build_attention_metadata(
         max_model_len=max_model_len,
         causal=causal,
     )
+
+
+def _write_uniform_query_start_loc(views: BufferViews, num_reqs: int, query_len: int) -> None:
+    """``query_start_loc[i] = min(i, num_reqs) * query_len``, on the device: two small
+    launches, where a copy would first pin host memory."""
+    torch.clamp(views.request_index, max=num_reqs, out=views.query_start_loc)
+    if query_len != 1:
+        views.query_start_loc.mul_(query_len)
+
+
+def _copy_query_start_loc(out: torch.Tensor, qsl_cpu: torch.Tensor) -> None:
+    """Copy host offsets into ``out``. From page-locked memory the copy is queued and the
+    host goes on; from pageable memory it would first wait for every earlier launch on the
+    stream to finish. PyTorch's host allocator keeps the pinned block until the copy ran."""
+    out.copy_(qsl_cpu.pin_memory() if out.is_cuda else qsl_cpu, non_blocking=True)
 
 
 def uniform_query_start_loc(num_reqs: int, num_query_per_req: int) -> np.ndarray:
@@ -147,7 +169,8 @@ def build_uniform_attention_metadata(
     max_model_len: int,
     causal: bool = True,
 ) -> CommonAttentionMetadata:
-    """:func:`build_attention_metadata` for a uniform layout (decode steps, DFlash blocks)."""
+    """:func:`build_attention_metadata` for a uniform layout (decode steps, DFlash blocks,
+    padded first passes); the offsets are computed on the device."""
     return build_attention_metadata(
         buffers=buffers,
         batch_desc=batch_desc,
@@ -157,4 +180,5 @@ def build_uniform_attention_metadata(
         step=step,
         max_model_len=max_model_len,
         causal=causal,
+        uniform_query_len=num_query_per_req,
     )

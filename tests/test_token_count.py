@@ -100,3 +100,40 @@ def test_varlen_metadata_in_eager_mode_covers_real_tokens() -> None:
     assert md.num_actual_tokens == 6 and md.max_query_len == 3
     assert md.seq_lens_cpu_upper_bound.tolist() == [4, 5, 9]
 
+
+
+@given(reqs=st.integers(0, 12), pad=st.integers(0, 3), q=st.integers(1, 4), dirty=st.booleans())
+def test_uniform_offsets_on_the_device_equal_the_host_copy(reqs: int, pad: int, q: int,
+                                                           dirty: bool) -> None:
+    """A uniform build computes the offsets on the device (no host copy); they must equal
+    the host copy whatever the buffer held before, and past the padded head it is
+    untouched."""
+    buffers = _buffers()
+    if dirty:
+        buffers.query_start_loc.fill_(99)
+    padded = reqs + pad
+    desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, padded * q, padded, q)
+    md = build_uniform_attention_metadata(
+        buffers=buffers, batch_desc=desc, num_reqs=reqs, num_query_per_req=q,
+        base_seq_lens_np=np.full(reqs, 5), step=0, max_model_len=64,
+    )
+    assert md.query_start_loc.tolist() == md.query_start_loc_cpu.tolist()
+    assert md.query_start_loc_cpu.tolist() == [min(i, reqs) * q for i in range(padded + 1)]
+    assert buffers.query_start_loc[padded + 1:].tolist() == [99 if dirty else 0] * (16 - padded)
+
+
+def test_builds_of_one_size_share_their_views() -> None:
+    """Views of the persistent buffers are made once per size: every build of that size
+    hands out the same tensors (same storage, as before: only the slicing is saved)."""
+    buffers = _buffers()
+    desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 4, 4, 1)
+    first, again = (build_uniform_attention_metadata(
+        buffers=buffers, batch_desc=desc, num_reqs=3, num_query_per_req=1,
+        base_seq_lens_np=np.full(3, 5), step=step, max_model_len=64) for step in (1, 2))
+    assert first.seq_lens is again.seq_lens and first.slot_mapping is again.slot_mapping
+    assert first.seq_lens.data_ptr() == buffers.seq_lens.data_ptr()
+    other = build_uniform_attention_metadata(
+        buffers=buffers, batch_desc=BatchExecutionDescriptor(CUDAGraphMode.FULL, 8, 8, 1),
+        num_reqs=3, num_query_per_req=1, base_seq_lens_np=np.full(3, 5), step=1,
+        max_model_len=64)
+    assert other.seq_lens.shape[0] == 8 and other.seq_lens is not first.seq_lens
