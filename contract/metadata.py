@@ -33,16 +33,17 @@ class AttentionInputBuffers:
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     request_index: torch.Tensor
-    _views: dict[tuple[int, int], BufferViews] = field(
+    _views: dict[tuple[int, int], AttentionInputBuffers] = field(
         default_factory=dict, init=False, repr=False, compare=False)
 
-    def views(self, num_reqs: int, num_tokens: int) -> BufferViews:
-        """The buffers' heads for ``num_reqs`` requests and ``num_tokens`` tokens, made once
-        per size (slicing costs host time on every build otherwise)."""
+    def views(self, num_reqs: int, num_tokens: int) -> AttentionInputBuffers:
+        """The buffers' heads for ``num_reqs`` requests and ``num_tokens`` tokens (views,
+        same storage), made once per size: slicing costs host time on every build
+        otherwise."""
         key = (num_reqs, num_tokens)
         views = self._views.get(key)
         if views is None:
-            views = BufferViews(
+            views = AttentionInputBuffers(
                 query_start_loc=self.query_start_loc[: num_reqs + 1],
                 seq_lens=self.seq_lens[:num_reqs], block_table=self.block_table[:num_reqs],
                 slot_mapping=self.slot_mapping[:num_tokens],
@@ -65,18 +66,6 @@ class AttentionInputBuffers:
             positions=torch.zeros(max_num_tokens, dtype=torch.int64, device=device),
             request_index=torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device),
         )
-
-
-@dataclass(frozen=True)
-class BufferViews:
-    """Heads of :class:`AttentionInputBuffers` for one request and token count."""
-
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    positions: torch.Tensor
-    request_index: torch.Tensor
 
 
 @dataclass

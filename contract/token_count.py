@@ -14,11 +14,7 @@ import numpy as np
 import torch
 
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
-from speccheck.contract.metadata import (
-    AttentionInputBuffers,
-    BufferViews,
-    CommonAttentionMetadata,
-)
+from speccheck.contract.metadata import AttentionInputBuffers, CommonAttentionMetadata
 
 
 def attention_token_count(
@@ -138,7 +134,8 @@ def build_attention_metadata(
     )
 
 
-def _write_uniform_query_start_loc(views: BufferViews, num_reqs: int, query_len: int) -> None:
+def _write_uniform_query_start_loc(views: AttentionInputBuffers, num_reqs: int,
+                                   query_len: int) -> None:
     """``query_start_loc[i] = min(i, num_reqs) * query_len``, on the device: two small
     launches, where a copy would first pin host memory."""
     torch.clamp(views.request_index, max=num_reqs, out=views.query_start_loc)
