@@ -45,8 +45,8 @@ class CudaGraphManager:
         self.device = device
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
-        """The graphs' shared memory-pool handle (opaque to Python)."""
-        """The memory pool every graph of this manager shares (a CUDA pool handle)."""
+        """The memory pool every graph of this manager shares (a CUDA pool handle, opaque
+        to Python)."""
 
     def capture(self, key: Hashable, body: Callable[[], None], warmup_runs: int = 1) -> None:
         """Warm ``body`` up on a side stream, then capture it into the shared pool."""
