@@ -1,14 +1,16 @@
 """The autoregressive speculator: K draft tokens per request, per-step or fused.
 
 Draft token 0 comes from an eager prefill-style pass over each request's new tokens; the
-other K-1 from decode steps. Per-step path: before every decode step, recompute slot
-mappings and rebuild attention metadata on the host, then run (or replay) one step. Fused
-path: build metadata once, then run every decode step in one body that, between steps
-(never after the last), recomputes slot mappings and calls each attention group's
-``update_draft_decode_metadata``. In FULL mode that body is one captured graph, replayed
-once per propose. Preplanned path (``host_preplanned`` backends such as FlashInfer, whose
-planning cannot be captured): plan every step's metadata on the host first, then run every
-step in one body (one replay) that only recomputes slot mappings between steps.
+other K-1 from decode steps. The first pass's slot mappings are written with its inputs,
+and step 1's with the decode lanes, before any metadata is built. Per-step path: before
+every decode step, recompute slot mappings (from step 2 on) and rebuild attention metadata
+on the host, then run (or replay) one step. Fused path: build metadata once, then run
+every decode step in one body that, between steps (never after the last), recomputes slot
+mappings and calls each attention group's ``update_draft_decode_metadata``. In FULL mode
+that body is one captured graph, replayed once per propose. Preplanned path
+(``host_preplanned`` backends such as FlashInfer, whose planning cannot be captured): plan
+every step's metadata on the host first, then run every step in one body (one replay) that
+only recomputes slot mappings between steps.
 """
 
 from __future__ import annotations
@@ -279,12 +281,14 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self.is_real_token[:lanes] = True
 
     def _capture_one(self, key: tuple[str, int], body: Callable[[list[Any]], None]) -> None:
-        """Dummy inputs for ``n`` lanes, all live, every block-table entry the sink (so
-        warm-up and capture write only the sink), fresh capture metadata, then capture."""
+        """Dummy inputs for ``n`` lanes, all live at position 0 (length 1), every
+        block-table entry the sink (so warm-up and capture write only the sink), written as
+        a propose writes step 1's lanes (slots included), then fresh capture metadata, then
+        capture."""
         assert self.graphs is not None
         n = key[1]
-        self._write_dummy_lanes(n, 1)
-        self.current_step.fill_(1)
+        self._reset_index_buffers()
+        self._prepare_decode_inputs(n, n, torch.zeros(n, dtype=torch.int64, device=self.device))
         desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, n, n, 1)
         base = np.zeros(n, np.int64)
         md: list[Any]
@@ -292,7 +296,6 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             md = self._build_preplanned_metadata(desc, n, base, for_capture=True)
         else:
             md = self._build_decode_metadata(desc, n, base, 1, for_capture=True)
-        self._compute_slot_mappings(n, 1)
         self._captured_metadata[key] = md
         self.graphs.capture(key, lambda: body(md))
 
@@ -407,7 +410,6 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 num_reqs=r, num_query_per_req=q, base_seq_lens_np=base, step=0,
                 max_model_len=self.max_model_len,
             )
-            self._compute_slot_mappings(n * q, 0)
             md = [g.build(common) for g in self.groups]
             if self.first_pass_observer is not None:
                 self.first_pass_observer(n * q, 0, md, None)
@@ -425,29 +427,36 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         return staged_base
 
     def _prepare_decode_inputs(self, r: int, n: int, base_lens: torch.Tensor) -> None:
-        """Lanes ``0..n-1`` for decode: draft token 0 as input, positions and lengths for
-        step 1 from ``base_lens`` (the ``r`` real requests' lengths after the prefill pass,
-        on the device; clamped at ``max_model_len``); padding lanes have length 0, sink
-        slots (:func:`~speccheck.speculator.decode_inputs.prepare_decode_lanes`)."""
+        """Lanes ``0..n-1`` for decode: draft token 0 as input, positions, lengths and slots
+        for step 1 from ``base_lens`` (the ``r`` real requests' lengths after the prefill
+        pass, on the device; clamped at ``max_model_len``); padding lanes have length 0,
+        sink slots (:func:`~speccheck.speculator.decode_inputs.prepare_decode_lanes`).
+        Step 1's slot mapping is final here, before any step-1 metadata is built; the
+        trace records it as ``("slots", 1)``."""
         b = self.buffers
         lanes = DecodeLaneBuffers(
             positions=b.positions[:n], seq_lens=b.seq_lens[:n], input_ids=self.input_ids[:n],
             token_request=self.token_request[:n], is_real_req=self.is_real_req[:n],
-            is_real_token=self.is_real_token[:n], draft_tokens=self.draft_tokens[:n],
+            is_real_token=self.is_real_token[:n], slot_mapping=b.slot_mapping[:n],
+            block_table=b.block_table, draft_tokens=self.draft_tokens[:n],
             current_step=self.current_step)
-        prepare_decode_lanes(lanes, base_lens[:r], self.max_model_len, kernel=self.kernel)
+        prepare_decode_lanes(lanes, base_lens[:r], self.max_model_len, self.block_size,
+                             kernel=self.kernel)
+        self._record("slots", 1)
 
     def _multi_step_decode(
         self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool
     ) -> None:
-        """Per-step path: slots and a metadata rebuild before every step. With ``replay``,
-        each step replays the single-step graph, which reads the metadata captured for it:
-        the rebuild must land in the persistent buffers that metadata views."""
+        """Per-step path: slots and a metadata rebuild before every step (step 1's slots
+        are :meth:`_prepare_decode_inputs`'s). With ``replay``, each step replays the
+        single-step graph, which reads the metadata captured for it: the rebuild must land
+        in the persistent buffers that metadata views."""
         n = desc.num_tokens
         md: list[Any] = []
         for step in range(1, self.num_steps):
             if step == 1 or self.config.advance_draft_positions:
-                self._compute_slot_mappings(n, step)
+                if step > 1:
+                    self._compute_slot_mappings(n, step)
                 md = self._build_decode_metadata(desc, r, base, step)
             if not replay:
                 self._generate_draft(n, md, step)
@@ -464,9 +473,9 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool
     ) -> None:
         """Fused path: build once (this also writes the builders' persistent buffers for
-        step 1), then one replay of the fused graph, or the same body eagerly."""
+        step 1; step 1's slots are :meth:`_prepare_decode_inputs`'s), then one replay of
+        the fused graph, or the same body eagerly."""
         n = desc.num_tokens
-        self._compute_slot_mappings(n, 1)
         md = self._build_decode_metadata(desc, r, base, 1)
         if not replay:
             self._generate_fused_drafts(n, md)
@@ -479,9 +488,9 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool
     ) -> None:
         """Preplanned path: plan every step on the host (this writes each step's persistent
-        buffers), then one replay of the preplanned graph, or the same body eagerly."""
+        buffers; step 1's slots are :meth:`_prepare_decode_inputs`'s), then one replay of
+        the preplanned graph, or the same body eagerly."""
         n = desc.num_tokens
-        self._compute_slot_mappings(n, 1)
         per_step = self._build_preplanned_metadata(desc, r, base)
         if not replay:
             self._generate_preplanned_drafts(n, per_step)

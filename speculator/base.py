@@ -208,7 +208,10 @@ class DraftModelSpeculator:
             self.trace.append((event, step))
 
     def _compute_slot_mappings(self, num_tokens: int, step: int) -> None:
-        """Capture-safe: slots of the ``num_tokens`` lanes from the persistent positions."""
+        """Capture-safe: slots of the ``num_tokens`` lanes from the persistent positions.
+        A pass written by :meth:`_write_pass_inputs` needs no call (it writes the pass's
+        slots), nor the autoregressive speculator's decode step 1 (its lane preparation
+        writes them)."""
         b = self.buffers
         compute_slot_mapping(
             b.positions[:num_tokens],
@@ -252,8 +255,10 @@ class DraftModelSpeculator:
         every index buffer reset, then the real tokens' lanes, lengths, block-table rows
         and seeds written, all crossing to the device in one :class:`HostStaging` copy with
         ``extra`` (host arrays the caller needs next) and scattered by one kernel on CUDA
-        (:func:`~speccheck.speculator.pass_inputs.scatter_pass_inputs`). Returns the query
-        offsets and device views of ``extra``. Host work."""
+        (:func:`~speccheck.speculator.pass_inputs.scatter_pass_inputs`), which also writes
+        the pass's slot mapping (real tokens' slots, the sink for every other lane): it is
+        final before any metadata is built, and the trace records it as ``("slots", 0)``.
+        Returns the query offsets and device views of ``extra``. Host work."""
         r = batch.num_reqs
         q = np.array([len(row) for row in rows], dtype=np.int64)
         t = int(q.sum())
@@ -269,7 +274,8 @@ class DraftModelSpeculator:
             [*self._request_arrays(batch), ctx + q, positions, ids, req_of_token, *extra])
         scatter_pass_inputs(self.index_buffers,
                             PassInputs(table, seeds, lens, pos, input_ids, token_request),
-                            kernel=self.kernel)
+                            self.block_size, kernel=self.kernel)
+        self._record("slots", 0)
         return qsl, staged_extra
 
     def _eager_pass(
@@ -286,7 +292,6 @@ class DraftModelSpeculator:
             num_reqs=batch.num_reqs, query_start_loc_np=qsl, base_seq_lens_np=ctx + np.diff(qsl),
             step=0, max_model_len=self.max_model_len,
         )
-        self._compute_slot_mappings(t, 0)
         return self._run_model(t, [g.build(common) for g in self.groups]), qsl, staged_extra
 
     def _validate(self, batch: DraftBatch, extra_positions: int) -> None:

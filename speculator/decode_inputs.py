@@ -2,8 +2,9 @@
 
 After the first pass has stored draft token 0 of each request, the ``n`` decode lanes of
 the bucket are reset for step 1: lane ``i < r`` (request ``i``) feeds back its draft token 0
-at its first draft position, padding lanes get position and length 0 (they write the sink
-slot). In tensor ops that is a dozen small kernels per propose call; here it is one.
+at its first draft position and gets that position's slot, padding lanes get position and
+length 0 and the sink slot. In tensor ops that is a dozen small kernels per propose call;
+here it is one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from speccheck.speculator.kv_cache import PAD_SLOT_CONSTEXPR, compute_slot_mapping, table_slot
 from speccheck.speculator.model_kernels import use_kernels
 
 
@@ -21,8 +23,10 @@ from speccheck.speculator.model_kernels import use_kernels
 class DecodeLaneBuffers:
     """The persistent buffers a decode step reads its lanes from (views of the first
     ``n`` lanes): ``positions``, ``seq_lens``, ``input_ids``, ``token_request``,
-    ``is_real_req``, ``is_real_token``, and ``draft_tokens`` (``[n, K]``, column 0 written by
-    the first pass) and ``current_step`` (a device scalar)."""
+    ``is_real_req``, ``is_real_token``, ``slot_mapping`` (int64), and ``draft_tokens``
+    (``[n, K]``, column 0 written by the first pass) and ``current_step`` (a device scalar);
+    ``block_table`` is the whole block table (``[R, max_blocks]``, ``R >= n``, rows
+    contiguous), only read."""
 
     positions: torch.Tensor
     seq_lens: torch.Tensor
@@ -30,6 +34,8 @@ class DecodeLaneBuffers:
     token_request: torch.Tensor
     is_real_req: torch.Tensor
     is_real_token: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
     draft_tokens: torch.Tensor
     current_step: torch.Tensor
 
@@ -37,14 +43,20 @@ class DecodeLaneBuffers:
 @triton.jit
 def _prepare_decode_lanes_kernel(base_ptr, positions_ptr, seq_lens_ptr, input_ids_ptr,
                                  token_request_ptr, is_real_req_ptr, is_real_token_ptr,
+                                 slot_mapping_ptr, block_table_ptr, table_row_stride,
                                  draft_tokens_ptr, current_step_ptr, draft_row_stride,
-                                 num_lanes, num_reqs, max_model_len, BLOCK: tl.constexpr):
+                                 num_lanes, num_reqs, max_model_len, block_size,
+                                 BLOCK: tl.constexpr):
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = lanes < num_lanes
     real = lanes < num_reqs
     base = tl.load(base_ptr + lanes, mask=real, other=0)
     token = tl.load(draft_tokens_ptr + lanes * draft_row_stride, mask=real, other=0)
-    tl.store(positions_ptr + lanes, tl.where(real, tl.minimum(base, max_model_len - 1), 0),
+    position = tl.where(real, tl.minimum(base, max_model_len - 1), 0)
+    tl.store(positions_ptr + lanes, position, mask=in_range)
+    tl.store(slot_mapping_ptr + lanes,
+             table_slot(block_table_ptr, table_row_stride, lanes, position, block_size,
+                        real, in_range, PAD_SLOT_CONSTEXPR),
              mask=in_range)
     length = tl.where(real, tl.minimum(base + 1, max_model_len), 0)
     tl.store(seq_lens_ptr + lanes, length.to(seq_lens_ptr.dtype.element_ty), mask=in_range)
@@ -59,15 +71,20 @@ _LANE_BLOCK = 256
 
 
 def prepare_decode_lanes(lanes: DecodeLaneBuffers, base_lens: torch.Tensor, max_model_len: int,
-                         *, kernel: bool | None = None) -> None:
+                         block_size: int, *, kernel: bool | None = None) -> None:
     """Lanes ``0 .. n - 1`` (``n = len(lanes.positions)``) for decode step 1 from
     ``base_lens`` (int64, the ``r`` real requests' lengths after the first pass, on the
     device): position ``min(base, max_model_len - 1)``, length ``min(base + 1,
-    max_model_len)``, input draft token 0, token ``i`` of request ``i``; padding lanes
-    (``i >= r``) position, length and input 0 and not real; ``current_step`` 1.
+    max_model_len)``, input draft token 0, token ``i`` of request ``i``, and step 1's slot
+    ``block_table[i, position // block_size] * block_size + position % block_size``;
+    padding lanes (``i >= r``) position, length and input 0, not real, and the sink slot;
+    ``current_step`` 1. The slot mapping is what
+    :func:`~speccheck.speculator.kv_cache.compute_slot_mapping` writes for these lanes
+    (``is_real_token`` picks the formula or the sink), final before step 1's metadata is
+    built.
 
     One Triton kernel on CUDA (``kernel`` forces or avoids it), tensor ops elsewhere.
-    Capture-safe: no host values but the sizes, every write in place."""
+    Capture-safe: no host values but the sizes and ``block_size``, every write in place."""
     n, r = lanes.positions.shape[0], base_lens.shape[0]
     if not (use_kernels(lanes.positions) if kernel is None else kernel):
         index = torch.arange(n, device=lanes.positions.device)
@@ -80,9 +97,13 @@ def prepare_decode_lanes(lanes: DecodeLaneBuffers, base_lens: torch.Tensor, max_
         lanes.token_request.copy_(index)
         lanes.is_real_req.copy_(real)
         lanes.is_real_token.copy_(real)
+        compute_slot_mapping(lanes.positions, lanes.token_request, lanes.block_table,
+                             lanes.is_real_token, block_size, out=lanes.slot_mapping,
+                             kernel=False)
         lanes.current_step.fill_(1)
         return
     _prepare_decode_lanes_kernel[(max(1, triton.cdiv(n, _LANE_BLOCK)),)](
         base_lens, lanes.positions, lanes.seq_lens, lanes.input_ids, lanes.token_request,
-        lanes.is_real_req, lanes.is_real_token, lanes.draft_tokens, lanes.current_step,
-        lanes.draft_tokens.stride(0), n, r, max_model_len, BLOCK=_LANE_BLOCK)
+        lanes.is_real_req, lanes.is_real_token, lanes.slot_mapping, lanes.block_table,
+        lanes.block_table.stride(0), lanes.draft_tokens, lanes.current_step,
+        lanes.draft_tokens.stride(0), n, r, max_model_len, block_size, BLOCK=_LANE_BLOCK)

@@ -93,8 +93,8 @@ class DFlashSpeculator(DraftModelSpeculator):
                 )
                 self.buffers.positions[: n * q].copy_(torch.arange(q, device=self.device).repeat(n))
                 desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, n * q, n, q)
-                md = self._build_block_metadata(desc, n, np.zeros(n, np.int64), capture=True)
                 self._compute_slot_mappings(n * q, 0)
+                md = self._build_block_metadata(desc, n, np.zeros(n, np.int64), capture=True)
                 self._captured_metadata[n] = md
                 self.graphs.capture(("block", n), partial(self._block_forward, n * q, md))
         finally:
@@ -144,8 +144,9 @@ class DFlashSpeculator(DraftModelSpeculator):
         n_tokens = desc.num_tokens
         start = batch.seq_lens_after_prefill() - 1
         self._write_block_inputs(batch, n_tokens, start)
-        md = self._build_block_metadata(desc, r, start + q)
+        # Slots before the build: a builder may read ``common.slot_mapping`` in build().
         self._compute_slot_mappings(n_tokens, 0)
+        md = self._build_block_metadata(desc, r, start + q)
         if desc.cg_mode == CUDAGraphMode.FULL and self.graphs is not None:
             self.graphs.replay(("block", n_tokens // q))
             self.counters.graph_replays += 1

@@ -84,6 +84,22 @@ class PagedKVCache:
                 torch.randn(tensor.shape, generator=generator, out=tensor)
 
 
+PAD_SLOT_CONSTEXPR: tl.constexpr = tl.constexpr(PAD_SLOT)
+""":data:`PAD_SLOT` as a Triton compile-time constant, for kernels that write slots."""
+
+
+@triton.jit
+def table_slot(table_ptr, table_row_stride, request, position, block_size, real, readable,
+               pad_slot):
+    """The slot formula every slot-writing kernel shares: for ``real`` lanes
+    ``table[request, position // block_size] * block_size + position % block_size`` (int64),
+    reading the table entry only where ``readable`` (an entry not read counts as block 0, the
+    value a reset table holds); ``pad_slot`` for every other lane."""
+    block = tl.load(table_ptr + request * table_row_stride + position // block_size,
+                    mask=real & readable, other=0).to(tl.int64)
+    return tl.where(real, block * block_size + position % block_size, pad_slot)
+
+
 @triton.jit
 def _slot_mapping_kernel(positions_ptr, token_request_ptr, block_table_ptr, is_real_ptr, out_ptr,
                          table_row_stride, num_tokens, block_size, pad_slot,
@@ -93,9 +109,8 @@ def _slot_mapping_kernel(positions_ptr, token_request_ptr, block_table_ptr, is_r
     real = tl.load(is_real_ptr + lanes, mask=in_range, other=0).to(tl.int1)
     position = tl.load(positions_ptr + lanes, mask=in_range, other=0)
     request = tl.load(token_request_ptr + lanes, mask=in_range, other=0)
-    block = tl.load(block_table_ptr + request * table_row_stride + position // block_size,
-                    mask=in_range & real, other=0).to(tl.int64)
-    slot = tl.where(real, block * block_size + position % block_size, pad_slot)
+    slot = table_slot(block_table_ptr, table_row_stride, request, position, block_size, real,
+                      in_range, pad_slot)
     tl.store(out_ptr + lanes, slot, mask=in_range)
 
 

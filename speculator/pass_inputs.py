@@ -1,11 +1,12 @@
 """A pass's inputs written into the speculator's persistent index buffers, in one kernel on
 CUDA.
 
-Before a pass over a batch (the first pass, or a DFlash block) every index buffer is reset
-(so no stale index of an earlier, larger batch can point out of bounds) and the batch's
-block-table rows, seeds, lengths, positions, token ids and token-to-request map are written
-from their staged device copies. In tensor ops that is about twenty launches per call
-(eleven resets, then the copies and fills); here it is one.
+Before a pass over a batch (the first pass, or a DFlash block's context) every index buffer
+is reset (so no stale index of an earlier, larger batch can point out of bounds) and the
+batch's block-table rows, seeds, lengths, positions, token ids and token-to-request map are
+written from their staged device copies, with the slot mapping of the pass's tokens. In
+tensor ops that is about twenty launches per call (eleven resets, then the copies and fills,
+then the slot mapping); here it is one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from speccheck.speculator.kv_cache import PAD_SLOT_CONSTEXPR, compute_slot_mapping, table_slot
 from speccheck.speculator.model_kernels import use_kernels
 
 
@@ -67,7 +69,7 @@ class PassInputs:
 @triton.jit
 def _scatter_pass_inputs_kernel(
     table_ptr, in_seeds_ptr, in_lens_ptr, in_positions_ptr, in_ids_ptr, in_requests_ptr,
-    num_reqs, num_tokens, table_width,
+    num_reqs, num_tokens, table_width, block_size,
     block_table_ptr, table_row_stride, table_rows, table_cols,
     seeds_ptr, seq_lens_ptr, query_start_loc_ptr, is_real_req_ptr,
     positions_ptr, input_ids_ptr, token_request_ptr, slot_mapping_ptr, is_real_token_ptr,
@@ -95,13 +97,18 @@ def _scatter_pass_inputs_kernel(
     # Per token.
     in_tokens = idx < max_tokens
     real_token = idx < num_tokens
-    tl.store(positions_ptr + idx, tl.load(in_positions_ptr + idx, mask=real_token, other=0),
-             mask=in_tokens)
+    position = tl.load(in_positions_ptr + idx, mask=real_token, other=0)
+    request = tl.load(in_requests_ptr + idx, mask=real_token, other=0)
+    tl.store(positions_ptr + idx, position, mask=in_tokens)
     tl.store(input_ids_ptr + idx, tl.load(in_ids_ptr + idx, mask=real_token, other=0),
              mask=in_tokens)
-    tl.store(token_request_ptr + idx, tl.load(in_requests_ptr + idx, mask=real_token, other=0),
-             mask=in_tokens)
-    tl.store(slot_mapping_ptr + idx, tl.zeros_like(idx).to(tl.int64), mask=in_tokens)
+    tl.store(token_request_ptr + idx, request, mask=in_tokens)
+    # The slot mapping, looked up in the staged rows: other programs are writing the block
+    # table buffer in this launch. An entry outside them reads 0, as the reset buffer holds.
+    staged = (request < num_reqs) & (position // block_size < table_width)
+    slot = table_slot(table_ptr, table_width, request, position, block_size, real_token,
+                      staged, PAD_SLOT_CONSTEXPR)
+    tl.store(slot_mapping_ptr + idx, slot, mask=in_tokens)
     tl.store(is_real_token_ptr + idx, real_token, mask=in_tokens)
     tl.store(draft_tokens_ptr + idx, tl.zeros_like(idx).to(tl.int64), mask=idx < draft_size)
     tl.store(current_step_ptr + idx, tl.zeros_like(idx).to(tl.int64), mask=idx < 1)
@@ -110,14 +117,23 @@ def _scatter_pass_inputs_kernel(
 _SCATTER_BLOCK = 1024
 
 
-def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, *,
+def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: int, *,
                         kernel: bool | None = None) -> None:
     """:meth:`IndexBuffers.reset`, then ``inputs`` written into the head of each buffer:
     the first ``r`` rows of the block table (``width`` columns), seeds, lengths and
     ``is_real_req``; the first ``t`` positions, token ids, token-to-request entries and
-    ``is_real_token``. Device work only (the host gives sizes), in place.
+    ``is_real_token``; and the slot mapping of every token lane, final for the pass: the
+    first ``t`` (real) lanes as
+    :func:`~speccheck.speculator.kv_cache.compute_slot_mapping` maps them through the
+    written block table with ``block_size`` (``table[req, pos // block_size] * block_size
+    + pos % block_size``), every other lane the sink slot (the reset's 0). Each real
+    token's request and block must lie inside the block-table buffer (the speculator
+    validates batches so); entries past the staged rows are the reset's block 0.
 
-    One Triton kernel on CUDA (``kernel`` forces or avoids it), tensor ops elsewhere."""
+    Device work only, every write in place; the host gives the sizes and ``block_size`` as
+    launch arguments, so it runs eagerly, outside graphs (a captured launch would keep
+    them). One Triton kernel on CUDA (``kernel`` forces or avoids it), tensor ops
+    elsewhere."""
     r, width = inputs.table.shape
     t = inputs.positions.shape[0]
     if not (use_kernels(buffers.positions) if kernel is None else kernel):
@@ -130,13 +146,16 @@ def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, *,
         buffers.token_request[:t].copy_(inputs.token_request)
         buffers.is_real_token[:t] = True
         buffers.is_real_req[:r] = True
+        compute_slot_mapping(buffers.positions[:t], buffers.token_request[:t],
+                             buffers.block_table, buffers.is_real_token[:t], block_size,
+                             out=buffers.slot_mapping[:t], kernel=False)
         return
     rows, cols = buffers.block_table.shape
     max_tokens = buffers.positions.shape[0]
     size = max(rows * cols, rows + 1, max_tokens, buffers.draft_tokens.numel(), 1)
     _scatter_pass_inputs_kernel[(triton.cdiv(size, _SCATTER_BLOCK),)](
         inputs.table, inputs.seeds, inputs.seq_lens, inputs.positions, inputs.input_ids,
-        inputs.token_request, r, t, width,
+        inputs.token_request, r, t, width, block_size,
         buffers.block_table, buffers.block_table.stride(0), rows, cols,
         buffers.seeds, buffers.seq_lens, buffers.query_start_loc, buffers.is_real_req,
         buffers.positions, buffers.input_ids, buffers.token_request, buffers.slot_mapping,

@@ -1,7 +1,9 @@
 """The propose call's index-buffer kernels against their tensor-op form: the scatter of a
 pass's inputs (speculator/pass_inputs.py), the slot mapping (speculator/kv_cache.py) and
 the decode lanes' inputs after the first pass (speculator/decode_inputs.py), under the
-Triton interpreter on CPU, and compiled for sm_90."""
+Triton interpreter on CPU, and compiled for sm_90. The scatter and the decode lanes also
+write the slot mapping: it must be what ``compute_slot_mapping`` writes for the buffers
+they leave, real and padding lanes alike."""
 
 from __future__ import annotations
 
@@ -59,14 +61,32 @@ def _index_buffers(reqs: int, blocks: int, tokens: int, k: int, seed: int) -> In
         current_step=torch.tensor(3))
 
 
+def _assert_slots_as_computed(buffers: IndexBuffers | DecodeLaneBuffers, block_size: int,
+                              real: int) -> None:
+    """``buffers.slot_mapping`` is what ``compute_slot_mapping`` (both forms) writes from the
+    buffers' positions, requests, block table and real flags, over every lane; lanes from
+    ``real`` on (padding) hold the sink slot, real lanes a slot of a live block."""
+    lanes = buffers.slot_mapping.shape[0]
+    for kernel in (False, True):
+        want = torch.full((lanes,), -7, dtype=torch.int64, device=buffers.slot_mapping.device)
+        compute_slot_mapping(buffers.positions, buffers.token_request, buffers.block_table,
+                             buffers.is_real_token, block_size, want, kernel=kernel)
+        assert torch.equal(buffers.slot_mapping, want), kernel
+    assert bool((buffers.slot_mapping[real:] == PAD_SLOT).all())
+    assert bool(buffers.is_real_token[:real].all()) and not bool(buffers.is_real_token[real:].any())
+
+
 @SMALL
 @given(data=st.data(), reqs=st.integers(1, 6), blocks=st.integers(1, 200),
-       tokens=st.integers(1, 40), k=st.integers(1, 3), seed=st.integers(0, 99))
+       tokens=st.integers(1, 40), k=st.integers(1, 3), block_size=st.sampled_from([1, 4, 16]),
+       seed=st.integers(0, 99))
 def test_scatter_pass_inputs_kernel_matches_torch(data: st.DataObject, reqs: int, blocks: int,
-                                                  tokens: int, k: int, seed: int) -> None:
+                                                  tokens: int, k: int, block_size: int,
+                                                  seed: int) -> None:
     """Every buffer equal to the tensor-op form's: the batch's rows, lengths and tokens at
     the head, every other entry reset (seeds past the batch left as they were), block tables
-    larger than one program's share."""
+    larger than one program's share; the slot mapping is ``compute_slot_mapping``'s for the
+    buffers written (positions past a row's staged blocks included: block 0 there)."""
     r = data.draw(st.integers(0, reqs))
     width = data.draw(st.integers(0, blocks))
     t = data.draw(st.integers(0, tokens))
@@ -75,20 +95,25 @@ def test_scatter_pass_inputs_kernel_matches_torch(data: st.DataObject, reqs: int
         table=torch.randint(1, 500, (r, width), generator=gen),
         seeds=torch.randint(0, 2**31, (r,), generator=gen),
         seq_lens=torch.randint(1, 300, (r,), generator=gen),
-        positions=torch.randint(0, 300, (t,), generator=gen),
+        positions=torch.randint(0, blocks * block_size, (t,), generator=gen),
         input_ids=torch.randint(0, 300, (t,), generator=gen),
         token_request=torch.randint(0, max(r, 1), (t,), generator=gen))
     got = _index_buffers(reqs, blocks, tokens, k, seed)
     want = _index_buffers(reqs, blocks, tokens, k, seed)
-    scatter_pass_inputs(got, inputs, kernel=True)
-    scatter_pass_inputs(want, inputs, kernel=False)
+    scatter_pass_inputs(got, inputs, block_size, kernel=True)
+    scatter_pass_inputs(want, inputs, block_size, kernel=False)
     for name in IndexBuffers.__dataclass_fields__:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert int(want.block_table[r:].abs().sum()) == 0 and int(want.slot_mapping.abs().sum()) == 0
+    assert int(want.block_table[r:].abs().sum()) == 0
+    _assert_slots_as_computed(got, block_size, t)
+    inside = (inputs.positions // block_size < width) & (inputs.token_request < r)
+    assert bool((got.slot_mapping[:t][inside] >= block_size).all()), "a staged block is live"
 
 
-def _lanes(n: int, k: int, seed: int) -> DecodeLaneBuffers:
-    """Decode-lane buffers holding leftovers of an earlier call (every entry stale)."""
+def _lanes(n: int, k: int, seed: int, cols: int = 40) -> DecodeLaneBuffers:
+    """Decode-lane buffers holding leftovers of an earlier call (every entry stale), and a
+    block table of more rows than lanes whose rows are contiguous but strided (a column
+    slice of a wider table), every entry a live block."""
     gen = torch.Generator().manual_seed(seed)
     return DecodeLaneBuffers(
         positions=torch.randint(0, 99, (n,), generator=gen),
@@ -97,26 +122,33 @@ def _lanes(n: int, k: int, seed: int) -> DecodeLaneBuffers:
         token_request=torch.randint(0, 99, (n,), generator=gen),
         is_real_req=torch.rand(n, generator=gen) < 0.5,
         is_real_token=torch.rand(n, generator=gen) < 0.5,
+        slot_mapping=torch.randint(1, 99, (n,), generator=gen),
+        block_table=torch.randint(1, 999, (n + 2, cols + 3), generator=gen,
+                                  dtype=torch.int32)[:, :cols],
         draft_tokens=torch.randint(0, 99, (n, k), generator=gen),
         current_step=torch.tensor(5),
     )
 
 
 @SMALL
-@given(n=st.integers(1, 300), data=st.data(), k=st.integers(1, 3), seed=st.integers(0, 99))
+@given(n=st.integers(1, 300), data=st.data(), k=st.integers(1, 3),
+       block_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 99))
 def test_prepare_decode_lanes_kernel_matches_torch(n: int, data: st.DataObject, k: int,
-                                                   seed: int) -> None:
+                                                   block_size: int, seed: int) -> None:
     """Every buffer equal to the tensor-op form's, lengths clamped at max_model_len, padding
-    lanes zeroed and not real, the step reset to 1."""
+    lanes zeroed and not real, the step reset to 1; step 1's slot mapping is
+    ``compute_slot_mapping``'s for the lanes written (padding lanes: the sink)."""
     r = data.draw(st.integers(0, n))
     max_len = 40
     base = torch.randint(max_len - 3, max_len + 2, (r,), generator=torch.Generator().manual_seed(seed))
     got, want = _lanes(n, k, seed), _lanes(n, k, seed)
-    prepare_decode_lanes(got, base, max_len, kernel=True)
-    prepare_decode_lanes(want, base, max_len, kernel=False)
+    prepare_decode_lanes(got, base, max_len, block_size, kernel=True)
+    prepare_decode_lanes(want, base, max_len, block_size, kernel=False)
     for name in DecodeLaneBuffers.__dataclass_fields__:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert int(want.current_step) == 1 and not bool(want.is_real_req[r:].any())
+    _assert_slots_as_computed(got, block_size, r)
+    assert bool((got.slot_mapping[:r] >= block_size).all()), "real lanes write live blocks"
 
 
 _AOT_SCRIPT = """
@@ -133,15 +165,16 @@ print("slots ok")
 compile(ASTSource(decode_inputs._prepare_decode_lanes_kernel, {"base_ptr": "*i64",
         "positions_ptr": "*i64", "seq_lens_ptr": "*i32", "input_ids_ptr": "*i64",
         "token_request_ptr": "*i64", "is_real_req_ptr": "*i1", "is_real_token_ptr": "*i1",
+        "slot_mapping_ptr": "*i64", "block_table_ptr": "*i32", "table_row_stride": "i32",
         "draft_tokens_ptr": "*i64", "current_step_ptr": "*i64", "draft_row_stride": "i32",
-        "num_lanes": "i32", "num_reqs": "i32", "max_model_len": "i32", "BLOCK": "constexpr"},
-        {"BLOCK": 256}), target=target)
+        "num_lanes": "i32", "num_reqs": "i32", "max_model_len": "i32", "block_size": "i32",
+        "BLOCK": "constexpr"}, {"BLOCK": 256}), target=target)
 print("lanes ok")
 from speccheck.speculator import pass_inputs
 compile(ASTSource(pass_inputs._scatter_pass_inputs_kernel, {"table_ptr": "*i64",
         "in_seeds_ptr": "*i64", "in_lens_ptr": "*i64", "in_positions_ptr": "*i64",
         "in_ids_ptr": "*i64", "in_requests_ptr": "*i64", "num_reqs": "i32", "num_tokens": "i32",
-        "table_width": "i32", "block_table_ptr": "*i32", "table_row_stride": "i32",
+        "table_width": "i32", "block_size": "i32", "block_table_ptr": "*i32", "table_row_stride": "i32",
         "table_rows": "i32", "table_cols": "i32", "seeds_ptr": "*i64", "seq_lens_ptr": "*i32",
         "query_start_loc_ptr": "*i32", "is_real_req_ptr": "*i1", "positions_ptr": "*i64",
         "input_ids_ptr": "*i64", "token_request_ptr": "*i64", "slot_mapping_ptr": "*i64",
@@ -190,10 +223,11 @@ def test_cuda_lane_kernels_match_torch() -> None:
     on_gpu = _on(inputs, cuda)
     got = _on(_index_buffers(reqs, blocks, tokens, k, 1), cuda)
     want = _index_buffers(reqs, blocks, tokens, k, 1)
-    scatter_pass_inputs(got, on_gpu)
-    scatter_pass_inputs(want, inputs, kernel=False)
+    scatter_pass_inputs(got, on_gpu, 16)
+    scatter_pass_inputs(want, inputs, 16, kernel=False)
     for name in IndexBuffers.__dataclass_fields__:
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+    _assert_slots_as_computed(got, 16, 200)
     is_real = torch.rand(tokens, generator=gen) < 0.8
     slots_got = torch.full((tokens,), -1, dtype=torch.int64, device=cuda)
     slots_want = torch.full((tokens,), -1, dtype=torch.int64)
@@ -204,10 +238,11 @@ def test_cuda_lane_kernels_match_torch() -> None:
                          is_real.to(cuda), 16, slots_got)
     compute_slot_mapping(positions, requests, table, is_real, 16, slots_want, kernel=False)
     assert torch.equal(slots_got.cpu(), slots_want)
-    lanes_got = _on(_lanes(reqs, k, 2), cuda)
-    lanes_want = _lanes(reqs, k, 2)
+    lanes_got = _on(_lanes(reqs, k, 2, cols=256), cuda)
+    lanes_want = _lanes(reqs, k, 2, cols=256)
     base = torch.randint(4000, 4100, (40,), generator=gen)
-    prepare_decode_lanes(lanes_got, base.to(cuda), 4096)
-    prepare_decode_lanes(lanes_want, base, 4096, kernel=False)
+    prepare_decode_lanes(lanes_got, base.to(cuda), 4096, 16)
+    prepare_decode_lanes(lanes_want, base, 4096, 16, kernel=False)
     for name in DecodeLaneBuffers.__dataclass_fields__:
         assert torch.equal(getattr(lanes_got, name).cpu(), getattr(lanes_want, name)), name
+    _assert_slots_as_computed(lanes_got, 16, 40)
