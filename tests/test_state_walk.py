@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from speccheck.checks.verify.comparisons import compare_steps
 from speccheck.checks.verify.state_walk import (
     TensorIdentity,
+    attribute_storages,
     changed_paths,
     describe_host_value,
     same_host_value,
@@ -30,6 +31,7 @@ from speccheck.checks.verify.state_walk import (
     walk_tensors,
 )
 from speccheck.checks.verify.step_recorder import StepSnapshots
+from speccheck.contract.metadata import AttentionInputBuffers
 
 
 @dataclass
@@ -252,6 +254,15 @@ def test_tensor_identity_tracks_object_address_and_layout() -> None:
     assert tensor_identity(t.t()).stride == (1, 4)
     t.add_(1)
     assert tensor_identity(t) == ident
+
+
+def test_attribute_storages_of_input_buffers_with_cached_views() -> None:
+    """The speculator's input buffers hold a cache of views besides the buffers: their
+    storages are the buffers' own, and the cache is skipped."""
+    buffers = AttentionInputBuffers.allocate(4, 8, 3, torch.device("cpu"))
+    buffers.views(2, 4)
+    own = {f.name: getattr(buffers, f.name) for f in fields(buffers) if f.name != "_views"}
+    assert attribute_storages(buffers) == {t.untyped_storage().data_ptr() for t in own.values()}
 
 
 def test_snapshot_is_immune_to_later_writes() -> None:

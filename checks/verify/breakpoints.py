@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speccheck.checks.verify.state_walk import walk_host_values, walk_tensors
+from speccheck.checks.verify.state_walk import attribute_storages, walk_host_values, walk_tensors
 from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.metadata import AttentionInputBuffers
@@ -418,7 +418,7 @@ class _Probe:
             buffers=buffers, batch_desc=self.descriptor, num_reqs=real, num_query_per_req=1,
             base_seq_lens_np=lens, step=0, max_model_len=self.max_model_len,
         )
-        inputs = {t.untyped_storage().data_ptr() for t in vars(buffers).values()}
+        inputs = attribute_storages(buffers)
         return self.builder.build(common), inputs
 
 

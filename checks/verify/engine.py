@@ -51,7 +51,7 @@ from speccheck.checks.verify.scale import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_STEPS,
 )
-from speccheck.checks.verify.state_walk import changed_paths
+from speccheck.checks.verify.state_walk import attribute_storages, changed_paths
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder
 from speccheck.checks.verify.strategies import (
     BatchLimits,
@@ -687,4 +687,4 @@ class BackendVerifier:
 def input_storages(spec: AutoregressiveSpeculator) -> set[int]:
     """Storage addresses of the speculator's own input buffers: metadata views of them are
     advanced by the speculator, not derived by the backend."""
-    return {t.untyped_storage().data_ptr() for t in vars(spec.buffers).values()}
+    return attribute_storages(spec.buffers)

@@ -119,6 +119,14 @@ def walk_tensors(
     return _walk(obj, prefix, max_depth, _tensor_leaf, "walk_tensors")
 
 
+def attribute_storages(obj: object) -> set[int]:
+    """Storage addresses of the tensors among ``obj``'s instance attributes (``vars()``;
+    other attributes, such as :class:`~speccheck.contract.metadata.AttentionInputBuffers`'
+    cache of views of its buffers, are skipped, and nothing is walked further)."""
+    return {t.untyped_storage().data_ptr() for t in vars(obj).values()
+            if isinstance(t, torch.Tensor)}
+
+
 def walk_host_values(
     obj: object, prefix: str = "", *, max_depth: int = DEFAULT_MAX_DEPTH
 ) -> dict[str, np.ndarray]:
