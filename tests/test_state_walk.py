@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -28,6 +29,7 @@ from speccheck.checks.verify.state_walk import (
     snapshot,
     tensor_identity,
     walk_host_values,
+    walk_state,
     walk_tensors,
 )
 from speccheck.checks.verify.step_recorder import StepSnapshots
@@ -186,6 +188,23 @@ def test_host_values_are_plain_data_at_the_paths_tensors_would_have() -> None:
     assert list(walk_host_values(_metadata(), prefix="m")) == [
         "m.groups[0].num_reqs", "m.groups[1].num_reqs", "m.pair.second",
     ]
+
+
+@pytest.mark.parametrize("root", [_metadata, _host_fields], ids=["metadata", "host_fields"])
+def test_walk_state_is_both_walks_in_one(root: Callable[[], object]) -> None:
+    """Shared containers, a cycle and a named tuple of numbers reached twice included."""
+    obj = root()
+    shared = Pair(torch.ones(1), 5)
+    loop: list[object] = [shared, (1, 2)]
+    loop.append(loop)
+    holder = {"obj": obj, "a": shared, "b": shared, "loop": loop, "again": loop[1]}
+    tensors, host = walk_state(holder, prefix="h")
+    expected_tensors = walk_tensors(holder, prefix="h")
+    assert list(tensors) == list(expected_tensors)
+    assert all(tensors[path] is t for path, t in expected_tensors.items())
+    expected_host = walk_host_values(holder, prefix="h")
+    assert list(host) == list(expected_host)
+    assert all(same_host_value(host[path], v) for path, v in expected_host.items())
 
 
 def test_same_host_value_needs_the_same_dtype_shape_and_elements() -> None:

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speccheck.checks.verify.state_walk import attribute_storages, walk_host_values, walk_tensors
+from speccheck.checks.verify.state_walk import attribute_storages, walk_state
 from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.metadata import AttentionInputBuffers
@@ -380,11 +380,12 @@ class _Probe:
             t.untyped_storage().data_ptr() for t in self.builder.workspace_buffers().values()
         }
         values: Values = {}
-        for path, tensor in walk_tensors(metadata).items():
+        tensors, host = walk_state(metadata)
+        for path, tensor in tensors.items():
             storage = tensor.untyped_storage().data_ptr()
             if path in self.declared or (storage not in inputs and storage not in workspace):
                 values[path] = _host_array(tensor)
-        values.update(walk_host_values(metadata))
+        values.update(host)
         self._order.update(dict.fromkeys(values))
         return values
 

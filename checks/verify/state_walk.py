@@ -20,7 +20,7 @@ import inspect
 import logging
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -54,8 +54,6 @@ _ATOMIC_TYPES: tuple[type, ...] = (
 
 
 _MISSING = object()
-
-_Leaf = TypeVar("_Leaf")
 
 HOST_ARRAY_KINDS = "biufc"
 """numpy dtype kinds of the arrays :func:`walk_host_values` reads (booleans and numbers)."""
@@ -111,12 +109,24 @@ def walk_tensors(
       is deterministic), which also breaks cycles; a tensor is listed under every path that
       refers to it directly, so two keys may map to the same tensor.
     - Containers deeper than ``max_depth`` below ``obj`` are skipped with a warning.
+    - How a node is expanded is read from its class, once per class (whether it is a
+      mapping, a named tuple (its class has ``_fields``), a list or tuple, or an object;
+      dataclass fields and ``__slots__``); its instance attributes are read at every visit.
     - Read-only: attribute access uses ``vars()``/``getattr`` on stored attributes and never
       calls properties or methods of the walked objects.
 
     The result is ordered in walk order.
     """
-    return _walk(obj, prefix, max_depth, _tensor_leaf, "walk_tensors")
+    found: dict[str, torch.Tensor] = {}
+
+    def leaf(node: object, path: str) -> bool:
+        if isinstance(node, torch.Tensor):
+            found[path] = node
+            return True
+        return False
+
+    _walk(obj, prefix, max_depth, leaf, "walk_tensors")
+    return found
 
 
 def attribute_storages(obj: object) -> set[int]:
@@ -158,7 +168,45 @@ def walk_host_values(
 
     The result is ordered in walk order.
     """
-    return _walk(obj, prefix, max_depth, _host_leaf, "walk_host_values")
+    found: dict[str, np.ndarray] = {}
+
+    def leaf(node: object, path: str) -> bool:
+        value = _host_leaf(node)
+        if value is None:
+            return False
+        found[path] = value
+        return True
+
+    _walk(obj, prefix, max_depth, leaf, "walk_host_values")
+    return found
+
+
+def walk_state(
+    obj: object, prefix: str = "", *, max_depth: int = DEFAULT_MAX_DEPTH
+) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """``(walk_tensors(obj, prefix), walk_host_values(obj, prefix))``, in one walk.
+
+    The two walks expand the same containers in the same order, except that the tensor
+    walk also expands the lists and tuples of numbers (and numpy arrays) that the host walk
+    takes as values, which hold no tensor: this walk takes them as host values and finds
+    the same tensors. Containers deeper than ``max_depth`` are logged once, as
+    :func:`walk_host_values` logs them.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, np.ndarray] = {}
+
+    def leaf(node: object, path: str) -> bool:
+        if isinstance(node, torch.Tensor):
+            tensors[path] = node
+            return True
+        value = _host_leaf(node)
+        if value is None:
+            return False
+        values[path] = value
+        return True
+
+    _walk(obj, prefix, max_depth, leaf, "walk_state")
+    return tensors, values
 
 
 def same_host_value(a: np.ndarray, b: np.ndarray) -> bool:
@@ -183,28 +231,25 @@ def describe_host_value(a: np.ndarray) -> str:
 
 
 def _walk(
-    obj: object, prefix: str, max_depth: int, leaf: Callable[[object], _Leaf | None], name: str
-) -> dict[str, _Leaf]:
-    """The walk shared by :func:`walk_tensors` and :func:`walk_host_values`: ``leaf(node)``
-    is what to list for ``node`` (which is then not expanded), ``None`` when nothing."""
-    found: dict[str, _Leaf] = {}
+    obj: object, prefix: str, max_depth: int, leaf: Callable[[object, str], bool], name: str
+) -> None:
+    """The walk shared by :func:`walk_tensors`, :func:`walk_host_values` and
+    :func:`walk_state`: ``leaf(node, path)`` records ``node`` and returns ``True`` when it is
+    a leaf (which is then not expanded), else returns ``False``."""
     expanded: set[int] = set()
     truncated: list[str] = []
 
     def visit(node: object, path: str, depth: int) -> None:
-        value = leaf(node)
-        if value is not None:
-            found[path] = value
+        if leaf(node, path):
             return
-        if isinstance(node, torch.Tensor) or _is_atomic(node):
-            return
-        if id(node) in expanded:
+        layout = _layout(node)
+        if layout.kind is _Kind.OPAQUE or id(node) in expanded:
             return
         if depth > max_depth:
             truncated.append(path)
             return
         expanded.add(id(node))
-        for child_path, child in _children(node, path):
+        for child_path, child in _children(node, layout, path):
             visit(child, child_path, depth + 1)
 
     visit(obj, prefix, 0)
@@ -216,11 +261,6 @@ def _walk(
             prefix or "<root>",
             ", ".join(truncated[:5]) + (" ..." if len(truncated) > 5 else ""),
         )
-    return found
-
-
-def _tensor_leaf(node: object) -> torch.Tensor | None:
-    return node if isinstance(node, torch.Tensor) else None
 
 
 def _is_number(node: object) -> bool:
@@ -251,24 +291,89 @@ def _attr_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _children(node: object, path: str) -> Iterator[tuple[str, object]]:
-    """Direct children of a non-atomic, non-tensor ``node`` with their paths."""
+class _Kind(enum.Enum):
+    """How the walk treats a node."""
+
+    OPAQUE = enum.auto()
+    """A tensor or an atomic value (:func:`_is_atomic`): never expanded."""
+    MAPPING = enum.auto()
+    NAMED_TUPLE = enum.auto()
+    SEQUENCE = enum.auto()
+    """A list or a tuple that is not a named tuple."""
+    OBJECT = enum.auto()
+    """Expanded by its stored attributes."""
+
+
+class _Layout(NamedTuple):
+    """What the walk reads of a node's class: its :class:`_Kind` and, for an ``OBJECT``, its
+    dataclass field names and its ``__slots__`` (private names mangled)."""
+
+    kind: _Kind
+    fields: tuple[str, ...] = ()
+    slots: tuple[str, ...] = ()
+
+
+_LAYOUTS: dict[type, _Layout] = {}
+""":func:`_layout` per class, made on the first node of each class."""
+
+
+def _layout(node: object) -> _Layout:
+    """How the walk treats ``node``: a function of its class, made once per class (a node
+    whose ``__class__`` is not its type, such as a proxy, which ``isinstance`` judges by its
+    ``__class__``, is classified on its own every time)."""
+    cls = type(node)
+    layout = _LAYOUTS.get(cls)
+    if layout is None:
+        layout = _classify(node)
+        if node.__class__ is cls:
+            _LAYOUTS[cls] = layout
+    return layout
+
+
+def _classify(node: object) -> _Layout:
+    if isinstance(node, torch.Tensor) or _is_atomic(node):
+        return _Layout(_Kind.OPAQUE)
     if isinstance(node, Mapping):
-        for key, value in node.items():
+        return _Layout(_Kind.MAPPING)
+    if isinstance(node, tuple) and hasattr(type(node), "_fields"):
+        return _Layout(_Kind.NAMED_TUPLE)
+    if isinstance(node, (list, tuple)):
+        return _Layout(_Kind.SEQUENCE)
+    cls = type(node)
+    fields = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
+    slots: dict[str, None] = {}
+    for owner in cls.__mro__:
+        declared = owner.__dict__.get("__slots__", ())
+        if isinstance(declared, str):
+            declared = (declared,)
+        for name in declared:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{owner.__name__.lstrip('_')}{name}"  # private-name mangling
+            slots[name] = None
+    return _Layout(_Kind.OBJECT, fields, tuple(slots))
+
+
+def _children(node: object, layout: _Layout, path: str) -> Iterator[tuple[str, object]]:
+    """Direct children of a node that is not ``OPAQUE``, with their paths."""
+    if layout.kind is _Kind.MAPPING:
+        for key, value in cast(Mapping[object, object], node).items():
             yield f"{path}[{key!r}]", value
         return
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        for name, value in zip(node._fields, node, strict=True):
+    if layout.kind is _Kind.NAMED_TUPLE:
+        named = cast(Any, node)
+        for name, value in zip(named._fields, named, strict=True):
             yield _attr_path(path, name), value
         return
-    if isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
+    if layout.kind is _Kind.SEQUENCE:
+        for i, value in enumerate(cast(Sequence[object], node)):
             yield f"{path}[{i}]", value
         return
     instance_dict = getattr(node, "__dict__", None)
     if not isinstance(instance_dict, dict):
         instance_dict = {}
-    for name in _attribute_names(node, instance_dict):
+    for name in _attribute_names(layout, instance_dict):
         # Instance-dict entries are read directly so that a same-named property on the class
         # is never called; dataclass fields and slots not in it go through their descriptor.
         value = instance_dict[name] if name in instance_dict else getattr(node, name, _MISSING)
@@ -276,22 +381,14 @@ def _children(node: object, path: str) -> Iterator[tuple[str, object]]:
             yield _attr_path(path, name), value
 
 
-def _attribute_names(node: object, instance_dict: Mapping[str, object]) -> list[str]:
-    """Stored attribute names of ``node``: dataclass fields, ``vars()``, ``__slots__``."""
-    names: dict[str, None] = {}
-    if dataclasses.is_dataclass(node):
-        names.update((f.name, None) for f in dataclasses.fields(node))
-    names.update((name, None) for name in instance_dict)
-    for cls in type(node).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        if isinstance(slots, str):
-            slots = (slots,)
-        for name in slots:
-            if name in ("__dict__", "__weakref__"):
-                continue
-            if name.startswith("__") and not name.endswith("__"):
-                name = f"_{cls.__name__.lstrip('_')}{name}"  # private-name mangling
-            names[name] = None
+def _attribute_names(layout: _Layout, instance_dict: Mapping[str, object]) -> list[str]:
+    """Stored attribute names of an ``OBJECT`` node: dataclass fields, ``vars()``,
+    ``__slots__``, in that order, each once."""
+    if not layout.fields and not layout.slots:
+        return list(instance_dict)
+    names = dict.fromkeys(layout.fields)
+    names.update(dict.fromkeys(instance_dict))
+    names.update(dict.fromkeys(layout.slots))
     return list(names)
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speccheck.checks.verify.state_walk import walk_host_values, walk_tensors
+from speccheck.checks.verify.state_walk import walk_state
 from speccheck.contract.groups import AttentionGroup
 
 
@@ -76,30 +76,26 @@ def metadata_roots(groups: Sequence[AttentionGroup], group_metadata: Sequence[An
     return roots
 
 
-def reachable_tensors(groups: Sequence[AttentionGroup], group_metadata: Sequence[Any]) -> dict[str, torch.Tensor]:
-    """Every tensor reachable from the roots, except the builders' workspace buffers."""
+def reachable_state(
+    groups: Sequence[AttentionGroup], group_metadata: Sequence[Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """Every tensor reachable from the roots, except the builders' workspace buffers, and
+    every host value reachable from them, with the same paths (one
+    :func:`~speccheck.checks.verify.state_walk.walk_state` per root)."""
     workspace = {
         t.untyped_storage().data_ptr()
         for g in groups
         for t in g.builder.workspace_buffers().values()
     }
     tensors: dict[str, torch.Tensor] = {}
-    for prefix, root in metadata_roots(groups, group_metadata).items():
-        for path, t in walk_tensors(root, prefix=prefix).items():
-            if t.untyped_storage().data_ptr() not in workspace:
-                tensors[path] = t
-    return tensors
-
-
-def reachable_host_values(
-    groups: Sequence[AttentionGroup], group_metadata: Sequence[Any]
-) -> dict[str, np.ndarray]:
-    """Every host value reachable from the roots, with the same paths as
-    :func:`reachable_tensors`."""
     values: dict[str, np.ndarray] = {}
     for prefix, root in metadata_roots(groups, group_metadata).items():
-        values.update(walk_host_values(root, prefix=prefix))
-    return values
+        found, host = walk_state(root, prefix=prefix)
+        for path, t in found.items():
+            if t.untyped_storage().data_ptr() not in workspace:
+                tensors[path] = t
+        values.update(host)
+    return tensors, values
 
 
 class StepMetadataRecorder:
@@ -131,7 +127,11 @@ class StepMetadataRecorder:
         with), or of ``group_metadata`` when that is ``None``."""
         self.last_metadata = list(group_metadata)
         capturing = _capturing()
-        for path, tensor in reachable_tensors(self.groups, group_metadata).items():
+        tensors, host = reachable_state(self.groups, group_metadata)
+        host_source = launched_with or group_metadata
+        if host_source is not group_metadata:
+            host = reachable_state(self.groups, host_source)[1]
+        for path, tensor in tensors.items():
             key = (lanes, step, path)
             buf = self._buffers.get(key)
             if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
@@ -144,7 +144,6 @@ class StepMetadataRecorder:
             buf.copy_(tensor)
             self.storage_of[path] = tensor.untyped_storage().data_ptr()
             self._seen.setdefault(lanes, {})[(step, path)] = None
-        host = reachable_host_values(self.groups, launched_with or group_metadata)
         if capturing:
             self._captured_host.setdefault((lanes, step), host)
         else:
