@@ -1,0 +1,77 @@
+"""Draft comparisons: per request, step by step until the first divergence; logits within
+a tolerance scaled for large logits, tokens exactly, near ties indeterminate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speccheck.checks.verify.comparisons import Outcome, compare_drafts, first_divergence
+from speccheck.checks.verify.vocabulary import Check, Result
+from speccheck.speculator.batch import DraftResult
+
+TOL = 1e-4
+
+
+def _oracle() -> DraftResult:
+    """Two requests, three steps, vocabulary 3: request 1 step 1 is a near tie."""
+    logits = torch.tensor([
+        [[3.0, 1.0, 0.0], [0.0, 2.0, 1.0], [1.0, 0.0, 4.0]],
+        [[0.0, 5.0, 1.0], [2.0, 2.0 + 1e-5, 0.0], [0.0, 0.0, 1.0]],
+    ])
+    return DraftResult(logits.argmax(-1), logits)
+
+
+def _results(outcomes: list[Outcome]) -> list[tuple[Check, Result, int | None]]:
+    return [(o.check, o.result, o.step) for o in outcomes]
+
+
+def test_agreement_is_one_logit_and_one_token_pass_per_step() -> None:
+    oracle = _oracle()
+    cand = DraftResult(oracle.draft_tokens.clone(), oracle.logits + TOL / 2)
+    outcomes = compare_drafts(oracle, cand, "c", TOL)
+    assert _results(outcomes) == [(Check.LOGITS, Result.PASSED, None),
+                                  (Check.DRAFT_TOKENS, Result.PASSED, None)] * 6
+    assert first_divergence(oracle, cand, 3) == [2, 2]
+
+
+def test_a_request_stops_at_its_first_divergence() -> None:
+    oracle = _oracle()
+    logits = oracle.logits.clone()
+    logits[0, 1, 0] += 0.5  # request 0, step 1: logits beyond the tolerance
+    tokens = oracle.draft_tokens.clone()
+    tokens[1, 1] = 0  # request 1, step 1: another token at a near tie
+    tokens[1, 2] = 0  # ... and a later step that is no longer compared
+    outcomes = compare_drafts(oracle, DraftResult(tokens, logits), "c", TOL)
+    assert _results(outcomes) == [
+        (Check.LOGITS, Result.PASSED, None), (Check.DRAFT_TOKENS, Result.PASSED, None),
+        (Check.LOGITS, Result.FAILED, 1),
+        (Check.LOGITS, Result.PASSED, None), (Check.DRAFT_TOKENS, Result.PASSED, None),
+        (Check.LOGITS, Result.PASSED, None), (Check.DRAFT_TOKENS, Result.INDETERMINATE, 1),
+    ]
+    assert outcomes[2].diagnosis == "c: request 0 step 1: logits differ by 0.5 (tolerance 0.0001)"
+    assert first_divergence(oracle, DraftResult(tokens, logits), 3) == [2, 1]
+
+
+def test_a_token_that_is_no_near_tie_fails_with_the_gap_and_large_logits_scale_the_bound() -> None:
+    oracle = _oracle()
+    tokens = oracle.draft_tokens.clone()
+    tokens[0, 0] = 1
+    logits = oracle.logits.clone()
+    logits[1] *= 1000  # request 1: |logits| of 1000 to 5000, bounds 0.01 to 0.05
+    oracle = DraftResult(oracle.draft_tokens, logits)
+    cand_logits = logits.clone()
+    cand_logits[1] += 0.009  # within the scaled bound (at least 0.01), 90 times TOL
+    cand = DraftResult(tokens, cand_logits)
+    outcomes = compare_drafts(oracle, cand, "c", TOL)
+    assert outcomes[1].result is Result.FAILED
+    assert outcomes[1].diagnosis == (
+        "c: request 0 step 0: draft token 1, oracle 0 (oracle top-2 gap 2)")
+    assert [o.result for o in outcomes[2:]] == [Result.PASSED] * 6
+
+
+def test_candidates_of_another_shape_are_refused() -> None:
+    oracle = _oracle()
+    with pytest.raises(ValueError, match="shapes"):
+        compare_drafts(oracle, DraftResult(oracle.draft_tokens[:, :2], oracle.logits[:, :2]),
+                       "c", TOL)
