@@ -120,7 +120,7 @@ def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
     layout = np.random.default_rng(draw(st.integers(0, 2**16))).permutation(np.arange(1, limits.num_blocks))
     rows, start = [], 0
     for count in rows_needed:
-        rows.append(tuple(int(b) for b in layout[start : start + count]))
+        rows.append(tuple(layout[start : start + count].tolist()))
         start += count
     seeds = tuple(draw(st.integers(0, 2**31 - 1)) for _ in contexts)
     return DraftBatch(tuple(contexts), tuple(news), tuple(rows), seeds)
@@ -133,7 +133,7 @@ def _tokens(draw: st.DrawFn, vocab_size: int, count: int) -> tuple[int, ...]:
     token_seed = draw(st.integers(0, 2**32 - 1))
     if token_seed == 0:
         return (0,) * count
-    return tuple(int(t) for t in np.random.default_rng(token_seed).integers(0, vocab_size, count))
+    return tuple(np.random.default_rng(token_seed).integers(0, vocab_size, count).tolist())
 
 
 TARGET_LABEL = "derived elements changed between draft steps"
