@@ -18,6 +18,7 @@ configuration is known.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import zlib
 from typing import Annotated, Any, Self
@@ -137,8 +138,12 @@ def example_from_json(data: dict[str, Any]) -> Example:
         raise ValueError(f"not an example: {_first_error(exc)}") from None
 
 
+@functools.lru_cache(maxsize=1)
 def encode_example(example: Example) -> str:
-    """A compact, URL-safe blob for ``--reproduce``."""
+    """A compact, URL-safe blob for ``--reproduce``. The last example's blob is kept: a
+    worker encodes each example twice (its progress line, and the seed of the example's KV
+    noise), and at the GPU tier's scale, tens of thousands of block ids, compressing them
+    takes tens of milliseconds."""
     raw = json.dumps(example_json(example)).encode()
     return base64.urlsafe_b64encode(zlib.compress(raw)).decode()
 
