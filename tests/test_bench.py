@@ -288,3 +288,20 @@ def test_plots_option_writes_pngs(tmp_path: Path) -> None:
                     "--plots", str(tmp_path / "plots"), *TINY)
     assert result.exit_code == 0, result.output
     assert (tmp_path / "plots" / "reference-k2.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_commands_without_cuda_run_triton_in_its_interpreter() -> None:
+    """``speccheck selftest``, ``bench`` and the verify worker call this before they import
+    a backend: on a machine without CUDA, a Triton kernel then runs in the interpreter
+    instead of failing for want of a driver (``0 active drivers``)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os\nfrom speccheck.checks.triton_interpreter import "
+            "interpret_triton_without_cuda\ninterpret_triton_without_cuda()\n"
+            "print(os.environ.get('TRITON_INTERPRET'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.strip()
+    assert out == ("None" if torch.cuda.is_available() else "1")

@@ -165,10 +165,9 @@ def _measure(backend: str, config: RuntimeConfig, matrices: MatrixContext,
     statuses."""
     import torch
 
-    if not torch.cuda.is_available():
-        # Triton kernels run in the interpreter on CPU tensors; set before any kernel is
-        # decorated (adapters import their kernels lazily).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
+
+    interpret_triton_without_cuda()
     from speccheck.checks.bench.errors import BackendCannotRun, BenchInputError, DraftTokensDiffer
     from speccheck.checks.bench.measure import BenchSettings, run_bench
 

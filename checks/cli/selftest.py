@@ -21,6 +21,9 @@ def selftest_command(
     """Prove the verifier catches every known-bad builder (exit 1 if one slips through)."""
     import torch
 
+    from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
+
+    interpret_triton_without_cuda()
     from speccheck.checks.selftest.run import run_selftest
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

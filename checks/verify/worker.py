@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from speccheck.backends.availability import BackendUnavailable
+from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.examples import (
@@ -122,10 +122,7 @@ def root_cause(exc: BaseException) -> str:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
-    if not torch.cuda.is_available():
-        # Triton kernels run in the interpreter on CPU tensors; the flag must be set before
-        # any kernel is decorated, and adapters import their kernels lazily.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    interpret_triton_without_cuda()
     request_path, result_path, progress_path = map(Path, argv)
     request = json.loads(request_path.read_text())
     try:
