@@ -168,17 +168,7 @@ def walk_host_values(
 
     The result is ordered in walk order.
     """
-    found: dict[str, np.ndarray] = {}
-
-    def leaf(node: object, path: str) -> bool:
-        value = _host_leaf(node)
-        if value is None:
-            return False
-        found[path] = value
-        return True
-
-    _walk(obj, prefix, max_depth, leaf, "walk_host_values")
-    return found
+    return walk_state(obj, prefix, max_depth=max_depth)[1]
 
 
 def walk_state(
