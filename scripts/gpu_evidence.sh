@@ -42,7 +42,7 @@
 #       batches 1, 8, 64, with the profiler's tables), the one-kernel layers', index-buffer
 #       kernels' and speculator's CUDA tests, verify of triton_attn (EXAMPLES, default 60)
 #       and fa3 (FA3_EXAMPLES, 30) at the GPU defaults, and reference on two DCP ranks
-#       sharing the GPU (DCP2_EXAMPLES, 20)
+#       sharing the GPU (DCP2_EXAMPLES, 20; 0 leaves it out)
 #   scripts/gpu_evidence.sh OUTDIR audit-core | audit-flashinfer
 #       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
 #       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
@@ -90,6 +90,15 @@ run() {  # NAME TIMEOUT ARGS...
   { echo "\$ speccheck verify $*"; timeout "$limit" speccheck verify "$@" --json "$out/gpu-$name.json"
     echo "exit $?"; } >> "$console" 2>&1
 }
+flashinfer_bench() {  # [EXTRA BENCH ARGS...]
+  # FlashInfer's first plan of a new kernel configuration JIT-compiles it (about 100 s for
+  # the sm90 prefill): the limit leaves room for that; the cache comes back in fi-jit/.
+  { timeout "${FI_BENCH_LIMIT:-240}" speccheck bench --backend flashinfer --steps 4 \
+      --batches 1,8,64 --repeats "${REPEATS:-10}" --json "$out/bench-flashinfer.json" "$@"
+    echo "exit $?"; } > "$out/bench-flashinfer.txt" 2>&1
+  mkdir -p "$out/fi-jit"
+  tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
+}
 
 if [ "$suite" = two-gpu ]; then
   # The machine turns NVLink multicast off (KINDS.md); keep it off whatever this shell got.
@@ -119,24 +128,13 @@ if [ "$suite" = lean ]; then
     tests/test_speculator.py tests/test_bench.py tests/test_flashinfer_page_indices.py \
     > "$out/pytest-cuda-lean.txt" 2>&1
   echo "pytest exit $?" >> "$out/pytest-cuda-lean.txt"
-  # FlashInfer's first plan of a new kernel configuration JIT-compiles it (about 100 s for
-  # the sm90 prefill): the limit leaves room for that; the cache comes back in fi-jit/.
-  { timeout "${FI_BENCH_LIMIT:-240}" speccheck bench --backend flashinfer --steps 4 \
-      --batches 1,8,64 --repeats "${REPEATS:-10}" --json "$out/bench-flashinfer.json"
-    echo "exit $?"; } > "$out/bench-flashinfer.txt" 2>&1
-  mkdir -p "$out/fi-jit"
-  tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
+  flashinfer_bench
   run triton_attn "${VERIFY_LIMIT:-60}" --backend triton_attn --examples "${EXAMPLES:-30}"
   run flashinfer "${VERIFY_LIMIT:-60}" --backend flashinfer --examples "${EXAMPLES:-30}"
   exit 0
 fi
 if [ "$suite" = lean-fi ]; then
-  { timeout "${FI_BENCH_LIMIT:-240}" speccheck bench --backend flashinfer --steps 4 \
-      --batches 1,8,64 --repeats "${REPEATS:-10}" --json "$out/bench-flashinfer.json" \
-      --profile "$out/profile-flashinfer.txt"
-    echo "exit $?"; } > "$out/bench-flashinfer.txt" 2>&1
-  mkdir -p "$out/fi-jit"
-  tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
+  flashinfer_bench --profile "$out/profile-flashinfer.txt"
   run flashinfer "${VERIFY_LIMIT:-120}" --backend flashinfer --examples "${EXAMPLES:-30}"
   exit 0
 fi
@@ -154,8 +152,8 @@ if [ "$suite" = lean-core ]; then
   run triton_attn "${VERIFY_LIMIT:-120}" --backend triton_attn --examples "${EXAMPLES:-60}"
   run fa3 "${VERIFY_LIMIT:-120}" --backend fa3 --examples "${FA3_EXAMPLES:-30}"
   # DCP ranks sharing the one GPU (gloo: graphs off, the fused refresh run eagerly).
-  run reference-dcp2 "${VERIFY_LIMIT:-120}" --backend reference --dcp-world-size 2 \
-    --examples "${DCP2_EXAMPLES:-20}"
+  [ "${DCP2_EXAMPLES:-20}" != 0 ] && run reference-dcp2 "${VERIFY_LIMIT:-120}" --backend reference \
+    --dcp-world-size 2 --examples "${DCP2_EXAMPLES:-20}"
   exit 0
 fi
 if [ "$suite" = concurrent ]; then
