@@ -10,8 +10,8 @@ host time, with CUDA, the median time the launching thread spends queueing the w
 decode-graph replays are counted per call. Every call's draft tokens must equal those of one
 eager per-step run (no graphs), else
 :class:`~speccheck.checks.bench.errors.DraftTokensDiffer`. With CUDA each path then launches
-once under a host-synchronisation recorder (a launch that waits for the device would count
-that wait as host time: its sites are reported) and runs ``repeats`` more calls under the
+once under a host-synchronisation recorder (a launch that may wait for the device would
+count that wait as host time: its sites are reported) and runs ``repeats`` more calls under the
 profiler for GPU time and the profile tables.
 """
 
@@ -150,9 +150,10 @@ def _measure_case(settings: BenchSettings, k: int, batch: int, context: int,
         host_ms = gpu_ms = None
         sync_sites: tuple[str, ...] = ()
         if gpu:
+            launch = partial(spec.launch, work, path)
             host_ms = statistics.median(timed.hosts[path]) * 1e3
-            sync_sites = launch_sync_sites(partial(spec.launch, work, path))
-            times = profile_calls(partial(spec.launch, work, path), settings.repeats)
+            sync_sites = launch_sync_sites(launch)
+            times = profile_calls(launch, settings.repeats)
             gpu_ms, profiles[path] = times.gpu_ms, times.tables
         rows.append(BenchRow(path, k, batch, statistics.median(timed.walls[path]) * 1e3,
                              host_ms, gpu_ms, statistics.fmean(timed.replays[path]),

@@ -5,8 +5,8 @@
   launch to last completion), its operator and kernel tables, and ``cProfile``'s table of
   the launching thread's Python functions (where host time goes; the profilers' own
   overhead inflates both, so host time itself is measured unprofiled, by the caller);
-- :func:`launch_sync_sites`: the call sites in one launch that synchronise with the device
-  (a launch's host time would include the wait).
+- :func:`launch_sync_sites`: the call sites in one launch that may wait for the device (a
+  launch's host time would include the wait).
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def _python_profile(call: Callable[[], object], repeats: int) -> str:
 
 
 def launch_sync_sites(call: Callable[[], object]) -> tuple[str, ...]:
-    """The distinct ``op at site`` of every host synchronisation one ``call`` makes, in
-    first-seen order (:class:`~speccheck.checks.probes.host_sync.HostSyncRecorder`, device
-    tensors only: host-side tensor work does not wait for the device)."""
+    """The distinct ``op at site`` of every operation in one ``call`` that may wait for the
+    device, in first-seen order (:class:`~speccheck.checks.probes.host_sync.HostSyncRecorder`,
+    device tensors only: host-side tensor work does not wait for the device)."""
     torch.cuda.synchronize()
     with HostSyncRecorder(device_only=True) as syncs:
         call()

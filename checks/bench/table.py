@@ -3,8 +3,7 @@
 Both show, per path, K and batch size: wall, host and GPU ms per propose, graph replays
 per propose, capture seconds and graph memory, the wall / host / GPU ratios to the
 per-step row, the GPU time of one decode step against the weight-read bound, and how many
-call sites in the launch synchronise with the device (``-`` where a figure was not
-measured)."""
+call sites in the launch may wait for the device (``-`` where a figure was not measured)."""
 
 from __future__ import annotations
 
