@@ -40,7 +40,7 @@ class DecodeLaneBuffers:
     current_step: torch.Tensor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_lanes", "num_reqs"))
 def _prepare_decode_lanes_kernel(base_ptr, positions_ptr, seq_lens_ptr, input_ids_ptr,
                                  token_request_ptr, is_real_req_ptr, is_real_token_ptr,
                                  slot_mapping_ptr, block_table_ptr, table_row_stride,

@@ -100,7 +100,7 @@ def table_slot(table_ptr, table_row_stride, request, position, block_size, real,
     return tl.where(real, block * block_size + position % block_size, pad_slot)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def _slot_mapping_kernel(positions_ptr, token_request_ptr, block_table_ptr, is_real_ptr, out_ptr,
                          table_row_stride, num_tokens, block_size, pad_slot,
                          BLOCK: tl.constexpr):

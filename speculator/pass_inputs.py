@@ -66,7 +66,7 @@ class PassInputs:
     token_request: torch.Tensor
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_reqs", "num_tokens", "table_width"))
 def _scatter_pass_inputs_kernel(
     table_ptr, in_seeds_ptr, in_lens_ptr, in_positions_ptr, in_ids_ptr, in_requests_ptr,
     num_reqs, num_tokens, table_width, block_size,

@@ -95,7 +95,7 @@ def paged_kv_layout(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_reqs", "tail_per_program"))
 def paged_kv_indices_kernel(
     indices_ptr,
     block_table_ptr,

@@ -24,7 +24,7 @@ import triton.language as tl
 from speccheck.backends.triton_shared import request_of_token
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_reqs",))
 def swa_indices_kernel(
     indices_ptr,
     lens_ptr,
@@ -68,7 +68,7 @@ def swa_indices_kernel(
     tl.store(row, slot, mask=in_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_tokens",))
 def tile_schedule_kernel(
     lens_ptr,
     schedule_ptr,

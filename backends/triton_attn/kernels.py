@@ -72,7 +72,7 @@ def _owning_request(query_start_loc_ptr, slot, num_reqs, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_reqs",))
 def paged_attention_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -193,7 +193,7 @@ def paged_attention_split_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_reqs",))
 def paged_attention_reduce_kernel(
     out_ptr,
     part_max_ptr,

@@ -46,7 +46,7 @@ import triton.language as tl
 from speccheck.backends.triton_shared import online_softmax_step, request_of_token
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_reqs",))
 def mla_split_kernel(
     q_ptr,
     latent_ptr,
