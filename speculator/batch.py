@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -72,10 +73,10 @@ class DraftBatch:
                 raise ValueError(
                     f"request {r}: block_table row has {len(row)} blocks, needs {needed}..{max_blocks}"
                 )
-            if any(not 1 <= b < num_blocks for b in row):
+            if min(row) < 1 or max(row) >= num_blocks:
                 raise ValueError(f"request {r}: block ids must lie in 1..{num_blocks - 1}")
-        flat = [b for row in self.block_table for b in row]
-        if len(flat) != len(set(flat)):
+        blocks = sum(map(len, self.block_table))
+        if len(set(chain.from_iterable(self.block_table))) != blocks:
             raise ValueError("block_table rows share physical blocks")
 
 
