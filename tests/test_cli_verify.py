@@ -230,3 +230,19 @@ def test_an_adapter_that_fails_to_import_is_bad_input_before_any_worker() -> Non
     assert line == ("broken_import: implementation 'tests.fixtures.adapters.broken_import:Builder' "
                     "cannot be imported: ImportError: cannot import name 'flash_attn_varlen' "
                     "from 'my_kernels'")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the interpreter stands in for CUDA only where there is none")
+def test_the_worker_interprets_tritons_own_functions_without_cuda() -> None:
+    """triton.language's own jitted helpers (``tl.cdiv``) are decorated when Triton is
+    first imported, so the worker must choose the interpreter before anything imports
+    Triton: imported after the speculator's kernels, it left them compiled-only, and
+    triton_attn's interpreted kernel crashed at ``tl.cdiv`` ('Cannot call @triton.jit'd
+    outside of the scope of a kernel') on the third example of a CPU verify."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = ("import speccheck.checks.verify.worker, triton.language as tl; "
+             "print(type(tl.cdiv).__name__)")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "InterpretedFunction"

@@ -19,8 +19,14 @@ from typing import Any
 
 import torch
 
-from speccheck.backends.availability import BackendUnavailable
 from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
+
+# Before anything imports Triton: the interpreter must also stand in for triton.language's
+# own jitted functions (tl.cdiv, ...), which are decorated when Triton is first imported.
+# The modules below import the speculator's kernels, and with them Triton.
+interpret_triton_without_cuda()
+
+from speccheck.backends.availability import BackendUnavailable
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.examples import (
@@ -122,7 +128,6 @@ def root_cause(exc: BaseException) -> str:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
-    interpret_triton_without_cuda()
     request_path, result_path, progress_path = map(Path, argv)
     request = json.loads(request_path.read_text())
     try:
