@@ -187,8 +187,9 @@ class DcpLocalShare:
 
     :meth:`bind` writes both for a batch and returns the views the metadata holds;
     :meth:`refresh_lengths` and :meth:`refresh_slots` recompute them in place from the
-    speculator's advanced ``seq_lens`` and ``positions`` (capture-safe, so a builder calls
-    them from ``update_draft_decode_metadata``).
+    speculator's advanced ``seq_lens`` and ``positions``, tails included, so a refresh
+    leaves what :meth:`bind` would (capture-safe, so a builder calls them from
+    ``update_draft_decode_metadata``, before the first draft step too).
     """
 
     LENGTHS = "dcp_local_seq_lens"
@@ -229,25 +230,26 @@ class DcpLocalShare:
         past them are zeroed. Host work (build time)."""
         n, t = common.num_reqs, common.num_actual_tokens
         lens, slots = self.local_seq_lens[:n], self.slot_mapping[:t]
-        self.local_seq_lens[n:].zero_()
-        self.slot_mapping[t:].fill_(SINK_SLOT)
         self.refresh_lengths(common.seq_lens, lens)
         self.refresh_slots(common.positions, common.query_start_loc, common.block_table, slots)
         return lens, slots
 
     def refresh_lengths(self, seq_lens: torch.Tensor, local_seq_lens: torch.Tensor) -> None:
         """Recompute ``local_seq_lens`` (a view :meth:`bind` returned) from the global
-        ``seq_lens`` in place, without temporaries. Capture-safe."""
+        ``seq_lens`` in place, without temporaries, and zero the buffer past it.
+        Capture-safe."""
         write_dcp_local_lengths(seq_lens, self.dcp.rank, self.dcp.world_size, local_seq_lens)
+        self.local_seq_lens[local_seq_lens.shape[0]:].zero_()
 
     def refresh_slots(
         self, positions: torch.Tensor, query_start_loc: torch.Tensor, block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         """Recompute ``slot_mapping`` (a view :meth:`bind` returned) from the tokens' global
-        ``positions`` in place. Capture-safe."""
+        ``positions`` in place, and set the buffer past it to the sink. Capture-safe."""
         write_dcp_slot_mapping(positions, query_start_loc, block_table, self.block_size,
                                self.dcp.rank, self.dcp.world_size, slot_mapping)
+        self.slot_mapping[slot_mapping.shape[0]:].fill_(SINK_SLOT)
 
     def extents(self, local_seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> dict[str, int]:
         """Rows of each buffer a metadata object uses (its views' lengths); the tail past

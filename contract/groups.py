@@ -30,6 +30,9 @@ class AttentionGroup:
     step_dependent_fields: tuple[str, ...] = ()
     """The matrix's declaration of the metadata fields that depend on the draft step
     (:attr:`~speccheck.contract.matrix_model.DraftDecode.step_dependent_fields`)."""
+    refresh_covers_first_step: bool = False
+    """The matrix's :attr:`~speccheck.contract.matrix_model.DraftDecode.
+    refresh_covers_first_step`: the refresh alone readies the first draft step."""
 
     @property
     def supports_draft_decode_metadata_update(self) -> bool:

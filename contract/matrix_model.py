@@ -326,6 +326,19 @@ class DraftDecode(StrictModel):
         description="Lazily filled caches that must be cleared between draft steps "
         "(forgetting one reuses the previous step's contents).",
     )
+    refresh_covers_first_step: StrictBool = Field(
+        False,
+        description="Whether the in-graph refresh recomputes everything the fused draft "
+        "steps read from the speculator's step inputs alone (lengths, positions, slot "
+        "mapping, query offsets, block table), tails included, so that run before the "
+        "first draft step it leaves what a build of that step would. Then the fused graph "
+        "refreshes before step 1 too, and a fused propose builds no step-1 metadata on the "
+        "host (one build fewer on the launching thread). `speccheck verify` holds a backend "
+        "to it: its fused candidates build their metadata object before step 1's inputs "
+        "exist and refresh it, so a refresh that advances fields instead of recomputing "
+        "them, or a build that writes what the refresh does not, fails step 1's checks. "
+        "Only with `supported` not false and `refresh_strategy` in_graph or none_needed.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -360,6 +373,13 @@ class DraftDecode(StrictModel):
                 (("refreshed_fields",), "must name at least one field (or invalidated_caches "
                  "one cache) when refresh_strategy is in_graph; use none_needed if nothing "
                  "changes between draft steps")
+            )
+        if self.refresh_covers_first_step and (
+            self.supported is False or strategy is RefreshStrategy.HOST_PREPLANNED
+        ):
+            violations.append(
+                (("refresh_covers_first_step",), "must be false when supported is false or "
+                 "refresh_strategy is host_preplanned: only a fused graph refreshes in place")
             )
         if strategy is RefreshStrategy.HOST_PREPLANNED and self.supported is not False:
             violations.append(

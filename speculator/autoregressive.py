@@ -116,6 +116,13 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         return self.fused_decision.enabled
 
     @property
+    def fused_refreshes_first_step(self) -> bool:
+        """Every group's refresh alone readies the first draft step (the matrix's
+        ``refresh_covers_first_step``): the fused body refreshes before step 1 too, and a
+        fused replay needs no host build of step 1's metadata."""
+        return all(g.refresh_covers_first_step for g in self.groups)
+
+    @property
     def preplanned_capable(self) -> bool:
         """Every group either refreshes in-graph or plans each step ahead, and at least one
         plans ahead: the host_preplanned path applies."""
@@ -194,18 +201,22 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self._record("generate", step)
 
     def _generate_fused_drafts(self, n: int, group_metadata: Sequence[Any]) -> None:
-        """Every decode step in one body; refresh between steps, never after the last."""
+        """Every decode step in one body, with ``group_metadata`` refreshed in place between
+        steps (after the positions advanced and the slots were recomputed), never after the
+        last; where :attr:`fused_refreshes_first_step`, before step 1 too, from the lanes
+        :meth:`_prepare_decode_inputs` wrote."""
+        first = self.fused_refreshes_first_step
         for step in range(1, self.num_steps):
+            if step > 1 and self.config.advance_draft_positions:
+                self._compute_slot_mappings(n, step)
+            if (step == 1 and first) or (step > 1 and self.config.advance_draft_positions):
+                for group, md in zip(self.groups, group_metadata, strict=True):
+                    if self.refresh_hook is None:
+                        group.update_draft_decode_metadata(md)
+                    else:
+                        self.refresh_hook(group, md)
+                    self._record("refresh", id(md))
             self._generate_draft(n, group_metadata, step)
-            if step == self.num_steps - 1 or not self.config.advance_draft_positions:
-                continue
-            self._compute_slot_mappings(n, step + 1)
-            for group, md in zip(self.groups, group_metadata, strict=True):
-                if self.refresh_hook is None:
-                    group.update_draft_decode_metadata(md)
-                else:
-                    self.refresh_hook(group, md)
-                self._record("refresh", id(md))
 
     def _generate_preplanned_drafts(self, n: int, per_step: Sequence[Sequence[Any]]) -> None:
         """Every decode step in one body with metadata planned ahead per step
@@ -375,10 +386,11 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         if self.num_steps > 1:
             desc = self.decode_descriptor(r)
             replay = use_graphs and self.graphs is not None
-            self._prepare_decode_inputs(r, desc.num_tokens, staged_base)
             if chosen is DecodePath.FUSED:
-                self._fused_multi_step_decode(desc, r, base, replay)
-            elif chosen is DecodePath.PREPLANNED:
+                self._fused_multi_step_decode(desc, r, base, staged_base, replay)
+                return r
+            self._prepare_decode_inputs(r, desc.num_tokens, staged_base)
+            if chosen is DecodePath.PREPLANNED:
                 self._preplanned_multi_step_decode(desc, r, base, replay)
             else:
                 self._multi_step_decode(desc, r, base, replay)
@@ -430,15 +442,16 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         """Lanes ``0..n-1`` for decode: draft token 0 as input, positions, lengths and slots
         for step 1 from ``base_lens`` (the ``r`` real requests' lengths after the prefill
         pass, on the device; clamped at ``max_model_len``); padding lanes have length 0,
-        sink slots (:func:`~speccheck.speculator.decode_inputs.prepare_decode_lanes`).
-        Step 1's slot mapping is final here, before any step-1 metadata is built; the
-        trace records it as ``("slots", 1)``."""
+        sink slots; the query offsets one token per real request
+        (:func:`~speccheck.speculator.decode_inputs.prepare_decode_lanes`). Step 1's slot
+        mapping is final here, before any step-1 metadata is built or refreshed; the trace
+        records it as ``("slots", 1)``."""
         b = self.buffers
         lanes = DecodeLaneBuffers(
             positions=b.positions[:n], seq_lens=b.seq_lens[:n], input_ids=self.input_ids[:n],
             token_request=self.token_request[:n], is_real_req=self.is_real_req[:n],
             is_real_token=self.is_real_token[:n], slot_mapping=b.slot_mapping[:n],
-            block_table=b.block_table, draft_tokens=self.draft_tokens[:n],
+            query_start_loc=b.query_start_loc[: n + 1], block_table=b.block_table, draft_tokens=self.draft_tokens[:n],
             current_step=self.current_step)
         prepare_decode_lanes(lanes, base_lens[:r], self.max_model_len, self.block_size,
                              kernel=self.kernel)
@@ -470,14 +483,28 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             self.counters.graph_replays += 1
 
     def _fused_multi_step_decode(
-        self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool
+        self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray,
+        staged_base: torch.Tensor, replay: bool,
     ) -> None:
-        """Fused path: build once (this also writes the builders' persistent buffers for
-        step 1; step 1's slots are :meth:`_prepare_decode_inputs`'s), then one replay of
-        the fused graph, or the same body eagerly."""
+        """Fused path: the decode lanes (:meth:`_prepare_decode_inputs`), then one replay
+        of the fused graph, or the same body eagerly.
+
+        Where :attr:`fused_refreshes_first_step`, a replay follows the lanes directly: they
+        hold every input step 1 reads, and the graph refreshes each step's metadata in
+        place, step 1's included. The eager body then runs on metadata built *before* the
+        lanes exist, as a replay's was built for capture: step 1 sees only what the
+        body's first refresh recomputes. Otherwise step 1's metadata is built after the
+        lanes (this also writes the builders' persistent buffers the graph reads) and the
+        body refreshes between steps only."""
         n = desc.num_tokens
-        md = self._build_decode_metadata(desc, r, base, 1)
+        if self.fused_refreshes_first_step:
+            md = None if replay else self._build_decode_metadata(desc, r, base, 1)
+            self._prepare_decode_inputs(r, n, staged_base)
+        else:
+            self._prepare_decode_inputs(r, n, staged_base)
+            md = self._build_decode_metadata(desc, r, base, 1)
         if not replay:
+            assert md is not None
             self._generate_fused_drafts(n, md)
             return
         assert self.graphs is not None

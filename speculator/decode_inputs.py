@@ -3,8 +3,10 @@
 After the first pass has stored draft token 0 of each request, the ``n`` decode lanes of
 the bucket are reset for step 1: lane ``i < r`` (request ``i``) feeds back its draft token 0
 at its first draft position and gets that position's slot, padding lanes get position and
-length 0 and the sink slot. In tensor ops that is a dozen small kernels per propose call;
-here it is one.
+length 0 and the sink slot, and the query offsets take the decode layout (one token per
+real request). That is every input of step 1's attention metadata the speculator owns, so
+a fused graph needs no host build before its first step. In tensor ops that is a dozen
+small kernels per propose call; here it is one.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from speccheck.speculator.model_kernels import use_kernels
 class DecodeLaneBuffers:
     """The persistent buffers a decode step reads its lanes from (views of the first
     ``n`` lanes): ``positions``, ``seq_lens``, ``input_ids``, ``token_request``,
-    ``is_real_req``, ``is_real_token``, ``slot_mapping`` (int64), and ``draft_tokens``
-    (``[n, K]``, column 0 written by the first pass) and ``current_step`` (a device scalar);
-    ``block_table`` is the whole block table (``[R, max_blocks]``, ``R >= n``, rows
-    contiguous), only read."""
+    ``is_real_req``, ``is_real_token``, ``slot_mapping`` (int64), ``query_start_loc``
+    (``[n + 1]``, int32), and ``draft_tokens`` (``[n, K]``, column 0 written by the first
+    pass) and ``current_step`` (a device scalar); ``block_table`` is the whole block table
+    (``[R, max_blocks]``, ``R >= n``, rows contiguous), only read."""
 
     positions: torch.Tensor
     seq_lens: torch.Tensor
@@ -35,6 +37,7 @@ class DecodeLaneBuffers:
     is_real_req: torch.Tensor
     is_real_token: torch.Tensor
     slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
     block_table: torch.Tensor
     draft_tokens: torch.Tensor
     current_step: torch.Tensor
@@ -43,13 +46,16 @@ class DecodeLaneBuffers:
 @triton.jit(do_not_specialize=("num_lanes", "num_reqs"))
 def _prepare_decode_lanes_kernel(base_ptr, positions_ptr, seq_lens_ptr, input_ids_ptr,
                                  token_request_ptr, is_real_req_ptr, is_real_token_ptr,
-                                 slot_mapping_ptr, block_table_ptr, table_row_stride,
-                                 draft_tokens_ptr, current_step_ptr, draft_row_stride,
-                                 num_lanes, num_reqs, max_model_len, block_size,
-                                 BLOCK: tl.constexpr):
+                                 slot_mapping_ptr, query_start_loc_ptr, block_table_ptr,
+                                 table_row_stride, draft_tokens_ptr, current_step_ptr,
+                                 draft_row_stride, num_lanes, num_reqs, max_model_len,
+                                 block_size, BLOCK: tl.constexpr):
     lanes = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = lanes < num_lanes
     real = lanes < num_reqs
+    tl.store(query_start_loc_ptr + lanes,
+             tl.minimum(lanes, num_reqs).to(query_start_loc_ptr.dtype.element_ty),
+             mask=lanes <= num_lanes)
     base = tl.load(base_ptr + lanes, mask=real, other=0)
     token = tl.load(draft_tokens_ptr + lanes * draft_row_stride, mask=real, other=0)
     position = tl.where(real, tl.minimum(base, max_model_len - 1), 0)
@@ -78,7 +84,9 @@ def prepare_decode_lanes(lanes: DecodeLaneBuffers, base_lens: torch.Tensor, max_
     max_model_len)``, input draft token 0, token ``i`` of request ``i``, and step 1's slot
     ``block_table[i, position // block_size] * block_size + position % block_size``;
     padding lanes (``i >= r``) position, length and input 0, not real, and the sink slot;
-    ``current_step`` 1. The slot mapping is what
+    query offsets ``query_start_loc[i] = min(i, r)`` for ``i <= n`` (what
+    :func:`~speccheck.contract.token_count.build_uniform_attention_metadata` writes for
+    one token per request); ``current_step`` 1. The slot mapping is what
     :func:`~speccheck.speculator.kv_cache.compute_slot_mapping` writes for these lanes
     (``is_real_token`` picks the formula or the sink), final before step 1's metadata is
     built.
@@ -97,13 +105,14 @@ def prepare_decode_lanes(lanes: DecodeLaneBuffers, base_lens: torch.Tensor, max_
         lanes.token_request.copy_(index)
         lanes.is_real_req.copy_(real)
         lanes.is_real_token.copy_(real)
+        lanes.query_start_loc.copy_(torch.arange(n + 1, device=index.device).clamp_(max=r))
         compute_slot_mapping(lanes.positions, lanes.token_request, lanes.block_table,
                              lanes.is_real_token, block_size, out=lanes.slot_mapping,
                              kernel=False)
         lanes.current_step.fill_(1)
         return
-    _prepare_decode_lanes_kernel[(max(1, triton.cdiv(n, _LANE_BLOCK)),)](
+    _prepare_decode_lanes_kernel[(triton.cdiv(n + 1, _LANE_BLOCK),)](
         base_lens, lanes.positions, lanes.seq_lens, lanes.input_ids, lanes.token_request,
-        lanes.is_real_req, lanes.is_real_token, lanes.slot_mapping, lanes.block_table,
-        lanes.block_table.stride(0), lanes.draft_tokens, lanes.current_step,
+        lanes.is_real_req, lanes.is_real_token, lanes.slot_mapping, lanes.query_start_loc,
+        lanes.block_table, lanes.block_table.stride(0), lanes.draft_tokens, lanes.current_step,
         lanes.draft_tokens.stride(0), n, r, max_model_len, block_size, BLOCK=_LANE_BLOCK)

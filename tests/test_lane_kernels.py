@@ -123,6 +123,7 @@ def _lanes(n: int, k: int, seed: int, cols: int = 40) -> DecodeLaneBuffers:
         is_real_req=torch.rand(n, generator=gen) < 0.5,
         is_real_token=torch.rand(n, generator=gen) < 0.5,
         slot_mapping=torch.randint(1, 99, (n,), generator=gen),
+        query_start_loc=torch.randint(0, 99, (n + 1,), generator=gen, dtype=torch.int32),
         block_table=torch.randint(1, 999, (n + 2, cols + 3), generator=gen,
                                   dtype=torch.int32)[:, :cols],
         draft_tokens=torch.randint(0, 99, (n, k), generator=gen),
@@ -147,6 +148,7 @@ def test_prepare_decode_lanes_kernel_matches_torch(n: int, data: st.DataObject, 
     for name in DecodeLaneBuffers.__dataclass_fields__:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert int(want.current_step) == 1 and not bool(want.is_real_req[r:].any())
+    assert want.query_start_loc.tolist() == [min(i, r) for i in range(n + 1)]
     _assert_slots_as_computed(got, block_size, r)
     assert bool((got.slot_mapping[:r] >= block_size).all()), "real lanes write live blocks"
 
@@ -165,8 +167,9 @@ print("slots ok")
 compile(ASTSource(decode_inputs._prepare_decode_lanes_kernel, {"base_ptr": "*i64",
         "positions_ptr": "*i64", "seq_lens_ptr": "*i32", "input_ids_ptr": "*i64",
         "token_request_ptr": "*i64", "is_real_req_ptr": "*i1", "is_real_token_ptr": "*i1",
-        "slot_mapping_ptr": "*i64", "block_table_ptr": "*i32", "table_row_stride": "i32",
-        "draft_tokens_ptr": "*i64", "current_step_ptr": "*i64", "draft_row_stride": "i32",
+        "slot_mapping_ptr": "*i64", "query_start_loc_ptr": "*i32", "block_table_ptr": "*i32",
+        "table_row_stride": "i32", "draft_tokens_ptr": "*i64", "current_step_ptr": "*i64",
+        "draft_row_stride": "i32",
         "num_lanes": "i32", "num_reqs": "i32", "max_model_len": "i32", "block_size": "i32",
         "BLOCK": "constexpr"}, {"BLOCK": 256}), target=target)
 print("lanes ok")

@@ -174,6 +174,10 @@ def _draft_lines(draft: DraftDecode) -> list[str]:
     lines.append(f"- Refresh strategy: `{strategy.value}`: {strategy.description}")
     lines.append(f"- Refreshed fields: {_code_list(draft.refreshed_fields)}")
     lines.append(f"- Invalidated caches: {_code_list(draft.invalidated_caches)}")
+    if draft.refresh_covers_first_step:
+        lines.append("- The refresh also readies the first draft step "
+                     "(`refresh_covers_first_step`): a fused propose builds no step-1 "
+                     "metadata on the host.")
     return lines
 
 

@@ -156,6 +156,41 @@ class BakedMaxSeqLen(DerivedBuilder):
 
 
 @dataclass
+class QueryLensMetadata(DerivedMetadata):
+    query_lens: torch.Tensor | None = None
+
+
+class BuildOnlyQueryLens(DerivedBuilder):
+    """Declares that its refresh readies the first draft step (``refresh_covers_first_step``)
+    and recomputes its derived lengths whole, tail included, but also keeps each request's
+    query length (from the query offsets) in a persistent buffer that only the build
+    writes. The field never changes between draft steps, so it needs no declaration and
+    the per-step contract holds; a fused replay, which builds no step-1 metadata, keeps
+    the first pass's query lengths."""
+
+    def setup(self) -> None:
+        super().setup()
+        self.query_lens = self.allocate_persistent(
+            "query_lens", (self.limits.max_num_reqs,), torch.int32)
+
+    def build(self, common: CommonAttentionMetadata) -> QueryLensMetadata:
+        n = common.num_reqs
+        offsets = common.query_start_loc
+        torch.sub(offsets[1 : n + 1], offsets[:n], out=self.query_lens[:n])
+        self.query_lens[n:].zero_()
+        return QueryLensMetadata(**vars(super().build(common)), query_lens=self.query_lens[:n])
+
+    def update_draft_decode_metadata(self, metadata: ReferenceMetadata) -> None:
+        super().update_draft_decode_metadata(metadata)
+        self.derived[_derived(metadata).shape[0]:].zero_()
+
+    def persistent_buffer_extents(self, metadata: ReferenceMetadata) -> dict[str, int]:
+        assert isinstance(metadata, QueryLensMetadata) and metadata.query_lens is not None
+        return {**super().persistent_buffer_extents(metadata),
+                "query_lens": metadata.query_lens.shape[0]}
+
+
+@dataclass
 class OwnSlotsMetadata(ReferenceMetadata):
     token_slots: torch.Tensor | None = None
     """The speculator's slot mapping (advanced in place), which the refresh copies from."""
@@ -220,6 +255,8 @@ class Mutant:
     gpu_diagnosis: str | None = None
     declares: tuple[str, ...] = (DERIVED_FIELD,)
     """The step-dependent fields the mutant's matrix entry declares."""
+    covers_first_step: bool = False
+    """What the mutant's matrix entry declares as ``refresh_covers_first_step``."""
 
     def expected(self, gpu: bool) -> tuple[Check, str]:
         if gpu and self.gpu_check is not None:
@@ -260,15 +297,23 @@ MUTANTS: tuple[Mutant, ...] = (
            "padding lanes writing a slot the batch itself writes in the same pass: the slot is "
            "expected and the oracle does the same, so only the slot mapping shows it",
            declares=("slot_mapping",)),
+    Mutant("build_only_field", BuildOnlyQueryLens, Check.STEP_METADATA,
+           "query_lens differs from a fresh eager build",
+           "a field only the build writes, under a matrix entry that says the refresh alone "
+           "readies the first draft step: a fused replay skips step 1's build and keeps the "
+           "first pass's values", covers_first_step=True),
 )
 
 
-def declaring_matrix(shipped: Matrix, fields: tuple[str, ...], backend: str = "reference") -> Matrix:
+def declaring_matrix(shipped: Matrix, fields: tuple[str, ...], backend: str = "reference", *,
+                     covers_first_step: bool = False) -> Matrix:
     """``shipped`` with ``backend``'s draft-decode declaration replaced by one that lists
-    ``fields`` as refreshed in-graph (``none_needed`` when there are none), as the adapter
-    of a mutant would declare them."""
+    ``fields`` as refreshed in-graph (``none_needed`` when there are none), and
+    ``refresh_covers_first_step`` as given, as the adapter of a mutant would declare
+    them."""
     strategy = RefreshStrategy.IN_GRAPH if fields else RefreshStrategy.NONE_NEEDED
-    draft = DraftDecode(supported=True, refresh_strategy=strategy, refreshed_fields=fields)
+    draft = DraftDecode(supported=True, refresh_strategy=strategy, refreshed_fields=fields,
+                        refresh_covers_first_step=covers_first_step)
     return shipped.replacing(shipped.backend(backend).model_copy(update={"draft_decode": draft}))
 
 
@@ -279,7 +324,8 @@ def mutants_matrix(shipped: Matrix) -> Matrix:
     is run (each in its worker, each failure's reproduce command re-run in a fresh one)."""
     entries = []
     for mutant in MUTANTS:
-        declared = declaring_matrix(shipped, mutant.declares).backend("reference")
+        declared = declaring_matrix(shipped, mutant.declares, covers_first_step=
+                                    mutant.covers_first_step).backend("reference")
         builder = mutant.builder
         entries.append(declared.model_copy(update={
             "name": mutant.name, "display_name": f"Known-bad builder: {mutant.name}",

@@ -214,6 +214,8 @@ class BackendVerifier:
         scale a cache is gigabytes per layer."""
         self.capture_seconds = 0.0
         self._probe_outcomes: list[Outcome] = []
+        self._unrefreshed_groups: set[int] = set()
+        """Groups (by id) whose first refresh of the probed run is still to come."""
         self._breakpoints: Breakpoints | None = None
         self.last_derived_changes = 0
         """Derived metadata elements that changed between the last oracle run's steps."""
@@ -456,6 +458,9 @@ class BackendVerifier:
             spec.kv_cache.restore(start)
             probed = candidate == Candidate(DecodePath.FUSED, graphs=False)
             spec.refresh_hook = self._probing_refresh if probed else None
+            self._unrefreshed_groups = (
+                {id(g) for g in spec.groups} if probed and spec.fused_refreshes_first_step
+                else set())
             try:
                 result = spec.propose(batch, candidate.path, use_graphs=candidate.graphs)
             except RefreshRaised:
@@ -559,7 +564,19 @@ class BackendVerifier:
 
     def _probing_refresh(self, group: AttentionGroup, metadata: Any) -> None:
         """The refresh, traced: host synchronisations and replaced tensors are findings; an
-        exception is a finding of its own (:class:`RefreshRaised` ends the candidate)."""
+        exception is a finding of its own (:class:`RefreshRaised` ends the candidate).
+
+        Where the matrix says the refresh readies the first draft step
+        (``refresh_covers_first_step``), the group's zero-tail buffers are poisoned whole
+        before its first refresh: the build before it ran before step 1's inputs existed,
+        as a replay's metadata was built for capture, and whatever of them the refresh does
+        not rewrite (a field only the build writes, a tail) then fails step 1's
+        step_metadata or the zero_tails check."""
+        if id(group) in self._unrefreshed_groups:
+            self._unrefreshed_groups.discard(id(group))
+            buffers = group.builder.persistent_buffers()
+            for name in group.builder.persistent_buffer_extents(metadata):
+                poison_(buffers[name])
         roots = {"metadata": metadata, "builder": group.builder}
         name = Candidate(DecodePath.FUSED, graphs=False).name
         try:
