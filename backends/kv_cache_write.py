@@ -4,11 +4,36 @@ adapters)."""
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 SINK_SLOT = 0
 """The reserved sink slot (the first slot of block 0, which no block table holds): padding
 tokens, and under decode context parallelism tokens another rank stores, write there, and
 nothing reads it. It is the speculator's ``PAD_SLOT``; a test holds the two equal."""
+
+
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+                     key_token_stride, value_token_stride, key_slot_stride, value_slot_stride,
+                     WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``t``: token ``t``'s key and value rows (``WIDTH`` contiguous elements each)
+    into slot ``slot_mapping[t]`` of each cache, converted to the cache's dtype."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < WIDTH
+    key = tl.load(key_ptr + token * key_token_stride + cols, mask=mask)
+    value = tl.load(value_ptr + token * value_token_stride + cols, mask=mask)
+    tl.store(key_cache_ptr + slot * key_slot_stride + cols,
+             key.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + slot * value_slot_stride + cols,
+             value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """Each ``[heads, head_size]`` row of ``x`` is one contiguous run."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def write_kv_cache(
@@ -17,15 +42,27 @@ def write_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    kernel: bool | None = None,
 ) -> None:
     """Scatter ``key``/``value`` (``[T, num_kv_heads, head_size]``) into the caches
     (``[num_blocks, block_size, num_kv_heads, head_size]``) at ``slot_mapping`` (``[T]``).
 
-    Capture-safe: one in-place ``index_copy_`` per cache. Padding tokens must map to the
-    reserved sink slot, never to a live one; which duplicate write wins there is undefined.
+    Capture-safe, every write in place: on CUDA one Triton kernel writes both caches (two
+    ``index_copy_`` launches elsewhere, or where a token's heads are not one contiguous
+    run; ``kernel`` forces or avoids the kernel). Padding tokens must map to the reserved
+    sink slot, never to a live one; which duplicate write wins there is undefined.
     """
     num_tokens = slot_mapping.shape[0]
     kv_heads, head_size = key_cache.shape[-2:]
+    use_kernel = key.is_cuda if kernel is None else kernel
+    if (use_kernel and num_tokens > 0 and _rows_contiguous(key) and _rows_contiguous(value)
+            and key_cache.is_contiguous() and value_cache.is_contiguous()):
+        width = kv_heads * head_size
+        _write_kv_kernel[(num_tokens,)](
+            key, value, key_cache, value_cache, slot_mapping, key.stride(0), value.stride(0),
+            width, width, WIDTH=width, BLOCK=triton.next_power_of_2(width))
+        return
     key_cache.view(-1, kv_heads, head_size).index_copy_(
         0, slot_mapping, key[:num_tokens].to(key_cache.dtype)
     )

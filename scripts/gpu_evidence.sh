@@ -149,7 +149,8 @@ if [ "$suite" = lean-core ]; then
   done
   timeout "${PYTEST_LIMIT:-150}" python3 -m pytest -rA -q -m cuda tests/test_model_kernels.py \
     tests/test_lane_kernels.py tests/test_speculator.py tests/test_bench.py \
-    tests/test_triton_specialization.py > "$out/pytest-cuda-lean-core.txt" 2>&1
+    tests/test_triton_specialization.py tests/test_kv_cache_write.py \
+    > "$out/pytest-cuda-lean-core.txt" 2>&1
   echo "pytest exit $?" >> "$out/pytest-cuda-lean-core.txt"
   # The bench and the tests above compiled some kernels into Triton's on-disk cache; a
   # user's first verify compiles the rest. The second run finds every kernel compiled.

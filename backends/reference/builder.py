@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -88,7 +87,9 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
             write_latent_cache(key[:n], key_cache, metadata.slot_mapping)
             value_cache = key_cache[..., : self.layer.kv_lora_rank]
         else:
-            write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping)
+            # Tensor ops even on CUDA: the oracle shares no kernel with the backends it judges.
+            write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping,
+                           kernel=False)
         if self.dcp is None:
             output[:n] = paged_attention_reference(
                 query[:n],
