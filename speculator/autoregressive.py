@@ -290,16 +290,18 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         self.token_request[:lanes].copy_(torch.arange(lanes, device=self.device) // q)
         self.is_real_req[:n] = True
         self.is_real_token[:lanes] = True
+        self.index_buffers.num_reqs.fill_(n)
 
     def _capture_one(self, key: tuple[str, int], body: Callable[[list[Any]], None]) -> None:
         """Dummy inputs for ``n`` lanes, all live at position 0 (length 1), every
         block-table entry the sink (so warm-up and capture write only the sink), written as
-        a propose writes step 1's lanes (slots included), then fresh capture metadata, then
-        capture."""
+        a propose writes step 1's lanes (slots included) after a pass of ``n`` requests of
+        length 0, then fresh capture metadata, then capture."""
         assert self.graphs is not None
         n = key[1]
         self._reset_index_buffers()
-        self._prepare_decode_inputs(n, n, torch.zeros(n, dtype=torch.int64, device=self.device))
+        self.index_buffers.num_reqs.fill_(n)
+        self._prepare_decode_inputs(n)
         desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, n, n, 1)
         base = np.zeros(n, np.int64)
         md: list[Any]
@@ -328,9 +330,13 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     def _first_pass_body(self, n: int, q: int, group_metadata: Sequence[Any]) -> None:
         """Draft token 0 of ``n`` requests of ``q`` tokens each (lanes ``r*q .. r*q+q-1``
         are request ``r``'s; padding requests' lanes write the sink and their drafts are
-        ignored). Capture-safe."""
+        ignored), then, with decode steps to come, the ``n`` decode lanes (no host value
+        of the batch needed, so a replay of this body leaves nothing for the host to do
+        before the decode steps). Capture-safe."""
         hidden = self._run_model(n * q, group_metadata).view(n, q, -1)[:, -1]
         self._store_draft_zero(hidden, self.buffers.positions[: n * q].view(n, q)[:, -1])
+        if self.num_steps > 1:
+            self._prepare_decode_inputs(n)
 
     def _store_draft_zero(self, hidden: torch.Tensor, positions: torch.Tensor) -> None:
         """Draft token 0 (and its logits) of the first ``len(hidden)`` requests from the
@@ -382,15 +388,20 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         chosen = self.auto_path if path is DecodePath.AUTO else path
         r = batch.num_reqs
         base = batch.seq_lens_after_prefill()
-        staged_base = self._prefill(batch, base, use_graphs)
+        desc = self.decode_descriptor(r)
+        replay = use_graphs and self.graphs is not None
+        early: list[Any] | None = None
+        if (self.num_steps > 1 and chosen is DecodePath.FUSED and not replay
+                and self.fused_refreshes_first_step):
+            # The eager fused body runs on metadata built before the call's inputs exist,
+            # as a replay's was built for capture: step 1 sees only what its refresh
+            # recomputes from the lanes.
+            early = self._build_decode_metadata(desc, r, base, 1)
+        self._prefill(batch, base, use_graphs, desc.num_tokens)
         if self.num_steps > 1:
-            desc = self.decode_descriptor(r)
-            replay = use_graphs and self.graphs is not None
             if chosen is DecodePath.FUSED:
-                self._fused_multi_step_decode(desc, r, base, staged_base, replay)
-                return r
-            self._prepare_decode_inputs(r, desc.num_tokens, staged_base)
-            if chosen is DecodePath.PREPLANNED:
+                self._fused_multi_step_decode(desc, r, base, replay, early)
+            elif chosen is DecodePath.PREPLANNED:
                 self._preplanned_multi_step_decode(desc, r, base, replay)
             else:
                 self._multi_step_decode(desc, r, base, replay)
@@ -406,16 +417,17 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         (q,) = widths
         return q if q in self.first_pass_query_lens else None
 
-    def _prefill(self, batch: DraftBatch, base: np.ndarray, use_graphs: bool) -> torch.Tensor:
+    def _prefill(self, batch: DraftBatch, base: np.ndarray, use_graphs: bool,
+                 lanes: int) -> None:
         """Draft token 0: one pass over each request's new tokens: padded over the bucket
         when :meth:`first_pass_width` says so (a graph replay where one was captured), else
-        eagerly over the real tokens. Returns ``base`` (each request's length after the
-        pass), staged on the device with the pass's inputs."""
+        eagerly over the real tokens; then, with decode steps to come, the ``lanes``
+        decode lanes (:meth:`_prepare_decode_inputs`: inside the padded pass's body)."""
         r = batch.num_reqs
         q = self.first_pass_width(batch)
         if q is not None:
             n = self.bucket_for(r)
-            _, (staged_base,) = self._write_pass_inputs(batch, batch.new_tokens, [base])
+            self._write_pass_inputs(batch, batch.new_tokens)
             common = build_uniform_attention_metadata(
                 buffers=self.buffers,
                 batch_desc=BatchExecutionDescriptor(CUDAGraphMode.FULL, n * q, n, q),
@@ -429,32 +441,34 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             if use_graphs and self.graphs is not None and key in self.graphs:
                 self.graphs.replay(key)
                 self.counters.first_pass_replays += 1
+                if self.num_steps > 1:
+                    self._record("slots", 1)
             else:
                 self._first_pass_body(n, q, md)
-            return staged_base
+            return
         last_host = np.cumsum([len(row) for row in batch.new_tokens]) - 1
-        hidden, _, (last, staged_base) = self._eager_pass(batch, batch.new_tokens,
-                                                           [last_host, base])
+        hidden, _, (last,) = self._eager_pass(batch, batch.new_tokens, [last_host])
         self._store_draft_zero(hidden[last], self.buffers.positions[last])
-        return staged_base
+        if self.num_steps > 1:
+            self._prepare_decode_inputs(lanes)
 
-    def _prepare_decode_inputs(self, r: int, n: int, base_lens: torch.Tensor) -> None:
+    def _prepare_decode_inputs(self, n: int) -> None:
         """Lanes ``0..n-1`` for decode: draft token 0 as input, positions, lengths and slots
-        for step 1 from ``base_lens`` (the ``r`` real requests' lengths after the prefill
-        pass, on the device; clamped at ``max_model_len``); padding lanes have length 0,
-        sink slots; the query offsets one token per real request
-        (:func:`~speccheck.speculator.decode_inputs.prepare_decode_lanes`). Step 1's slot
-        mapping is final here, before any step-1 metadata is built or refreshed; the trace
-        records it as ``("slots", 1)``."""
+        for step 1 from the pass's requests and their lengths after it, read on the device
+        (clamped at ``max_model_len``); padding lanes have length 0, sink slots; the query
+        offsets one token per real request
+        (:func:`~speccheck.speculator.decode_inputs.prepare_decode_lanes`). Capture-safe.
+        Step 1's slot mapping is final here, before any step-1 metadata is built or
+        refreshed; the trace records it as ``("slots", 1)``."""
         b = self.buffers
         lanes = DecodeLaneBuffers(
             positions=b.positions[:n], seq_lens=b.seq_lens[:n], input_ids=self.input_ids[:n],
             token_request=self.token_request[:n], is_real_req=self.is_real_req[:n],
             is_real_token=self.is_real_token[:n], slot_mapping=b.slot_mapping[:n],
-            query_start_loc=b.query_start_loc[: n + 1], block_table=b.block_table, draft_tokens=self.draft_tokens[:n],
-            current_step=self.current_step)
-        prepare_decode_lanes(lanes, base_lens[:r], self.max_model_len, self.block_size,
-                             kernel=self.kernel)
+            query_start_loc=b.query_start_loc[: n + 1], block_table=b.block_table,
+            draft_tokens=self.draft_tokens[:n], current_step=self.current_step,
+            num_reqs=self.index_buffers.num_reqs)
+        prepare_decode_lanes(lanes, self.max_model_len, self.block_size, kernel=self.kernel)
         self._record("slots", 1)
 
     def _multi_step_decode(
@@ -483,25 +497,20 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             self.counters.graph_replays += 1
 
     def _fused_multi_step_decode(
-        self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray,
-        staged_base: torch.Tensor, replay: bool,
+        self, desc: BatchExecutionDescriptor, r: int, base: np.ndarray, replay: bool,
+        early: list[Any] | None,
     ) -> None:
-        """Fused path: the decode lanes (:meth:`_prepare_decode_inputs`), then one replay
-        of the fused graph, or the same body eagerly.
+        """Fused path: one replay of the fused graph, or the same body eagerly.
 
         Where :attr:`fused_refreshes_first_step`, a replay follows the lanes directly: they
         hold every input step 1 reads, and the graph refreshes each step's metadata in
-        place, step 1's included. The eager body then runs on metadata built *before* the
-        lanes exist, as a replay's was built for capture: step 1 sees only what the
-        body's first refresh recomputes. Otherwise step 1's metadata is built after the
-        lanes (this also writes the builders' persistent buffers the graph reads) and the
-        body refreshes between steps only."""
+        place, step 1's included. The eager body then runs on ``early``, metadata built
+        before the call's inputs existed (see :meth:`_draft`). Otherwise step 1's metadata
+        is built here (this also writes the builders' persistent buffers the graph reads)
+        and the body refreshes between steps only."""
         n = desc.num_tokens
-        if self.fused_refreshes_first_step:
-            md = None if replay else self._build_decode_metadata(desc, r, base, 1)
-            self._prepare_decode_inputs(r, n, staged_base)
-        else:
-            self._prepare_decode_inputs(r, n, staged_base)
+        md = early
+        if not self.fused_refreshes_first_step:
             md = self._build_decode_metadata(desc, r, base, 1)
         if not replay:
             assert md is not None

@@ -153,7 +153,8 @@ class DraftModelSpeculator:
             query_start_loc=b.query_start_loc, is_real_req=self.is_real_req,
             positions=b.positions, input_ids=self.input_ids, token_request=self.token_request,
             slot_mapping=b.slot_mapping, is_real_token=self.is_real_token,
-            draft_tokens=self.draft_tokens, current_step=self.current_step)
+            draft_tokens=self.draft_tokens, current_step=self.current_step,
+            num_reqs=torch.zeros((), dtype=torch.int64, device=device))
         """Every index buffer, for :meth:`_reset_index_buffers` and the one-kernel scatter
         of a pass's inputs."""
         self.staging = HostStaging(r * (max_blocks + 4) + 3 * t, device)

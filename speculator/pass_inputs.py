@@ -29,8 +29,9 @@ class IndexBuffers:
     ``seq_lens`` (int32), ``is_real_req`` (bool); ``query_start_loc`` ``[R + 1]`` (int32);
     ``block_table`` ``[R, max_blocks]`` (int32, rows contiguous); per token (``[T]``):
     ``positions``, ``input_ids``, ``token_request``, ``slot_mapping`` (int64),
-    ``is_real_token`` (bool); ``draft_tokens`` ``[R, K]`` (int64, contiguous) and
-    ``current_step`` (an int64 scalar)."""
+    ``is_real_token`` (bool); ``draft_tokens`` ``[R, K]`` (int64, contiguous),
+    ``current_step`` and ``num_reqs`` (int64 scalars: the draft step, and the requests the
+    last pass wrote, which the decode lanes read on the device)."""
 
     block_table: torch.Tensor
     seeds: torch.Tensor
@@ -44,6 +45,7 @@ class IndexBuffers:
     is_real_token: torch.Tensor
     draft_tokens: torch.Tensor
     current_step: torch.Tensor
+    num_reqs: torch.Tensor
 
     def reset(self) -> None:
         """Zero every buffer but ``seeds`` (tensor ops; also inside capture)."""
@@ -73,7 +75,7 @@ def _scatter_pass_inputs_kernel(
     block_table_ptr, table_row_stride, table_rows, table_cols,
     seeds_ptr, seq_lens_ptr, query_start_loc_ptr, is_real_req_ptr,
     positions_ptr, input_ids_ptr, token_request_ptr, slot_mapping_ptr, is_real_token_ptr,
-    max_tokens, draft_tokens_ptr, draft_size, current_step_ptr,
+    max_tokens, draft_tokens_ptr, draft_size, current_step_ptr, num_reqs_ptr,
     BLOCK: tl.constexpr,
 ):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -112,6 +114,7 @@ def _scatter_pass_inputs_kernel(
     tl.store(is_real_token_ptr + idx, real_token, mask=in_tokens)
     tl.store(draft_tokens_ptr + idx, tl.zeros_like(idx).to(tl.int64), mask=idx < draft_size)
     tl.store(current_step_ptr + idx, tl.zeros_like(idx).to(tl.int64), mask=idx < 1)
+    tl.store(num_reqs_ptr + idx, tl.zeros_like(idx).to(tl.int64) + num_reqs, mask=idx < 1)
 
 
 _SCATTER_BLOCK = 1024
@@ -122,8 +125,8 @@ def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: i
     """:meth:`IndexBuffers.reset`, then ``inputs`` written into the head of each buffer:
     the first ``r`` rows of the block table (``width`` columns), seeds, lengths and
     ``is_real_req``; the first ``t`` positions, token ids, token-to-request entries and
-    ``is_real_token``; and the slot mapping of every token lane, final for the pass: the
-    first ``t`` (real) lanes as
+    ``is_real_token``; ``num_reqs`` set to ``r``; and the slot mapping of every token
+    lane, final for the pass: the first ``t`` (real) lanes as
     :func:`~speccheck.speculator.kv_cache.compute_slot_mapping` maps them through the
     written block table with ``block_size`` (``table[req, pos // block_size] * block_size
     + pos % block_size``), every other lane the sink slot (the reset's 0). Each real
@@ -146,6 +149,7 @@ def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: i
         buffers.token_request[:t].copy_(inputs.token_request)
         buffers.is_real_token[:t] = True
         buffers.is_real_req[:r] = True
+        buffers.num_reqs.fill_(r)
         compute_slot_mapping(buffers.positions[:t], buffers.token_request[:t],
                              buffers.block_table, buffers.is_real_token[:t], block_size,
                              out=buffers.slot_mapping[:t], kernel=False)
@@ -160,4 +164,4 @@ def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: i
         buffers.seeds, buffers.seq_lens, buffers.query_start_loc, buffers.is_real_req,
         buffers.positions, buffers.input_ids, buffers.token_request, buffers.slot_mapping,
         buffers.is_real_token, max_tokens, buffers.draft_tokens, buffers.draft_tokens.numel(),
-        buffers.current_step, BLOCK=_SCATTER_BLOCK)
+        buffers.current_step, buffers.num_reqs, BLOCK=_SCATTER_BLOCK)

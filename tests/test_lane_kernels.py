@@ -58,7 +58,7 @@ def _index_buffers(reqs: int, blocks: int, tokens: int, k: int, seed: int) -> In
         is_real_req=torch.ones(reqs, dtype=torch.bool), positions=ints(tokens),
         input_ids=ints(tokens), token_request=ints(tokens), slot_mapping=ints(tokens),
         is_real_token=torch.ones(tokens, dtype=torch.bool), draft_tokens=ints(reqs, k),
-        current_step=torch.tensor(3))
+        current_step=torch.tensor(3), num_reqs=torch.tensor(17))
 
 
 def _assert_slots_as_computed(buffers: IndexBuffers | DecodeLaneBuffers, block_size: int,
@@ -104,20 +104,23 @@ def test_scatter_pass_inputs_kernel_matches_torch(data: st.DataObject, reqs: int
     scatter_pass_inputs(want, inputs, block_size, kernel=False)
     for name in IndexBuffers.__dataclass_fields__:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert int(want.block_table[r:].abs().sum()) == 0
+    assert int(want.block_table[r:].abs().sum()) == 0 and int(want.num_reqs) == r
     _assert_slots_as_computed(got, block_size, t)
     inside = (inputs.positions // block_size < width) & (inputs.token_request < r)
     assert bool((got.slot_mapping[:t][inside] >= block_size).all()), "a staged block is live"
 
 
-def _lanes(n: int, k: int, seed: int, cols: int = 40) -> DecodeLaneBuffers:
-    """Decode-lane buffers holding leftovers of an earlier call (every entry stale), and a
-    block table of more rows than lanes whose rows are contiguous but strided (a column
-    slice of a wider table), every entry a live block."""
+def _lanes(n: int, k: int, seed: int, base: torch.Tensor, cols: int = 40) -> DecodeLaneBuffers:
+    """Decode-lane buffers as a pass over ``len(base)`` requests leaves them: its
+    requests' lengths ``base`` at the head of ``seq_lens``, every other entry a leftover of
+    an earlier call (stale), and a block table of more rows than lanes whose rows are
+    contiguous but strided (a column slice of a wider table), every entry a live block."""
     gen = torch.Generator().manual_seed(seed)
+    seq_lens = torch.randint(0, 99, (n,), generator=gen, dtype=torch.int32)
+    seq_lens[: len(base)] = base
     return DecodeLaneBuffers(
         positions=torch.randint(0, 99, (n,), generator=gen),
-        seq_lens=torch.randint(0, 99, (n,), generator=gen, dtype=torch.int32),
+        seq_lens=seq_lens,
         input_ids=torch.randint(0, 99, (n,), generator=gen),
         token_request=torch.randint(0, 99, (n,), generator=gen),
         is_real_req=torch.rand(n, generator=gen) < 0.5,
@@ -128,6 +131,7 @@ def _lanes(n: int, k: int, seed: int, cols: int = 40) -> DecodeLaneBuffers:
                                   dtype=torch.int32)[:, :cols],
         draft_tokens=torch.randint(0, 99, (n, k), generator=gen),
         current_step=torch.tensor(5),
+        num_reqs=torch.tensor(len(base)),
     )
 
 
@@ -142,12 +146,13 @@ def test_prepare_decode_lanes_kernel_matches_torch(n: int, data: st.DataObject, 
     r = data.draw(st.integers(0, n))
     max_len = 40
     base = torch.randint(max_len - 3, max_len + 2, (r,), generator=torch.Generator().manual_seed(seed))
-    got, want = _lanes(n, k, seed), _lanes(n, k, seed)
-    prepare_decode_lanes(got, base, max_len, block_size, kernel=True)
-    prepare_decode_lanes(want, base, max_len, block_size, kernel=False)
+    got, want = _lanes(n, k, seed, base), _lanes(n, k, seed, base)
+    prepare_decode_lanes(got, max_len, block_size, kernel=True)
+    prepare_decode_lanes(want, max_len, block_size, kernel=False)
     for name in DecodeLaneBuffers.__dataclass_fields__:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert int(want.current_step) == 1 and not bool(want.is_real_req[r:].any())
+    assert want.seq_lens[:r].tolist() == (base + 1).clamp(max=max_len).tolist()
     assert want.query_start_loc.tolist() == [min(i, r) for i in range(n + 1)]
     _assert_slots_as_computed(got, block_size, r)
     assert bool((got.slot_mapping[:r] >= block_size).all()), "real lanes write live blocks"
@@ -164,13 +169,13 @@ compile(ASTSource(kv_cache._slot_mapping_kernel, {"positions_ptr": "*i64",
         "out_ptr": "*i64", "table_row_stride": "i32", "num_tokens": "i32", "block_size": "i32",
         "pad_slot": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}), target=target)
 print("slots ok")
-compile(ASTSource(decode_inputs._prepare_decode_lanes_kernel, {"base_ptr": "*i64",
+compile(ASTSource(decode_inputs._prepare_decode_lanes_kernel, {"num_reqs_ptr": "*i64",
         "positions_ptr": "*i64", "seq_lens_ptr": "*i32", "input_ids_ptr": "*i64",
         "token_request_ptr": "*i64", "is_real_req_ptr": "*i1", "is_real_token_ptr": "*i1",
         "slot_mapping_ptr": "*i64", "query_start_loc_ptr": "*i32", "block_table_ptr": "*i32",
         "table_row_stride": "i32", "draft_tokens_ptr": "*i64", "current_step_ptr": "*i64",
         "draft_row_stride": "i32",
-        "num_lanes": "i32", "num_reqs": "i32", "max_model_len": "i32", "block_size": "i32",
+        "num_lanes": "i32", "max_model_len": "i32", "block_size": "i32",
         "BLOCK": "constexpr"}, {"BLOCK": 256}), target=target)
 print("lanes ok")
 from speccheck.speculator import pass_inputs
@@ -182,7 +187,8 @@ compile(ASTSource(pass_inputs._scatter_pass_inputs_kernel, {"table_ptr": "*i64",
         "query_start_loc_ptr": "*i32", "is_real_req_ptr": "*i1", "positions_ptr": "*i64",
         "input_ids_ptr": "*i64", "token_request_ptr": "*i64", "slot_mapping_ptr": "*i64",
         "is_real_token_ptr": "*i1", "max_tokens": "i32", "draft_tokens_ptr": "*i64",
-        "draft_size": "i32", "current_step_ptr": "*i64", "BLOCK": "constexpr"},
+        "draft_size": "i32", "current_step_ptr": "*i64", "num_reqs_ptr": "*i64",
+        "BLOCK": "constexpr"},
         {"BLOCK": 1024}), target=target)
 print("scatter ok")
 """
@@ -241,11 +247,11 @@ def test_cuda_lane_kernels_match_torch() -> None:
                          is_real.to(cuda), 16, slots_got)
     compute_slot_mapping(positions, requests, table, is_real, 16, slots_want, kernel=False)
     assert torch.equal(slots_got.cpu(), slots_want)
-    lanes_got = _on(_lanes(reqs, k, 2, cols=256), cuda)
-    lanes_want = _lanes(reqs, k, 2, cols=256)
-    base = torch.randint(4000, 4100, (40,), generator=gen)
-    prepare_decode_lanes(lanes_got, base.to(cuda), 4096, 16)
-    prepare_decode_lanes(lanes_want, base, 4096, 16, kernel=False)
+    base = torch.randint(4000, 4100, (40,), generator=gen, dtype=torch.int32)
+    lanes_got = _on(_lanes(reqs, k, 2, base, cols=256), cuda)
+    lanes_want = _lanes(reqs, k, 2, base, cols=256)
+    prepare_decode_lanes(lanes_got, 4096, 16)
+    prepare_decode_lanes(lanes_want, 4096, 16, kernel=False)
     for name in DecodeLaneBuffers.__dataclass_fields__:
         assert torch.equal(getattr(lanes_got, name).cpu(), getattr(lanes_want, name)), name
     _assert_slots_as_computed(lanes_got, 16, 40)
