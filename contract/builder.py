@@ -164,9 +164,10 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     ``update_draft_decode_metadata`` is the one method that runs *inside* a captured fused
     draft-decode graph (or the eager fused loop), between draft steps, after the speculator
     has advanced ``seq_lens``/``positions``/``slot_mapping`` in place; and, where the
-    matrix entry says ``refresh_covers_first_step``, before the first step as well, after
-    the speculator has written that step's lanes (lengths, positions, slots, query
-    offsets), with no build of that step in between.
+    matrix entry says ``refresh_rebuilds``, also in place of a build: at the start of the
+    first pass's graph and before the first draft step, after the speculator has written
+    that pass's inputs (lengths, positions, slots, query offsets, block table), on
+    metadata built for capture.
 
     Which attributes of ``M`` depend on the draft step is declared once, in the backend's
     matrix entry (``draft_decode.refreshed_fields``), not here: the verifier snapshots
@@ -219,9 +220,10 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         """Refresh the step-dependent fields of ``metadata`` for the next draft step.
 
         Contract: called only while a fused draft-decode graph is being captured, or in the
-        eager fused loop, never after the last step (and before the first only where the
-        matrix entry declares ``refresh_covers_first_step``: then the refresh must leave
-        what a build of that step would, from the step's inputs alone). It must emit only capture-safe GPU work
+        eager fused loop, never after the last step (and, where the matrix entry declares
+        ``refresh_rebuilds``, in place of a build of the first pass and of step 1: then the
+        refresh must leave what a build of that batch would, from the inputs alone). It
+        must emit only capture-safe GPU work
         (no ``.item()``, ``.tolist()``, ``nonzero``, host copies, or host-side decisions on
         device values) and must write results *in place* into storage that outlives the call
         (the builder's persistent buffers or the metadata's existing tensors): a replay

@@ -30,9 +30,10 @@ class AttentionGroup:
     step_dependent_fields: tuple[str, ...] = ()
     """The matrix's declaration of the metadata fields that depend on the draft step
     (:attr:`~speccheck.contract.matrix_model.DraftDecode.step_dependent_fields`)."""
-    refresh_covers_first_step: bool = False
+    refresh_rebuilds: bool = False
     """The matrix's :attr:`~speccheck.contract.matrix_model.DraftDecode.
-    refresh_covers_first_step`: the refresh alone readies the first draft step."""
+    refresh_rebuilds`: the refresh can stand in for a build of any batch of its metadata's
+    layout."""
 
     @property
     def supports_draft_decode_metadata_update(self) -> bool:

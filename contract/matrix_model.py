@@ -326,18 +326,20 @@ class DraftDecode(StrictModel):
         description="Lazily filled caches that must be cleared between draft steps "
         "(forgetting one reuses the previous step's contents).",
     )
-    refresh_covers_first_step: StrictBool = Field(
+    refresh_rebuilds: StrictBool = Field(
         False,
-        description="Whether the in-graph refresh recomputes everything the fused draft "
-        "steps read from the speculator's step inputs alone (lengths, positions, slot "
-        "mapping, query offsets, block table), tails included, so that run before the "
-        "first draft step it leaves what a build of that step would. Then the fused graph "
-        "refreshes before step 1 too, and a fused propose builds no step-1 metadata on the "
-        "host (one build fewer on the launching thread). `speccheck verify` holds a backend "
-        "to it: its fused candidates build their metadata object before step 1's inputs "
-        "exist and refresh it, so a refresh that advances fields instead of recomputing "
-        "them, or a build that writes what the refresh does not, fails step 1's checks. "
-        "Only with `supported` not false and `refresh_strategy` in_graph or none_needed.",
+        description="Whether the in-graph refresh rebuilds the metadata: recomputes, from "
+        "the speculator's inputs alone (lengths, positions, slot mapping, query offsets, "
+        "block table) and the host values the metadata was built with, everything a build "
+        "writes, tails included, for a pass of any layout (a padded first pass, a decode "
+        "step). Then, where the config may fuse, the graphs build no metadata on the host: "
+        "the first pass's graph refreshes before its forward and the fused graph before "
+        "step 1 too (a fused propose's host work is its inputs' staging and two replays). "
+        "`speccheck verify` holds a backend to it: its eager fused candidate builds each "
+        "metadata object before the call's inputs exist and poisons the zero-tail buffers "
+        "before refreshing it, so a refresh that advances fields instead of recomputing "
+        "them, or a build that writes what the refresh does not, fails. Only with "
+        "`supported` not false and `refresh_strategy` in_graph or none_needed.",
     )
 
     @model_validator(mode="after")
@@ -374,11 +376,11 @@ class DraftDecode(StrictModel):
                  "one cache) when refresh_strategy is in_graph; use none_needed if nothing "
                  "changes between draft steps")
             )
-        if self.refresh_covers_first_step and (
+        if self.refresh_rebuilds and (
             self.supported is False or strategy is RefreshStrategy.HOST_PREPLANNED
         ):
             violations.append(
-                (("refresh_covers_first_step",), "must be false when supported is false or "
+                (("refresh_rebuilds",), "must be false when supported is false or "
                  "refresh_strategy is host_preplanned: only a fused graph refreshes in place")
             )
         if strategy is RefreshStrategy.HOST_PREPLANNED and self.supported is not False:

@@ -126,7 +126,7 @@ def build_attention_groups(
             groups[name] = AttentionGroup(
                 name, builder, (), entry.draft_decode.refresh_strategy,
                 entry.cudagraph_support, entry.draft_decode.step_dependent_fields,
-                entry.draft_decode.refresh_covers_first_step,
+                entry.draft_decode.refresh_rebuilds,
             )
         group = groups[name]
         group.layer_indices = (*group.layer_indices, index)

@@ -116,11 +116,13 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         return self.fused_decision.enabled
 
     @property
-    def fused_refreshes_first_step(self) -> bool:
-        """Every group's refresh alone readies the first draft step (the matrix's
-        ``refresh_covers_first_step``): the fused body refreshes before step 1 too, and a
-        fused replay needs no host build of step 1's metadata."""
-        return all(g.refresh_covers_first_step for g in self.groups)
+    def refresh_rebuilds_in_graph(self) -> bool:
+        """The matrix lets this config fuse, and every group's refresh rebuilds its metadata
+        from the inputs alone (``refresh_rebuilds``): the graphs then build no metadata on
+        the host. The first pass's body refreshes its metadata before the forward (the
+        pass's scatter wrote every input it reads), and the fused body refreshes before
+        step 1 too (the lanes wrote step 1's)."""
+        return self.use_fused_multi_step_decode and all(g.refresh_rebuilds for g in self.groups)
 
     @property
     def preplanned_capable(self) -> bool:
@@ -203,20 +205,25 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     def _generate_fused_drafts(self, n: int, group_metadata: Sequence[Any]) -> None:
         """Every decode step in one body, with ``group_metadata`` refreshed in place between
         steps (after the positions advanced and the slots were recomputed), never after the
-        last; where :attr:`fused_refreshes_first_step`, before step 1 too, from the lanes
+        last; where :attr:`refresh_rebuilds_in_graph`, before step 1 too, from the lanes
         :meth:`_prepare_decode_inputs` wrote."""
-        first = self.fused_refreshes_first_step
+        first = self.refresh_rebuilds_in_graph
         for step in range(1, self.num_steps):
             if step > 1 and self.config.advance_draft_positions:
                 self._compute_slot_mappings(n, step)
             if (step == 1 and first) or (step > 1 and self.config.advance_draft_positions):
-                for group, md in zip(self.groups, group_metadata, strict=True):
-                    if self.refresh_hook is None:
-                        group.update_draft_decode_metadata(md)
-                    else:
-                        self.refresh_hook(group, md)
-                    self._record("refresh", id(md))
+                self._refresh(group_metadata)
             self._generate_draft(n, group_metadata, step)
+
+    def _refresh(self, group_metadata: Sequence[Any]) -> None:
+        """Each group's in-graph refresh of its metadata (through :attr:`refresh_hook`
+        where one is set). Capture-safe as the refreshes are."""
+        for group, md in zip(self.groups, group_metadata, strict=True):
+            if self.refresh_hook is None:
+                group.update_draft_decode_metadata(md)
+            else:
+                self.refresh_hook(group, md)
+            self._record("refresh", id(md))
 
     def _generate_preplanned_drafts(self, n: int, per_step: Sequence[Sequence[Any]]) -> None:
         """Every decode step in one body with metadata planned ahead per step
@@ -325,14 +332,22 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         )
         self._compute_slot_mappings(lanes, 0)
         md = [g.build_for_cudagraph_capture(common) for g in self.groups]
-        self.graphs.capture((FIRST_PASS, n, q), lambda: self._first_pass_body(n, q, md))
+        refresh = self.refresh_rebuilds_in_graph
+        self.graphs.capture((FIRST_PASS, n, q), lambda: self._first_pass_body(n, q, md, refresh))
 
-    def _first_pass_body(self, n: int, q: int, group_metadata: Sequence[Any]) -> None:
+    def _first_pass_body(self, n: int, q: int, group_metadata: Sequence[Any],
+                         refresh: bool) -> None:
         """Draft token 0 of ``n`` requests of ``q`` tokens each (lanes ``r*q .. r*q+q-1``
         are request ``r``'s; padding requests' lanes write the sink and their drafts are
         ignored), then, with decode steps to come, the ``n`` decode lanes (no host value
         of the batch needed, so a replay of this body leaves nothing for the host to do
-        before the decode steps). Capture-safe."""
+        before the decode steps). With ``refresh``, ``group_metadata`` is first refreshed
+        in place from the pass's inputs (a build's stand-in: see
+        :attr:`refresh_rebuilds_in_graph`). Capture-safe."""
+        if refresh:
+            self._refresh(group_metadata)
+        if self.first_pass_observer is not None:
+            self.first_pass_observer(n * q, 0, group_metadata, None)
         hidden = self._run_model(n * q, group_metadata).view(n, q, -1)[:, -1]
         self._store_draft_zero(hidden, self.buffers.positions[: n * q].view(n, q)[:, -1])
         if self.num_steps > 1:
@@ -392,12 +407,12 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         replay = use_graphs and self.graphs is not None
         early: list[Any] | None = None
         if (self.num_steps > 1 and chosen is DecodePath.FUSED and not replay
-                and self.fused_refreshes_first_step):
+                and self.refresh_rebuilds_in_graph):
             # The eager fused body runs on metadata built before the call's inputs exist,
             # as a replay's was built for capture: step 1 sees only what its refresh
             # recomputes from the lanes.
             early = self._build_decode_metadata(desc, r, base, 1)
-        self._prefill(batch, base, use_graphs, desc.num_tokens)
+        self._prefill(batch, base, use_graphs, desc.num_tokens, emulate=early is not None)
         if self.num_steps > 1:
             if chosen is DecodePath.FUSED:
                 self._fused_multi_step_decode(desc, r, base, replay, early)
@@ -417,40 +432,53 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         (q,) = widths
         return q if q in self.first_pass_query_lens else None
 
-    def _prefill(self, batch: DraftBatch, base: np.ndarray, use_graphs: bool,
-                 lanes: int) -> None:
+    def _prefill(self, batch: DraftBatch, base: np.ndarray, use_graphs: bool, lanes: int,
+                 emulate: bool = False) -> None:
         """Draft token 0: one pass over each request's new tokens: padded over the bucket
         when :meth:`first_pass_width` says so (a graph replay where one was captured), else
         eagerly over the real tokens; then, with decode steps to come, the ``lanes``
-        decode lanes (:meth:`_prepare_decode_inputs`: inside the padded pass's body)."""
+        decode lanes (:meth:`_prepare_decode_inputs`: inside the padded pass's body).
+
+        Where :attr:`refresh_rebuilds_in_graph`, a replay follows the pass's inputs
+        directly (its body refreshes its metadata); ``emulate`` runs the padded pass
+        eagerly as a replay runs it: on metadata built before the call's inputs existed,
+        refreshed in the body."""
         r = batch.num_reqs
         q = self.first_pass_width(batch)
         if q is not None:
             n = self.bucket_for(r)
-            self._write_pass_inputs(batch, batch.new_tokens)
-            common = build_uniform_attention_metadata(
-                buffers=self.buffers,
-                batch_desc=BatchExecutionDescriptor(CUDAGraphMode.FULL, n * q, n, q),
-                num_reqs=r, num_query_per_req=q, base_seq_lens_np=base, step=0,
-                max_model_len=self.max_model_len,
-            )
-            md = [g.build(common) for g in self.groups]
-            if self.first_pass_observer is not None:
-                self.first_pass_observer(n * q, 0, md, None)
             key = (FIRST_PASS, n, q)
-            if use_graphs and self.graphs is not None and key in self.graphs:
+            replay = use_graphs and self.graphs is not None and key in self.graphs
+            rebuild = self.refresh_rebuilds_in_graph and (replay or emulate)
+            md = self._first_pass_metadata(r, n, q, base) if rebuild and not replay else []
+            self._write_pass_inputs(batch, batch.new_tokens, uniform_width=q)
+            if not rebuild:
+                md = self._first_pass_metadata(r, n, q, base)
+            if replay:
+                assert self.graphs is not None
                 self.graphs.replay(key)
                 self.counters.first_pass_replays += 1
                 if self.num_steps > 1:
                     self._record("slots", 1)
             else:
-                self._first_pass_body(n, q, md)
+                self._first_pass_body(n, q, md, rebuild)
             return
         last_host = np.cumsum([len(row) for row in batch.new_tokens]) - 1
         hidden, _, (last,) = self._eager_pass(batch, batch.new_tokens, [last_host])
         self._store_draft_zero(hidden[last], self.buffers.positions[last])
         if self.num_steps > 1:
             self._prepare_decode_inputs(lanes)
+
+    def _first_pass_metadata(self, r: int, n: int, q: int, base: np.ndarray) -> list[Any]:
+        """Each group's metadata for the first pass of ``r`` requests padded to ``n`` of
+        ``q`` tokens each, built on the host from the buffers as they are. Host work."""
+        common = build_uniform_attention_metadata(
+            buffers=self.buffers,
+            batch_desc=BatchExecutionDescriptor(CUDAGraphMode.FULL, n * q, n, q),
+            num_reqs=r, num_query_per_req=q, base_seq_lens_np=base, step=0,
+            max_model_len=self.max_model_len,
+        )
+        return [g.build(common) for g in self.groups]
 
     def _prepare_decode_inputs(self, n: int) -> None:
         """Lanes ``0..n-1`` for decode: draft token 0 as input, positions, lengths and slots
@@ -502,7 +530,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     ) -> None:
         """Fused path: one replay of the fused graph, or the same body eagerly.
 
-        Where :attr:`fused_refreshes_first_step`, a replay follows the lanes directly: they
+        Where :attr:`refresh_rebuilds_in_graph`, a replay follows the lanes directly: they
         hold every input step 1 reads, and the graph refreshes each step's metadata in
         place, step 1's included. The eager body then runs on ``early``, metadata built
         before the call's inputs existed (see :meth:`_draft`). Otherwise step 1's metadata
@@ -510,7 +538,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         and the body refreshes between steps only."""
         n = desc.num_tokens
         md = early
-        if not self.fused_refreshes_first_step:
+        if not self.refresh_rebuilds_in_graph:
             md = self._build_decode_metadata(desc, r, base, 1)
         if not replay:
             assert md is not None

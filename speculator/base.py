@@ -250,7 +250,8 @@ class DraftModelSpeculator:
         self._copy_request_inputs(*self.staging.stage(self._request_arrays(batch)))
 
     def _write_pass_inputs(
-        self, batch: DraftBatch, rows: Sequence[Sequence[int]], extra: Sequence[np.ndarray] = ()
+        self, batch: DraftBatch, rows: Sequence[Sequence[int]], extra: Sequence[np.ndarray] = (),
+        uniform_width: int = 0,
     ) -> tuple[np.ndarray, list[torch.Tensor]]:
         """Inputs of a pass over ``rows[r]`` (tokens following request ``r``'s context):
         every index buffer reset, then the real tokens' lanes, lengths, block-table rows
@@ -258,8 +259,10 @@ class DraftModelSpeculator:
         ``extra`` (host arrays the caller needs next) and scattered by one kernel on CUDA
         (:func:`~speccheck.speculator.pass_inputs.scatter_pass_inputs`), which also writes
         the pass's slot mapping (real tokens' slots, the sink for every other lane): it is
-        final before any metadata is built, and the trace records it as ``("slots", 0)``.
-        Returns the query offsets and device views of ``extra``. Host work."""
+        final before any metadata is built, and the trace records it as ``("slots", 0)``;
+        for a pass padded over its bucket with ``uniform_width`` tokens per request, also
+        its query offsets. Returns the query offsets and device views of ``extra``. Host
+        work."""
         r = batch.num_reqs
         q = np.array([len(row) for row in rows], dtype=np.int64)
         t = int(q.sum())
@@ -275,7 +278,7 @@ class DraftModelSpeculator:
             [*self._request_arrays(batch), ctx + q, positions, ids, req_of_token, *extra])
         scatter_pass_inputs(self.index_buffers,
                             PassInputs(table, seeds, lens, pos, input_ids, token_request),
-                            self.block_size, kernel=self.kernel)
+                            self.block_size, uniform_width, kernel=self.kernel)
         self._record("slots", 0)
         return qsl, staged_extra
 

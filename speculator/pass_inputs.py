@@ -68,10 +68,10 @@ class PassInputs:
     token_request: torch.Tensor
 
 
-@triton.jit(do_not_specialize=("num_reqs", "num_tokens", "table_width"))
+@triton.jit(do_not_specialize=("num_reqs", "num_tokens", "table_width", "uniform_width"))
 def _scatter_pass_inputs_kernel(
     table_ptr, in_seeds_ptr, in_lens_ptr, in_positions_ptr, in_ids_ptr, in_requests_ptr,
-    num_reqs, num_tokens, table_width, block_size,
+    num_reqs, num_tokens, table_width, uniform_width, block_size,
     block_table_ptr, table_row_stride, table_rows, table_cols,
     seeds_ptr, seq_lens_ptr, query_start_loc_ptr, is_real_req_ptr,
     positions_ptr, input_ids_ptr, token_request_ptr, slot_mapping_ptr, is_real_token_ptr,
@@ -94,7 +94,7 @@ def _scatter_pass_inputs_kernel(
     length = tl.load(in_lens_ptr + idx, mask=real_req, other=0)
     tl.store(seq_lens_ptr + idx, length.to(seq_lens_ptr.dtype.element_ty), mask=in_reqs)
     tl.store(is_real_req_ptr + idx, real_req, mask=in_reqs)
-    tl.store(query_start_loc_ptr + idx, tl.zeros_like(length).to(
+    tl.store(query_start_loc_ptr + idx, (tl.minimum(idx, num_reqs) * uniform_width).to(
         query_start_loc_ptr.dtype.element_ty), mask=idx < table_rows + 1)
     # Per token.
     in_tokens = idx < max_tokens
@@ -120,13 +120,16 @@ def _scatter_pass_inputs_kernel(
 _SCATTER_BLOCK = 1024
 
 
-def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: int, *,
-                        kernel: bool | None = None) -> None:
+def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: int,
+                        uniform_width: int = 0, *, kernel: bool | None = None) -> None:
     """:meth:`IndexBuffers.reset`, then ``inputs`` written into the head of each buffer:
     the first ``r`` rows of the block table (``width`` columns), seeds, lengths and
     ``is_real_req``; the first ``t`` positions, token ids, token-to-request entries and
-    ``is_real_token``; ``num_reqs`` set to ``r``; and the slot mapping of every token
-    lane, final for the pass: the first ``t`` (real) lanes as
+    ``is_real_token``; ``num_reqs`` set to ``r``; the query offsets
+    ``query_start_loc[i] = min(i, r) * uniform_width`` (a pass padded over its bucket,
+    ``uniform_width`` tokens per request: what its metadata build would write; 0
+    otherwise, for the build to write); and the slot mapping of every token lane, final for
+    the pass: the first ``t`` (real) lanes as
     :func:`~speccheck.speculator.kv_cache.compute_slot_mapping` maps them through the
     written block table with ``block_size`` (``table[req, pos // block_size] * block_size
     + pos % block_size``), every other lane the sink slot (the reset's 0). Each real
@@ -150,6 +153,10 @@ def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: i
         buffers.is_real_token[:t] = True
         buffers.is_real_req[:r] = True
         buffers.num_reqs.fill_(r)
+        rows = buffers.query_start_loc.shape[0]
+        buffers.query_start_loc.copy_(
+            torch.arange(rows, device=buffers.query_start_loc.device).clamp_(max=r)
+            * uniform_width)
         compute_slot_mapping(buffers.positions[:t], buffers.token_request[:t],
                              buffers.block_table, buffers.is_real_token[:t], block_size,
                              out=buffers.slot_mapping[:t], kernel=False)
@@ -159,7 +166,7 @@ def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: i
     size = max(rows * cols, rows + 1, max_tokens, buffers.draft_tokens.numel(), 1)
     _scatter_pass_inputs_kernel[(triton.cdiv(size, _SCATTER_BLOCK),)](
         inputs.table, inputs.seeds, inputs.seq_lens, inputs.positions, inputs.input_ids,
-        inputs.token_request, r, t, width, block_size,
+        inputs.token_request, r, t, width, uniform_width, block_size,
         buffers.block_table, buffers.block_table.stride(0), rows, cols,
         buffers.seeds, buffers.seq_lens, buffers.query_start_loc, buffers.is_real_req,
         buffers.positions, buffers.input_ids, buffers.token_request, buffers.slot_mapping,

@@ -100,11 +100,14 @@ def test_scatter_pass_inputs_kernel_matches_torch(data: st.DataObject, reqs: int
         token_request=torch.randint(0, max(r, 1), (t,), generator=gen))
     got = _index_buffers(reqs, blocks, tokens, k, seed)
     want = _index_buffers(reqs, blocks, tokens, k, seed)
-    scatter_pass_inputs(got, inputs, block_size, kernel=True)
-    scatter_pass_inputs(want, inputs, block_size, kernel=False)
+    width_per_req = data.draw(st.integers(0, 4))
+    scatter_pass_inputs(got, inputs, block_size, width_per_req, kernel=True)
+    scatter_pass_inputs(want, inputs, block_size, width_per_req, kernel=False)
     for name in IndexBuffers.__dataclass_fields__:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert int(want.block_table[r:].abs().sum()) == 0 and int(want.num_reqs) == r
+    assert want.query_start_loc.tolist() == [min(i, r) * width_per_req
+                                             for i in range(reqs + 1)]
     _assert_slots_as_computed(got, block_size, t)
     inside = (inputs.positions // block_size < width) & (inputs.token_request < r)
     assert bool((got.slot_mapping[:t][inside] >= block_size).all()), "a staged block is live"
@@ -182,7 +185,8 @@ from speccheck.speculator import pass_inputs
 compile(ASTSource(pass_inputs._scatter_pass_inputs_kernel, {"table_ptr": "*i64",
         "in_seeds_ptr": "*i64", "in_lens_ptr": "*i64", "in_positions_ptr": "*i64",
         "in_ids_ptr": "*i64", "in_requests_ptr": "*i64", "num_reqs": "i32", "num_tokens": "i32",
-        "table_width": "i32", "block_size": "i32", "block_table_ptr": "*i32", "table_row_stride": "i32",
+        "table_width": "i32", "uniform_width": "i32", "block_size": "i32",
+        "block_table_ptr": "*i32", "table_row_stride": "i32",
         "table_rows": "i32", "table_cols": "i32", "seeds_ptr": "*i64", "seq_lens_ptr": "*i32",
         "query_start_loc_ptr": "*i32", "is_real_req_ptr": "*i1", "positions_ptr": "*i64",
         "input_ids_ptr": "*i64", "token_request_ptr": "*i64", "slot_mapping_ptr": "*i64",

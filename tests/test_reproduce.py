@@ -67,12 +67,12 @@ def _speccheck(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[
 Builder = type[AttentionMetadataBuilder]  # type: ignore[type-arg]
 
 
-def _settings(builder: Builder, declares: tuple[str, ...], covers_first_step: bool = False,
+def _settings(builder: Builder, declares: tuple[str, ...], rebuilds: bool = False,
               **changes: object) -> VerifySettings:
     """The self-test's settings for the reference backend with ``builder`` swapped in."""
     shipped = load_matrix(None)
     matrices = MatrixContext(
-        declaring_matrix(shipped, declares, covers_first_step=covers_first_step), None, shipped)
+        declaring_matrix(shipped, declares, rebuilds=rebuilds), None, shipped)
     settings = VerifySettings("reference", CPU_CONFIG, examples=12, steps=(4,),
                               capture_sizes=(2, 4), vocab_size=64,
                               builder_overrides=(("reference", builder),), matrices=matrices)
@@ -86,17 +86,17 @@ def _failed_checks(verifier: BackendVerifier, example: Example) -> set[Check]:
 # --- 1. poisoned tails: a stale tail fails on its own ---------------------------------------
 
 KNOWN_BAD_BUILDERS = [
-    pytest.param(m.builder, m.declares, m.covers_first_step, id=m.name) for m in MUTANTS
+    pytest.param(m.builder, m.declares, m.rebuilds, id=m.name) for m in MUTANTS
 ] + [pytest.param(LeftoverTail, ("kv_lens_plus_one",), False, id="leftover_tail")]
 
 
-@pytest.mark.parametrize(("builder", "declares", "covers_first_step"), KNOWN_BAD_BUILDERS)
+@pytest.mark.parametrize(("builder", "declares", "rebuilds"), KNOWN_BAD_BUILDERS)
 def test_a_failure_fails_the_same_way_from_a_fresh_verifier(
-    builder: Builder, declares: tuple[str, ...], covers_first_step: bool
+    builder: Builder, declares: tuple[str, ...], rebuilds: bool
 ) -> None:
     """What ``--reproduce`` does, in process: the failing example the search found (shrunk
     for at most a second) fails the same checks in a verifier that never ran another."""
-    settings = _settings(builder, declares, covers_first_step, shrink_seconds=1.0)
+    settings = _settings(builder, declares, rebuilds, shrink_seconds=1.0)
     report = BackendReport("reference", Tier.CPU, Status.PASSED)
     BackendVerifier(settings, CPU).run(report, lambda i, e: None)
     if report.status is Status.PASSED:

@@ -93,18 +93,19 @@ def test_counts_eager_k4(path: str) -> None:
     assert (spec.counters.eager_step_calls, spec.counters.graph_replays) == (3, 0)
 
 
-@pytest.mark.parametrize("covers_first_step", [True, False])
-def test_fused_loop_order_and_same_metadata_object(covers_first_step: bool) -> None:
-    """The seed's order refreshes between steps. Where the matrix says the refresh readies
-    the first step (the shipped reference entry does), step 1 is refreshed too, from the
-    lanes, so that a fused replay needs no host build."""
+@pytest.mark.parametrize("rebuilds", [True, False])
+def test_fused_loop_order_and_same_metadata_object(rebuilds: bool) -> None:
+    """The seed's order refreshes between steps. Where the matrix says the refresh
+    rebuilds the metadata (the shipped reference entry does), step 1 is refreshed too, from
+    the lanes, so that a fused replay needs no host build (and the first pass's metadata
+    is refreshed in its body, before these events)."""
     entry = MATRIX.backend("reference")
-    draft = entry.draft_decode.model_copy(update={"refresh_covers_first_step": covers_first_step})
+    draft = entry.draft_decode.model_copy(update={"refresh_rebuilds": rebuilds})
     matrix = MATRIX.replacing(entry.model_copy(update={"draft_decode": draft}))
     spec = create_speculator("autoregressive", ["reference"] * 2, _config(4), DRAFTER, DEVICE,
                              OPTIONS, matrix=matrix)
     assert isinstance(spec, AutoregressiveSpeculator)
-    assert spec.fused_refreshes_first_step is covers_first_step
+    assert spec.refresh_rebuilds_in_graph is rebuilds
     spec.trace = []
     spec.propose(_batch(), "fused")
     events = spec.trace
@@ -112,7 +113,7 @@ def test_fused_loop_order_and_same_metadata_object(covers_first_step: bool) -> N
     decode = events[events.index(("slots", 1)) + 1 :]
     names = [e for e, _ in decode]
     between = ["generate", "slots", "refresh", "generate", "slots", "refresh", "generate"]
-    assert names == (["refresh", *between] if covers_first_step else between)
+    assert names == (["refresh", *between] if rebuilds else between)
     refreshed = {v for e, v in decode if e == "refresh"}
     assert len(refreshed) == 1, "every refresh must receive the same metadata object"
 

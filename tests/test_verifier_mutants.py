@@ -34,7 +34,7 @@ def test_each_check_catches_its_mutant_with_real_graphs(mutant: Mutant) -> None:
     which bounds the run at serving scale without changing what the search finds."""
     check, phrase = mutant.expected(gpu=True)
     report = verify_builder(mutant.builder, torch.device("cuda"), shrink_seconds=10.0,
-                            declares=mutant.declares, covers_first_step=mutant.covers_first_step)
+                            declares=mutant.declares, rebuilds=mutant.rebuilds)
     assert report.status == "failed"
     matching = [f for f in report.failures if f.check == check]
     assert matching, f"{check} did not fail; failures: {report.failures}"
@@ -54,7 +54,7 @@ def test_each_mutant_is_caught_at_default_settings_for_ten_seeds(mutant: Mutant)
     for seed in range(10):
         report = verify_builder(mutant.builder, torch.device("cpu"), seed=seed,
                                 shrink_seconds=0.0, declares=mutant.declares,
-                                covers_first_step=mutant.covers_first_step)
+                                rebuilds=mutant.rebuilds)
         if not any(f.check == check and phrase in f.diagnosis for f in report.failures):
             missed.append((seed, [(f.check, f.diagnosis) for f in report.failures]))
         assert report.status == "failed" and report.minimal_example is not None

@@ -174,10 +174,10 @@ def _draft_lines(draft: DraftDecode) -> list[str]:
     lines.append(f"- Refresh strategy: `{strategy.value}`: {strategy.description}")
     lines.append(f"- Refreshed fields: {_code_list(draft.refreshed_fields)}")
     lines.append(f"- Invalidated caches: {_code_list(draft.invalidated_caches)}")
-    if draft.refresh_covers_first_step:
-        lines.append("- The refresh also readies the first draft step "
-                     "(`refresh_covers_first_step`): a fused propose builds no step-1 "
-                     "metadata on the host.")
+    if draft.refresh_rebuilds:
+        lines.append("- The refresh rebuilds the metadata (`refresh_rebuilds`): where the "
+                     "config may fuse, the graphs build no metadata on the host, the first "
+                     "pass's and step 1's included.")
     return lines
 
 

@@ -161,12 +161,12 @@ class QueryLensMetadata(DerivedMetadata):
 
 
 class BuildOnlyQueryLens(DerivedBuilder):
-    """Declares that its refresh readies the first draft step (``refresh_covers_first_step``)
-    and recomputes its derived lengths whole, tail included, but also keeps each request's
+    """Declares that its refresh rebuilds the metadata (``refresh_rebuilds``) and
+    recomputes its derived lengths whole, tail included, but also keeps each request's
     query length (from the query offsets) in a persistent buffer that only the build
     writes. The field never changes between draft steps, so it needs no declaration and
-    the per-step contract holds; a fused replay, which builds no step-1 metadata, keeps
-    the first pass's query lengths."""
+    the per-step contract holds; graphs that refresh instead of building keep whatever an
+    earlier build left there (a decode step, the first pass's query lengths)."""
 
     def setup(self) -> None:
         super().setup()
@@ -255,8 +255,8 @@ class Mutant:
     gpu_diagnosis: str | None = None
     declares: tuple[str, ...] = (DERIVED_FIELD,)
     """The step-dependent fields the mutant's matrix entry declares."""
-    covers_first_step: bool = False
-    """What the mutant's matrix entry declares as ``refresh_covers_first_step``."""
+    rebuilds: bool = False
+    """What the mutant's matrix entry declares as ``refresh_rebuilds``."""
 
     def expected(self, gpu: bool) -> tuple[Check, str]:
         if gpu and self.gpu_check is not None:
@@ -299,21 +299,21 @@ MUTANTS: tuple[Mutant, ...] = (
            declares=("slot_mapping",)),
     Mutant("build_only_field", BuildOnlyQueryLens, Check.STEP_METADATA,
            "query_lens differs from a fresh eager build",
-           "a field only the build writes, under a matrix entry that says the refresh alone "
-           "readies the first draft step: a fused replay skips step 1's build and keeps the "
-           "first pass's values", covers_first_step=True),
+           "a field only the build writes, under a matrix entry that says the refresh "
+           "rebuilds the metadata: graphs that refresh instead of building keep an earlier "
+           "build's values", rebuilds=True),
 )
 
 
 def declaring_matrix(shipped: Matrix, fields: tuple[str, ...], backend: str = "reference", *,
-                     covers_first_step: bool = False) -> Matrix:
+                     rebuilds: bool = False) -> Matrix:
     """``shipped`` with ``backend``'s draft-decode declaration replaced by one that lists
     ``fields`` as refreshed in-graph (``none_needed`` when there are none), and
-    ``refresh_covers_first_step`` as given, as the adapter of a mutant would declare
+    ``refresh_rebuilds`` as given, as the adapter of a mutant would declare
     them."""
     strategy = RefreshStrategy.IN_GRAPH if fields else RefreshStrategy.NONE_NEEDED
     draft = DraftDecode(supported=True, refresh_strategy=strategy, refreshed_fields=fields,
-                        refresh_covers_first_step=covers_first_step)
+                        refresh_rebuilds=rebuilds)
     return shipped.replacing(shipped.backend(backend).model_copy(update={"draft_decode": draft}))
 
 
@@ -324,8 +324,8 @@ def mutants_matrix(shipped: Matrix) -> Matrix:
     is run (each in its worker, each failure's reproduce command re-run in a fresh one)."""
     entries = []
     for mutant in MUTANTS:
-        declared = declaring_matrix(shipped, mutant.declares, covers_first_step=
-                                    mutant.covers_first_step).backend("reference")
+        declared = declaring_matrix(shipped, mutant.declares, rebuilds=
+                                    mutant.rebuilds).backend("reference")
         builder = mutant.builder
         entries.append(declared.model_copy(update={
             "name": mutant.name, "display_name": f"Known-bad builder: {mutant.name}",

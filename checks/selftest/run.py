@@ -111,12 +111,12 @@ def verify_builder(
     seed: int = 0,
     shrink_seconds: float = 120.0,
     declares: tuple[str, ...] = (DERIVED_FIELD,),
-    covers_first_step: bool = False,
+    rebuilds: bool = False,
 ) -> BackendReport:
     """:func:`verify_at_defaults` of the reference backend with ``builder`` swapped in,
     under a matrix whose ``reference`` entry declares ``declares`` as refreshed (and
-    ``refresh_covers_first_step`` as ``covers_first_step``)."""
-    matrix = declaring_matrix(load_matrix(None), declares, covers_first_step=covers_first_step)
+    ``refresh_rebuilds`` as ``rebuilds``)."""
+    matrix = declaring_matrix(load_matrix(None), declares, rebuilds=rebuilds)
     return verify_at_defaults("reference", builder, device, matrix, seed=seed,
                               shrink_seconds=shrink_seconds)
 
@@ -150,7 +150,7 @@ def run_selftest(device: torch.device) -> list[SelftestResult]:
     for mutant in MUTANTS:
         check, phrase = mutant.expected(gpu)
         report = verify_builder(mutant.builder, device, declares=mutant.declares,
-                                covers_first_step=mutant.covers_first_step)
+                                rebuilds=mutant.rebuilds)
         results.append(_result(mutant.name, check, mutant.recreates, report, phrase))
     shipped = load_matrix(None)
     for swa in SWA_MUTANTS:

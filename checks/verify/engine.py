@@ -214,8 +214,9 @@ class BackendVerifier:
         scale a cache is gigabytes per layer."""
         self.capture_seconds = 0.0
         self._probe_outcomes: list[Outcome] = []
-        self._unrefreshed_groups: set[int] = set()
-        """Groups (by id) whose first refresh of the probed run is still to come."""
+        self._poison_before_refresh = False
+        self._refreshed: set[tuple[int, int]] = set()
+        """(group, metadata) pairs (by id) the probed run has refreshed so far."""
         self._breakpoints: Breakpoints | None = None
         self.last_derived_changes = 0
         """Derived metadata elements that changed between the last oracle run's steps."""
@@ -458,9 +459,8 @@ class BackendVerifier:
             spec.kv_cache.restore(start)
             probed = candidate == Candidate(DecodePath.FUSED, graphs=False)
             spec.refresh_hook = self._probing_refresh if probed else None
-            self._unrefreshed_groups = (
-                {id(g) for g in spec.groups} if probed and spec.fused_refreshes_first_step
-                else set())
+            self._poison_before_refresh = probed and spec.refresh_rebuilds_in_graph
+            self._refreshed = set()
             try:
                 result = spec.propose(batch, candidate.path, use_graphs=candidate.graphs)
             except RefreshRaised:
@@ -566,14 +566,15 @@ class BackendVerifier:
         """The refresh, traced: host synchronisations and replaced tensors are findings; an
         exception is a finding of its own (:class:`RefreshRaised` ends the candidate).
 
-        Where the matrix says the refresh readies the first draft step
-        (``refresh_covers_first_step``), the group's zero-tail buffers are poisoned whole
-        before its first refresh: the build before it ran before step 1's inputs existed,
-        as a replay's metadata was built for capture, and whatever of them the refresh does
-        not rewrite (a field only the build writes, a tail) then fails step 1's
-        step_metadata or the zero_tails check."""
-        if id(group) in self._unrefreshed_groups:
-            self._unrefreshed_groups.discard(id(group))
+        Where the matrix says the refresh rebuilds the metadata (``refresh_rebuilds``), the
+        group's zero-tail buffers are poisoned whole before the first refresh of each
+        metadata object: the run built it before the call's inputs existed, as a replay's
+        was built for capture, and whatever of them the refresh does not rewrite (a field
+        only the build writes, a tail) then fails the step's step_metadata, the zero_tails
+        check, or the outputs."""
+        pair = (id(group), id(metadata))
+        if self._poison_before_refresh and pair not in self._refreshed:
+            self._refreshed.add(pair)
             buffers = group.builder.persistent_buffers()
             for name in group.builder.persistent_buffer_extents(metadata):
                 poison_(buffers[name])
