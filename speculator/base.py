@@ -26,7 +26,12 @@ from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.cudagraph_manager import CudaGraphManager, require_graph_support
 from speccheck.speculator.kv_cache import PagedKVCache, compute_slot_mapping
 from speccheck.speculator.model import DraftModel
-from speccheck.speculator.pass_inputs import IndexBuffers, PassInputs, scatter_pass_inputs
+from speccheck.speculator.pass_inputs import (
+    IndexBuffers,
+    PassInput,
+    PassInputs,
+    scatter_pass_inputs,
+)
 from speccheck.speculator.sampling import SamplingMethod
 from speccheck.speculator.staging import HostStaging
 
@@ -274,13 +279,12 @@ class DraftModelSpeculator:
         ctx = np.array(batch.context_lens, dtype=np.int64)
         positions = ctx[req_of_token] + (np.arange(t) - qsl[req_of_token])
         ids = np.fromiter((x for row in rows for x in row), dtype=np.int64, count=t)
-        table, seeds, lens, pos, input_ids, token_request, *staged_extra = self.staging.stage(
+        staged = self.staging.stage(
             [*self._request_arrays(batch), ctx + q, positions, ids, req_of_token, *extra])
-        scatter_pass_inputs(self.index_buffers,
-                            PassInputs(table, seeds, lens, pos, input_ids, token_request),
-                            self.block_size, uniform_width, kernel=self.kernel)
+        scatter_pass_inputs(self.index_buffers, PassInputs(staged), self.block_size,
+                            uniform_width, kernel=self.kernel)
         self._record("slots", 0)
-        return qsl, staged_extra
+        return qsl, staged[len(PassInput):]
 
     def _eager_pass(
         self, batch: DraftBatch, rows: Sequence[Sequence[int]], extra: Sequence[np.ndarray] = ()

@@ -12,6 +12,7 @@ then the slot mapping); here it is one.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from enum import IntEnum
 
 import torch
 import triton
@@ -19,6 +20,7 @@ import triton.language as tl
 
 from speccheck.speculator.kv_cache import PAD_SLOT_CONSTEXPR, compute_slot_mapping, table_slot
 from speccheck.speculator.model_kernels import use_kernels
+from speccheck.speculator.staging import StagedArrays
 
 
 @dataclass(frozen=True)
@@ -54,23 +56,51 @@ class IndexBuffers:
                 getattr(self, field.name).zero_()
 
 
+class PassInput(IntEnum):
+    """The order of a pass's arrays in its :class:`~speccheck.speculator.staging.
+    StagedArrays`: ``TABLE`` ``[r, width]`` (each request's block-table row, zero past its
+    end), ``SEEDS`` and ``SEQ_LENS`` (``[r]``), ``POSITIONS``, ``INPUT_IDS`` and
+    ``TOKEN_REQUEST`` (``[t]``, the pass's real tokens); anything staged after them is the
+    caller's."""
+
+    TABLE = 0
+    SEEDS = 1
+    SEQ_LENS = 2
+    POSITIONS = 3
+    INPUT_IDS = 4
+    TOKEN_REQUEST = 5
+
+
 @dataclass(frozen=True)
 class PassInputs:
-    """A batch's staged inputs on the device (int64): ``table`` ``[r, width]`` (each
-    request's block-table row, zero past its end), ``seeds``, ``seq_lens`` (``[r]``), and
-    ``positions``, ``input_ids``, ``token_request`` (``[t]``, the pass's real tokens)."""
+    """A batch's inputs as staged on the device (int64, in :class:`PassInput` order): the
+    kernel reads them from the one staging buffer at their offsets, so no view of them is
+    made on the host."""
 
-    table: torch.Tensor
-    seeds: torch.Tensor
-    seq_lens: torch.Tensor
-    positions: torch.Tensor
-    input_ids: torch.Tensor
-    token_request: torch.Tensor
+    staged: StagedArrays
+
+    @property
+    def num_reqs(self) -> int:
+        return self.staged.shapes[PassInput.TABLE][0]
+
+    @property
+    def width(self) -> int:
+        return self.staged.shapes[PassInput.TABLE][1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.staged.shapes[PassInput.POSITIONS][0]
+
+    def tensor(self, which: PassInput) -> torch.Tensor:
+        """A device view of one array (the tensor-op form's way in)."""
+        return self.staged[which]
 
 
-@triton.jit(do_not_specialize=("num_reqs", "num_tokens", "table_width", "uniform_width"))
+@triton.jit(do_not_specialize=("table_at", "seeds_at", "lens_at", "positions_at", "ids_at",
+                               "requests_at", "num_reqs", "num_tokens", "table_width",
+                               "uniform_width"))
 def _scatter_pass_inputs_kernel(
-    table_ptr, in_seeds_ptr, in_lens_ptr, in_positions_ptr, in_ids_ptr, in_requests_ptr,
+    staged_ptr, table_at, seeds_at, lens_at, positions_at, ids_at, requests_at,
     num_reqs, num_tokens, table_width, uniform_width, block_size,
     block_table_ptr, table_row_stride, table_rows, table_cols,
     seeds_ptr, seq_lens_ptr, query_start_loc_ptr, is_real_req_ptr,
@@ -79,6 +109,7 @@ def _scatter_pass_inputs_kernel(
     BLOCK: tl.constexpr,
 ):
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    table_ptr = staged_ptr + table_at
     # The block table, flattened: live rows and columns from the staged rows, the rest 0.
     row = idx // table_cols
     col = idx % table_cols
@@ -90,8 +121,9 @@ def _scatter_pass_inputs_kernel(
     # Per request.
     in_reqs = idx < table_rows
     real_req = idx < num_reqs
-    tl.store(seeds_ptr + idx, tl.load(in_seeds_ptr + idx, mask=real_req, other=0), mask=real_req)
-    length = tl.load(in_lens_ptr + idx, mask=real_req, other=0)
+    tl.store(seeds_ptr + idx, tl.load(staged_ptr + seeds_at + idx, mask=real_req, other=0),
+             mask=real_req)
+    length = tl.load(staged_ptr + lens_at + idx, mask=real_req, other=0)
     tl.store(seq_lens_ptr + idx, length.to(seq_lens_ptr.dtype.element_ty), mask=in_reqs)
     tl.store(is_real_req_ptr + idx, real_req, mask=in_reqs)
     tl.store(query_start_loc_ptr + idx, (tl.minimum(idx, num_reqs) * uniform_width).to(
@@ -99,10 +131,10 @@ def _scatter_pass_inputs_kernel(
     # Per token.
     in_tokens = idx < max_tokens
     real_token = idx < num_tokens
-    position = tl.load(in_positions_ptr + idx, mask=real_token, other=0)
-    request = tl.load(in_requests_ptr + idx, mask=real_token, other=0)
+    position = tl.load(staged_ptr + positions_at + idx, mask=real_token, other=0)
+    request = tl.load(staged_ptr + requests_at + idx, mask=real_token, other=0)
     tl.store(positions_ptr + idx, position, mask=in_tokens)
-    tl.store(input_ids_ptr + idx, tl.load(in_ids_ptr + idx, mask=real_token, other=0),
+    tl.store(input_ids_ptr + idx, tl.load(staged_ptr + ids_at + idx, mask=real_token, other=0),
              mask=in_tokens)
     tl.store(token_request_ptr + idx, request, mask=in_tokens)
     # The slot mapping, looked up in the staged rows: other programs are writing the block
@@ -140,16 +172,15 @@ def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: i
     launch arguments, so it runs eagerly, outside graphs (a captured launch would keep
     them). One Triton kernel on CUDA (``kernel`` forces or avoids it), tensor ops
     elsewhere."""
-    r, width = inputs.table.shape
-    t = inputs.positions.shape[0]
+    r, width, t = inputs.num_reqs, inputs.width, inputs.num_tokens
     if not (use_kernels(buffers.positions) if kernel is None else kernel):
         buffers.reset()
-        buffers.block_table[:r, :width].copy_(inputs.table)
-        buffers.seeds[:r].copy_(inputs.seeds)
-        buffers.seq_lens[:r].copy_(inputs.seq_lens)
-        buffers.positions[:t].copy_(inputs.positions)
-        buffers.input_ids[:t].copy_(inputs.input_ids)
-        buffers.token_request[:t].copy_(inputs.token_request)
+        buffers.block_table[:r, :width].copy_(inputs.tensor(PassInput.TABLE))
+        buffers.seeds[:r].copy_(inputs.tensor(PassInput.SEEDS))
+        buffers.seq_lens[:r].copy_(inputs.tensor(PassInput.SEQ_LENS))
+        buffers.positions[:t].copy_(inputs.tensor(PassInput.POSITIONS))
+        buffers.input_ids[:t].copy_(inputs.tensor(PassInput.INPUT_IDS))
+        buffers.token_request[:t].copy_(inputs.tensor(PassInput.TOKEN_REQUEST))
         buffers.is_real_token[:t] = True
         buffers.is_real_req[:r] = True
         buffers.num_reqs.fill_(r)
@@ -164,9 +195,9 @@ def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: i
     rows, cols = buffers.block_table.shape
     max_tokens = buffers.positions.shape[0]
     size = max(rows * cols, rows + 1, max_tokens, buffers.draft_tokens.numel(), 1)
+    staged = inputs.staged
     _scatter_pass_inputs_kernel[(triton.cdiv(size, _SCATTER_BLOCK),)](
-        inputs.table, inputs.seeds, inputs.seq_lens, inputs.positions, inputs.input_ids,
-        inputs.token_request, r, t, width, uniform_width, block_size,
+        staged.buffer, *staged.offsets[:len(PassInput)], r, t, width, uniform_width, block_size,
         buffers.block_table, buffers.block_table.stride(0), rows, cols,
         buffers.seeds, buffers.seq_lens, buffers.query_start_loc, buffers.is_real_req,
         buffers.positions, buffers.input_ids, buffers.token_request, buffers.slot_mapping,

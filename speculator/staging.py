@@ -3,8 +3,9 @@
 A propose call brings host data (block-table rows, seeds, lengths, positions, token ids):
 one small copy each costs a ``cudaMemcpyAsync`` from pageable memory (tens of microseconds
 of host time apiece). :class:`HostStaging` packs them into one pinned host buffer and
-sends them in a single copy; the caller then copies device views into its persistent
-buffers (device-to-device, asynchronous).
+sends them in a single copy; the caller then reads them on the device: a kernel from the
+one buffer at each array's offset, or tensor ops through views, made only when asked for
+(each view is a few microseconds of host time).
 
 Each array starts :data:`ALIGN_BYTES`-aligned in the buffer. Triton compiles a kernel once
 per pointer alignment it is handed (16-byte aligned or not): views at arbitrary offsets
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import overload
 
 import numpy as np
 import torch
@@ -23,6 +25,33 @@ import torch
 ALIGN_BYTES = 16
 _ALIGN = ALIGN_BYTES // torch.int64.itemsize
 """Staged arrays start at multiples of this many int64 values."""
+
+
+class StagedArrays(Sequence[torch.Tensor]):
+    """The arrays one :meth:`HostStaging.stage` sent, in order: int64 values in
+    :attr:`buffer` (device) from :attr:`offsets` on (each :data:`ALIGN_BYTES`-aligned),
+    shaped :attr:`shapes`. As a sequence: device views of them, made on access. Valid until
+    the next :meth:`HostStaging.stage`."""
+
+    def __init__(self, buffer: torch.Tensor, offsets: Sequence[int],
+                 shapes: Sequence[tuple[int, ...]]) -> None:
+        self.buffer = buffer
+        self.offsets = tuple(offsets)
+        self.shapes = tuple(shapes)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        offset, shape = self.offsets[index], self.shapes[index]
+        return self.buffer[offset: offset + math.prod(shape)].view(shape)
 
 
 class HostStaging:
@@ -42,10 +71,9 @@ class HostStaging:
         """Recorded after each copy (CUDA only); waited on before the pinned buffer is
         rewritten."""
 
-    def stage(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        """Copy ``arrays`` (integers, any shapes) to the device in one transfer; returns
-        int64 device views of the same shapes, each :data:`ALIGN_BYTES`-aligned, valid
-        until the next :meth:`stage`. Host work: never call it inside graph capture."""
+    def stage(self, arrays: Sequence[np.ndarray]) -> StagedArrays:
+        """Copy ``arrays`` (integers, any shapes) to the device in one transfer, each
+        :data:`ALIGN_BYTES`-aligned. Host work: never call it inside graph capture."""
         offsets = []
         total = 0
         for array in arrays:
@@ -61,5 +89,4 @@ class HostStaging:
         self.device_buffer[:total].copy_(self.host[:total], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        return [self.device_buffer[o: o + math.prod(a.shape)].view(a.shape)
-                for o, a in zip(offsets, arrays, strict=True)]
+        return StagedArrays(self.device_buffer, offsets, [a.shape for a in arrays])

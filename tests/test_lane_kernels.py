@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from speccheck.speculator.decode_inputs import DecodeLaneBuffers, prepare_decode_lanes
 from speccheck.speculator.kv_cache import PAD_SLOT, compute_slot_mapping
 from speccheck.speculator.pass_inputs import IndexBuffers, PassInputs, scatter_pass_inputs
+from speccheck.speculator.staging import HostStaging
 
 SMALL = settings(max_examples=15, deadline=None)
 
@@ -61,6 +62,13 @@ def _index_buffers(reqs: int, blocks: int, tokens: int, k: int, seed: int) -> In
         current_step=torch.tensor(3), num_reqs=torch.tensor(17))
 
 
+def _staged(arrays: list[torch.Tensor], device: torch.device) -> PassInputs:
+    """``arrays`` (table, seeds, lengths, positions, ids, token requests) staged as the
+    speculator stages a pass's inputs: one buffer, each array aligned at its own offset."""
+    staging = HostStaging(sum(a.numel() for a in arrays) + 1, device)
+    return PassInputs(staging.stage([a.numpy() for a in arrays]))
+
+
 def _assert_slots_as_computed(buffers: IndexBuffers | DecodeLaneBuffers, block_size: int,
                               real: int) -> None:
     """``buffers.slot_mapping`` is what ``compute_slot_mapping`` (both forms) writes from the
@@ -91,13 +99,13 @@ def test_scatter_pass_inputs_kernel_matches_torch(data: st.DataObject, reqs: int
     width = data.draw(st.integers(0, blocks))
     t = data.draw(st.integers(0, tokens))
     gen = torch.Generator().manual_seed(seed + 7)
-    inputs = PassInputs(
-        table=torch.randint(1, 500, (r, width), generator=gen),
-        seeds=torch.randint(0, 2**31, (r,), generator=gen),
-        seq_lens=torch.randint(1, 300, (r,), generator=gen),
-        positions=torch.randint(0, blocks * block_size, (t,), generator=gen),
-        input_ids=torch.randint(0, 300, (t,), generator=gen),
-        token_request=torch.randint(0, max(r, 1), (t,), generator=gen))
+    positions = torch.randint(0, blocks * block_size, (t,), generator=gen)
+    token_request = torch.randint(0, max(r, 1), (t,), generator=gen)
+    inputs = _staged([torch.randint(1, 500, (r, width), generator=gen),
+                      torch.randint(0, 2**31, (r,), generator=gen),
+                      torch.randint(1, 300, (r,), generator=gen), positions,
+                      torch.randint(0, 300, (t,), generator=gen), token_request],
+                     torch.device("cpu"))
     got = _index_buffers(reqs, blocks, tokens, k, seed)
     want = _index_buffers(reqs, blocks, tokens, k, seed)
     width_per_req = data.draw(st.integers(0, 4))
@@ -109,7 +117,7 @@ def test_scatter_pass_inputs_kernel_matches_torch(data: st.DataObject, reqs: int
     assert want.query_start_loc.tolist() == [min(i, r) * width_per_req
                                              for i in range(reqs + 1)]
     _assert_slots_as_computed(got, block_size, t)
-    inside = (inputs.positions // block_size < width) & (inputs.token_request < r)
+    inside = (positions // block_size < width) & (token_request < r)
     assert bool((got.slot_mapping[:t][inside] >= block_size).all()), "a staged block is live"
 
 
@@ -182,9 +190,9 @@ compile(ASTSource(decode_inputs._prepare_decode_lanes_kernel, {"num_reqs_ptr": "
         "BLOCK": "constexpr"}, {"BLOCK": 256}), target=target)
 print("lanes ok")
 from speccheck.speculator import pass_inputs
-compile(ASTSource(pass_inputs._scatter_pass_inputs_kernel, {"table_ptr": "*i64",
-        "in_seeds_ptr": "*i64", "in_lens_ptr": "*i64", "in_positions_ptr": "*i64",
-        "in_ids_ptr": "*i64", "in_requests_ptr": "*i64", "num_reqs": "i32", "num_tokens": "i32",
+compile(ASTSource(pass_inputs._scatter_pass_inputs_kernel, {"staged_ptr": "*i64",
+        "table_at": "i32", "seeds_at": "i32", "lens_at": "i32", "positions_at": "i32",
+        "ids_at": "i32", "requests_at": "i32", "num_reqs": "i32", "num_tokens": "i32",
         "table_width": "i32", "uniform_width": "i32", "block_size": "i32",
         "block_table_ptr": "*i32", "table_row_stride": "i32",
         "table_rows": "i32", "table_cols": "i32", "seeds_ptr": "*i64", "seq_lens_ptr": "*i32",
@@ -208,7 +216,7 @@ def test_lane_kernels_compile_for_sm90() -> None:
     assert proc.stdout.count(" ok") == 3, proc.stdout
 
 
-B = TypeVar("B", IndexBuffers, PassInputs, DecodeLaneBuffers)
+B = TypeVar("B", IndexBuffers, DecodeLaneBuffers)
 
 
 def _on(buffers: B, device: torch.device) -> B:
@@ -226,14 +234,13 @@ def test_cuda_lane_kernels_match_torch() -> None:
     cuda = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     reqs, blocks, tokens, k = 64, 2048, 256, 8
-    inputs = PassInputs(
-        table=torch.randint(1, 9999, (40, 300), generator=gen),
-        seeds=torch.randint(0, 2**31, (40,), generator=gen),
-        seq_lens=torch.randint(1, 4800, (40,), generator=gen),
-        positions=torch.randint(0, 4800, (200,), generator=gen),
-        input_ids=torch.randint(0, 32000, (200,), generator=gen),
-        token_request=torch.randint(0, 40, (200,), generator=gen))
-    on_gpu = _on(inputs, cuda)
+    arrays = [torch.randint(1, 9999, (40, 300), generator=gen),
+              torch.randint(0, 2**31, (40,), generator=gen),
+              torch.randint(1, 4800, (40,), generator=gen),
+              torch.randint(0, 4800, (200,), generator=gen),
+              torch.randint(0, 32000, (200,), generator=gen),
+              torch.randint(0, 40, (200,), generator=gen)]
+    inputs, on_gpu = _staged(arrays, torch.device("cpu")), _staged(arrays, cuda)
     got = _on(_index_buffers(reqs, blocks, tokens, k, 1), cuda)
     want = _index_buffers(reqs, blocks, tokens, k, 1)
     scatter_pass_inputs(got, on_gpu, 16)
@@ -246,7 +253,7 @@ def test_cuda_lane_kernels_match_torch() -> None:
     slots_want = torch.full((tokens,), -1, dtype=torch.int64)
     positions = torch.randint(0, 300 * 16, (tokens,), generator=gen)
     requests = torch.randint(0, 40, (tokens,), generator=gen)
-    table = inputs.table.int()
+    table = arrays[0].int()
     compute_slot_mapping(positions.to(cuda), requests.to(cuda), table.to(cuda),
                          is_real.to(cuda), 16, slots_got)
     compute_slot_mapping(positions, requests, table, is_real, 16, slots_want, kernel=False)
