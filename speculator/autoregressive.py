@@ -71,6 +71,10 @@ in-place GPU work (the verifier copies metadata into snapshot buffers there)."""
 
 FIRST_PASS = "first_pass"
 """Graph key prefix of the padded first pass: ``(FIRST_PASS, bucket, q)``."""
+FUSED_PROPOSE = "fused_propose"
+"""Graph key prefix of a whole fused propose, the padded first pass and every decode step:
+``(FUSED_PROPOSE, bucket, q)`` (only where :attr:`AutoregressiveSpeculator.
+refresh_rebuilds_in_graph`)."""
 
 
 class AutoregressiveSpeculator(DraftModelSpeculator):
@@ -264,9 +268,11 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
 
     # --------------------------------------------------------------- capture
     def capture(self) -> None:
-        """Capture FULL graphs for every bucket on dummy inputs: one single-step graph, and
-        the fused body when the matrix allows it. Index buffers are reset first so a stale
-        index from an earlier batch can never point out of bounds during capture."""
+        """Capture FULL graphs for every bucket on dummy inputs: the padded first pass (per
+        first-pass width), one single-step graph, and the fused body when the matrix allows
+        it; where :attr:`refresh_rebuilds_in_graph`, also the whole fused propose per
+        first-pass width. Index buffers are reset first so a stale index from an earlier
+        batch can never point out of bounds during capture."""
         if self.graphs is None or self.num_steps < 2:
             return
         self.graphs.reset()
@@ -278,6 +284,9 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 self._capture_one(("step", n), partial(self._generate_draft, n, step=0, observe=False))
                 if self.use_fused_multi_step_decode:
                     self._capture_one((DecodePath.FUSED, n), partial(self._generate_fused_drafts, n))
+                if self.refresh_rebuilds_in_graph:
+                    for q in self.first_pass_query_lens:
+                        self._capture_fused_propose(n, q)
                 if self.preplanned_capable:
                     self._capture_one(
                         (DecodePath.PREPLANNED, n), partial(self._generate_preplanned_drafts, n)
@@ -306,23 +315,55 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         length 0, then fresh capture metadata, then capture."""
         assert self.graphs is not None
         n = key[1]
+        md: list[Any]
+        if key[0] == DecodePath.PREPLANNED:
+            self._write_dummy_decode_lanes(n)
+            md = self._build_preplanned_metadata(
+                BatchExecutionDescriptor(CUDAGraphMode.FULL, n, n, 1), n, np.zeros(n, np.int64),
+                for_capture=True)
+        else:
+            md = self._decode_capture_metadata(n)
+        self._captured_metadata[key] = md
+        self.graphs.capture(key, lambda: body(md))
+
+    def _write_dummy_decode_lanes(self, n: int) -> None:
+        """Step 1's lanes of ``n`` requests of length 0 after a pass, on reset buffers."""
         self._reset_index_buffers()
         self.index_buffers.num_reqs.fill_(n)
         self._prepare_decode_inputs(n)
-        desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, n, n, 1)
-        base = np.zeros(n, np.int64)
-        md: list[Any]
-        if key[0] == DecodePath.PREPLANNED:
-            md = self._build_preplanned_metadata(desc, n, base, for_capture=True)
-        else:
-            md = self._build_decode_metadata(desc, n, base, 1, for_capture=True)
-        self._captured_metadata[key] = md
-        self.graphs.capture(key, lambda: body(md))
+
+    def _decode_capture_metadata(self, n: int) -> list[Any]:
+        """Capture metadata of a decode step over ``n`` lanes, on dummy lanes."""
+        self._write_dummy_decode_lanes(n)
+        return self._build_decode_metadata(BatchExecutionDescriptor(CUDAGraphMode.FULL, n, n, 1),
+                                           n, np.zeros(n, np.int64), 1, for_capture=True)
 
     def _capture_first_pass(self, n: int, q: int) -> None:
         """The padded first pass of ``n`` requests of ``q`` tokens on dummy inputs (context
         0, every block the sink), with capture metadata."""
         assert self.graphs is not None
+        md = self._first_pass_capture_metadata(n, q)
+        refresh = self.refresh_rebuilds_in_graph
+        self.graphs.capture((FIRST_PASS, n, q), lambda: self._first_pass_body(n, q, md, refresh))
+
+    def _capture_fused_propose(self, n: int, q: int) -> None:
+        """A whole fused propose of ``n`` requests of ``q`` tokens in one graph: the first
+        pass's body, then the fused decode body, each refreshing capture metadata of its
+        own (the decode's built first: the first pass's dummy inputs are the last written,
+        as a propose's pass inputs are)."""
+        assert self.graphs is not None
+        decode = self._decode_capture_metadata(n)
+        first = self._first_pass_capture_metadata(n, q)
+
+        def body() -> None:
+            self._first_pass_body(n, q, first, refresh=True)
+            self._generate_fused_drafts(n, decode)
+
+        self.graphs.capture((FUSED_PROPOSE, n, q), body)
+
+    def _first_pass_capture_metadata(self, n: int, q: int) -> list[Any]:
+        """Capture metadata of the padded first pass of ``n`` requests of ``q`` tokens, on
+        dummy inputs (context 0, every block the sink)."""
         lanes = n * q
         self._write_dummy_lanes(n, q)
         common = build_uniform_attention_metadata(
@@ -331,9 +372,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             max_model_len=self.max_model_len,
         )
         self._compute_slot_mappings(lanes, 0)
-        md = [g.build_for_cudagraph_capture(common) for g in self.groups]
-        refresh = self.refresh_rebuilds_in_graph
-        self.graphs.capture((FIRST_PASS, n, q), lambda: self._first_pass_body(n, q, md, refresh))
+        return [g.build_for_cudagraph_capture(common) for g in self.groups]
 
     def _first_pass_body(self, n: int, q: int, group_metadata: Sequence[Any],
                          refresh: bool) -> None:
@@ -402,9 +441,11 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         path = DecodePath(path)
         chosen = self.auto_path if path is DecodePath.AUTO else path
         r = batch.num_reqs
+        replay = use_graphs and self.graphs is not None
+        if chosen is DecodePath.FUSED and replay and self._replay_fused_propose(batch):
+            return r
         base = batch.seq_lens_after_prefill()
         desc = self.decode_descriptor(r)
-        replay = use_graphs and self.graphs is not None
         early: list[Any] | None = None
         if (self.num_steps > 1 and chosen is DecodePath.FUSED and not replay
                 and self.refresh_rebuilds_in_graph):
@@ -421,6 +462,22 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             else:
                 self._multi_step_decode(desc, r, base, replay)
         return r
+
+    def _replay_fused_propose(self, batch: DraftBatch) -> bool:
+        """The whole fused propose as one replay, where one was captured for ``batch``'s
+        bucket and first-pass width: the host stages and scatters the pass's inputs and
+        launches one graph. Returns whether it did (it counts as a first-pass and a decode
+        replay)."""
+        q = self.first_pass_width(batch)
+        key = (FUSED_PROPOSE, self.bucket_for(batch.num_reqs), q)
+        if q is None or self.graphs is None or key not in self.graphs:
+            return False
+        self._write_pass_inputs(batch, batch.new_tokens, uniform_width=q)
+        self.graphs.replay(key)
+        self.counters.first_pass_replays += 1
+        self.counters.graph_replays += 1
+        self._record("slots", 1)
+        return True
 
     def first_pass_width(self, batch: DraftBatch) -> int | None:
         """``q`` when ``batch``'s first pass runs padded over its bucket (padding in use,

@@ -73,8 +73,9 @@ class SpeculatorOptions:
 
 @dataclass
 class StepCounters:
-    """``eager_step_calls``: decode steps run eagerly; ``graph_replays``: decode graph
-    launches; ``first_pass_replays``: first-pass graph launches."""
+    """``eager_step_calls``: decode steps run eagerly; ``graph_replays``: graph launches
+    that ran decode steps; ``first_pass_replays``: graph launches that ran a first pass (a
+    whole fused propose's one launch counts in both)."""
 
     eager_step_calls: int = 0
     graph_replays: int = 0
