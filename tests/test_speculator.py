@@ -316,11 +316,12 @@ def test_a_shared_kv_cache_must_match_the_layers() -> None:
                           OPTIONS, matrix=MATRIX, kv_cache=smaller)
 
 
-def _padded_first_pass_speculator(k: int, mode: str) -> AutoregressiveSpeculator:
+def _padded_first_pass_speculator(k: int, mode: str,
+                                  backend: str = "reference") -> AutoregressiveSpeculator:
     options = SpeculatorOptions(OPTIONS.capture_sizes, OPTIONS.max_num_prefill_tokens,
                                 OPTIONS.num_blocks, pad_to_capture_sizes=True,
                                 first_pass_query_lens=(1, 2, 3))
-    spec = create_speculator("autoregressive", ["reference"] * 2, _config(k, mode), DRAFTER,
+    spec = create_speculator("autoregressive", [backend] * 2, _config(k, mode), DRAFTER,
                              DEVICE, options, matrix=MATRIX)
     assert isinstance(spec, AutoregressiveSpeculator)
     return spec
@@ -349,6 +350,46 @@ def test_padded_first_pass_equals_the_eager_one(data, k: int, q: int) -> None:
     torch.testing.assert_close(expected.logits, got.logits)
     live = slice(SINK_BLOCK + 1, None)  # padding lanes write the sink block: garbage by design
     for (ke, ve), (kg, vg) in zip(kv_expected, kv_got):
+        torch.testing.assert_close(ke[live], kg[live])
+        torch.testing.assert_close(ve[live], vg[live])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton_attn"])
+@settings(max_examples=8, deadline=None)
+@given(data=st.data(), k=st.integers(2, 4), q=st.integers(1, 3))
+def test_the_whole_fused_propose_body_on_capture_metadata_drafts_what_the_oracle_does(
+        backend: str, data, k: int, q: int) -> None:
+    """What a replay of the whole-fused-propose graph runs, run eagerly (no graphs here):
+    metadata built for capture on dummy inputs, decode first, then first pass; the pass's
+    inputs scattered; the first pass's body refreshing its metadata, then the fused body
+    refreshing before step 1. No metadata is built for the batch, yet the drafts and the KV
+    written are the eager per-step run's (triton_attn's kernels interpreted on CPU)."""
+    spec = _padded_first_pass_speculator(k, "none", backend)
+    assert spec.refresh_rebuilds_in_graph
+    batch = data.draw(draft_batches(_limits(k)))
+    batch = DraftBatch(batch.context_lens, tuple(row[:1] * q for row in batch.new_tokens),
+                       batch.block_table, batch.seeds)
+    try:
+        batch.validate(max_model_len=40, block_size=4, num_blocks=48, extra_positions=k - 1,
+                       max_num_reqs=4)
+    except ValueError:
+        return  # lengthening the new tokens pushed a request past its block-table row
+    n, r = spec.bucket_for(batch.num_reqs), batch.num_reqs
+    decode = spec._decode_capture_metadata(n)
+    first = spec._first_pass_capture_metadata(n, q)
+    spec.kv_cache.fill_random_(5)
+    start = spec.kv_cache.snapshot()
+    spec._write_pass_inputs(batch, batch.new_tokens, uniform_width=q)
+    spec._first_pass_body(n, q, first, refresh=True)
+    spec._generate_fused_drafts(n, decode)
+    tokens, logits = spec.draft_tokens[:r].clone(), spec.draft_logits[:r].clone()
+    kv = spec.kv_cache.snapshot()
+    spec.kv_cache.restore(start)
+    expected, kv_expected = _run(spec, batch, "per_step")
+    assert torch.equal(tokens, expected.draft_tokens)
+    torch.testing.assert_close(logits, expected.logits)
+    live = slice(SINK_BLOCK + 1, None)
+    for (ke, ve), (kg, vg) in zip(kv_expected, kv, strict=True):
         torch.testing.assert_close(ke[live], kg[live])
         torch.testing.assert_close(ve[live], vg[live])
 
