@@ -9,7 +9,9 @@ import torch
 
 def interpret_triton_without_cuda() -> None:
     """Set ``TRITON_INTERPRET=1`` (unless already set) when there is no CUDA device. It must
-    run before a backend's kernels are decorated, which adapters do when they are first
-    imported, lazily; every command that runs backends in its own process calls it first."""
+    run before the process first imports Triton: ``triton.language`` decorates its own
+    helpers (``tl.cdiv``, ...) then, and every kernel module (the speculator's, a
+    backend's) is decorated when it is imported. Every command that runs kernels in its
+    own process calls it first."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")

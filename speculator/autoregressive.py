@@ -1,13 +1,18 @@
 """The autoregressive speculator: K draft tokens per request, per-step or fused.
 
 Draft token 0 comes from an eager prefill-style pass over each request's new tokens; the
-other K-1 from decode steps. The first pass's slot mappings are written with its inputs,
-and step 1's with the decode lanes, before any metadata is built. Per-step path: before
-every decode step, recompute slot mappings (from step 2 on) and rebuild attention metadata
-on the host, then run (or replay) one step. Fused path: build metadata once, then run
-every decode step in one body that, between steps (never after the last), recomputes slot
-mappings and calls each attention group's ``update_draft_decode_metadata``. In FULL mode
-that body is one captured graph, replayed once per propose. Preplanned path
+other K-1 from decode steps. The first pass's slot mappings (and, padded, its query
+offsets) are written with its inputs, and step 1's lanes by the first pass's body, before
+any metadata is built. Per-step path: before every decode step, recompute slot mappings
+(from step 2 on) and rebuild attention metadata on the host, then run (or replay) one
+step. Fused path: build metadata once, then run every decode step in one body that,
+between steps (never after the last), recomputes slot mappings and calls each attention
+group's ``update_draft_decode_metadata``. In FULL mode that body is one captured graph,
+replayed once per propose. Where every group's refresh rebuilds its metadata
+(:attr:`AutoregressiveSpeculator.refresh_rebuilds_in_graph`), the graphs refresh instead
+of the host building, the first pass's and step 1's metadata included, and a padded first
+pass and its decode steps are one graph: the host stages the inputs and launches once.
+Preplanned path
 (``host_preplanned`` backends such as FlashInfer, whose planning cannot be captured): plan
 every step's metadata on the host first, then run every step in one body (one replay) that
 only recomputes slot mappings between steps.
@@ -364,15 +369,9 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     def _first_pass_capture_metadata(self, n: int, q: int) -> list[Any]:
         """Capture metadata of the padded first pass of ``n`` requests of ``q`` tokens, on
         dummy inputs (context 0, every block the sink)."""
-        lanes = n * q
         self._write_dummy_lanes(n, q)
-        common = build_uniform_attention_metadata(
-            buffers=self.buffers, batch_desc=BatchExecutionDescriptor(CUDAGraphMode.FULL, lanes, n, q),
-            num_reqs=n, num_query_per_req=q, base_seq_lens_np=np.full(n, q), step=0,
-            max_model_len=self.max_model_len,
-        )
-        self._compute_slot_mappings(lanes, 0)
-        return [g.build_for_cudagraph_capture(common) for g in self.groups]
+        self._compute_slot_mappings(n * q, 0)
+        return self._first_pass_metadata(n, n, q, np.full(n, q), for_capture=True)
 
     def _first_pass_body(self, n: int, q: int, group_metadata: Sequence[Any],
                          refresh: bool) -> None:
@@ -526,15 +525,19 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         if self.num_steps > 1:
             self._prepare_decode_inputs(lanes)
 
-    def _first_pass_metadata(self, r: int, n: int, q: int, base: np.ndarray) -> list[Any]:
+    def _first_pass_metadata(self, r: int, n: int, q: int, base: np.ndarray,
+                             for_capture: bool = False) -> list[Any]:
         """Each group's metadata for the first pass of ``r`` requests padded to ``n`` of
-        ``q`` tokens each, built on the host from the buffers as they are. Host work."""
+        ``q`` tokens each, built on the host from the buffers as they are (for a capture
+        with ``for_capture``). Host work."""
         common = build_uniform_attention_metadata(
             buffers=self.buffers,
             batch_desc=BatchExecutionDescriptor(CUDAGraphMode.FULL, n * q, n, q),
             num_reqs=r, num_query_per_req=q, base_seq_lens_np=base, step=0,
             max_model_len=self.max_model_len,
         )
+        if for_capture:
+            return [g.build_for_cudagraph_capture(common) for g in self.groups]
         return [g.build(common) for g in self.groups]
 
     def _prepare_decode_inputs(self, n: int) -> None:
