@@ -7,10 +7,11 @@ sends them in a single copy; the caller then reads them on the device: a kernel 
 one buffer at each array's offset, or tensor ops through views, made only when asked for
 (each view is a few microseconds of host time).
 
-Each array starts :data:`ALIGN_BYTES`-aligned in the buffer. Triton compiles a kernel once
-per pointer alignment it is handed (16-byte aligned or not): views at arbitrary offsets
-would make every kernel that reads staged inputs compile twice per pointer argument as
-batch shapes vary, seconds of compilation each the first time a verifier run meets them.
+A kernel gets the buffer (one pointer, always the same) and the offsets as integers it does
+not specialize on: Triton compiles a kernel again for each new pointer alignment and each
+integer divisible by 16 or equal to 1, so views at batch-dependent offsets would compile it
+again and again as batch shapes vary (seconds each, the first time a verifier run meets
+them).
 """
 
 from __future__ import annotations
@@ -22,16 +23,11 @@ from typing import overload
 import numpy as np
 import torch
 
-ALIGN_BYTES = 16
-_ALIGN = ALIGN_BYTES // torch.int64.itemsize
-"""Staged arrays start at multiples of this many int64 values."""
-
 
 class StagedArrays(Sequence[torch.Tensor]):
     """The arrays one :meth:`HostStaging.stage` sent, in order: int64 values in
-    :attr:`buffer` (device) from :attr:`offsets` on (each :data:`ALIGN_BYTES`-aligned),
-    shaped :attr:`shapes`. As a sequence: device views of them, made on access. Valid until
-    the next :meth:`HostStaging.stage`."""
+    :attr:`buffer` (device) from :attr:`offsets` on, shaped :attr:`shapes`. As a sequence:
+    device views of them, made on access. Valid until the next :meth:`HostStaging.stage`."""
 
     def __init__(self, buffer: torch.Tensor, offsets: Sequence[int],
                  shapes: Sequence[tuple[int, ...]]) -> None:
@@ -55,15 +51,14 @@ class StagedArrays(Sequence[torch.Tensor]):
 
 
 class HostStaging:
-    """A pinned int64 host buffer for ``capacity`` values in up to ``max_arrays`` arrays a
-    call (with room for each one's alignment padding), and its device twin, both
+    """A pinned int64 host buffer of ``capacity`` entries and its device twin, both
     persistent. :meth:`stage` never overwrites host memory a pending copy still reads: it
     waits for the previous copy first (normally long done: every propose ends by copying
     its draft tokens back, which waits for all earlier work)."""
 
-    def __init__(self, capacity: int, device: torch.device, max_arrays: int = 16) -> None:
+    def __init__(self, capacity: int, device: torch.device) -> None:
         pinned = device.type == "cuda"
-        self.capacity = capacity + max_arrays * (_ALIGN - 1)
+        self.capacity = capacity
         self.host = torch.zeros(self.capacity, dtype=torch.int64, pin_memory=pinned)
         self.device_buffer = torch.zeros(self.capacity, dtype=torch.int64, device=device)
         self._host_view = self.host.numpy()
@@ -72,16 +67,15 @@ class HostStaging:
         rewritten."""
 
     def stage(self, arrays: Sequence[np.ndarray]) -> StagedArrays:
-        """Copy ``arrays`` (integers, any shapes) to the device in one transfer, each
-        :data:`ALIGN_BYTES`-aligned. Host work: never call it inside graph capture."""
+        """Copy ``arrays`` (integers, any shapes) to the device in one transfer, one after
+        the other. Host work: never call it inside graph capture."""
         offsets = []
         total = 0
         for array in arrays:
             offsets.append(total)
-            total = -(-(total + int(array.size)) // _ALIGN) * _ALIGN
+            total += int(array.size)
         if total > self.capacity:
-            raise ValueError(f"{total} staged values (with alignment) exceed the staging "
-                             f"capacity {self.capacity}")
+            raise ValueError(f"{total} staged values exceed the staging capacity {self.capacity}")
         if self._copied is not None:
             self._copied.synchronize()  # returns at once before the first record
         for offset, array in zip(offsets, arrays, strict=True):

@@ -64,7 +64,7 @@ def _index_buffers(reqs: int, blocks: int, tokens: int, k: int, seed: int) -> In
 
 def _staged(arrays: list[torch.Tensor], device: torch.device) -> PassInputs:
     """``arrays`` (table, seeds, lengths, positions, ids, token requests) staged as the
-    speculator stages a pass's inputs: one buffer, each array aligned at its own offset."""
+    speculator stages a pass's inputs: one buffer, each array at its own offset."""
     staging = HostStaging(sum(a.numel() for a in arrays) + 1, device)
     return PassInputs(staging.stage([a.numpy() for a in arrays]))
 

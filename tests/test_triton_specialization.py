@@ -5,10 +5,11 @@ equal to 1 or divisible by 16, a pointer 16-byte aligned or not, each constexpr 
 size that follows the batch (requests, tokens, block-table width) or a staged input at an
 odd offset therefore compiles a kernel up to three (or two) times per such argument, and
 the combinations multiply: a verifier run on a fresh GPU machine spent most of its first
-examples compiling. The kernels mark batch sizes ``do_not_specialize`` and the host staging
-aligns every array; this test runs the triton_attn drafter (the speculator's own kernels and
-the backend's) over batches that vary every size, on both paths, and counts the distinct
-compilations of each kernel. A constexpr may vary only where it is a tile size chosen on
+examples compiling. The kernels mark batch sizes and staged-input offsets
+``do_not_specialize`` (the scatter reads staged inputs from the one staging buffer); this
+test runs the triton_attn drafter (the speculator's own kernels and the backend's) over
+batches that vary every size, on both paths, and counts the distinct compilations of each
+kernel. A constexpr may vary only where it is a tile size chosen on
 purpose (:data:`TILE_CONSTEXPRS`); then one compilation per value.
 
 Without CUDA the kernels run in Triton's interpreter on CPU tensors and the test computes
