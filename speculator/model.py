@@ -8,9 +8,11 @@ the absorbed form MLA decode kernels run (:class:`MLAAttention`)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, cast
 
 import torch
@@ -296,6 +298,22 @@ class DecoderLayer(nn.Module):
         return next_norm.add_and_norm(x, self.down_proj(gate))
 
 
+@functools.lru_cache(maxsize=2)
+def seeded_weights(layout: tuple[tuple[str, tuple[int, ...]], ...],
+                   seed: int) -> Mapping[str, torch.Tensor]:
+    """fp32 host weights for the parameters ``layout`` names and shapes, drawn in its order
+    from ``seed``: norm weights ``1 + 0.1 N(0, 1)``, every other weight ``N(0, 1) /
+    sqrt(fan_in)``. Cached, read-only (callers copy): the verifier builds a drafter per K and
+    an fp32 reference beside each, all from one seed, and drawing a serving-size drafter's
+    weights takes about a second on one CPU thread."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in layout:
+        noise = torch.randn(shape, generator=gen)
+        weights[name] = 1.0 + 0.1 * noise if name.endswith("norm.weight") else noise / math.sqrt(shape[-1])
+    return MappingProxyType(weights)
+
+
 class DraftModel(nn.Module):
     """A few decoder layers; layer ``i`` attends through ``impls[i]`` with the metadata of
     its attention group. Every op is capture-safe (fixed shapes, no host syncs)."""
@@ -303,22 +321,18 @@ class DraftModel(nn.Module):
     def __init__(self, cfg: DrafterConfig, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_layers))
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.kernel_choice)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._init_weights()
-        self.to(device=device, dtype=cfg.torch_dtype)
+        # Shapes only: every parameter is then set from the seed (no default init to discard).
+        with torch.device("meta"):
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_layers))
+            self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.kernel_choice)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        layout = tuple((name, tuple(param.shape)) for name, param in self.named_parameters())
+        self.load_state_dict({
+            name: weight.to(device=device, dtype=cfg.torch_dtype, copy=True)
+            for name, weight in seeded_weights(layout, cfg.seed).items()
+        }, assign=True)
         self.requires_grad_(False)
-
-    def _init_weights(self) -> None:
-        gen = torch.Generator().manual_seed(self.cfg.seed)
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                param.data = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
-            else:
-                fan_in = param.shape[-1]
-                param.data = torch.randn(param.shape, generator=gen) / math.sqrt(fan_in)
 
     def forward(
         self,

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speccheck.checks.verify.comparisons import Outcome, compare_drafts, first_divergence
+from speccheck.checks.verify.comparisons import (
+    Outcome,
+    changed_slots,
+    compare_drafts,
+    first_divergence,
+)
 from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.speculator.batch import DraftResult
 
@@ -75,3 +80,28 @@ def test_candidates_of_another_shape_are_refused() -> None:
     with pytest.raises(ValueError, match="shapes"):
         compare_drafts(oracle, DraftResult(oracle.draft_tokens[:, :2], oracle.logits[:, :2]),
                        "c", TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entry", [(2, 3), (4, 8), (1, 1)])
+def test_changed_slots_sees_every_bit_and_only_changed_slots(
+    dtype: torch.dtype, entry: tuple[int, ...]
+) -> None:
+    """A cache tensor ``[blocks, block_size, *entry]``: rewritten slots are found, whatever
+    word width the entry's bytes allow, including writes an element-wise ``!=`` misses
+    (``-0.0`` over ``0.0``) or invents (a NaN left as it was)."""
+    gen = torch.Generator().manual_seed(0)
+    before = torch.randn(6, 4, *entry, generator=gen).to(dtype)
+    before.view(24, -1)[3, 0] = 0.0
+    before.view(24, -1)[11, -1] = float("nan")
+    after = before.clone()
+    after.view(24, -1)[3, 0] = -0.0
+    after.view(24, -1)[17, -1] += 1
+    assert changed_slots(before, after).nonzero().flatten().tolist() == [3, 17]
+    assert not changed_slots(before, before.clone()).any()
+
+
+def test_changed_slots_of_an_empty_entry_is_all_false() -> None:
+    """An MLA layer's second cache tensor holds nothing per slot."""
+    empty = torch.empty(3, 4, 0)
+    assert changed_slots(empty, empty).tolist() == [False] * 12
