@@ -118,6 +118,16 @@ class GuardedBuffer:
         for band, initial in zip(self._bands, self._initial, strict=True):
             band.view(torch.uint8).copy_(initial)
 
+    def written(self) -> torch.Tensor:
+        """A bool scalar on the buffer's device: whether either band differs from its
+        initial contents. Queues the comparison without synchronising, so a caller holding
+        many buffers reads all their answers back at once (:meth:`violations` then names
+        the offsets of the few that were written)."""
+        return torch.stack([
+            torch.ne(band.view(torch.uint8), initial).any()
+            for band, initial in zip(self._bands, self._initial, strict=True)
+        ]).any()
+
     def violations(self) -> list[str]:
         """One message per overwritten band, naming the element offsets written, relative to
         element 0 of :attr:`tensor` (negative before it, ``>= numel`` after it)."""

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from speccheck.checks.verify.readback import host_copies
 from speccheck.checks.verify.state_walk import attribute_storages, walk_state
 from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
@@ -379,12 +380,14 @@ class _Probe:
         workspace = {
             t.untyped_storage().data_ptr() for t in self.builder.workspace_buffers().values()
         }
-        values: Values = {}
         tensors, host = walk_state(metadata)
-        for path, tensor in tensors.items():
-            storage = tensor.untyped_storage().data_ptr()
-            if path in self.declared or (storage not in inputs and storage not in workspace):
-                values[path] = _host_array(tensor)
+        underived = inputs | workspace
+        watched = [
+            path for path, tensor in tensors.items()
+            if path in self.declared or tensor.untyped_storage().data_ptr() not in underived
+        ]
+        copies = host_copies([tensors[path] for path in watched])
+        values: Values = {path: _host_array(copy) for path, copy in zip(watched, copies, strict=True)}
         values.update(host)
         self._order.update(dict.fromkeys(values))
         return values
@@ -424,8 +427,9 @@ class _Probe:
 
 
 def _host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A host copy of ``tensor`` (dtypes numpy lacks, such as bfloat16, as float32)."""
-    t = tensor.detach().to("cpu")
+    """``tensor`` (on the host) as a numpy array of its own (dtypes numpy lacks, such as
+    bfloat16, as float32)."""
+    t = tensor
     if t.dtype == torch.bfloat16 or (t.dtype.is_floating_point and t.dtype.itemsize == 1):
         t = t.float()
     return np.array(t.numpy(), copy=True)

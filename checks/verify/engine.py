@@ -152,7 +152,14 @@ class GuardedAllocator:
         return guarded.tensor
 
     def violations(self) -> list[str]:
-        return [v for b in self.buffers for v in b.violations()]
+        """Every band violation of every buffer: one read-back for all of them (a backend
+        may hold hundreds of guarded buffers, one set per wrapper and batch size), then the
+        offsets of those written."""
+        if not self.buffers:
+            return []
+        written = torch.stack([b.written() for b in self.buffers]).tolist()
+        return [v for b, hit in zip(self.buffers, written, strict=True) if hit
+                for v in b.violations()]
 
     def rearm(self) -> None:
         """Every band back to its poison: later violations are later writes'."""

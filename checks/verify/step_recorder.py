@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from speccheck.checks.verify.readback import host_copies
 from speccheck.checks.verify.state_walk import walk_state
 from speccheck.contract.groups import AttentionGroup
 
@@ -131,6 +132,7 @@ class StepMetadataRecorder:
         host_source = launched_with or group_metadata
         if host_source is not group_metadata:
             host = reachable_state(self.groups, host_source)[1]
+        targets = []
         for path, tensor in tensors.items():
             key = (lanes, step, path)
             buf = self._buffers.get(key)
@@ -141,9 +143,12 @@ class StepMetadataRecorder:
                     )
                 buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
                 self._buffers[key] = buf
-            buf.copy_(tensor)
+            targets.append(buf)
             self.storage_of[path] = tensor.untyped_storage().data_ptr()
             self._seen.setdefault(lanes, {})[(step, path)] = None
+        if targets:
+            # one multi-tensor copy, not a launch per field (capturable: device copies only)
+            torch._foreach_copy_(targets, list(tensors.values()))
         if capturing:
             self._captured_host.setdefault((lanes, step), host)
         else:
@@ -156,9 +161,11 @@ class StepMetadataRecorder:
         step was observed (an eager run), else those recorded when the step was captured (a
         replay). Ends the run: the next ``collect`` reports only what is observed after
         this one."""
+        keys = sorted(self._seen.get(lanes, {}), key=lambda key: key[0])
+        copies = host_copies([self._buffers[(lanes, step, path)] for step, path in keys])
         tensors: dict[int, dict[str, torch.Tensor]] = {}
-        for step, path in sorted(self._seen.get(lanes, {}), key=lambda key: key[0]):
-            tensors.setdefault(step, {})[path] = self._buffers[(lanes, step, path)].cpu().clone()
+        for (step, path), copy in zip(keys, copies, strict=True):
+            tensors.setdefault(step, {})[path] = copy
         host: dict[int, dict[str, np.ndarray]] = {}
         for step in tensors:
             key = (lanes, step)
