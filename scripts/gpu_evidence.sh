@@ -38,8 +38,7 @@
 #       8, 64, with the profiler's tables), verify of flashinfer (EXAMPLES, default 100: the
 #       verifier-throughput target) at the GPU defaults, and FlashInfer's JIT cache in fi-jit/
 #   scripts/gpu_evidence.sh OUTDIR lean-core
-#       wheels in .gpu-wheels/core: the skinny-linear benchmark (cuBLAS against the
-#       weight-streaming kernel, with a tile sweep), speccheck bench for triton_attn and fa3 (K=4 and 8,
+#       wheels in .gpu-wheels/core: speccheck bench for triton_attn and fa3 (K=4 and 8,
 #       batches 1, 8, 64, with the profiler's tables), the one-kernel layers', index-buffer
 #       kernels' and speculator's CUDA tests (compilations per kernel across batches
 #       included), verify of triton_attn (EXAMPLES, default 200: the verifier-throughput
@@ -147,10 +146,6 @@ if [ "$suite" = lean-fi ]; then
   exit 0
 fi
 if [ "$suite" = lean-core ]; then
-  # cuBLAS against the weight-streaming kernel at the drafter's projection shapes (and a
-  # sweep of its tiles), before anything else loads the GPU
-  { timeout "${SKINNY_LIMIT:-120}" python3 benchmarks/skinny_linear.py --rows 1,8 --sweep \
-      --json "$out/skinny-linear.json"; echo "exit $?"; } > "$out/skinny-linear.txt" 2>&1
   for backend in triton_attn fa3; do
     { timeout "${BENCH_LIMIT:-90}" speccheck bench --backend "$backend" --steps "${STEPS:-4,8}" \
         --batches 1,8,64 --repeats "${REPEATS:-10}" --json "$out/bench-$backend.json" \
@@ -159,7 +154,7 @@ if [ "$suite" = lean-core ]; then
   done
   timeout "${PYTEST_LIMIT:-150}" python3 -m pytest -rA -q -m cuda tests/test_model_kernels.py \
     tests/test_lane_kernels.py tests/test_speculator.py tests/test_bench.py \
-    tests/test_triton_specialization.py tests/test_kv_cache_write.py tests/test_skinny_linear.py \
+    tests/test_triton_specialization.py tests/test_kv_cache_write.py \
     > "$out/pytest-cuda-lean-core.txt" 2>&1
   echo "pytest exit $?" >> "$out/pytest-cuda-lean-core.txt"
   # The bench and the tests above compiled some kernels into Triton's on-disk cache; a

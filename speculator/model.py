@@ -29,7 +29,6 @@ from speccheck.speculator.model_kernels import (
     rotary_qkv,
     silu_mul,
 )
-from speccheck.speculator.skinny_linear import skinny_linear
 
 DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -155,20 +154,6 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, delta, self.weight, self.eps, kernel=self.kernel)
 
 
-class Linear(nn.Linear):
-    """A bias-free projection whose product of a few rows runs as one weight-streaming
-    kernel on CUDA (:func:`~speccheck.speculator.skinny_linear.skinny_linear`: a decode
-    step's rows against a bf16 weight); cuBLAS otherwise. ``kernel`` as for the layers'
-    one-kernel functions (``False``: always ``torch.nn.functional.linear``)."""
-
-    def __init__(self, in_features: int, out_features: int, kernel: bool | None) -> None:
-        super().__init__(in_features, out_features, bias=False)
-        self.kernel = kernel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return skinny_linear(x, self.weight, kernel=None if self.kernel is None else False)
-
-
 class GQAAttention(nn.Module):
     """Grouped-query attention: fused QKV projection, rotary on queries and keys, the
     backend's attention over the (keys, values) cache, output projection."""
@@ -179,8 +164,8 @@ class GQAAttention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_size
         self.inv_freq = rotary_inv_freq(d, cfg.rope_theta, device)
         """fp32 rotary frequencies, made once (a plain attribute: ``to(dtype)`` leaves it)."""
-        self.qkv_proj = Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, cfg.kernel_choice)
-        self.o_proj = Linear(cfg.num_heads * d, h, cfg.kernel_choice)
+        self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
 
     def forward(
         self,
@@ -223,11 +208,11 @@ class MLAAttention(nn.Module):
         rank, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         self.inv_freq = rotary_inv_freq(rope, cfg.rope_theta, device)
         """fp32 rotary frequencies of the rope part (a plain attribute, as for GQA)."""
-        self.q_proj = Linear(h, heads * (d + rope), cfg.kernel_choice)
-        self.kv_a_proj = Linear(h, rank + rope, cfg.kernel_choice)
+        self.q_proj = nn.Linear(h, heads * (d + rope), bias=False)
+        self.kv_a_proj = nn.Linear(h, rank + rope, bias=False)
         self.kv_a_norm = RMSNorm(rank, cfg.rms_eps, cfg.kernel_choice)
-        self.kv_b_proj = Linear(rank, heads * 2 * d, cfg.kernel_choice)
-        self.o_proj = Linear(heads * d, h, cfg.kernel_choice)
+        self.kv_b_proj = nn.Linear(rank, heads * 2 * d, bias=False)
+        self.o_proj = nn.Linear(heads * d, h, bias=False)
 
     def w_uk(self) -> torch.Tensor:
         """``[heads, head_size, kv_lora_rank]``: head ``h``'s no-rope key is
@@ -290,8 +275,8 @@ class DecoderLayer(nn.Module):
             else GQAAttention(cfg, device)
         )
         self.post_norm = RMSNorm(h, cfg.rms_eps, cfg.kernel_choice)
-        self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, cfg.kernel_choice)
-        self.down_proj = Linear(cfg.intermediate_size, h, cfg.kernel_choice)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
     def forward(
         self,
