@@ -61,6 +61,9 @@ MAX_DCP_RANKS = 16
 """Most DCP ranks a verification spawns (``--dcp-world-size`` for a backend whose builders
 hold a real DCP share: one process per rank)."""
 
+MAX_JOBS = 16
+"""Most worker processes a verification runs per backend at once (``--jobs``)."""
+
 class VerifyInputError(ValueError):
     """Input a verification cannot run with (an unknown backend, a bad runtime value, a
     builder class the worker cannot import, a bad ``reproduce`` blob). ``str()`` is one line;
@@ -225,6 +228,10 @@ class VerifyPlan:
     reproduce: str | None
     audit_claims: bool
     example_timeout: float
+    jobs: int = 1
+    """Worker processes per single-rank backend, each drawing its share of the examples
+    from a seed of its own (``seed``, ``seed + 1``, ...); their reports merge
+    (:func:`~speccheck.checks.verify.report.merge_shards`)."""
 
     def reproduce_prefix(self, name: str) -> str:
         """The command that reruns backend ``name`` with these settings, to which a report
@@ -325,7 +332,10 @@ class VerifyPlan:
                                  self.steps, self.reproduce, prefix, self.matrices.path,
                                  self.scale())
         try:
-            report = run_worker(request, progress, self.example_timeout, self.tier)
+            if self.jobs > 1 and self.reproduce is None:
+                report = self._verify_in_shards(name, request, progress)
+            else:
+                report = run_worker(request, progress, self.example_timeout, self.tier)
         except BadExample as exc:
             raise VerifyInputError(str(exc)) from None
         why = confirm_reproduce(request, report, progress, self.example_timeout, self.tier)
@@ -340,6 +350,33 @@ class VerifyPlan:
             report.claim_audit = ClaimAudit(audited.status, audited.examples,
                                             audited.failures, audited.detail)
         return report
+
+    def _verify_in_shards(
+        self, name: str, request: dict[str, object], progress: ProgressDisplay
+    ) -> BackendReport:
+        """Backend ``name`` in :attr:`jobs` workers at once (fewer when there are fewer
+        examples), worker ``i`` drawing its share of the examples from ``seed + i``, and
+        their reports merged. Each worker holds its own drafters, graphs and KV caches on
+        the device."""
+        import time
+        from concurrent.futures import ThreadPoolExecutor
+
+        from speccheck.checks.verify.report import merge_shards
+        from speccheck.checks.verify.runner import run_worker
+
+        count = min(self.jobs, self.examples)
+        shares = [self.examples // count + (i < self.examples % count) for i in range(count)]
+        requests = [{**request, "examples": share, "seed": self.seed + i}
+                    for i, share in enumerate(shares)]
+
+        def shard(i: int) -> BackendReport:
+            return run_worker(requests[i], progress, self.example_timeout, self.tier,
+                              label=f"{name} [{i + 1}/{count}]")
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(count) as pool:
+            reports = list(pool.map(shard, range(count)))
+        return merge_shards(reports, time.perf_counter() - started)
 
     def _verify_dcp_ranks(self, name: str) -> BackendReport:
         """Backend ``name`` on :meth:`dcp_ranks` real DCP ranks (their own processes), on
@@ -391,6 +428,7 @@ def plan_verification(
     reproduce: str | None = None,
     audit_claims: bool = False,
     example_timeout: float = 300.0,
+    jobs: int = 1,
 ) -> VerifyPlan:
     """Check the input of a verification and settle what it runs; see :func:`verify` for
     the parameters. Raises :class:`VerifyInputError` or
@@ -399,6 +437,8 @@ def plan_verification(
         raise VerifyInputError(f"examples must be at least 1, got {examples}")
     if example_timeout <= 0:
         raise VerifyInputError(f"example_timeout must be positive, got {example_timeout}")
+    if not 1 <= jobs <= MAX_JOBS:
+        raise VerifyInputError(f"jobs must lie in 1..{MAX_JOBS}, got {jobs}")
     from speccheck.checks.verify.examples import MAX_NEW_TOKENS
 
     if max_new_tokens is not None and not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
@@ -416,7 +456,7 @@ def plan_verification(
     _preflight(names, matrices)
     plan = VerifyPlan(names, effective, overrides, matrices, tier, device, examples, seed,
                       _steps(steps, overrides), sizes, max_new_tokens, reproduce, audit_claims,
-                      example_timeout)
+                      example_timeout, jobs)
     _check_dcp(plan)
     if reproduce is not None:
         _check_reproduce(reproduce, plan)
@@ -436,6 +476,7 @@ def verify(
     reproduce: str | None = None,
     audit_claims: bool = False,
     example_timeout: float = 300.0,
+    jobs: int = 1,
 ) -> VerifyReport:
     """Verify ``backend`` as ``speccheck verify`` does, each backend in a worker process of
     its own, and return the report (raising nothing for a failed check or a crash: read
@@ -464,6 +505,11 @@ def verify(
     - ``audit_claims``: for a backend the matrix does not allow to fuse under the config,
       also run the fused path and report whether the claim is too strict or confirmed.
     - ``example_timeout``: seconds without progress before a worker counts as hung.
+    - ``jobs``: worker processes per backend (at most :data:`MAX_JOBS`), each running its
+      share of ``examples`` from a seed of its own (``seed + i``) on the same device, their
+      reports merged (the worst status wins, with its failure and reproduce command). Each
+      holds its own drafters, graphs and KV caches: device memory grows with it. Runs on
+      DP or DCP ranks, and ``reproduce``, take one.
 
     Bad input raises :class:`VerifyInputError` or
     :class:`~speccheck.contract.matrix_loader.MatrixError` before any worker starts.
@@ -471,7 +517,7 @@ def verify(
     return plan_verification(
         backend, config=config, matrix=matrix, examples=examples, seed=seed, steps=steps,
         capture_sizes=capture_sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
-        audit_claims=audit_claims, example_timeout=example_timeout,
+        audit_claims=audit_claims, example_timeout=example_timeout, jobs=jobs,
     ).run()
 
 

@@ -18,7 +18,7 @@ from speccheck.checks.api import (
     VerifyReport,
     plan_verification,
 )
-from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.report import BackendReport, Failure, merge_shards
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.runtime_config import RuntimeConfig
 from tests.fixtures.adapters.out_of_tree import PlusOneBuilder
@@ -194,3 +194,25 @@ def test_serving_scale_batches_run_on_the_cpu_tier() -> None:
     (backend,) = report.backends
     assert report.passed, report.summary_lines()
     assert backend.examples == 12 and backend.checks[Check.DRAFT_TOKENS].passed > 0
+
+
+def test_merged_shards_sum_their_examples_and_keep_the_worst_status() -> None:
+    """``verify --jobs``: tallies and examples add up; the first of the worst reports
+    (crashed before failed before passed) brings its failures and reproduce command."""
+    def shard(status: Status, examples: int, passed: int, name: str) -> BackendReport:
+        report = BackendReport("a", Tier.CPU, status, examples=examples, capture_seconds=1.0,
+                               reproduce=f"speccheck verify --backend a --reproduce {name}",
+                               failures=[Failure(Check.KV_CACHE, name)] if status is Status.FAILED else [])
+        report.checks[Check.DRAFT_TOKENS].passed = passed
+        return report
+
+    merged = merge_shards([shard(Status.PASSED, 3, 10, "p"), shard(Status.FAILED, 2, 4, "f1"),
+                           shard(Status.FAILED, 1, 1, "f2")], seconds=7.5)
+    assert (merged.status, merged.examples, merged.seconds, merged.capture_seconds) == (
+        Status.FAILED, 6, 7.5, 3.0)
+    assert merged.checks[Check.DRAFT_TOKENS].passed == 15
+    assert [f.diagnosis for f in merged.failures] == ["f1"]
+    assert merged.reproduce is not None and merged.reproduce.endswith("f1")
+    crashed = merge_shards([shard(Status.FAILED, 1, 0, "f"), shard(Status.CRASHED, 0, 0, "c")], 1.0)
+    assert crashed.status is Status.CRASHED and crashed.reproduce is not None
+    assert crashed.reproduce.endswith("c")

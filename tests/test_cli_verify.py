@@ -93,6 +93,27 @@ def test_importing_the_verify_command_imports_no_torch() -> None:
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU tier's report")
+def test_jobs_share_the_examples_and_merge_their_reports(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    proc = _verify("--backend", "reference", "--examples", "5", "--jobs", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "progress: reference [1/2]: started, 3 example(s)" in proc.stdout
+    assert "progress: reference [2/2]: started, 2 example(s)" in proc.stdout
+    (backend,) = json.loads(out.read_text())["backends"]
+    assert backend["status"] == "passed" and backend["examples"] == 5
+    assert backend["checks"]["draft_tokens"]["passed"] > 0
+
+
+def test_a_crashing_job_crashes_the_merged_report_with_its_reproduce_command() -> None:
+    proc = _verify("--backend", "dying", "--matrix", str(FAULTY_MATRIX), "--examples", "4",
+                   "--jobs", "2")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "dying: crashed: worker exited with status 139" in proc.stdout
+    assert ("reproduce (checked: fails the same way in a fresh worker): "
+            "speccheck verify --backend dying") in proc.stdout
+
+
 def test_dying_worker_is_a_reported_crash_with_the_last_example() -> None:
     proc = _verify("--backend", "dying", "--matrix", str(FAULTY_MATRIX), "--examples", "3")
     assert proc.returncode == 1, proc.stdout + proc.stderr

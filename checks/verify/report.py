@@ -4,7 +4,8 @@ renderings as JSON and JUnit XML."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
@@ -122,6 +123,33 @@ class BackendReport:
         if data.get("claim_audit") is not None:
             data["claim_audit"] = ClaimAudit.from_json(data["claim_audit"])
         return cls(**data)
+
+
+SEVERITY = (Status.CRASHED, Status.FAILED, Status.PASSED, Status.SKIPPED)
+"""Statuses from worst to best: a backend verified by several workers ends with the worst."""
+
+
+def merge_shards(shards: Sequence[BackendReport], seconds: float) -> BackendReport:
+    """One report for a backend verified by several workers, each on its share of the
+    examples from a seed of its own (``speccheck verify --jobs``): examples, check tallies
+    and capture time summed over them, ``seconds`` the wall time of them all, the worst of
+    their statuses (:data:`SEVERITY`) with the first such worker's failures, minimal
+    example, reproduce command and detail; everything a worker reports about the backend
+    rather than its examples (device, config, candidates, breakpoints) from the first."""
+    if not shards:
+        raise ValueError("merge_shards needs at least one report")
+    worst = min(shards, key=lambda report: SEVERITY.index(report.status))
+    checks = {}
+    for check in Check:
+        tallies = [report.checks[check] for report in shards]
+        checks[check] = CheckTally(
+            sum(t.passed for t in tallies), sum(t.failed for t in tallies),
+            sum(t.indeterminate for t in tallies), sum(t.skipped for t in tallies))
+    return replace(
+        shards[0], status=worst.status, examples=sum(report.examples for report in shards),
+        checks=checks, failures=list(worst.failures), minimal_example=worst.minimal_example,
+        reproduce=worst.reproduce, reproduced=None, detail=worst.detail,
+        capture_seconds=sum(report.capture_seconds for report in shards), seconds=seconds)
 
 
 def write_json(reports: list[BackendReport], path: Path, meta: dict[str, Any]) -> None:
