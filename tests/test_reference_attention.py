@@ -94,3 +94,45 @@ def test_captured_and_eager_paths_agree(data, window, causal):
     finally:
         attention.capturing = original
     torch.testing.assert_close(eager, captured, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25)
+@given(data=st.data(), window=st.sampled_from([0, 2, 9]), causal=st.booleans())
+def test_decode_grouped_by_length_equals_one_padded_pass(data, window, causal):
+    """An eager decode batch (one token or none per request) of very different lengths is
+    attended group by group (requests of similar length together, each group gathering
+    only as far as its longest): the same as the fixed-shape pass over the whole row, with
+    zeros for padding tokens, requests without a token and empty requests."""
+    import speccheck.backends.reference.attention as attention
+
+    num_reqs, block_size, max_blocks, kv_heads, group, head_size = 6, 2, 40, 2, 2, 8
+    num_blocks = num_reqs * max_blocks + 1
+    seq_lens = [data.draw(st.sampled_from([0, 1, 2, 3, 7, 16, 33, 80])) for _ in range(num_reqs)]
+    query_lens = [data.draw(st.integers(0, min(s, 1))) for s in seq_lens]
+    block_table = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(5))[
+        : num_reqs * max_blocks] + 1).view(num_reqs, max_blocks).int()
+    gen = torch.Generator().manual_seed(13)
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen)
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen)
+    query = torch.randn(sum(query_lens) + 2, kv_heads * group, head_size, generator=gen)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = (query, key_cache, value_cache, qsl, torch.tensor(seq_lens, dtype=torch.int32),
+            block_table, 0.3, causal, window)
+    eager = paged_attention_reference(*args)
+    original = attention.capturing
+    attention.capturing = lambda: True
+    try:
+        captured = paged_attention_reference(*args)
+    finally:
+        attention.capturing = original
+    torch.testing.assert_close(eager, captured, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_lengths_fall_into_power_of_two_block_groups():
+    from speccheck.backends.reference.attention import _length_groups
+
+    # block size 4: 1, 4 | 5, 8 | 9 | 17..32 share groups of 1, 2, 3..4, 5..8 blocks; a
+    # request without a token (offsets equal) or without a length belongs to none
+    offsets = [0, 1, 2, 3, 4, 5, 6, 6, 7]
+    lens = [1, 4, 5, 8, 9, 30, 31, 0]
+    assert _length_groups(offsets, lens, 4) == [[0, 1], [2, 3], [4], [5]]

@@ -4,8 +4,9 @@ Slow and obviously right: every token gathers its request's block-table row and 
 it must not see. While a CUDA graph is being captured only fixed shapes are used (masks
 instead of value-dependent slicing, the whole row, tokens in chunks that bound memory), so
 the graph replays with any lengths. Eager calls read the lengths on the host instead: decode
-steps gather only as many columns as the longest request needs, and passes with several
-tokens per request (prefills) gather each request's positions once, not once per token.
+steps gather, per group of requests of similar length (powers of two in blocks), only as
+many columns as the group's longest needs, and passes with several tokens per request
+(prefills) gather each request's positions once, not once per token.
 A decode-context-parallel rank's partial attention (its interleaved share of the cache, with
 the log-sum-exp that :func:`~speccheck.backends.dcp.merge_partials` needs) always takes the
 fixed-shape path, the whole cache being its one-rank case.
@@ -80,9 +81,55 @@ def paged_attention_reference(
         if max(b - a for a, b in itertools.pairwise(offsets)) > 1:
             return _per_request(query, key_cache, value_cache, offsets, seq_lens.tolist(),
                                 block_table, scale, causal, window)
+        groups = _length_groups(offsets, seq_lens.tolist(), key_cache.shape[1])
+        if len(groups) > 1:
+            return _by_length(query, key_cache, value_cache, offsets, groups, seq_lens,
+                              block_table, scale, causal, window)
     out, _ = _masked_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                                seq_lens, block_table, scale, causal, window, rank=0, world=1,
                                with_lse=False)
+    return out.to(query.dtype)
+
+
+def _length_groups(offsets: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """The requests of a decode batch (at most one query token each) that have a token and
+    a length, grouped by the power of two at or above the blocks their length spans."""
+    groups: dict[int, list[int]] = {}
+    for r, length in enumerate(seq_lens):
+        if offsets[r + 1] > offsets[r] and length > 0:
+            blocks = -(-length // block_size)
+            groups.setdefault((blocks - 1).bit_length(), []).append(r)
+    return list(groups.values())
+
+
+def _by_length(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    offsets: list[int],
+    groups: list[list[int]],
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    causal: bool,
+    window: int,
+) -> torch.Tensor:
+    """:func:`paged_attention_reference` of an eager decode batch whose lengths differ:
+    the masked path once per group of :func:`_length_groups`, each gathering only as many
+    columns as its own longest request needs (one pass padded to the batch's longest would
+    gather that many for every token: at serving lengths, gigabytes per step). Tokens of
+    no group (padding, requests without a length) stay zero, as in one pass."""
+    num_tokens, num_heads = query.shape[:2]
+    out = torch.zeros(num_tokens, num_heads, value_cache.shape[-1], device=query.device)
+    for requests in groups:
+        index = torch.tensor(requests, device=query.device)
+        tokens = torch.tensor([offsets[r] for r in requests], device=query.device)
+        starts = torch.arange(len(requests) + 1, device=query.device, dtype=torch.int32)
+        lengths = seq_lens[index]
+        part, _ = _masked_attention(query[tokens], key_cache, value_cache, starts, lengths,
+                                    lengths, block_table[index], scale, causal, window,
+                                    rank=0, world=1, with_lse=False)
+        out[tokens] = part
     return out.to(query.dtype)
 
 
