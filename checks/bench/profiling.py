@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 HOST_FUNCTIONS = 25
 """Rows of the launching thread's Python profile (by own time) in the tables."""
 
+KERNEL_ROWS = 40
+"""Rows of the kernel table (by device time): every kernel a propose of the two-layer
+drafter launches (a decode step is about 25), so a step's whole breakdown is in it."""
+
 
 @dataclass(frozen=True)
 class ProfiledTimes:
@@ -66,7 +70,7 @@ def profile_calls(call: Callable[[], object], repeats: int) -> ProfiledTimes:
     averages = prof.key_averages()
     tables = averages.table(sort_by="self_cpu_time_total", row_limit=15)
     if busy_us:
-        tables += "\n" + averages.table(sort_by="self_device_time_total", row_limit=10)
+        tables += "\n" + averages.table(sort_by="self_device_time_total", row_limit=KERNEL_ROWS)
     tables += "\n" + _python_profile(call, repeats)
     return ProfiledTimes(busy_us / repeats / 1e3 if busy_us else None, tables)
 
