@@ -105,3 +105,19 @@ def test_changed_slots_of_an_empty_entry_is_all_false() -> None:
     """An MLA layer's second cache tensor holds nothing per slot."""
     empty = torch.empty(3, 4, 0)
     assert changed_slots(empty, empty).tolist() == [False] * 12
+
+
+def test_changed_slots_of_views_at_any_offset_and_stride() -> None:
+    """Cache tensors that are views (at an element offset no word divides, or strided)
+    compare as well as whole tensors do: the word follows the offset too."""
+    gen = torch.Generator().manual_seed(1)
+    whole = torch.randn(5, 3, 4, generator=gen).to(torch.bfloat16)  # 8-byte entries
+    odd = torch.zeros(1 + whole.numel(), dtype=torch.bfloat16)[1:].view(5, 3, 4)  # 2-byte offset
+    odd.copy_(whole)
+    strided = torch.zeros(5, 3, 8, dtype=torch.bfloat16)[:, :, ::2]
+    strided.copy_(whole)
+    after = odd.clone()
+    after[4, 2, 1] += 1
+    assert changed_slots(odd, after).nonzero().flatten().tolist() == [14]
+    assert changed_slots(strided, after).nonzero().flatten().tolist() == [14]
+    assert not changed_slots(whole, odd).any()

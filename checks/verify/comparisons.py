@@ -168,9 +168,13 @@ def changed_slots(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
     if before.numel() == 0:
         return torch.zeros(slots, dtype=torch.bool, device=before.device)
     a, b = before.reshape(slots, -1), after.reshape(slots, -1)
-    width = a.shape[1] * a.element_size()
+    if a.stride(-1) != 1 or b.stride(-1) != 1:  # an entry's bytes must be contiguous
+        a, b = a.contiguous(), b.contiguous()
+    # bytes an entry spans and where each tensor starts: a word must divide all three
+    spans = [a.shape[1] * a.element_size()] + [
+        t.storage_offset() * t.element_size() for t in (a, b)]
     word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
-                if width % w.itemsize == 0)
+                if all(span % w.itemsize == 0 for span in spans))
     differ = a.view(word) != b.view(word)
     # on a CPU, a bool any() over the inner dimension runs about three times slower than
     # a count of differing words
