@@ -15,19 +15,20 @@ nothing reads it. It is the speculator's ``PAD_SLOT``; a test holds the two equa
 
 @triton.jit
 def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                     key_token_stride, value_token_stride, key_slot_stride, value_slot_stride,
+                     key_token_stride, value_token_stride,
                      WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     """Program ``t``: token ``t``'s key and value rows (``WIDTH`` contiguous elements each)
-    into slot ``slot_mapping[t]`` of each cache, converted to the cache's dtype."""
+    into slot ``slot_mapping[t]`` of each cache (contiguous: a slot every ``WIDTH``
+    elements), converted to the cache's dtype."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < WIDTH
     key = tl.load(key_ptr + token * key_token_stride + cols, mask=mask)
     value = tl.load(value_ptr + token * value_token_stride + cols, mask=mask)
-    tl.store(key_cache_ptr + slot * key_slot_stride + cols,
+    tl.store(key_cache_ptr + slot * WIDTH + cols,
              key.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + slot * value_slot_stride + cols,
+    tl.store(value_cache_ptr + slot * WIDTH + cols,
              value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -61,7 +62,7 @@ def write_kv_cache(
         width = kv_heads * head_size
         _write_kv_kernel[(num_tokens,)](
             key, value, key_cache, value_cache, slot_mapping, key.stride(0), value.stride(0),
-            width, width, WIDTH=width, BLOCK=triton.next_power_of_2(width))
+            WIDTH=width, BLOCK=triton.next_power_of_2(width))
         return
     key_cache.view(-1, kv_heads, head_size).index_copy_(
         0, slot_mapping, key[:num_tokens].to(key_cache.dtype)

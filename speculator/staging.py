@@ -59,8 +59,8 @@ class HostStaging:
     def __init__(self, capacity: int, device: torch.device) -> None:
         pinned = device.type == "cuda"
         self.capacity = capacity
-        self.host = torch.zeros(self.capacity, dtype=torch.int64, pin_memory=pinned)
-        self.device_buffer = torch.zeros(self.capacity, dtype=torch.int64, device=device)
+        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=pinned)
+        self.device_buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
         self._host_view = self.host.numpy()
         self._copied = torch.cuda.Event() if pinned else None
         """Recorded after each copy (CUDA only); waited on before the pinned buffer is

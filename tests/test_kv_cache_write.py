@@ -68,8 +68,7 @@ from speccheck.backends import kv_cache_write
 
 signature = {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16",
              "value_cache_ptr": "*bf16", "slot_ptr": "*i64", "key_token_stride": "i32",
-             "value_token_stride": "i32", "key_slot_stride": "i32", "value_slot_stride": "i32",
-             "WIDTH": "constexpr", "BLOCK": "constexpr"}
+             "value_token_stride": "i32", "WIDTH": "constexpr", "BLOCK": "constexpr"}
 compile(ASTSource(kv_cache_write._write_kv_kernel, signature, {"WIDTH": 512, "BLOCK": 512}),
         target=GPUTarget("cuda", 90, 32))
 print("ok")

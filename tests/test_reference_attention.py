@@ -65,24 +65,22 @@ def test_reference_matches_loop(data, num_reqs, block_size, kv_heads, group, cau
     assert torch.count_nonzero(got[total:]) == 0, "padding tokens must produce zeros"
 
 
-@settings(max_examples=25)
-@given(data=st.data(), window=st.sampled_from([0, 1, 3, 7]), causal=st.booleans())
-def test_captured_and_eager_paths_agree(data, window, causal):
+def _assert_eager_equals_captured(seq_lens, query_lens, block_size, max_blocks, causal, window,
+                                  padding, seeds):
     """The fixed-shape path a graph captures (every token, the whole row) and the eager
-    paths (decode: columns bounded by the longest request; several tokens per request: one
-    gather per request from where its window starts) compute the same attention."""
+    path of the same call compute the same attention: ``seq_lens`` and ``query_lens`` per
+    request, blocks of ``block_size``, ``padding`` tokens past the last request, the block
+    layout and the values drawn from ``seeds``."""
     import speccheck.backends.reference.attention as attention
 
-    num_reqs, block_size, max_blocks, kv_heads, group, head_size = 3, 4, 5, 2, 2, 8
+    num_reqs, kv_heads, group, head_size = len(seq_lens), 2, 2, 8
     num_blocks = num_reqs * max_blocks + 1
-    seq_lens = [data.draw(st.integers(0, block_size * max_blocks)) for _ in range(num_reqs)]
-    query_lens = [data.draw(st.integers(0, min(s, 4))) for s in seq_lens]
-    block_table = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(3))[
+    block_table = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seeds[0]))[
         : num_reqs * max_blocks] + 1).view(num_reqs, max_blocks).int()
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(seeds[1])
     key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen)
     value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen)
-    query = torch.randn(sum(query_lens) + 1, kv_heads * group, head_size, generator=gen)
+    query = torch.randn(sum(query_lens) + padding, kv_heads * group, head_size, generator=gen)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     args = (query, key_cache, value_cache, qsl, torch.tensor(seq_lens, dtype=torch.int32),
             block_table, 0.3, causal, window)
@@ -94,6 +92,19 @@ def test_captured_and_eager_paths_agree(data, window, causal):
     finally:
         attention.capturing = original
     torch.testing.assert_close(eager, captured, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25)
+@given(data=st.data(), window=st.sampled_from([0, 1, 3, 7]), causal=st.booleans())
+def test_captured_and_eager_paths_agree(data, window, causal):
+    """The fixed-shape path a graph captures (every token, the whole row) and the eager
+    paths (decode: columns bounded by the longest request; several tokens per request: one
+    gather per request from where its window starts) compute the same attention."""
+    block_size, max_blocks = 4, 5
+    seq_lens = [data.draw(st.integers(0, block_size * max_blocks)) for _ in range(3)]
+    query_lens = [data.draw(st.integers(0, min(s, 4))) for s in seq_lens]
+    _assert_eager_equals_captured(seq_lens, query_lens, block_size, max_blocks, causal, window,
+                                  padding=1, seeds=(3, 11))
 
 
 @settings(max_examples=25)
@@ -103,29 +114,10 @@ def test_decode_grouped_by_length_equals_one_padded_pass(data, window, causal):
     attended group by group (requests of similar length together, each group gathering
     only as far as its longest): the same as the fixed-shape pass over the whole row, with
     zeros for padding tokens, requests without a token and empty requests."""
-    import speccheck.backends.reference.attention as attention
-
-    num_reqs, block_size, max_blocks, kv_heads, group, head_size = 6, 2, 40, 2, 2, 8
-    num_blocks = num_reqs * max_blocks + 1
-    seq_lens = [data.draw(st.sampled_from([0, 1, 2, 3, 7, 16, 33, 80])) for _ in range(num_reqs)]
+    seq_lens = [data.draw(st.sampled_from([0, 1, 2, 3, 7, 16, 33, 80])) for _ in range(6)]
     query_lens = [data.draw(st.integers(0, min(s, 1))) for s in seq_lens]
-    block_table = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(5))[
-        : num_reqs * max_blocks] + 1).view(num_reqs, max_blocks).int()
-    gen = torch.Generator().manual_seed(13)
-    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen)
-    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=gen)
-    query = torch.randn(sum(query_lens) + 2, kv_heads * group, head_size, generator=gen)
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    args = (query, key_cache, value_cache, qsl, torch.tensor(seq_lens, dtype=torch.int32),
-            block_table, 0.3, causal, window)
-    eager = paged_attention_reference(*args)
-    original = attention.capturing
-    attention.capturing = lambda: True
-    try:
-        captured = paged_attention_reference(*args)
-    finally:
-        attention.capturing = original
-    torch.testing.assert_close(eager, captured, atol=1e-5, rtol=1e-5)
+    _assert_eager_equals_captured(seq_lens, query_lens, 2, 40, causal, window, padding=2,
+                                  seeds=(5, 13))
 
 
 def test_decode_lengths_fall_into_power_of_two_block_groups():

@@ -429,7 +429,7 @@ class _Probe:
 def _host_array(tensor: torch.Tensor) -> np.ndarray:
     """``tensor`` (on the host) as a numpy array of its own (dtypes numpy lacks, such as
     bfloat16, as float32)."""
-    t = tensor
-    if t.dtype == torch.bfloat16 or (t.dtype.is_floating_point and t.dtype.itemsize == 1):
-        t = t.float()
-    return np.array(t.numpy(), copy=True)
+    if tensor.dtype == torch.bfloat16 or (tensor.dtype.is_floating_point
+                                          and tensor.dtype.itemsize == 1):
+        tensor = tensor.float()
+    return np.array(tensor.numpy(), copy=True)

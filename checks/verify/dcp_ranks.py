@@ -191,11 +191,7 @@ def _merge(report: BackendReport, run: DcpRun, examples: Sequence[Example], pref
     report.detail = run.note()
     for result in run.per_rank:
         for check, tally in result.report.checks.items():
-            mine = report.checks[check]
-            mine.passed += tally.passed
-            mine.failed += tally.failed
-            mine.indeterminate += tally.indeterminate
-            mine.skipped += tally.skipped
+            report.checks[check].include(tally)
         report.failures += result.report.failures
     if first.failing is not None:
         example = examples[first.failing]

@@ -33,6 +33,14 @@ class CheckTally:
             case Result.SKIPPED:
                 self.skipped += 1
 
+    def include(self, other: CheckTally) -> None:
+        """Add ``other``'s counts to these: one check's tallies over several workers or
+        ranks."""
+        self.passed += other.passed
+        self.failed += other.failed
+        self.indeterminate += other.indeterminate
+        self.skipped += other.skipped
+
 
 @dataclass
 class Failure:
@@ -139,12 +147,10 @@ def merge_shards(shards: Sequence[BackendReport], seconds: float) -> BackendRepo
     if not shards:
         raise ValueError("merge_shards needs at least one report")
     worst = min(shards, key=lambda report: SEVERITY.index(report.status))
-    checks = {}
-    for check in Check:
-        tallies = [report.checks[check] for report in shards]
-        checks[check] = CheckTally(
-            sum(t.passed for t in tallies), sum(t.failed for t in tallies),
-            sum(t.indeterminate for t in tallies), sum(t.skipped for t in tallies))
+    checks = {check: CheckTally() for check in Check}
+    for report in shards:
+        for check, tally in report.checks.items():
+            checks[check].include(tally)
     return replace(
         shards[0], status=worst.status, examples=sum(report.examples for report in shards),
         checks=checks, failures=list(worst.failures), minimal_example=worst.minimal_example,
