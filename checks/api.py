@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,13 @@ from rich.progress import Progress
 from speccheck.checks.cli.runtime_options import runtime_flags
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, Failure
-from speccheck.checks.verify.scale import DEFAULT_STEPS, TIER_DEFAULTS, TIER_SCALE, HarnessScale
+from speccheck.checks.verify.scale import (
+    DEFAULT_STEPS,
+    TIER_DEFAULTS,
+    TIER_SCALE,
+    HarnessScale,
+    default_jobs,
+)
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, Matrix
@@ -320,6 +327,28 @@ class VerifyPlan:
         return VerifyReport(tuple(reports), self.tier, self.device, self.config,
                             self.matrices.path, notes)
 
+    def shards(self, name: str) -> int:
+        """How many workers verify backend ``name`` at once: :attr:`jobs` (at most one per
+        example) for a single-rank run drawing its own examples, else 1."""
+        if (self.reproduce is not None or self.config.dp_size > 1
+                or self.dcp_ranks(name) > 1):
+            return 1
+        return min(self.jobs, self.examples)
+
+    def shares(self, name: str) -> list[tuple[int, int]]:
+        """``(examples, seed)`` of each of backend ``name``'s :meth:`shards` workers: the
+        examples split as evenly as they go, worker ``i`` drawing from ``seed + i``."""
+        count = self.shards(name)
+        return [(self.examples // count + (i < self.examples % count), self.seed + i)
+                for i in range(count)]
+
+    def shard_settings(self, name: str) -> list[VerifySettings]:
+        """:meth:`settings_for` of each worker of backend ``name`` (:meth:`shares`): what
+        a test of "the settings a user gets" runs, one engine per worker. Imports torch."""
+        settings = self.settings_for(name)
+        return [dataclasses.replace(settings, examples=examples, seed=seed)
+                for examples, seed in self.shares(name)]
+
     def _verify_in_worker(
         self, name: str, progress: ProgressDisplay, notes: dict[str, str]
     ) -> BackendReport:
@@ -332,7 +361,7 @@ class VerifyPlan:
                                  self.steps, self.reproduce, prefix, self.matrices.path,
                                  self.scale())
         try:
-            if self.jobs > 1 and self.reproduce is None:
+            if self.shards(name) > 1:
                 report = self._verify_in_shards(name, request, progress)
             else:
                 report = run_worker(request, progress, self.example_timeout, self.tier)
@@ -354,20 +383,17 @@ class VerifyPlan:
     def _verify_in_shards(
         self, name: str, request: dict[str, object], progress: ProgressDisplay
     ) -> BackendReport:
-        """Backend ``name`` in :attr:`jobs` workers at once (fewer when there are fewer
-        examples), worker ``i`` drawing its share of the examples from ``seed + i``, and
-        their reports merged. Each worker holds its own drafters, graphs and KV caches on
-        the device."""
+        """Backend ``name`` in :meth:`shards` workers at once (:meth:`shares`), their reports
+        merged. Each worker holds its own drafters, graphs and KV caches on the device."""
         import time
         from concurrent.futures import ThreadPoolExecutor
 
         from speccheck.checks.verify.report import merge_shards
         from speccheck.checks.verify.runner import run_worker
 
-        count = min(self.jobs, self.examples)
-        shares = [self.examples // count + (i < self.examples % count) for i in range(count)]
-        requests = [{**request, "examples": share, "seed": self.seed + i}
-                    for i, share in enumerate(shares)]
+        requests = [{**request, "examples": examples, "seed": seed}
+                    for examples, seed in self.shares(name)]
+        count = len(requests)
 
         def shard(i: int) -> BackendReport:
             return run_worker(requests[i], progress, self.example_timeout, self.tier,
@@ -428,7 +454,7 @@ def plan_verification(
     reproduce: str | None = None,
     audit_claims: bool = False,
     example_timeout: float = 300.0,
-    jobs: int = 1,
+    jobs: int | None = None,
 ) -> VerifyPlan:
     """Check the input of a verification and settle what it runs; see :func:`verify` for
     the parameters. Raises :class:`VerifyInputError` or
@@ -437,7 +463,7 @@ def plan_verification(
         raise VerifyInputError(f"examples must be at least 1, got {examples}")
     if example_timeout <= 0:
         raise VerifyInputError(f"example_timeout must be positive, got {example_timeout}")
-    if not 1 <= jobs <= MAX_JOBS:
+    if jobs is not None and not 1 <= jobs <= MAX_JOBS:
         raise VerifyInputError(f"jobs must lie in 1..{MAX_JOBS}, got {jobs}")
     from speccheck.checks.verify.examples import MAX_NEW_TOKENS
 
@@ -454,6 +480,8 @@ def plan_verification(
     else:
         names = (_declared_backend(backend, matrices),)
     _preflight(names, matrices)
+    if jobs is None:
+        jobs = default_jobs(tier, examples, os.cpu_count() or 1)
     plan = VerifyPlan(names, effective, overrides, matrices, tier, device, examples, seed,
                       _steps(steps, overrides), sizes, max_new_tokens, reproduce, audit_claims,
                       example_timeout, jobs)
@@ -476,7 +504,7 @@ def verify(
     reproduce: str | None = None,
     audit_claims: bool = False,
     example_timeout: float = 300.0,
-    jobs: int = 1,
+    jobs: int | None = None,
 ) -> VerifyReport:
     """Verify ``backend`` as ``speccheck verify`` does, each backend in a worker process of
     its own, and return the report (raising nothing for a failed check or a crash: read
@@ -509,7 +537,9 @@ def verify(
       share of ``examples`` from a seed of its own (``seed + i``) on the same device, their
       reports merged (the worst status wins, with its failure and reproduce command). Each
       holds its own drafters, graphs and KV caches: device memory grows with it. Runs on
-      DP or DCP ranks, and ``reproduce``, take one.
+      DP or DCP ranks, and ``reproduce``, take one. ``None``: :func:`~speccheck.checks.
+      verify.scale.default_jobs` (on the GPU tier one per 25 examples, at most 4; one on
+      the CPU tier). ``jobs=1`` draws every example from ``seed`` alone.
 
     Bad input raises :class:`VerifyInputError` or
     :class:`~speccheck.contract.matrix_loader.MatrixError` before any worker starts.

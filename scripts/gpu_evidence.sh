@@ -45,6 +45,12 @@
 #       target) twice, with Triton's on-disk cache cold then warm, and fa3 (FA3_EXAMPLES,
 #       30) at the GPU defaults, and reference on two DCP ranks sharing the GPU
 #       (DCP2_EXAMPLES, 20; 0 leaves it out)
+#   scripts/gpu_evidence.sh OUTDIR verify-jobs | verify-jobs-fi
+#       wheels in .gpu-wheels/core | fi (+ fi-jit): the wall time of the whole verify command
+#       (benchmarks/verify_command.py) at the default --jobs beside --jobs 1 (JOBS), for
+#       triton_attn at 200 examples after a short warm-up run that fills Triton's on-disk
+#       cache, then the FA3 refresh bug at default settings for ten seeds (FA3_SEEDS_LIMIT,
+#       0 leaves it out) | flashinfer at 100 examples and its bench with the profiler's tables
 #   scripts/gpu_evidence.sh OUTDIR audit-core | audit-flashinfer
 #       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
 #       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
@@ -57,7 +63,7 @@
 #       --dcp-world-size 2 for reference and triton_attn (DCP2_LIMIT, DCP2_EXAMPLES), one after
 #       the other (each run uses both GPUs), each into a console file of its own.
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|audit-core|audit-flashinfer|two-gpu [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|verify-jobs|verify-jobs-fi|audit-core|audit-flashinfer|two-gpu [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
@@ -69,8 +75,8 @@ mkdir -p "$out"
 mkdir -p /tmp/site && ln -sfn /tmp/site /tmp/site-packages
 export PYTHONPATH=/tmp/site-packages PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
-  core|audit-core|serving|latent|concurrent|lean-core) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
-  flashinfer|audit-flashinfer|lean|lean-fi|two-gpu)
+  core|audit-core|serving|latent|concurrent|lean-core|verify-jobs) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
+  flashinfer|audit-flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
     # Ninja rebuilds an output when any input is newer than the output's mtime in its
@@ -87,7 +93,7 @@ export SPECCHECK_COMMIT=$commit
 {
   echo "commit: $commit"; echo "suite: $suite"; date -u; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  case $suite in *flashinfer|lean|lean-fi|two-gpu) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
+  case $suite in *flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
   [ "$suite" = two-gpu ] && python3 -c "import torch, torch.distributed as d; print('GPUs', torch.cuda.device_count(), 'nccl', d.is_nccl_available() and torch.cuda.nccl.version())"
 } > "$out/device-$suite.txt" 2>&1
 
@@ -138,6 +144,26 @@ if [ "$suite" = lean ]; then
   flashinfer_bench
   run triton_attn "${VERIFY_LIMIT:-60}" --backend triton_attn --examples "${EXAMPLES:-30}"
   run flashinfer "${VERIFY_LIMIT:-60}" --backend flashinfer --examples "${EXAMPLES:-30}"
+  exit 0
+fi
+verify_command() {  # BACKEND EXAMPLES LIMIT
+  { timeout "$3" python3 benchmarks/verify_command.py --backend "$1" --examples "$2" \
+      --jobs "${JOBS:-default,1}" --json "$out/verify-command-$1.json"
+    echo "exit $?"; } > "$out/verify-command-$1.txt" 2>&1
+}
+if [ "$suite" = verify-jobs ]; then
+  run triton_attn-warmup 120 --backend triton_attn --examples 10
+  verify_command triton_attn 200 "${VERIFY_LIMIT:-240}"
+  if [ "${FA3_SEEDS_LIMIT:-240}" != 0 ]; then
+    timeout "${FA3_SEEDS_LIMIT:-240}" python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py \
+      -k default_settings > "$out/pytest-cuda-fa3-default-settings.txt" 2>&1
+    echo "pytest exit $?" >> "$out/pytest-cuda-fa3-default-settings.txt"
+  fi
+  exit 0
+fi
+if [ "$suite" = verify-jobs-fi ]; then
+  verify_command flashinfer 100 "${VERIFY_LIMIT:-240}"
+  flashinfer_bench --profile "$out/profile-flashinfer.txt"
   exit 0
 fi
 if [ "$suite" = lean-fi ]; then

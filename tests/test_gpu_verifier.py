@@ -35,9 +35,10 @@ def _run(settings: VerifySettings) -> tuple[BackendVerifier, BackendReport]:
 
 def test_fa3_without_its_refresh_is_caught_at_default_settings() -> None:
     """The seed PR's headline bug, at the settings ``speccheck verify --backend fa3`` uses
-    (its matrix entry's verify_defaults, the GPU tier's scale, K range and example count),
-    ten seeds; breakpoint discovery must aim the draft steps across FA3's own schedule
-    thresholds. Shrinking is cut: catching is the point here."""
+    (its matrix entry's verify_defaults, the GPU tier's scale, K range, example count and
+    workers: each worker's share of the examples from its own seed), ten seeds; breakpoint
+    discovery must aim the draft steps across FA3's own schedule thresholds. Shrinking is
+    cut: catching is the point here."""
     pytest.importorskip("fa3_fwd_interface")
     from speccheck.backends.fa3.builder import FA3MetadataBuilder
 
@@ -47,22 +48,25 @@ def test_fa3_without_its_refresh_is_caught_at_default_settings() -> None:
 
     caught: list[int] = []
     for seed in range(10):
-        settings = dataclasses.replace(
-            plan_verification("fa3", seed=seed).settings_for("fa3"), shrink_seconds=0.0,
-            builder_overrides=(("fa3", WithoutRefresh),))
-        verifier, report = _run(settings)
-        # Each seed's verifier holds a serving-scale KV cache and graph pools: free them
-        # before the next one, as the worker process of `speccheck verify` would on exit.
-        del verifier
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(f"seed {seed}: {report.examples} examples, breakpoints "
-              f"{(report.breakpoints or {}).get('lengths', [])[:8]}, failures "
-              f"{[(f.check, f.field) for f in report.failures]}")
-        stale = [f for f in report.failures if f.check == "step_metadata"]
-        if stale and stale[0].field == "fa3.metadata.scheduler_metadata":
+        workers_caught = []
+        for worker in plan_verification("fa3", seed=seed).shard_settings("fa3"):
+            settings = dataclasses.replace(worker, shrink_seconds=0.0,
+                                           builder_overrides=(("fa3", WithoutRefresh),))
+            verifier, report = _run(settings)
+            # Each worker's verifier holds a serving-scale KV cache and graph pools: free
+            # them before the next one, as the worker process of `speccheck verify` does.
+            del verifier
+            gc.collect()
+            torch.cuda.empty_cache()
+            print(f"seed {seed} (worker seed {settings.seed}): {report.examples} examples, "
+                  f"breakpoints {(report.breakpoints or {}).get('lengths', [])[:8]}, failures "
+                  f"{[(f.check, f.field) for f in report.failures]}")
+            stale = [f for f in report.failures if f.check == "step_metadata"]
+            workers_caught.append(bool(stale)
+                                  and stale[0].field == "fa3.metadata.scheduler_metadata")
+            assert not [f for f in report.failures if f.check == "draft_tokens"]
+        if any(workers_caught):
             caught.append(seed)
-        assert not [f for f in report.failures if f.check == "draft_tokens"]
     print(f"FA3 without refresh caught at default settings for seeds {caught} of 0..9")
     assert len(caught) >= 9, caught
 
