@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +34,7 @@ from rich.progress import Progress
 from speccheck.checks.cli.runtime_options import runtime_flags
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, Failure
-from speccheck.checks.verify.scale import (
-    DEFAULT_STEPS,
-    TIER_DEFAULTS,
-    TIER_SCALE,
-    HarnessScale,
-    default_jobs,
-)
+from speccheck.checks.verify.scale import DEFAULT_STEPS, TIER_DEFAULTS, TIER_SCALE, HarnessScale
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, Matrix
@@ -454,7 +447,7 @@ def plan_verification(
     reproduce: str | None = None,
     audit_claims: bool = False,
     example_timeout: float = 300.0,
-    jobs: int | None = None,
+    jobs: int = 1,
 ) -> VerifyPlan:
     """Check the input of a verification and settle what it runs; see :func:`verify` for
     the parameters. Raises :class:`VerifyInputError` or
@@ -463,7 +456,7 @@ def plan_verification(
         raise VerifyInputError(f"examples must be at least 1, got {examples}")
     if example_timeout <= 0:
         raise VerifyInputError(f"example_timeout must be positive, got {example_timeout}")
-    if jobs is not None and not 1 <= jobs <= MAX_JOBS:
+    if not 1 <= jobs <= MAX_JOBS:
         raise VerifyInputError(f"jobs must lie in 1..{MAX_JOBS}, got {jobs}")
     from speccheck.checks.verify.examples import MAX_NEW_TOKENS
 
@@ -480,8 +473,6 @@ def plan_verification(
     else:
         names = (_declared_backend(backend, matrices),)
     _preflight(names, matrices)
-    if jobs is None:
-        jobs = default_jobs(tier, examples, os.cpu_count() or 1)
     plan = VerifyPlan(names, effective, overrides, matrices, tier, device, examples, seed,
                       _steps(steps, overrides), sizes, max_new_tokens, reproduce, audit_claims,
                       example_timeout, jobs)
@@ -504,7 +495,7 @@ def verify(
     reproduce: str | None = None,
     audit_claims: bool = False,
     example_timeout: float = 300.0,
-    jobs: int | None = None,
+    jobs: int = 1,
 ) -> VerifyReport:
     """Verify ``backend`` as ``speccheck verify`` does, each backend in a worker process of
     its own, and return the report (raising nothing for a failed check or a crash: read
@@ -537,9 +528,9 @@ def verify(
       share of ``examples`` from a seed of its own (``seed + i``) on the same device, their
       reports merged (the worst status wins, with its failure and reproduce command). Each
       holds its own drafters, graphs and KV caches: device memory grows with it. Runs on
-      DP or DCP ranks, and ``reproduce``, take one. ``None``: :func:`~speccheck.checks.
-      verify.scale.default_jobs` (on the GPU tier one per 25 examples, at most 4; one on
-      the CPU tier). ``jobs=1`` draws every example from ``seed`` alone.
+      DP or DCP ranks, and ``reproduce``, take one. Workers sharing one GPU
+      gain nothing there (measured on the H200: four workers of 50 examples took as long
+      as one of 200; docs/verification/verify-jobs); they scale on the CPU tier.
 
     Bad input raises :class:`VerifyInputError` or
     :class:`~speccheck.contract.matrix_loader.MatrixError` before any worker starts.

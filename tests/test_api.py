@@ -19,7 +19,6 @@ from speccheck.checks.api import (
     plan_verification,
 )
 from speccheck.checks.verify.report import BackendReport, Failure, merge_shards
-from speccheck.checks.verify.scale import default_jobs
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.runtime_config import RuntimeConfig
 from tests.fixtures.adapters.out_of_tree import PlusOneBuilder
@@ -219,20 +218,9 @@ def test_merged_shards_sum_their_examples_and_keep_the_worst_status() -> None:
     assert crashed.reproduce.endswith("c")
 
 
-@pytest.mark.parametrize(("tier", "examples", "cpus", "jobs"), [
-    (Tier.GPU, 200, 16, 4), (Tier.GPU, 100, 16, 4), (Tier.GPU, 50, 16, 2),
-    (Tier.GPU, 30, 16, 1), (Tier.GPU, 1, 16, 1), (Tier.GPU, 200, 4, 2), (Tier.GPU, 200, 1, 1),
-    (Tier.CPU, 200, 64, 1),
-])
-def test_jobs_default_to_one_worker_per_25_examples_on_the_gpu_tier(
-    tier: Tier, examples: int, cpus: int, jobs: int
-) -> None:
-    assert default_jobs(tier, examples, cpus) == jobs
-
-
-def test_the_default_jobs_split_the_examples_and_seeds_as_the_workers_draw_them() -> None:
-    """On this (CPU) tier the default is one worker; ``jobs`` splits the examples as evenly
-    as they go, worker ``i`` on ``seed + i``, and each worker's engine settings say so."""
+def test_jobs_split_the_examples_and_seeds_as_the_workers_draw_them() -> None:
+    """The default is one worker; ``jobs`` splits the examples as evenly as they go, worker
+    ``i`` on ``seed + i``, and each worker's engine settings say so."""
     assert plan_verification("reference", examples=50).jobs == 1
     plan = plan_verification("reference", examples=7, seed=3, jobs=3)
     assert plan.shares("reference") == [(3, 3), (2, 4), (2, 5)]

@@ -50,25 +50,3 @@ head layout and serving-scale lengths on the GPU."""
 DEFAULT_STEPS = tuple(range(1, 9))
 """Draft step counts (K) drawn from when neither ``steps`` nor ``num_speculative_steps``
 is given; K = 1 (no draft decode step, hence no fused path) is the control."""
-
-EXAMPLES_PER_JOB = 25
-"""Fewest examples a worker of an automatic ``--jobs`` gets: below this, a worker's fixed
-cost (imports, breakpoint discovery, graph capture: about 10 s on the H200) outweighs its
-share of the examples."""
-
-MAX_AUTO_JOBS = 4
-"""Most workers an automatic ``--jobs`` starts: each holds its own drafters, graphs and
-serving-scale KV caches on the one device."""
-
-
-def default_jobs(tier: Tier, examples: int, cpus: int) -> int:
-    """Worker processes per backend when ``--jobs`` is not given.
-
-    GPU tier: one per :data:`EXAMPLES_PER_JOB` examples, at most :data:`MAX_AUTO_JOBS` and
-    half of ``cpus`` (a worker is one busy host thread feeding a mostly idle GPU). CPU tier:
-    one (its workers compete for the same cores the Triton interpreter already fills).
-    The examples are split among the workers, worker ``i`` drawing from ``seed + i``: the
-    example count, hence the search's size, is the same whatever the worker count."""
-    if tier is not Tier.GPU:
-        return 1
-    return max(1, min(examples // EXAMPLES_PER_JOB, MAX_AUTO_JOBS, cpus // 2))
