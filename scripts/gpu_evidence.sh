@@ -51,6 +51,11 @@
 #       triton_attn at 200 examples after a short warm-up run that fills Triton's on-disk
 #       cache, then the FA3 refresh bug at default settings for ten seeds (FA3_SEEDS_LIMIT,
 #       0 leaves it out) | flashinfer at 100 examples and its bench with the profiler's tables
+#   scripts/gpu_evidence.sh OUTDIR lean-host
+#       wheels in .gpu-wheels/core: the serving path's CUDA tests, benchmarks/graph_launch.py
+#       for triton_attn (each graph's nodes, the host time of a launch and of its parts),
+#       speccheck bench for triton_attn and fa3 (K=4 and 8, batches 1, 8, 64, REPEATS, no
+#       profiler), and short verifies of both at the GPU defaults (no false positive)
 #   scripts/gpu_evidence.sh OUTDIR audit-core | audit-flashinfer
 #       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
 #       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
@@ -63,7 +68,7 @@
 #       --dcp-world-size 2 for reference and triton_attn (DCP2_LIMIT, DCP2_EXAMPLES), one after
 #       the other (each run uses both GPUs), each into a console file of its own.
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|verify-jobs|verify-jobs-fi|audit-core|audit-flashinfer|two-gpu [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|lean-host|verify-jobs|verify-jobs-fi|audit-core|audit-flashinfer|two-gpu [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
@@ -75,7 +80,7 @@ mkdir -p "$out"
 mkdir -p /tmp/site && ln -sfn /tmp/site /tmp/site-packages
 export PYTHONPATH=/tmp/site-packages PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
-  core|audit-core|serving|latent|concurrent|lean-core|verify-jobs) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
+  core|audit-core|serving|latent|concurrent|lean-core|verify-jobs|lean-host) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
   flashinfer|audit-flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
@@ -159,6 +164,23 @@ if [ "$suite" = verify-jobs ]; then
       -k default_settings > "$out/pytest-cuda-fa3-default-settings.txt" 2>&1
     echo "pytest exit $?" >> "$out/pytest-cuda-fa3-default-settings.txt"
   fi
+  exit 0
+fi
+if [ "$suite" = lean-host ]; then
+  timeout "${PYTEST_LIMIT:-200}" python3 -m pytest -rA -q -m cuda tests/test_speculator.py \
+    tests/test_lane_kernels.py tests/test_bench.py tests/test_triton_specialization.py \
+    tests/test_kv_cache_write.py tests/test_model_kernels.py > "$out/pytest-cuda-lean-host.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-lean-host.txt"
+  { timeout 120 python3 benchmarks/graph_launch.py --backend triton_attn --steps 4,8 \
+      --batches 1,8,64 --rounds 30 --json "$out/graph-launch-triton_attn.json" 2>&1 | grep -v debug_dump
+    echo "exit ${PIPESTATUS[0]}"; } > "$out/graph-launch-triton_attn.txt"
+  for backend in triton_attn fa3; do
+    { timeout "${BENCH_LIMIT:-100}" speccheck bench --backend "$backend" --steps 4,8 \
+        --batches 1,8,64 --repeats "${REPEATS:-20}" --json "$out/bench-$backend.json"
+      echo "exit $?"; } > "$out/bench-$backend.txt" 2>&1
+  done
+  run triton_attn "${VERIFY_LIMIT:-100}" --backend triton_attn --examples "${EXAMPLES:-50}"
+  run fa3 "${VERIFY_LIMIT:-100}" --backend fa3 --examples "${FA3_EXAMPLES:-30}"
   exit 0
 fi
 if [ "$suite" = verify-jobs-fi ]; then

@@ -43,6 +43,8 @@ from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.decode_inputs import DecodeLaneBuffers, prepare_decode_lanes
 from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.model import DraftModel
+from speccheck.speculator.model_kernels import use_kernels
+from speccheck.speculator.pass_inputs import scatter_staged_pass_inputs, stage_pass_inputs
 from speccheck.speculator.sampling import finish_decode_step, sample_tokens
 
 logger = logging.getLogger(__name__)
@@ -351,20 +353,45 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         refresh = self.refresh_rebuilds_in_graph
         self.graphs.capture((FIRST_PASS, n, q), lambda: self._first_pass_body(n, q, md, refresh))
 
+    @property
+    def scatters_in_graph(self) -> bool:
+        """Whether the whole-propose graph begins with the scatter of the pass's staged
+        inputs (:func:`~speccheck.speculator.pass_inputs.scatter_staged_pass_inputs`): where
+        the scatter is the one-kernel form, whose launch holds nothing of the batch. A
+        replay then needs only the staging copy before it."""
+        return use_kernels(self.buffers.positions) if self.kernel is None else self.kernel
+
     def _capture_fused_propose(self, n: int, q: int) -> None:
-        """A whole fused propose of ``n`` requests of ``q`` tokens in one graph: the first
-        pass's body, then the fused decode body, each refreshing capture metadata of its
-        own (the decode's built first: the first pass's dummy inputs are the last written,
-        as a propose's pass inputs are)."""
+        """A whole fused propose of ``n`` requests of ``q`` tokens in one graph: the scatter
+        of the staged pass inputs (where :attr:`scatters_in_graph`; dummy inputs staged for
+        the capture), the first pass's body, then the fused decode body, each refreshing
+        capture metadata of its own (the decode's built first: the first pass's dummy
+        inputs are the last written, as a propose's pass inputs are)."""
         assert self.graphs is not None
         decode = self._decode_capture_metadata(n)
         first = self._first_pass_capture_metadata(n, q)
+        scatter = self.scatters_in_graph
+        if scatter:
+            self._stage_dummy_pass(n, q)
 
         def body() -> None:
+            if scatter:
+                scatter_staged_pass_inputs(self.index_buffers, self.staging.device_buffer,
+                                           self.block_size)
             self._first_pass_body(n, q, first, refresh=True)
             self._generate_fused_drafts(n, decode)
 
         self.graphs.capture((FUSED_PROPOSE, n, q), body)
+
+    def _stage_dummy_pass(self, n: int, q: int) -> None:
+        """Stage the capture inputs :meth:`_write_dummy_lanes` writes (``n`` requests of
+        ``q`` tokens at positions ``0 .. q - 1``, no block-table entry: every block the
+        sink, token ids and seeds 0), for a scatter inside the captured body to write them
+        again."""
+        tokens = np.repeat(np.arange(n), q)
+        stage_pass_inputs(self.staging, np.zeros((n, 0), np.int64), np.zeros(n, np.int64),
+                          np.full(n, q, np.int64), np.tile(np.arange(q), n),
+                          np.zeros(n * q, np.int64), tokens, q)
 
     def _first_pass_capture_metadata(self, n: int, q: int) -> list[Any]:
         """Capture metadata of the padded first pass of ``n`` requests of ``q`` tokens, on
@@ -464,14 +491,15 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
 
     def _replay_fused_propose(self, batch: DraftBatch) -> bool:
         """The whole fused propose as one replay, where one was captured for ``batch``'s
-        bucket and first-pass width: the host stages and scatters the pass's inputs and
-        launches one graph. Returns whether it did (it counts as a first-pass and a decode
-        replay)."""
+        bucket and first-pass width: the host stages the pass's inputs (and scatters them,
+        unless the graph does: :attr:`scatters_in_graph`) and launches one graph. Returns
+        whether it did (it counts as a first-pass and a decode replay)."""
         q = self.first_pass_width(batch)
         key = (FUSED_PROPOSE, self.bucket_for(batch.num_reqs), q)
         if q is None or self.graphs is None or key not in self.graphs:
             return False
-        self._write_pass_inputs(batch, batch.new_tokens, uniform_width=q)
+        self._write_pass_inputs(batch, batch.new_tokens, uniform_width=q,
+                                scatter=not self.scatters_in_graph)
         self.graphs.replay(key)
         self.counters.first_pass_replays += 1
         self.counters.graph_replays += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -27,10 +28,10 @@ from speccheck.speculator.cudagraph_manager import CudaGraphManager, require_gra
 from speccheck.speculator.kv_cache import PagedKVCache, compute_slot_mapping
 from speccheck.speculator.model import DraftModel
 from speccheck.speculator.pass_inputs import (
+    HEADER_SIZE,
     IndexBuffers,
-    PassInput,
-    PassInputs,
     scatter_pass_inputs,
+    stage_pass_inputs,
 )
 from speccheck.speculator.sampling import SamplingMethod
 from speccheck.speculator.staging import HostStaging
@@ -163,8 +164,9 @@ class DraftModelSpeculator:
             num_reqs=torch.zeros((), dtype=torch.int64, device=device))
         """Every index buffer, for :meth:`_reset_index_buffers` and the one-kernel scatter
         of a pass's inputs."""
-        self.staging = HostStaging(r * (max_blocks + 4) + 3 * t, device)
-        """A call's host inputs cross to the device in one copy (see :meth:`_eager_pass`)."""
+        self.staging = HostStaging(HEADER_SIZE + r * (max_blocks + 4) + 3 * t, device)
+        """A call's host inputs cross to the device in one copy (see :meth:`_eager_pass`);
+        persistent: the whole-propose graph's scatter reads its device buffer."""
         self.graphs = (
             CudaGraphManager(options.capture_sizes, device)
             if self.cg_mode == CUDAGraphMode.FULL
@@ -238,11 +240,7 @@ class DraftModelSpeculator:
     @staticmethod
     def _request_arrays(batch: DraftBatch) -> list[np.ndarray]:
         """Host block-table rows (``[R, longest row]``, zero past each row) and seeds."""
-        width = max((len(row) for row in batch.block_table), default=0)
-        table = np.zeros((batch.num_reqs, width), dtype=np.int64)
-        for i, row in enumerate(batch.block_table):
-            table[i, : len(row)] = row
-        return [table, np.asarray(batch.seeds, dtype=np.int64)]
+        return [batch.block_table_array(), np.asarray(batch.seeds, dtype=np.int64)]
 
     def _copy_request_inputs(self, table: torch.Tensor, seeds: torch.Tensor) -> None:
         """Block-table rows and seeds from staged device views; every other entry stays
@@ -257,7 +255,7 @@ class DraftModelSpeculator:
 
     def _write_pass_inputs(
         self, batch: DraftBatch, rows: Sequence[Sequence[int]], extra: Sequence[np.ndarray] = (),
-        uniform_width: int = 0,
+        uniform_width: int = 0, scatter: bool = True,
     ) -> tuple[np.ndarray, list[torch.Tensor]]:
         """Inputs of a pass over ``rows[r]`` (tokens following request ``r``'s context):
         every index buffer reset, then the real tokens' lanes, lengths, block-table rows
@@ -267,10 +265,12 @@ class DraftModelSpeculator:
         the pass's slot mapping (real tokens' slots, the sink for every other lane): it is
         final before any metadata is built, and the trace records it as ``("slots", 0)``;
         for a pass padded over its bucket with ``uniform_width`` tokens per request, also
-        its query offsets. Returns the query offsets and device views of ``extra``. Host
-        work."""
+        its query offsets. ``scatter=False`` stages only: the caller replays a graph that
+        begins with the scatter (:func:`~speccheck.speculator.pass_inputs.
+        scatter_staged_pass_inputs`). Returns the query offsets and device views of
+        ``extra``. Host work."""
         r = batch.num_reqs
-        q = np.array([len(row) for row in rows], dtype=np.int64)
+        q = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         t = int(q.sum())
         if t > self.max_num_tokens:
             raise ValueError(f"{t} prefill tokens exceed the {self.max_num_tokens} this drafter holds")
@@ -279,13 +279,14 @@ class DraftModelSpeculator:
         req_of_token = np.repeat(np.arange(r), q)
         ctx = np.array(batch.context_lens, dtype=np.int64)
         positions = ctx[req_of_token] + (np.arange(t) - qsl[req_of_token])
-        ids = np.fromiter((x for row in rows for x in row), dtype=np.int64, count=t)
-        staged = self.staging.stage(
-            [*self._request_arrays(batch), ctx + q, positions, ids, req_of_token, *extra])
-        scatter_pass_inputs(self.index_buffers, PassInputs(staged), self.block_size,
-                            uniform_width, kernel=self.kernel)
+        ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=t)
+        table, seeds = self._request_arrays(batch)
+        staged = stage_pass_inputs(self.staging, table, seeds, ctx + q, positions, ids,
+                                   req_of_token, uniform_width, extra)
+        if scatter:
+            scatter_pass_inputs(self.index_buffers, staged, self.block_size, kernel=self.kernel)
         self._record("slots", 0)
-        return qsl, staged[len(PassInput):]
+        return qsl, staged.extra()
 
     def _eager_pass(
         self, batch: DraftBatch, rows: Sequence[Sequence[int]], extra: Sequence[np.ndarray] = ()

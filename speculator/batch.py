@@ -32,10 +32,19 @@ class DraftBatch:
         return len(self.context_lens)
 
     def query_lens(self) -> np.ndarray:
-        return np.array([len(t) for t in self.new_tokens], dtype=np.int64)
+        return _row_lengths(self.new_tokens)
 
     def seq_lens_after_prefill(self) -> np.ndarray:
         return np.array(self.context_lens, dtype=np.int64) + self.query_lens()
+
+    def block_table_array(self) -> np.ndarray:
+        """``[R, longest row]`` int64: each request's block-table row, zero past its end."""
+        lengths = _row_lengths(self.block_table)
+        width = int(lengths.max(initial=0))
+        table = np.zeros((self.num_reqs, width), dtype=np.int64)
+        table[np.arange(width) < lengths[:, None]] = np.fromiter(
+            chain.from_iterable(self.block_table), dtype=np.int64, count=int(lengths.sum()))
+        return table
 
     def validate(
         self,
@@ -50,15 +59,36 @@ class DraftBatch:
 
         ``extra_positions``: positions the drafter writes past the new tokens (K - 1 decode
         steps for an autoregressive drafter, K for a DFlash block); the block-table rows
-        must cover them up to the ``max_model_len`` clamp."""
+        must cover them up to the ``max_model_len`` clamp.
+
+        Every propose call pays for this on the host: the whole batch is checked with a
+        few array operations, and only a batch that fails them is walked request by
+        request for the message."""
         n = self.num_reqs
         if not 1 <= n <= max_num_reqs:
             raise ValueError(f"batch has {n} requests; this speculator serves 1..{max_num_reqs}")
         for name in ("new_tokens", "block_table", "seeds"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} rows, expected {n}")
+        q, ctx = self.query_lens(), np.array(self.context_lens, dtype=np.int64)
+        lengths = _row_lengths(self.block_table)
+        needed = np.minimum(ctx + q - 1 + extra_positions, max_model_len - 1) // block_size + 1
+        blocks = np.fromiter(chain.from_iterable(self.block_table), dtype=np.int64,
+                             count=int(lengths.sum()))
+        blocks.sort()
+        if (q.min() < 1 or ctx.min() < 0 or (ctx + q).max() > max_model_len
+                or lengths.max() > blocks_for(max_model_len, block_size)
+                or (lengths < needed).any()
+                or (blocks.size and (blocks[0] < 1 or blocks[-1] >= num_blocks))):
+            self._raise_first_problem(max_model_len, block_size, num_blocks, extra_positions)
+        if (blocks[1:] == blocks[:-1]).any():
+            raise ValueError("block_table rows share physical blocks")
+
+    def _raise_first_problem(self, max_model_len: int, block_size: int, num_blocks: int,
+                             extra_positions: int) -> None:
+        """Walk the requests in order and raise for the first one that cannot be served."""
         max_blocks = blocks_for(max_model_len, block_size)
-        for r in range(n):
+        for r in range(self.num_reqs):
             q, ctx = len(self.new_tokens[r]), self.context_lens[r]
             if q < 1 or ctx < 0:
                 raise ValueError(f"request {r}: needs >= 1 new token and context >= 0")
@@ -75,9 +105,10 @@ class DraftBatch:
                 )
             if min(row) < 1 or max(row) >= num_blocks:
                 raise ValueError(f"request {r}: block ids must lie in 1..{num_blocks - 1}")
-        blocks = sum(map(len, self.block_table))
-        if len(set(chain.from_iterable(self.block_table))) != blocks:
-            raise ValueError("block_table rows share physical blocks")
+
+
+def _row_lengths(rows: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    return np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
 
 
 @dataclass(frozen=True)

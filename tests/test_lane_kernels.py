@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 
 from speccheck.speculator.decode_inputs import DecodeLaneBuffers, prepare_decode_lanes
 from speccheck.speculator.kv_cache import PAD_SLOT, compute_slot_mapping
-from speccheck.speculator.pass_inputs import IndexBuffers, PassInputs, scatter_pass_inputs
+from speccheck.speculator.pass_inputs import (
+    HEADER_SIZE,
+    IndexBuffers,
+    PassInputs,
+    scatter_pass_inputs,
+    stage_pass_inputs,
+)
 from speccheck.speculator.staging import HostStaging
 
 SMALL = settings(max_examples=15, deadline=None)
@@ -62,11 +68,12 @@ def _index_buffers(reqs: int, blocks: int, tokens: int, k: int, seed: int) -> In
         current_step=torch.tensor(3), num_reqs=torch.tensor(17))
 
 
-def _staged(arrays: list[torch.Tensor], device: torch.device) -> PassInputs:
+def _staged(arrays: list[torch.Tensor], uniform_width: int, device: torch.device) -> PassInputs:
     """``arrays`` (table, seeds, lengths, positions, ids, token requests) staged as the
-    speculator stages a pass's inputs: one buffer, each array at its own offset."""
-    staging = HostStaging(sum(a.numel() for a in arrays) + 1, device)
-    return PassInputs(staging.stage([a.numpy() for a in arrays]))
+    speculator stages a pass's inputs: one buffer, the sizes' header first, then each
+    array at its own offset."""
+    staging = HostStaging(sum(a.numel() for a in arrays) + HEADER_SIZE + 1, device)
+    return stage_pass_inputs(staging, *(a.numpy() for a in arrays), uniform_width)
 
 
 def _assert_slots_as_computed(buffers: IndexBuffers | DecodeLaneBuffers, block_size: int,
@@ -101,16 +108,16 @@ def test_scatter_pass_inputs_kernel_matches_torch(data: st.DataObject, reqs: int
     gen = torch.Generator().manual_seed(seed + 7)
     positions = torch.randint(0, blocks * block_size, (t,), generator=gen)
     token_request = torch.randint(0, max(r, 1), (t,), generator=gen)
+    width_per_req = data.draw(st.integers(0, 4))
     inputs = _staged([torch.randint(1, 500, (r, width), generator=gen),
                       torch.randint(0, 2**31, (r,), generator=gen),
                       torch.randint(1, 300, (r,), generator=gen), positions,
                       torch.randint(0, 300, (t,), generator=gen), token_request],
-                     torch.device("cpu"))
+                     width_per_req, torch.device("cpu"))
     got = _index_buffers(reqs, blocks, tokens, k, seed)
     want = _index_buffers(reqs, blocks, tokens, k, seed)
-    width_per_req = data.draw(st.integers(0, 4))
-    scatter_pass_inputs(got, inputs, block_size, width_per_req, kernel=True)
-    scatter_pass_inputs(want, inputs, block_size, width_per_req, kernel=False)
+    scatter_pass_inputs(got, inputs, block_size, kernel=True)
+    scatter_pass_inputs(want, inputs, block_size, kernel=False)
     for name in IndexBuffers.__dataclass_fields__:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert int(want.block_table[r:].abs().sum()) == 0 and int(want.num_reqs) == r
@@ -191,17 +198,15 @@ compile(ASTSource(decode_inputs._prepare_decode_lanes_kernel, {"num_reqs_ptr": "
 print("lanes ok")
 from speccheck.speculator import pass_inputs
 compile(ASTSource(pass_inputs._scatter_pass_inputs_kernel, {"staged_ptr": "*i64",
-        "table_at": "i32", "seeds_at": "i32", "lens_at": "i32", "positions_at": "i32",
-        "ids_at": "i32", "requests_at": "i32", "num_reqs": "i32", "num_tokens": "i32",
-        "table_width": "i32", "uniform_width": "i32", "block_size": "i32",
+        "block_size": "i32",
         "block_table_ptr": "*i32", "table_row_stride": "i32",
         "table_rows": "i32", "table_cols": "i32", "seeds_ptr": "*i64", "seq_lens_ptr": "*i32",
         "query_start_loc_ptr": "*i32", "is_real_req_ptr": "*i1", "positions_ptr": "*i64",
         "input_ids_ptr": "*i64", "token_request_ptr": "*i64", "slot_mapping_ptr": "*i64",
         "is_real_token_ptr": "*i1", "max_tokens": "i32", "draft_tokens_ptr": "*i64",
         "draft_size": "i32", "current_step_ptr": "*i64", "num_reqs_ptr": "*i64",
-        "BLOCK": "constexpr"},
-        {"BLOCK": 1024}), target=target)
+        "HEADER": "constexpr", "BLOCK": "constexpr"},
+        {"HEADER": pass_inputs.HEADER_SIZE, "BLOCK": 1024}), target=target)
 print("scatter ok")
 """
 
@@ -240,7 +245,7 @@ def test_cuda_lane_kernels_match_torch() -> None:
               torch.randint(0, 4800, (200,), generator=gen),
               torch.randint(0, 32000, (200,), generator=gen),
               torch.randint(0, 40, (200,), generator=gen)]
-    inputs, on_gpu = _staged(arrays, torch.device("cpu")), _staged(arrays, cuda)
+    inputs, on_gpu = _staged(arrays, 3, torch.device("cpu")), _staged(arrays, 3, cuda)
     got = _on(_index_buffers(reqs, blocks, tokens, k, 1), cuda)
     want = _index_buffers(reqs, blocks, tokens, k, 1)
     scatter_pass_inputs(got, on_gpu, 16)
