@@ -56,6 +56,10 @@
 #       for triton_attn (each graph's nodes, the host time of a launch and of its parts),
 #       speccheck bench for triton_attn and fa3 (K=4 and 8, batches 1, 8, 64, REPEATS, no
 #       profiler), and short verifies of both at the GPU defaults (no false positive)
+#   scripts/gpu_evidence.sh OUTDIR lean-trust
+#       wheels in .gpu-wheels/core: the serving path's and the verifier's CUDA tests (every
+#       mutant caught with real graphs; FA3 without its refresh caught at default settings
+#       for ten seeds), then speccheck bench for triton_attn (K=4 and 8, batches 1, 8, 64)
 #   scripts/gpu_evidence.sh OUTDIR audit-core | audit-flashinfer
 #       the same wheels as core / flashinfer: claims audits (verify --audit-claims) of the
 #       backends the matrix does not allow to fuse (fa3 at DCP 2; flashinfer), next to plain
@@ -68,7 +72,7 @@
 #       --dcp-world-size 2 for reference and triton_attn (DCP2_LIMIT, DCP2_EXAMPLES), one after
 #       the other (each run uses both GPUs), each into a console file of its own.
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|lean-host|verify-jobs|verify-jobs-fi|audit-core|audit-flashinfer|two-gpu [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|lean-host|lean-trust|verify-jobs|verify-jobs-fi|audit-core|audit-flashinfer|two-gpu [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
@@ -80,7 +84,7 @@ mkdir -p "$out"
 mkdir -p /tmp/site && ln -sfn /tmp/site /tmp/site-packages
 export PYTHONPATH=/tmp/site-packages PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
-  core|audit-core|serving|latent|concurrent|lean-core|verify-jobs|lean-host) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
+  core|audit-core|serving|latent|concurrent|lean-core|verify-jobs|lean-host|lean-trust) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
   flashinfer|audit-flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
@@ -181,6 +185,16 @@ if [ "$suite" = lean-host ]; then
   done
   run triton_attn "${VERIFY_LIMIT:-100}" --backend triton_attn --examples "${EXAMPLES:-50}"
   run fa3 "${VERIFY_LIMIT:-100}" --backend fa3 --examples "${FA3_EXAMPLES:-30}"
+  exit 0
+fi
+if [ "$suite" = lean-trust ]; then
+  timeout "${PYTEST_LIMIT:-330}" python3 -m pytest -rA -q -s -m cuda tests/test_speculator.py \
+    tests/test_lane_kernels.py tests/test_verifier_mutants.py tests/test_gpu_verifier.py \
+    > "$out/pytest-cuda-lean-trust.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-lean-trust.txt"
+  { timeout "${BENCH_LIMIT:-100}" speccheck bench --backend triton_attn --steps 4,8 \
+      --batches 1,8,64 --repeats "${REPEATS:-20}" --json "$out/bench-triton_attn.json"
+    echo "exit $?"; } > "$out/bench-triton_attn.txt" 2>&1
   exit 0
 fi
 if [ "$suite" = verify-jobs-fi ]; then

@@ -62,6 +62,10 @@ class HostStaging:
         self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=pinned)
         self.device_buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
         self._host_view = self.host.numpy()
+        self._spans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """``(device, host)`` views of the first ``size`` entries, by size: a copy covers
+        the staged values rounded up to a power of two, so a call makes no view of its
+        own (each is a few microseconds of host time)."""
         self._copied = torch.cuda.Event() if pinned else None
         """Recorded after each copy (CUDA only); waited on before the pinned buffer is
         rewritten."""
@@ -80,7 +84,15 @@ class HostStaging:
             self._copied.synchronize()  # returns at once before the first record
         for offset, array in zip(offsets, arrays, strict=True):
             self._host_view[offset: offset + array.size] = np.asarray(array).reshape(-1)
-        self.device_buffer[:total].copy_(self.host[:total], non_blocking=True)
+        device, host = self._span(total)
+        device.copy_(host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         return StagedArrays(self.device_buffer, offsets, [a.shape for a in arrays])
+
+    def _span(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        size = min(1 << max(total - 1, 0).bit_length(), self.capacity)
+        span = self._spans.get(size)
+        if span is None:
+            span = self._spans[size] = (self.device_buffer[:size], self.host[:size])
+        return span
