@@ -56,6 +56,13 @@ def _audit_lines(reports: list[Path]) -> list[str]:
     return lines + ([""] if lines else [])
 
 
+def _is_verify_report(path: Path) -> bool:
+    """Whether ``path`` is a ``speccheck verify --json`` report (a run's folder also holds
+    benchmark JSON, whose files are named in its about.txt)."""
+    data = json.loads(path.read_text())
+    return isinstance(data, dict) and "backends" in data
+
+
 def _run_section(folder: Path) -> list[str]:
     lines = [f"## `{folder.name}/`", ""]
     about = folder / "about.txt"
@@ -63,7 +70,7 @@ def _run_section(folder: Path) -> list[str]:
         lines += [about.read_text().strip(), ""]
     for path in sorted(folder.glob("device*.txt")):
         lines += [f"`{path.name}`:", "", "```", *path.read_text().strip().splitlines(), "```", ""]
-    reports = sorted(folder.glob("*.json"))
+    reports = [path for path in sorted(folder.glob("*.json")) if _is_verify_report(path)]
     if reports:
         lines += [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
         for path in reports:
