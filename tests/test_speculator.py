@@ -273,6 +273,43 @@ class _EagerReplay(_EagerCapture):
     def replay(self, key: tuple[str, int]) -> None:
         self.bodies[key]()
 
+    def __contains__(self, key: object) -> bool:
+        return key in self.bodies
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-in for the graph manager")
+def test_a_whole_propose_body_scatters_what_was_staged_before_its_replay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The whole-propose body's first kernel scatters the inputs staged before the replay
+    (the one-kernel scatter under the Triton interpreter, told to run in the body), with
+    the sizes read from the staged header: a replay drafts what the eager per-step loop
+    drafts, batch after batch of other shapes, and no scatter runs outside the body."""
+    from speccheck.speculator import base
+
+    monkeypatch.setattr(AutoregressiveSpeculator, "scatters_in_graph", property(lambda _: True))
+    spec = _padded_first_pass_speculator(3, "none")
+    spec.graphs = _EagerReplay(OPTIONS.capture_sizes)  # type: ignore[assignment]
+    spec.capture()
+    assert any(key[0] == "fused_propose" for key in spec.graphs.keys)  # type: ignore[union-attr]
+    batches = [DraftBatch((5, 3), ((7, 8), (9, 10)), ((1, 2, 3), (4, 5, 6)), (0, 1)),
+               DraftBatch((9,), ((1, 2, 3),), ((7, 8, 9, 10),), (4,)),
+               DraftBatch((0, 2, 4), ((5,), (6,), (7,)), ((11, 12), (13, 16), (14, 15)), (1, 2, 3))]
+    scatter = base.scatter_pass_inputs
+    for batch in batches:  # each replay follows another batch's staging (or the capture's)
+        spec.kv_cache.fill_random_(3)
+        start = spec.kv_cache.snapshot()
+        scattered: list[object] = []
+        monkeypatch.setattr(base, "scatter_pass_inputs", lambda *a, **k: scattered.append(a))
+        replays = spec.counters.graph_replays
+        whole = spec.propose(batch, DecodePath.FUSED)
+        monkeypatch.setattr(base, "scatter_pass_inputs", scatter)
+        assert scattered == [] and spec.counters.graph_replays == replays + 1
+        spec.kv_cache.restore(start)
+        eager = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
+        assert torch.equal(whole.draft_tokens, eager.draft_tokens)
+        torch.testing.assert_close(whole.logits, eager.logits)
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-in for the graph manager")
 def test_per_step_replays_are_observed_with_the_metadata_the_graph_reads() -> None:
@@ -432,6 +469,34 @@ def test_first_pass_graph_equals_the_eager_pass(data, k: int) -> None:
     eager = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
     assert torch.equal(graph.draft_tokens, eager.draft_tokens)
     torch.testing.assert_close(graph.logits, eager.logits)
+
+
+@pytest.mark.cuda
+def test_a_whole_propose_replay_scatters_its_inputs_inside_the_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fused propose whose first pass fits the whole-propose graph stages its inputs and
+    launches that one graph: no scatter runs outside it (the graph's first kernel scatters
+    what was staged, sizes included), and it drafts what the eager per-step loop drafts."""
+    from speccheck.speculator import base
+
+    spec = _padded_first_pass_speculator(3, "full")
+    spec.capture()
+    assert spec.scatters_in_graph
+    batch = DraftBatch((5, 3), ((7, 8), (9, 10)), ((1, 2, 3), (4, 5, 6)), (0, 1))
+    spec.kv_cache.fill_random_(3)
+    start = spec.kv_cache.snapshot()
+    scattered: list[object] = []
+    scatter = base.scatter_pass_inputs
+    monkeypatch.setattr(base, "scatter_pass_inputs", lambda *a, **k: scattered.append(a))
+    replays = spec.counters.graph_replays
+    whole = spec.propose(batch, DecodePath.FUSED)  # after the capture's staging
+    assert scattered == [] and spec.counters.graph_replays == replays + 1
+    monkeypatch.setattr(base, "scatter_pass_inputs", scatter)
+    spec.kv_cache.restore(start)
+    eager = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
+    assert torch.equal(whole.draft_tokens, eager.draft_tokens)
+    torch.testing.assert_close(whole.logits, eager.logits)
 
 
 @pytest.mark.parametrize("kernels", [True, False])
