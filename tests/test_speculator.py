@@ -300,7 +300,8 @@ def test_a_whole_propose_body_scatters_what_was_staged_before_its_replay(
         spec.kv_cache.fill_random_(3)
         start = spec.kv_cache.snapshot()
         scattered: list[object] = []
-        monkeypatch.setattr(base, "scatter_pass_inputs", lambda *a, **k: scattered.append(a))
+        monkeypatch.setattr(base, "scatter_pass_inputs",
+                            lambda *a, _calls=scattered, **k: _calls.append(a))
         replays = spec.counters.graph_replays
         whole = spec.propose(batch, DecodePath.FUSED)
         monkeypatch.setattr(base, "scatter_pass_inputs", scatter)
