@@ -7,11 +7,14 @@ sends them in a single copy; the caller then reads them on the device: a kernel 
 one buffer at each array's offset, or tensor ops through views, made only when asked for
 (each view is a few microseconds of host time).
 
-A kernel gets the buffer (one pointer, always the same) and the offsets as integers it does
-not specialize on: Triton compiles a kernel again for each new pointer alignment and each
-integer divisible by 16 or equal to 1, so views at batch-dependent offsets would compile it
-again and again as batch shapes vary (seconds each, the first time a verifier run meets
-them).
+A kernel gets the buffer (one pointer, always the same) and finds the arrays in it from
+sizes staged with them (:func:`~speccheck.speculator.pass_inputs.stage_pass_inputs`), not
+from views or batch-dependent launch arguments: Triton compiles a kernel again for each new
+pointer alignment and each integer divisible by 16 or equal to 1, so views at
+batch-dependent offsets would compile it again and again as batch shapes vary (seconds
+each, the first time a verifier run meets them), and a graph could not hold its launch.
+
+The device buffer is persistent: the whole-propose graph reads it.
 """
 
 from __future__ import annotations
