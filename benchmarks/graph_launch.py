@@ -76,7 +76,7 @@ def measure(backend: str, k: int, batch: int, rounds: int, dot_dir: Path | None
     finally:
         torch.cuda.CUDAGraph = original  # type: ignore[misc]
     assert spec.graphs is not None
-    graphs = dict(spec.graphs._graphs)
+    graphs = dict(spec.graphs.captured())
     launches: dict[int, list[float]] = collections.defaultdict(list)
     replay = torch.cuda.CUDAGraph.replay
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -67,6 +68,11 @@ class CudaGraphManager:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._graphs
+
+    def captured(self) -> Mapping[Hashable, torch.cuda.CUDAGraph]:
+        """The captured graphs by key, read-only (what a benchmark inspects: nodes, launch
+        cost); replay them through :meth:`replay` only, with their inputs written."""
+        return MappingProxyType(self._graphs)
 
     def replay(self, key: Hashable) -> None:
         graph = self._graphs.get(key)
