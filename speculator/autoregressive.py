@@ -43,8 +43,13 @@ from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.decode_inputs import DecodeLaneBuffers, prepare_decode_lanes
 from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.model import DraftModel
-from speccheck.speculator.model_kernels import use_kernels
-from speccheck.speculator.pass_inputs import scatter_staged_pass_inputs, stage_pass_inputs
+from speccheck.speculator.pass_inputs import (
+    PassInputs,
+    scatter_pass_inputs,
+    scatter_staged_pass_inputs,
+    scatters_by_kernel,
+    stage_pass_inputs,
+)
 from speccheck.speculator.sampling import finish_decode_step, sample_tokens
 
 logger = logging.getLogger(__name__)
@@ -302,19 +307,6 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             self._in_capture = False
             self._reset_index_buffers()
 
-    def _write_dummy_lanes(self, n: int, q: int) -> None:
-        """Capture inputs: every index buffer reset (every block-table entry the sink), then
-        ``n`` live requests of ``q`` live tokens each at positions ``0 .. q - 1`` (length
-        ``q``)."""
-        lanes = n * q
-        self._reset_index_buffers()
-        self.buffers.seq_lens[:n].fill_(q)
-        self.buffers.positions[:lanes].copy_(torch.arange(q, device=self.device).repeat(n))
-        self.token_request[:lanes].copy_(torch.arange(lanes, device=self.device) // q)
-        self.is_real_req[:n] = True
-        self.is_real_token[:lanes] = True
-        self.index_buffers.num_reqs.fill_(n)
-
     def _capture_one(self, key: tuple[str, int], body: Callable[[list[Any]], None]) -> None:
         """Dummy inputs for ``n`` lanes, all live at position 0 (length 1), every
         block-table entry the sink (so warm-up and capture write only the sink), written as
@@ -359,20 +351,18 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         inputs (:func:`~speccheck.speculator.pass_inputs.scatter_staged_pass_inputs`): where
         the scatter is the one-kernel form, whose launch holds nothing of the batch. A
         replay then needs only the staging copy before it."""
-        return use_kernels(self.buffers.positions) if self.kernel is None else self.kernel
+        return scatters_by_kernel(self.index_buffers, self.kernel)
 
     def _capture_fused_propose(self, n: int, q: int) -> None:
         """A whole fused propose of ``n`` requests of ``q`` tokens in one graph: the scatter
-        of the staged pass inputs (where :attr:`scatters_in_graph`; dummy inputs staged for
-        the capture), the first pass's body, then the fused decode body, each refreshing
-        capture metadata of its own (the decode's built first: the first pass's dummy
-        inputs are the last written, as a propose's pass inputs are)."""
+        of the staged pass inputs (where :attr:`scatters_in_graph`; the first pass's dummy
+        inputs are the last staged), the first pass's body, then the fused decode body, each
+        refreshing capture metadata of its own (the decode's built first: the first pass's
+        dummy inputs are the last written, as a propose's pass inputs are)."""
         assert self.graphs is not None
         decode = self._decode_capture_metadata(n)
         first = self._first_pass_capture_metadata(n, q)
         scatter = self.scatters_in_graph
-        if scatter:
-            self._stage_dummy_pass(n, q)
 
         def body() -> None:
             if scatter:
@@ -383,21 +373,21 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
 
         self.graphs.capture((FUSED_PROPOSE, n, q), body)
 
-    def _stage_dummy_pass(self, n: int, q: int) -> None:
-        """Stage the capture inputs :meth:`_write_dummy_lanes` writes (``n`` requests of
-        ``q`` tokens at positions ``0 .. q - 1``, no block-table entry: every block the
-        sink, token ids and seeds 0), for a scatter inside the captured body to write them
-        again."""
-        tokens = np.repeat(np.arange(n), q)
-        stage_pass_inputs(self.staging, np.zeros((n, 0), np.int64), np.zeros(n, np.int64),
-                          np.full(n, q, np.int64), np.tile(np.arange(q), n),
-                          np.zeros(n * q, np.int64), tokens, q)
+    def _stage_dummy_pass(self, n: int, q: int) -> PassInputs:
+        """Capture inputs, staged: ``n`` requests of ``q`` tokens at positions ``0 .. q -
+        1`` (length ``q``), no block-table entry (every block the sink), token ids and
+        seeds 0."""
+        return stage_pass_inputs(
+            self.staging, np.zeros((n, 0), np.int64), np.zeros(n, np.int64),
+            np.full(n, q, np.int64), np.tile(np.arange(q), n), np.zeros(n * q, np.int64),
+            np.repeat(np.arange(n), q), q)
 
     def _first_pass_capture_metadata(self, n: int, q: int) -> list[Any]:
         """Capture metadata of the padded first pass of ``n`` requests of ``q`` tokens, on
-        dummy inputs (context 0, every block the sink)."""
-        self._write_dummy_lanes(n, q)
-        self._compute_slot_mappings(n * q, 0)
+        dummy inputs (:meth:`_stage_dummy_pass`, scattered as a pass's inputs are: every
+        other index reset, the sink's slots)."""
+        scatter_pass_inputs(self.index_buffers, self._stage_dummy_pass(n, q), self.block_size,
+                            kernel=self.kernel)
         return self._first_pass_metadata(n, n, q, np.full(n, q), for_capture=True)
 
     def _first_pass_body(self, n: int, q: int, group_metadata: Sequence[Any],

@@ -42,8 +42,7 @@ class DraftBatch:
         lengths = _row_lengths(self.block_table)
         width = int(lengths.max(initial=0))
         table = np.zeros((self.num_reqs, width), dtype=np.int64)
-        table[np.arange(width) < lengths[:, None]] = np.fromiter(
-            chain.from_iterable(self.block_table), dtype=np.int64, count=int(lengths.sum()))
+        table[np.arange(width) < lengths[:, None]] = _flattened(self.block_table, lengths)
         return table
 
     def validate(
@@ -73,9 +72,7 @@ class DraftBatch:
         q, ctx = self.query_lens(), np.array(self.context_lens, dtype=np.int64)
         lengths = _row_lengths(self.block_table)
         needed = np.minimum(ctx + q - 1 + extra_positions, max_model_len - 1) // block_size + 1
-        blocks = np.fromiter(chain.from_iterable(self.block_table), dtype=np.int64,
-                             count=int(lengths.sum()))
-        blocks.sort()
+        blocks = np.sort(_flattened(self.block_table, lengths))
         if (q.min() < 1 or ctx.min() < 0 or (ctx + q).max() > max_model_len
                 or lengths.max() > blocks_for(max_model_len, block_size)
                 or (lengths < needed).any()
@@ -109,6 +106,11 @@ class DraftBatch:
 
 def _row_lengths(rows: tuple[tuple[int, ...], ...]) -> np.ndarray:
     return np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+
+
+def _flattened(rows: tuple[tuple[int, ...], ...], lengths: np.ndarray) -> np.ndarray:
+    """``rows`` end to end as int64 (``lengths``: their :func:`_row_lengths`)."""
+    return np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,7 @@ def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: i
     (:func:`scatter_staged_pass_inputs`; ``kernel`` forces or avoids it), tensor ops
     elsewhere, which take the sizes from the host and so run outside graphs only."""
     r, width, t = inputs.num_reqs, inputs.width, inputs.num_tokens
-    if use_kernels(buffers.positions) if kernel is None else kernel:
+    if scatters_by_kernel(buffers, kernel):
         scatter_staged_pass_inputs(buffers, inputs.staged.buffer, block_size)
         return
     buffers.reset()
@@ -230,6 +230,13 @@ def scatter_pass_inputs(buffers: IndexBuffers, inputs: PassInputs, block_size: i
     compute_slot_mapping(buffers.positions[:t], buffers.token_request[:t],
                          buffers.block_table, buffers.is_real_token[:t], block_size,
                          out=buffers.slot_mapping[:t], kernel=False)
+
+
+def scatters_by_kernel(buffers: IndexBuffers, kernel: bool | None) -> bool:
+    """Whether :func:`scatter_pass_inputs` into ``buffers`` runs as the one Triton kernel
+    (:func:`scatter_staged_pass_inputs`, which a graph can hold): on CUDA unless ``kernel``
+    says otherwise."""
+    return use_kernels(buffers.positions) if kernel is None else kernel
 
 
 def scatter_staged_pass_inputs(buffers: IndexBuffers, staged_buffer: torch.Tensor,

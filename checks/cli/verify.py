@@ -157,8 +157,8 @@ def verify_command(
             note = plan.dcp_note(name)
             if note is not None:
                 console.print(f"{name}: {note}", markup=False)
-            elif plan.shards(name) > 1:
-                console.print(f"{name}: {plan.shards(name)} workers at once, worker i drawing "
+            elif (workers := plan.shards(name)) > 1:
+                console.print(f"{name}: {workers} workers at once, worker i drawing "
                               f"its share of the examples from seed {plan.seed} + i (--jobs)",
                               markup=False)
     with _progress_display(console) as progress:
