@@ -322,8 +322,11 @@ class DraftModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         # Shapes only: every parameter is then set from the seed (no default init to discard).
+        # The embedding is given its (meta) table: its default init, normal_ on a meta
+        # tensor, would import torch._dynamo (seconds of a verify worker's start-up).
         with torch.device("meta"):
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                      _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
             self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_layers))
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.kernel_choice)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -77,14 +77,16 @@ def paged_attention_reference(
     ``[T, H, Dv]`` in ``query.dtype``.
     """
     if query.shape[0] and seq_lens.shape[0] and not capturing():
-        offsets = query_start_loc.tolist()
+        # One read-back for both: each is a wait for every launch before it.
+        host = torch.cat((query_start_loc.long(), seq_lens.long())).tolist()
+        offsets, lengths = host[: len(query_start_loc)], host[len(query_start_loc):]
         if max(b - a for a, b in itertools.pairwise(offsets)) > 1:
-            return _per_request(query, key_cache, value_cache, offsets, seq_lens.tolist(),
+            return _per_request(query, key_cache, value_cache, offsets, lengths,
                                 block_table, scale, causal, window)
-        groups = _length_groups(offsets, seq_lens.tolist(), key_cache.shape[1])
+        groups = _length_groups(offsets, lengths, key_cache.shape[1])
         if len(groups) > 1:
-            return _by_length(query, key_cache, value_cache, offsets, groups, seq_lens,
-                              block_table, scale, causal, window)
+            return _by_length(query, key_cache, value_cache, offsets, groups, lengths,
+                              seq_lens, block_table, scale, causal, window)
     out, _ = _masked_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                                seq_lens, block_table, scale, causal, window, rank=0, world=1,
                                with_lse=False)
@@ -108,6 +110,7 @@ def _by_length(
     value_cache: torch.Tensor,
     offsets: list[int],
     groups: list[list[int]],
+    host_seq_lens: list[int],
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
@@ -118,19 +121,40 @@ def _by_length(
     the masked path once per group of :func:`_length_groups`, each gathering only as many
     columns as its own longest request needs (one pass padded to the batch's longest would
     gather that many for every token: at serving lengths, gigabytes per step). Tokens of
-    no group (padding, requests without a length) stay zero, as in one pass."""
+    no group (padding, requests without a length) stay zero, as in one pass.
+
+    The groups' request and token indices go to the device in one copy from page-locked
+    memory and each group's column count comes from ``host_seq_lens``, so the groups are
+    queued without waiting for the device."""
     num_tokens, num_heads = query.shape[:2]
+    block_size = key_cache.shape[1]
     out = torch.zeros(num_tokens, num_heads, value_cache.shape[-1], device=query.device)
+    requests_in_order = [r for requests in groups for r in requests]
+    indices = _device_indices(requests_in_order + [offsets[r] for r in requests_in_order],
+                              query.device)
+    tokens_at = len(requests_in_order)
+    start = 0
     for requests in groups:
-        index = torch.tensor(requests, device=query.device)
-        tokens = torch.tensor([offsets[r] for r in requests], device=query.device)
+        index = indices[start : start + len(requests)]
+        tokens = indices[tokens_at + start : tokens_at + start + len(requests)]
+        start += len(requests)
         starts = torch.arange(len(requests) + 1, device=query.device, dtype=torch.int32)
         lengths = seq_lens[index]
+        longest = max(host_seq_lens[r] for r in requests)
         part, _ = _masked_attention(query[tokens], key_cache, value_cache, starts, lengths,
                                     lengths, block_table[index], scale, causal, window,
-                                    rank=0, world=1, with_lse=False)
+                                    rank=0, world=1, with_lse=False,
+                                    kv_blocks=min(block_table.shape[1], -(-longest // block_size)))
         out[tokens] = part
     return out.to(query.dtype)
+
+
+def _device_indices(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, copied from page-locked memory: the
+    copy is queued and the host goes on (from pageable memory it would first wait for every
+    earlier launch). PyTorch's host allocator keeps the pinned block until the copy ran."""
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 def paged_attention_reference_partial(
@@ -190,6 +214,7 @@ def _masked_attention(
     rank: int,
     world: int,
     with_lse: bool,
+    kv_blocks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fixed-shape path (masks, the whole row while capturing, tokens in chunks) over
     the cache's local positions ``j``, global position ``j * world + rank``: visible are
@@ -197,7 +222,9 @@ def _masked_attention(
     for the token's global position (from the global ``seq_lens``). ``world == 1`` is the
     whole cache. Returns fp32 ``out`` ``[T, H, Dv]`` and, ``with_lse``, ``lse`` ``[T, H]``
     (zeros and ``-inf`` for a token that sees nothing), else ``None`` (the whole-cache
-    attention needs no log-sum-exp, so its hot path does not compute one)."""
+    attention needs no log-sum-exp, so its hot path does not compute one). ``kv_blocks``:
+    the block-table columns to gather when the caller knows them from host lengths (never
+    while capturing); by default :func:`gathered_blocks`."""
     num_tokens, num_heads, head_size = query.shape
     value_size = value_cache.shape[-1]
     num_reqs = seq_lens.shape[0]
@@ -216,7 +243,9 @@ def _masked_attention(
 
     group = num_heads // num_kv_heads
     block_size = key_cache.shape[1]
-    kv_len = gathered_blocks(local_seq_lens, block_table, block_size) * block_size
+    if kv_blocks is None:
+        kv_blocks = gathered_blocks(local_seq_lens, block_table, block_size)
+    kv_len = kv_blocks * block_size
     local_pos = torch.arange(kv_len, device=query.device)
     kv_pos = local_pos * world + rank
     visible = local_pos[None, :] < local_seq_lens.long()[req][:, None]

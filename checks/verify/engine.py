@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import time
 import traceback
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +41,7 @@ from speccheck.checks.verify.comparisons import (
     kv_untouched,
 )
 from speccheck.checks.verify.context import MatrixContext
-from speccheck.checks.verify.examples import Example, encode_example, example_json
+from speccheck.checks.verify.examples import Example, example_digest, example_json
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KvShare, whole_cache_start
 from speccheck.checks.verify.localise import earliest_divergence, localise, trace_run, traced_slots
 from speccheck.checks.verify.report import BackendReport, Failure
@@ -403,7 +402,7 @@ class BackendVerifier:
         for buffer in h.tail_buffers:
             poison_(buffer)
         self.guards.rearm()
-        h.spec.kv_cache.fill_random_(zlib.crc32(encode_example(example).encode()))
+        h.spec.kv_cache.fill_random_(example_digest(example))
         return h.spec.kv_cache.snapshot()
 
     def _tail_buffers(self, h: _Harness, k: int) -> list[torch.Tensor]:

@@ -139,13 +139,24 @@ def example_from_json(data: dict[str, Any]) -> Example:
 
 
 @functools.lru_cache(maxsize=1)
+def _example_bytes(example: Example) -> bytes:
+    """:func:`example_json` of ``example`` as UTF-8 JSON. The last example's is kept: a
+    worker reads it twice per example (its progress line and its KV noise's seed), and at
+    the GPU tier's scale it is hundreds of kilobytes."""
+    return json.dumps(example_json(example)).encode()
+
+
 def encode_example(example: Example) -> str:
-    """A compact, URL-safe blob for ``--reproduce``. The last example's blob is kept: a
-    worker encodes each example twice (its progress line, and the seed of the example's KV
-    noise), and at the GPU tier's scale, tens of thousands of block ids, compressing them
-    takes tens of milliseconds."""
-    raw = json.dumps(example_json(example)).encode()
-    return base64.urlsafe_b64encode(zlib.compress(raw)).decode()
+    """A compact, URL-safe blob for ``--reproduce``. zlib's fastest level: a worker encodes
+    every example it starts (its progress line), and at the GPU tier's scale the default
+    level takes about 25 ms an example against 4 for a blob a sixth larger."""
+    return base64.urlsafe_b64encode(zlib.compress(_example_bytes(example), 1)).decode()
+
+
+def example_digest(example: Example) -> int:
+    """A 32-bit digest of ``example`` (CRC-32 of its JSON): a seed that is a function of the
+    example alone."""
+    return zlib.crc32(_example_bytes(example))
 
 
 def decode_example(blob: str) -> Example:
