@@ -43,6 +43,7 @@ from speccheck.contract.runtime_config import RuntimeConfig
 if TYPE_CHECKING:
     from speccheck.checks.verify.engine import VerifySettings
     from speccheck.checks.verify.runner import ProgressDisplay
+    from speccheck.checks.verify.worker_process import WorkerProcess
     from speccheck.contract.builder import AttentionMetadataBuilder
 
 logger = logging.getLogger(__name__)
@@ -292,7 +293,9 @@ class VerifyPlan:
         return (f"dcp_world_size={world} is a configuration value only (its builder holds no "
                 "DCP share: one process attends the whole KV cache)")
 
-    def run(self, progress: ProgressDisplay | None = None) -> VerifyReport:
+    def run(
+        self, progress: ProgressDisplay | None = None, worker: WorkerProcess | None = None
+    ) -> VerifyReport:
         """Verify every backend: each in a worker process of its own, or, with
         ``dp_size > 1``, the DFlash drafter on that many rank processes, or, for a backend
         with a real DCP share at ``dcp_world_size > 1`` (:meth:`dcp_ranks`), on that many
@@ -303,17 +306,26 @@ class VerifyPlan:
         same way there); with ``audit_claims``, another worker runs the fused path of a
         backend the matrix does not allow to fuse. A worker that dies or hangs is a
         ``crashed`` report: nothing is raised for a backend's failure. ``progress`` shows
-        one task per worker (none shown when ``None``). Raises :class:`VerifyInputError`
-        when a worker rejects the ``reproduce`` example."""
+        one task per worker (none shown when ``None``). ``worker``: a process started
+        before planning (the command line starts one so that its imports overlap the
+        plan's), which the first backend verified in one plain worker takes; closed here
+        either way. Raises :class:`VerifyInputError` when a worker rejects the
+        ``reproduce`` example."""
         if progress is None:
             progress = Progress(console=Console(quiet=True), disable=True)
         notes: dict[str, str] = {}
-        if self.config.dp_size > 1:
-            reports = [self._verify_data_parallel(name) for name in self.names]
-        else:
-            reports = [self._verify_dcp_ranks(name) if self.dcp_ranks(name) > 1
-                       else self._verify_in_worker(name, progress, notes)
-                       for name in self.names]
+        spare = [worker] if worker is not None else []
+        """Taken by the first plain single-worker run."""
+        try:
+            if self.config.dp_size > 1:
+                reports = [self._verify_data_parallel(name) for name in self.names]
+            else:
+                reports = [self._verify_dcp_ranks(name) if self.dcp_ranks(name) > 1
+                           else self._verify_in_worker(name, progress, notes, spare)
+                           for name in self.names]
+        finally:
+            for unused in spare:
+                unused.close()
         for report in reports:
             if report.status in (Status.PASSED, Status.FAILED) and not report.detail:
                 report.detail = self.dcp_note(report.backend) or ""
@@ -343,7 +355,8 @@ class VerifyPlan:
                 for examples, seed in self.shares(name)]
 
     def _verify_in_worker(
-        self, name: str, progress: ProgressDisplay, notes: dict[str, str]
+        self, name: str, progress: ProgressDisplay, notes: dict[str, str],
+        spare: list[WorkerProcess],
     ) -> BackendReport:
         from speccheck.checks.verify.examples import BadExample
         from speccheck.checks.verify.report import ClaimAudit
@@ -357,7 +370,8 @@ class VerifyPlan:
             if self.shards(name) > 1:
                 report = self._verify_in_shards(name, request, progress)
             else:
-                report = run_worker(request, progress, self.example_timeout, self.tier)
+                report = run_worker(request, progress, self.example_timeout, self.tier,
+                                    worker=spare.pop() if spare else None)
         except BadExample as exc:
             raise VerifyInputError(str(exc)) from None
         why = confirm_reproduce(request, report, progress, self.example_timeout, self.tier)

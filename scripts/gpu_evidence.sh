@@ -51,6 +51,10 @@
 #       triton_attn at 200 examples after a short warm-up run that fills Triton's on-disk
 #       cache, then the FA3 refresh bug at default settings for ten seeds (FA3_SEEDS_LIMIT,
 #       0 leaves it out) | flashinfer at 100 examples and its bench with the profiler's tables
+#   scripts/gpu_evidence.sh OUTDIR verify-speed
+#       wheels in .gpu-wheels/fi (+ fi-jit): the verifier-throughput targets, the whole
+#       command timed from outside with one worker (benchmarks/verify_command.py): triton_attn
+#       at 200 examples and flashinfer at 100, each after a short run that fills the caches
 #   scripts/gpu_evidence.sh OUTDIR lean-host
 #       wheels in .gpu-wheels/core: the serving path's CUDA tests, benchmarks/graph_launch.py
 #       for triton_attn (each graph's nodes, the host time of a launch and of its parts),
@@ -72,7 +76,7 @@
 #       --dcp-world-size 2 for reference and triton_attn (DCP2_LIMIT, DCP2_EXAMPLES), one after
 #       the other (each run uses both GPUs), each into a console file of its own.
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|lean-host|lean-trust|verify-jobs|verify-jobs-fi|audit-core|audit-flashinfer|two-gpu [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|lean-host|lean-trust|verify-jobs|verify-jobs-fi|verify-speed|audit-core|audit-flashinfer|two-gpu [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
@@ -85,7 +89,7 @@ mkdir -p /tmp/site && ln -sfn /tmp/site /tmp/site-packages
 export PYTHONPATH=/tmp/site-packages PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
   core|audit-core|serving|latent|concurrent|lean-core|verify-jobs|lean-host|lean-trust) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
-  flashinfer|audit-flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi)
+  flashinfer|audit-flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi|verify-speed)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
     # Ninja rebuilds an output when any input is newer than the output's mtime in its
@@ -102,7 +106,7 @@ export SPECCHECK_COMMIT=$commit
 {
   echo "commit: $commit"; echo "suite: $suite"; date -u; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  case $suite in *flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
+  case $suite in *flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi|verify-speed) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
   [ "$suite" = two-gpu ] && python3 -c "import torch, torch.distributed as d; print('GPUs', torch.cuda.device_count(), 'nccl', d.is_nccl_available() and torch.cuda.nccl.version())"
 } > "$out/device-$suite.txt" 2>&1
 
@@ -195,6 +199,17 @@ if [ "$suite" = lean-trust ]; then
   { timeout "${BENCH_LIMIT:-100}" speccheck bench --backend triton_attn --steps 4,8 \
       --batches 1,8,64 --repeats "${REPEATS:-20}" --json "$out/bench-triton_attn.json"
     echo "exit $?"; } > "$out/bench-triton_attn.txt" 2>&1
+  exit 0
+fi
+if [ "$suite" = verify-speed ]; then
+  # Issue 15's verifier-throughput targets, one worker each, after short runs that fill
+  # Triton's and FlashInfer's on-disk caches: the whole command timed from outside.
+  run triton_attn-warmup 120 --backend triton_attn --examples 10
+  run flashinfer-warmup "${FI_WARMUP_LIMIT:-240}" --backend flashinfer --examples 5
+  JOBS=1 verify_command triton_attn 200 "${VERIFY_LIMIT:-240}"
+  JOBS=1 verify_command flashinfer 100 "${VERIFY_LIMIT:-240}"
+  mkdir -p "$out/fi-jit"
+  tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
   exit 0
 fi
 if [ "$suite" = verify-jobs-fi ]; then

@@ -3,7 +3,7 @@
 
 Torch runs on one CPU thread, in this process and (through ``OMP_NUM_THREADS``) in every
 process a test starts, as ``speccheck verify`` runs its workers
-(:data:`~speccheck.checks.verify.runner.WORKER_ENV`): the tests' tensors are small, and
+(:data:`~speccheck.checks.verify.worker_process.WORKER_ENV`): the tests' tensors are small, and
 contending intra-op threads run them several times slower (the whole suite: 13 minutes
 against 24 on a loaded 2-core machine). An environment that sets ``OMP_NUM_THREADS`` keeps
 its own count."""

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from speccheck.checks.cli.paths import output_path_problem
-from speccheck.checks.verify import runner
+from speccheck.checks.verify import runner, worker_process
 from speccheck.checks.verify.examples import (
     MAX_BLOB_CHARS,
     decode_example,
@@ -373,7 +373,7 @@ def test_a_chatty_worker_never_blocks_on_its_output(monkeypatch: pytest.MonkeyPa
     def chatty(command: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
         return popen([sys.executable, "-c", CHATTY_WORKER, *command[-3:]], **kwargs)
 
-    monkeypatch.setattr(runner.subprocess, "Popen", chatty)
+    monkeypatch.setattr(worker_process.subprocess, "Popen", chatty)
     request = runner.worker_request("chatty", runner.RuntimeConfig(), 2, 0, [2], None,
                                     "speccheck verify")
     with Progress(console=Console(file=io.StringIO())) as progress:

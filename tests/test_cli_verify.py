@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from speccheck.checks.verify.runner import PlainProgress, run_worker, worker_request
+from speccheck.checks.verify.worker_process import WorkerProcess
 from speccheck.contract.runtime_config import RuntimeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +67,33 @@ def test_the_progress_bar_of_a_skipped_backend_ends_where_it_stopped() -> None:
     (task,) = progress.tasks
     assert report.status == "skipped"
     assert (task.completed, task.total, task.description) == (0, 5, "fa3 (skipped)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a backend the CPU tier skips")
+def test_a_worker_started_before_its_request_takes_it_and_is_gone_after() -> None:
+    """The command line starts the first worker before it plans; the run hands it the
+    request (on its input), and the worker's process and files are gone afterwards."""
+    request = worker_request("fa3", RuntimeConfig(platform="cpu", cudagraph_mode="none"), 3, 0,
+                             [2], None, "speccheck verify --backend fa3")
+    early = WorkerProcess()
+    with Progress(console=Console(file=io.StringIO())) as progress:
+        report = run_worker(request, progress, 60.0, "cpu", worker=early)
+    assert report.status == "skipped" and report.backend == "fa3"
+    assert early.proc.returncode == 0
+    assert not early.result.parent.exists()
+
+
+def test_a_worker_never_sent_a_request_is_killed_or_ends_on_its_closed_input() -> None:
+    """Planning failed (bad input) or no plain worker ran: closing the early worker ends it
+    whatever it was doing, and a worker whose input closes empty exits 0 on its own."""
+    waiting = WorkerProcess()
+    waiting.close()
+    assert waiting.proc.returncode is not None and not waiting.result.parent.exists()
+    with WorkerProcess() as idle:
+        assert idle.proc.stdin is not None
+        idle.proc.stdin.close()
+        assert idle.proc.wait(timeout=120) == 0
+        assert not idle.result.exists()
 
 
 def test_plain_progress_prints_a_line_per_interval_and_where_it_ended() -> None:

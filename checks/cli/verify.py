@@ -43,6 +43,7 @@ from speccheck.checks.cli.runtime_options import (
 )
 from speccheck.checks.verify.scale import TIER_SCALE
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
+from speccheck.checks.verify.worker_process import WorkerProcess
 from speccheck.contract.runtime_config import RuntimeConfig
 
 if TYPE_CHECKING:
@@ -122,51 +123,54 @@ def verify_command(
             raise _bad_input(f"{flag}: {unwritable}")
     sizes = _parse_capture_sizes(capture_sizes) if capture_sizes is not None else None
     build_runtime_config(runtime)  # flag-named errors for bad values (exit 2)
-    try:
-        plan = plan_verification(
-            backend, config=runtime, matrix=matrix_path, examples=examples, seed=seed,
-            capture_sizes=sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
-            audit_claims=audit_claims, example_timeout=example_timeout, jobs=jobs)
-    except MatrixError as exc:
-        for problem in exc.problems:
-            _stderr().print(problem.render(), markup=False)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
-    except VerifyInputError as exc:
-        raise _bad_input(str(exc)) from None
-    console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 150)
-    console.print(TIER_LINE[plan.tier].format(device=plan.device), markup=False)
-    console.print("runtime config: " + ", ".join(
-        f"{name}={value}" for name, value in plan.config.model_dump().items()), markup=False)
-    scale = plan.scale()
-    console.print(f"scale: up to {max(scale.capture_sizes)} requests (capture sizes "
-                  f"{','.join(map(str, scale.capture_sizes))}), up to {scale.max_new_tokens} new "
-                  f"tokens per request, K in {','.join(map(str, plan.steps))}", markup=False)
-    for name in plan.names:
-        own = plan.config_for(name).model_dump()
-        differs = {k: v for k, v in own.items() if plan.config.model_dump()[k] != v}
-        if differs:
-            console.print(f"{name}: verified at " + ", ".join(
-                f"{k}={v}" for k, v in differs.items()) + " (its matrix entry's verify_defaults)",
-                markup=False)
-    if plan.config.dp_size > 1:
-        for name in plan.names:
-            console.print(f"{name}: data-parallel DFlash drafting on {plan.config.dp_size} ranks",
-                          markup=False)
-    else:
-        for name in plan.names:
-            note = plan.dcp_note(name)
-            if note is not None:
-                console.print(f"{name}: {note}", markup=False)
-            elif (workers := plan.shards(name)) > 1:
-                console.print(f"{name}: {workers} workers at once, worker i drawing "
-                              f"its share of the examples from seed {plan.seed} + i (--jobs)",
-                              markup=False)
-    with _progress_display(console) as progress:
+    # The first worker starts now: its imports (torch and the engine, seconds) overlap the
+    # plan's; it is killed unused if planning fails or no plain worker runs.
+    with WorkerProcess() as early_worker:
         try:
-            result = plan.run(progress)
+            plan = plan_verification(
+                backend, config=runtime, matrix=matrix_path, examples=examples, seed=seed,
+                capture_sizes=sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
+                audit_claims=audit_claims, example_timeout=example_timeout, jobs=jobs)
+        except MatrixError as exc:
+            for problem in exc.problems:
+                _stderr().print(problem.render(), markup=False)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
         except VerifyInputError as exc:
             raise _bad_input(str(exc)) from None
-    _finish(console, result, json_path, junit)
+        console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 150)
+        console.print(TIER_LINE[plan.tier].format(device=plan.device), markup=False)
+        console.print("runtime config: " + ", ".join(
+            f"{name}={value}" for name, value in plan.config.model_dump().items()), markup=False)
+        scale = plan.scale()
+        console.print(f"scale: up to {max(scale.capture_sizes)} requests (capture sizes "
+                      f"{','.join(map(str, scale.capture_sizes))}), up to {scale.max_new_tokens} new "
+                      f"tokens per request, K in {','.join(map(str, plan.steps))}", markup=False)
+        for name in plan.names:
+            own = plan.config_for(name).model_dump()
+            differs = {k: v for k, v in own.items() if plan.config.model_dump()[k] != v}
+            if differs:
+                console.print(f"{name}: verified at " + ", ".join(
+                    f"{k}={v}" for k, v in differs.items()) + " (its matrix entry's verify_defaults)",
+                    markup=False)
+        if plan.config.dp_size > 1:
+            for name in plan.names:
+                console.print(f"{name}: data-parallel DFlash drafting on {plan.config.dp_size} ranks",
+                              markup=False)
+        else:
+            for name in plan.names:
+                note = plan.dcp_note(name)
+                if note is not None:
+                    console.print(f"{name}: {note}", markup=False)
+                elif (workers := plan.shards(name)) > 1:
+                    console.print(f"{name}: {workers} workers at once, worker i drawing "
+                                  f"its share of the examples from seed {plan.seed} + i (--jobs)",
+                                  markup=False)
+        with _progress_display(console) as progress:
+            try:
+                result = plan.run(progress, worker=early_worker)
+            except VerifyInputError as exc:
+                raise _bad_input(str(exc)) from None
+        _finish(console, result, json_path, junit)
 
 
 def _parse_capture_sizes(text: str) -> tuple[int, ...]:

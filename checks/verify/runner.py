@@ -3,8 +3,8 @@
 A worker that exits without a report (an illegal memory access, a segfault) or that makes
 no progress for ``example_timeout`` seconds (a hang) is killed and reported as ``crashed``
 with the last example it started; the run then goes on with the next backend. A worker's
-output is drained while it runs (the last :data:`OUTPUT_TAIL_BYTES` kept), so however much
-it prints it never blocks on a full pipe. A worker given a ``--reproduce`` example it
+output is drained while it runs (:class:`~speccheck.checks.verify.worker_process.
+WorkerProcess`), so however much it prints it never blocks on a full pipe. A worker given a ``--reproduce`` example it
 cannot take writes ``{"bad_input": LINE}`` as its result; :func:`run_worker` raises it as
 :class:`~speccheck.checks.verify.examples.BadExample`.
 
@@ -18,11 +18,6 @@ command in a fresh worker before it is printed.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,13 +31,9 @@ from speccheck.checks.verify.examples import BadExample, reproduce_blob, reprodu
 from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.scale import TIER_SCALE, HarnessScale
 from speccheck.checks.verify.vocabulary import Status, Tier
+from speccheck.checks.verify.worker_process import WorkerProcess
 from speccheck.contract.runtime_config import RuntimeConfig
 
-WORKER_ENV = {"OMP_NUM_THREADS": "1"}
-"""Defaults for a worker's environment, below whatever the caller's environment sets: the
-verifier's tensors are small, and one BLAS thread per worker runs them several times faster
-than contending threads (7 s against 42 s for a 20-example CPU gate on a loaded 2-core
-machine)."""
 
 def worker_request(
     backend: str, config: RuntimeConfig, examples: int, seed: int, steps: Sequence[int],
@@ -124,40 +115,7 @@ class PlainProgress:
         self._console.print(f"progress: {line}", markup=False, highlight=False)
 
 
-OUTPUT_TAIL_BYTES = 64 * 1024
-"""How much of a worker's most recent output (stdout and stderr) is kept for the report."""
-
 _POLL_SECONDS = 0.2
-_DRAIN_SECONDS = 5.0
-"""How long to wait, after a worker ends, for the rest of its output (a grandchild that
-inherited the pipe may hold it open for ever)."""
-
-
-class _OutputTail:
-    """Drains a worker's output pipe on a thread of its own while the worker runs, keeping
-    only the last ``limit`` bytes: a chatty worker never blocks on a full pipe (and is then
-    never mistaken for a hung one), and its output costs bounded memory. The thread closes
-    the pipe when it reaches its end."""
-
-    def __init__(self, stream: IO[bytes], limit: int) -> None:
-        self._stream = stream
-        self._limit = limit
-        self._tail = bytearray()
-        self._thread = threading.Thread(target=self._drain, name="worker-output", daemon=True)
-        self._thread.start()
-
-    def _drain(self) -> None:
-        with self._stream:
-            while chunk := os.read(self._stream.fileno(), self._limit):
-                self._tail += chunk
-                del self._tail[: -self._limit]
-
-    def last_lines(self, count: int) -> list[str]:
-        """The last ``count`` non-empty lines, once the pipe is closed (or after
-        :data:`_DRAIN_SECONDS`)."""
-        self._thread.join(_DRAIN_SECONDS)
-        text = bytes(self._tail).decode("utf-8", errors="replace")
-        return [line for line in text.splitlines() if line.strip()][-count:]
 
 
 class _ProgressLog:
@@ -181,7 +139,7 @@ class _ProgressLog:
 
 def run_worker(
     request: dict[str, object], progress: ProgressDisplay, example_timeout: float, tier: str,
-    label: str | None = None,
+    label: str | None = None, worker: WorkerProcess | None = None,
 ) -> BackendReport:
     """Run the worker for ``request`` and return its report, or a ``crashed`` report that
     names the last example it started when it dies without one or makes no progress for
@@ -189,25 +147,20 @@ def run_worker(
     runs; the last lines of it explain a crash. Raises
     :class:`~speccheck.checks.verify.examples.BadExample` when the worker rejects its
     ``--reproduce`` example. ``label`` names the progress task (default: the backend); the
-    task ends at the examples the worker ran, with the status in its description."""
+    task ends at the examples the worker ran, with the status in its description.
+    ``worker``: a process started earlier to take this request (closed here), else a
+    fresh one."""
     backend = str(request["backend"])
     examples = request["examples"]
     assert isinstance(examples, int)
     label = label or backend
     task = progress.add_task(label, total=examples if not request["reproduce"] else 1)
-    with tempfile.TemporaryDirectory(prefix="speccheck-") as tmp:
-        req, res, prog = (Path(tmp) / n for n in ("request.json", "result.json", "progress.jsonl"))
-        req.write_text(json.dumps(request))
-        prog.touch()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "speccheck.checks.verify.worker", str(req), str(res), str(prog)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=WORKER_ENV | dict(os.environ),
-        )
-        assert proc.stdout is not None
-        output = _OutputTail(proc.stdout, OUTPUT_TAIL_BYTES)
+    with worker or WorkerProcess() as process:
+        process.send(request)
+        proc = process.proc
         last_change = time.monotonic()
         hung = False
-        with prog.open("rb") as stream:
+        with process.progress.open("rb") as stream:
             log = _ProgressLog(stream)
             while proc.poll() is None:
                 time.sleep(_POLL_SECONDS)
@@ -222,7 +175,8 @@ def run_worker(
                 else:
                     progress.update(task)
             log.poll()
-        tail = " | ".join(output.last_lines(3))
+        tail = " | ".join(process.output.last_lines(3))
+        res = process.result
         result = json.loads(res.read_text()) if res.exists() and not hung else None
         if result is not None and "bad_input" in result:
             _end_task(progress, task, label, 0, "bad input")

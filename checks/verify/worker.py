@@ -1,5 +1,7 @@
 """The process that verifies one backend: ``python -m speccheck.checks.verify.worker
-REQUEST.json RESULT.json PROGRESS.jsonl``. Run by :mod:`speccheck.checks.verify.runner`.
+RESULT.json PROGRESS.jsonl``, its request (JSON) on its standard input, read once its
+imports are done. Run by :mod:`speccheck.checks.verify.runner`, which may start it before
+the request is known.
 
 Writes one JSON line per example to PROGRESS before running it (so a parent that kills a
 hung or crashed worker knows the last example), and the :class:`BackendReport` to RESULT.
@@ -128,8 +130,11 @@ def root_cause(exc: BaseException) -> str:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
-    request_path, result_path, progress_path = map(Path, argv)
-    request = json.loads(request_path.read_text())
+    result_path, progress_path = map(Path, argv)
+    raw = sys.stdin.buffer.read()
+    if not raw:  # input closed without a request: the worker started early was not needed
+        return 0
+    request = json.loads(raw)
     try:
         report = verify_backend(request, progress_path)
     except BadExample as exc:
