@@ -131,6 +131,8 @@ def root_cause(exc: BaseException) -> str:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
     result_path, progress_path = map(Path, argv)
+    if torch.cuda.is_available():
+        torch.cuda.init()  # while the parent still plans (a worker may start before that)
     raw = sys.stdin.buffer.read()
     if not raw:  # input closed without a request: the worker started early was not needed
         return 0
