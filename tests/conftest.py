@@ -10,7 +10,6 @@ its own count."""
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Iterator
 
@@ -25,6 +24,8 @@ if not torch.cuda.is_available():
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from speccheck.checks.device_memory import release_device_memory
 
 settings.register_profile(
     "ci",
@@ -49,13 +50,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def release_device_memory(request: pytest.FixtureRequest) -> Iterator[None]:
+def release_device_memory_after_cuda_tests(request: pytest.FixtureRequest) -> Iterator[None]:
     """After a CUDA test, what its verifiers held (serving-scale KV caches, graph pools:
     gigabytes) goes back to the driver before the next test. On the H200 the FA3
     ten-seed test followed by the ten real-graph mutant tests in one process ran out of
-    memory with 59 GiB reserved but unused (docs/verification/verify-speed/about.txt);
-    each of the two tests that failed passed in a fresh process."""
+    memory (docs/verification/verify-speed/about.txt); each of the two tests that failed
+    passed in a fresh process."""
     yield
     if "cuda" in request.keywords and torch.cuda.is_available():
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_device_memory(torch.device("cuda"))

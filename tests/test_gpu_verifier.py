@@ -7,12 +7,12 @@ H200), so only the step-dependent-metadata check can catch it.
 from __future__ import annotations
 
 import dataclasses
-import gc
 
 import pytest
 import torch
 
 from speccheck.checks.api import plan_verification
+from speccheck.checks.device_memory import release_device_memory
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.report import BackendReport
@@ -56,8 +56,7 @@ def test_fa3_without_its_refresh_is_caught_at_default_settings() -> None:
             # Each worker's verifier holds a serving-scale KV cache and graph pools: free
             # them before the next one, as the worker process of `speccheck verify` does.
             del verifier
-            gc.collect()
-            torch.cuda.empty_cache()
+            release_device_memory(torch.device("cuda"))
             print(f"seed {seed} (worker seed {settings.seed}): {report.examples} examples, "
                   f"breakpoints {(report.breakpoints or {}).get('lengths', [])[:8]}, failures "
                   f"{[(f.check, f.field) for f in report.failures]}")

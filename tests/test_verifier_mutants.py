@@ -87,3 +87,36 @@ def test_a_spent_shrink_budget_keeps_the_failure_found() -> None:
     assert report.status == "failed"
     assert any(f.check == "step_metadata" for f in report.failures)
     assert report.minimal_example is not None
+
+
+def test_a_verifier_that_caught_a_mutant_is_freed_between_runs() -> None:
+    """The self-test runs a verifier per mutant in one process. One that found a failure
+    stays in reference cycles (hypothesis keeps the failing example's traceback, whose
+    frames hold the verifier) until :func:`release_device_memory` collects them; on the
+    GPU its caches and graph pools are gigabytes."""
+    import gc
+    import weakref
+
+    from speccheck.checks.device_memory import release_device_memory
+    from speccheck.checks.selftest.run import declaring_matrix, settings_at_defaults
+    from speccheck.checks.verify.engine import BackendVerifier
+    from speccheck.checks.verify.report import BackendReport
+    from speccheck.contract.matrix_loader import load_matrix
+
+    cpu, mutant = torch.device("cpu"), MUTANTS[0]
+    matrix = declaring_matrix(load_matrix(None), mutant.declares, rebuilds=mutant.rebuilds)
+    settings = settings_at_defaults("reference", mutant.builder, cpu, matrix,
+                                    shrink_seconds=0.0, examples=5)
+    gc.disable()
+    try:
+        verifier = BackendVerifier(settings, cpu)
+        report = BackendReport("reference", "cpu", "passed")
+        verifier.run(report, lambda i, e: None)
+        assert report.status == "failed"
+        held = weakref.ref(verifier)
+        del verifier
+        assert held() is not None  # the cycles: why the helper exists
+        release_device_memory(cpu)
+        assert held() is None
+    finally:
+        gc.enable()

@@ -38,9 +38,9 @@ from speccheck.checks.bench.workload import (
     check_runnable,
     context_for,
     decode_paths,
-    release,
     vocab_size_for,
 )
+from speccheck.checks.device_memory import release_device_memory
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import device_name
@@ -106,7 +106,7 @@ def run_bench(settings: BenchSettings, device: torch.device, *, commit: str, com
         case_rows, case_profiles, weight_bytes = _measure_case(settings, k, batch, context, device)
         rows += case_rows
         profiles.update({(k, batch, path): tables for path, tables in case_profiles.items()})
-        release(device)
+        release_device_memory(device)
     report = BenchReport(
         backend=settings.backend, device=device_name(device), torch_version=torch.__version__,
         commit=commit, command=command,

@@ -9,7 +9,6 @@ included) however long ``max_model_len`` is.
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
 
@@ -142,11 +141,3 @@ def capture(spec: AutoregressiveSpeculator) -> CaptureCost:
         return CaptureCost(seconds, None, None)
     return CaptureCost(seconds, torch.cuda.memory_allocated(spec.device) - allocated,
                        torch.cuda.memory_reserved(spec.device) - reserved)
-
-
-def release(device: torch.device) -> None:
-    """Give the memory of dropped speculators back, so the next case's capture cost is its
-    own."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from speccheck.checks.api import backend_runtime_config
+from speccheck.checks.device_memory import release_device_memory
 from speccheck.checks.selftest import dcp_mutants
 from speccheck.checks.selftest.latent_mutants import (
     DCP_LOCAL_FIELD,
@@ -86,6 +87,7 @@ def verify_at_defaults(
     report = BackendReport(backend, Tier.GPU if device.type == "cuda" else Tier.CPU,
                            Status.PASSED)
     BackendVerifier(settings, device).run(report, lambda i, e: None)
+    release_device_memory(device)  # the self-test runs many verifiers in one process
     return report
 
 
