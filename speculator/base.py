@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,7 @@ from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.resolution import graph_capture_shortfall
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_attention_metadata
-from speccheck.speculator.batch import DraftBatch
+from speccheck.speculator.batch import DraftBatch, flattened, row_lengths
 from speccheck.speculator.cudagraph_manager import CudaGraphManager, require_graph_support
 from speccheck.speculator.kv_cache import PagedKVCache, compute_slot_mapping
 from speccheck.speculator.model import DraftModel
@@ -270,7 +269,7 @@ class DraftModelSpeculator:
         scatter_staged_pass_inputs`). Returns the query offsets and device views of
         ``extra``. Host work."""
         r = batch.num_reqs
-        q = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        q = row_lengths(rows)
         t = int(q.sum())
         if t > self.max_num_tokens:
             raise ValueError(f"{t} prefill tokens exceed the {self.max_num_tokens} this drafter holds")
@@ -279,7 +278,7 @@ class DraftModelSpeculator:
         req_of_token = np.repeat(np.arange(r), q)
         ctx = np.array(batch.context_lens, dtype=np.int64)
         positions = ctx[req_of_token] + (np.arange(t) - qsl[req_of_token])
-        ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=t)
+        ids = flattened(rows, q)
         table, seeds = self._request_arrays(batch)
         staged = stage_pass_inputs(self.staging, table, seeds, ctx + q, positions, ids,
                                    req_of_token, uniform_width, extra)

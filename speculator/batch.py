@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -32,17 +33,17 @@ class DraftBatch:
         return len(self.context_lens)
 
     def query_lens(self) -> np.ndarray:
-        return _row_lengths(self.new_tokens)
+        return row_lengths(self.new_tokens)
 
     def seq_lens_after_prefill(self) -> np.ndarray:
         return np.array(self.context_lens, dtype=np.int64) + self.query_lens()
 
     def block_table_array(self) -> np.ndarray:
         """``[R, longest row]`` int64: each request's block-table row, zero past its end."""
-        lengths = _row_lengths(self.block_table)
+        lengths = row_lengths(self.block_table)
         width = int(lengths.max(initial=0))
         table = np.zeros((self.num_reqs, width), dtype=np.int64)
-        table[np.arange(width) < lengths[:, None]] = _flattened(self.block_table, lengths)
+        table[np.arange(width) < lengths[:, None]] = flattened(self.block_table, lengths)
         return table
 
     def validate(
@@ -70,9 +71,9 @@ class DraftBatch:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} rows, expected {n}")
         q, ctx = self.query_lens(), np.array(self.context_lens, dtype=np.int64)
-        lengths = _row_lengths(self.block_table)
+        lengths = row_lengths(self.block_table)
         needed = np.minimum(ctx + q - 1 + extra_positions, max_model_len - 1) // block_size + 1
-        blocks = np.sort(_flattened(self.block_table, lengths))
+        blocks = np.sort(flattened(self.block_table, lengths))
         if (q.min() < 1 or ctx.min() < 0 or (ctx + q).max() > max_model_len
                 or lengths.max() > blocks_for(max_model_len, block_size)
                 or (lengths < needed).any()
@@ -104,12 +105,13 @@ class DraftBatch:
                 raise ValueError(f"request {r}: block ids must lie in 1..{num_blocks - 1}")
 
 
-def _row_lengths(rows: tuple[tuple[int, ...], ...]) -> np.ndarray:
+def row_lengths(rows: Sequence[Sequence[int]]) -> np.ndarray:
+    """The lengths of ``rows`` as int64."""
     return np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
 
 
-def _flattened(rows: tuple[tuple[int, ...], ...], lengths: np.ndarray) -> np.ndarray:
-    """``rows`` end to end as int64 (``lengths``: their :func:`_row_lengths`)."""
+def flattened(rows: Sequence[Sequence[int]], lengths: np.ndarray) -> np.ndarray:
+    """``rows`` end to end as int64 (``lengths``: their :func:`row_lengths`)."""
     return np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
 
 

@@ -20,6 +20,7 @@ import torch
 
 from speccheck.backends.batch_layout import token_request_index
 from speccheck.backends.dcp import dcp_local_lengths
+from speccheck.contract.builder import blocks_for
 
 
 GATHER_BYTES = 256 * 2**20
@@ -48,8 +49,12 @@ def gathered_blocks(seq_lens: torch.Tensor, block_table: torch.Tensor, block_siz
     real lengths instead of ``max_model_len``."""
     if capturing():
         return block_table.shape[1]
-    longest = int(seq_lens.max()) if seq_lens.numel() else 0
-    return max(1, min(block_table.shape[1], -(-longest // block_size)))
+    return _columns_for(int(seq_lens.max()) if seq_lens.numel() else 0, block_table, block_size)
+
+
+def _columns_for(longest: int, block_table: torch.Tensor, block_size: int) -> int:
+    """Block-table columns that hold a request of length ``longest`` (at least one)."""
+    return max(1, min(block_table.shape[1], blocks_for(longest, block_size)))
 
 
 def paged_attention_reference(
@@ -99,8 +104,7 @@ def _length_groups(offsets: list[int], seq_lens: list[int], block_size: int) -> 
     groups: dict[int, list[int]] = {}
     for r, length in enumerate(seq_lens):
         if offsets[r + 1] > offsets[r] and length > 0:
-            blocks = -(-length // block_size)
-            groups.setdefault((blocks - 1).bit_length(), []).append(r)
+            groups.setdefault((blocks_for(length, block_size) - 1).bit_length(), []).append(r)
     return list(groups.values())
 
 
@@ -127,24 +131,19 @@ def _by_length(
     memory and each group's column count comes from ``host_seq_lens``, so the groups are
     queued without waiting for the device."""
     num_tokens, num_heads = query.shape[:2]
-    block_size = key_cache.shape[1]
     out = torch.zeros(num_tokens, num_heads, value_cache.shape[-1], device=query.device)
-    requests_in_order = [r for requests in groups for r in requests]
-    indices = _device_indices(requests_in_order + [offsets[r] for r in requests_in_order],
-                              query.device)
-    tokens_at = len(requests_in_order)
-    start = 0
-    for requests in groups:
-        index = indices[start : start + len(requests)]
-        tokens = indices[tokens_at + start : tokens_at + start + len(requests)]
-        start += len(requests)
+    in_order = [r for requests in groups for r in requests]
+    sizes = [len(requests) for requests in groups]
+    indices = _device_indices(in_order + [offsets[r] for r in in_order], query.device)
+    index_parts, token_parts = (part.split(sizes) for part in indices.split(len(in_order)))
+    for requests, index, tokens in zip(groups, index_parts, token_parts, strict=True):
         starts = torch.arange(len(requests) + 1, device=query.device, dtype=torch.int32)
         lengths = seq_lens[index]
-        longest = max(host_seq_lens[r] for r in requests)
+        columns = _columns_for(max(host_seq_lens[r] for r in requests), block_table,
+                               key_cache.shape[1])
         part, _ = _masked_attention(query[tokens], key_cache, value_cache, starts, lengths,
                                     lengths, block_table[index], scale, causal, window,
-                                    rank=0, world=1, with_lse=False,
-                                    kv_blocks=min(block_table.shape[1], -(-longest // block_size)))
+                                    rank=0, world=1, with_lse=False, kv_blocks=columns)
         out[tokens] = part
     return out.to(query.dtype)
 
