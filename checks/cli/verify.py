@@ -143,19 +143,20 @@ def verify_command(
             f"{name}={value}" for name, value in plan.config.model_dump().items()), markup=False)
         scale = plan.scale()
         console.print(f"scale: up to {max(scale.capture_sizes)} requests (capture sizes "
-                      f"{','.join(map(str, scale.capture_sizes))}), up to {scale.max_new_tokens} new "
-                      f"tokens per request, K in {','.join(map(str, plan.steps))}", markup=False)
+                      f"{','.join(map(str, scale.capture_sizes))}), up to "
+                      f"{scale.max_new_tokens} new tokens per request, K in "
+                      f"{','.join(map(str, plan.steps))}", markup=False)
         for name in plan.names:
             own = plan.config_for(name).model_dump()
             differs = {k: v for k, v in own.items() if plan.config.model_dump()[k] != v}
             if differs:
                 console.print(f"{name}: verified at " + ", ".join(
-                    f"{k}={v}" for k, v in differs.items()) + " (its matrix entry's verify_defaults)",
-                    markup=False)
+                    f"{k}={v}" for k, v in differs.items())
+                    + " (its matrix entry's verify_defaults)", markup=False)
         if plan.config.dp_size > 1:
             for name in plan.names:
-                console.print(f"{name}: data-parallel DFlash drafting on {plan.config.dp_size} ranks",
-                              markup=False)
+                console.print(f"{name}: data-parallel DFlash drafting on "
+                              f"{plan.config.dp_size} ranks", markup=False)
         else:
             for name in plan.names:
                 note = plan.dcp_note(name)

@@ -4,9 +4,9 @@ A worker that exits without a report (an illegal memory access, a segfault) or t
 no progress for ``example_timeout`` seconds (a hang) is killed and reported as ``crashed``
 with the last example it started; the run then goes on with the next backend. A worker's
 output is drained while it runs (:class:`~speccheck.checks.verify.worker_process.
-WorkerProcess`), so however much it prints it never blocks on a full pipe. A worker given a ``--reproduce`` example it
-cannot take writes ``{"bad_input": LINE}`` as its result; :func:`run_worker` raises it as
-:class:`~speccheck.checks.verify.examples.BadExample`.
+WorkerProcess`), so however much it prints it never blocks on a full pipe. A worker given
+a ``--reproduce`` example it cannot take writes ``{"bad_input": LINE}`` as its result;
+:func:`run_worker` raises it as :class:`~speccheck.checks.verify.examples.BadExample`.
 
 Progress goes to a :class:`ProgressDisplay`: rich's live bar on a terminal, or
 :class:`PlainProgress`, which prints a line per backend every few seconds for CI logs.

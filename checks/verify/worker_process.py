@@ -58,9 +58,10 @@ class WorkerProcess:
     """A worker process, ``python -m speccheck.checks.verify.worker RESULT PROGRESS``, that
     reads its request from its standard input: it can start before the request is known,
     so its imports (torch, Triton, the engine: seconds) overlap the parent's planning. Its
-    output is drained from the start (:class:`OutputTail`). :func:`~speccheck.checks.verify.runner.run_worker` sends
-    the request; :meth:`close` kills a process still running (one never sent a request waits
-    on its input) and removes its files."""
+    output is drained from the start (:class:`OutputTail`).
+    :func:`~speccheck.checks.verify.runner.run_worker` sends the request; :meth:`close`
+    kills a process still running (one never sent a request waits on its input) and
+    removes its files."""
 
     def __init__(self) -> None:
         self._directory = tempfile.TemporaryDirectory(prefix="speccheck-")
