@@ -59,7 +59,9 @@ def run_once(checkout: Path, backend: str, examples: int, seed: int) -> dict[str
     ``speccheck`` through ``PYTHONPATH``), as the worker's environment has it."""
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "speccheck").symlink_to(checkout)
-        env = {**os.environ, "PYTHONPATH": folder, "OMP_NUM_THREADS": "1"}
+        # the checkout first, then whatever the caller had (wheels installed beside the image)
+        path = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
         env.setdefault("TRITON_INTERPRET", "1")  # read only where there is no CUDA
         out = subprocess.run([sys.executable, "-c", RUN, backend, str(examples), str(seed)],
                              env=env, check=True, capture_output=True, text=True, cwd=folder)

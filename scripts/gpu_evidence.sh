@@ -55,6 +55,12 @@
 #       wheels in .gpu-wheels/fi (+ fi-jit): the verifier-throughput targets, the whole
 #       command timed from outside with one worker (benchmarks/verify_command.py): triton_attn
 #       at 200 examples and flashinfer at 100, each after a short run that fills the caches
+#   scripts/gpu_evidence.sh OUTDIR verify-overlap | verify-overlap-fi
+#       wheels in .gpu-wheels/core | fi (+ fi-jit): the verifier's CUDA tests (FA3 without its
+#       refresh at default settings for ten seeds, then every mutant with real graphs, one
+#       process) | a short flashinfer warm-up; then the verify worker of triton_attn at 200
+#       examples | flashinfer at 100 against BASE (a checkout of another commit, when set;
+#       ROUNDS alternations, benchmarks/verify_speed.py) and the whole command, one worker
 #   scripts/gpu_evidence.sh OUTDIR lean-host
 #       wheels in .gpu-wheels/core: the serving path's CUDA tests, benchmarks/graph_launch.py
 #       for triton_attn (each graph's nodes, the host time of a launch and of its parts),
@@ -76,7 +82,7 @@
 #       --dcp-world-size 2 for reference and triton_attn (DCP2_LIMIT, DCP2_EXAMPLES), one after
 #       the other (each run uses both GPUs), each into a console file of its own.
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|lean-host|lean-trust|verify-jobs|verify-jobs-fi|verify-speed|audit-core|audit-flashinfer|two-gpu [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|lean-host|lean-trust|verify-jobs|verify-jobs-fi|verify-speed|verify-overlap|verify-overlap-fi|audit-core|audit-flashinfer|two-gpu [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
@@ -88,8 +94,8 @@ mkdir -p "$out"
 mkdir -p /tmp/site && ln -sfn /tmp/site /tmp/site-packages
 export PYTHONPATH=/tmp/site-packages PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
-  core|audit-core|serving|latent|concurrent|lean-core|verify-jobs|lean-host|lean-trust) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
-  flashinfer|audit-flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi|verify-speed)
+  core|audit-core|serving|latent|concurrent|lean-core|verify-jobs|lean-host|lean-trust|verify-overlap) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
+  flashinfer|audit-flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi|verify-speed|verify-overlap-fi)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
     # Ninja rebuilds an output when any input is newer than the output's mtime in its
@@ -101,12 +107,17 @@ case $suite in
   *) echo "$usage" >&2; exit 2 ;;
 esac
 python3 -m pip install -q --no-deps --no-index --no-build-isolation -e . >/dev/null
+# The image sets PYTHONDONTWRITEBYTECODE=1: every process compiled every module it imported
+# from source (import torch: 4.4 to 5.7 s there, 2.1 to 2.4 s from bytecode). Compile the
+# installed packages once, as pip does on any other machine.
+python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+  /tmp/site >/dev/null 2>&1
 commit=$(cat .evidence-commit 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
 export SPECCHECK_COMMIT=$commit
 {
   echo "commit: $commit"; echo "suite: $suite"; date -u; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  case $suite in *flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi|verify-speed) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
+  case $suite in *flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi|verify-speed|verify-overlap-fi) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
   [ "$suite" = two-gpu ] && python3 -c "import torch, torch.distributed as d; print('GPUs', torch.cuda.device_count(), 'nccl', d.is_nccl_available() and torch.cuda.nccl.version())"
 } > "$out/device-$suite.txt" 2>&1
 
@@ -208,6 +219,32 @@ if [ "$suite" = verify-speed ]; then
   run flashinfer-warmup "${FI_WARMUP_LIMIT:-240}" --backend flashinfer --examples 5
   JOBS=1 verify_command triton_attn 200 "${VERIFY_LIMIT:-240}"
   JOBS=1 verify_command flashinfer 100 "${VERIFY_LIMIT:-240}"
+  mkdir -p "$out/fi-jit"
+  tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
+  exit 0
+fi
+verify_speed() {  # BACKEND EXAMPLES LIMIT: this checkout against $BASE (another commit's), alternately
+  [ -n "${BASE:-}" ] || return 0
+  { timeout "$3" python3 benchmarks/verify_speed.py --backend "$1" --examples "$2" \
+      --rounds "${ROUNDS:-1}" --against "$BASE" --json "$out/verify-speed-$1.json"
+    echo "exit $?"; } > "$out/verify-speed-$1.txt" 2>&1
+}
+if [ "$suite" = verify-overlap ]; then
+  # The verifier's CUDA tests (the FA3 refresh bug at default settings for ten seeds, then
+  # every mutant with real graphs, in one process), then the worker against BASE and the
+  # whole command.
+  timeout "${PYTEST_LIMIT:-300}" python3 -m pytest -rA -q -s -m cuda tests/test_side_lane.py \
+    tests/test_gpu_verifier.py tests/test_verifier_mutants.py > "$out/pytest-cuda-verifier.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-verifier.txt"
+  run triton_attn-warmup 120 --backend triton_attn --examples 10
+  verify_speed triton_attn 200 "${SPEED_LIMIT:-200}"
+  JOBS=1 verify_command triton_attn 200 "${VERIFY_LIMIT:-120}"
+  exit 0
+fi
+if [ "$suite" = verify-overlap-fi ]; then
+  run flashinfer-warmup "${FI_WARMUP_LIMIT:-240}" --backend flashinfer --examples 5
+  verify_speed flashinfer 100 "${SPEED_LIMIT:-300}"
+  JOBS=1 verify_command flashinfer 100 "${VERIFY_LIMIT:-150}"
   mkdir -p "$out/fi-jit"
   tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
   exit 0

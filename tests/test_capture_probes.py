@@ -19,6 +19,7 @@ from speccheck.checks.probes import (
     REPLACED_TENSOR,
     AllocationRecorder,
     GuardedBuffer,
+    GuardedBufferSet,
     HostSyncRecorder,
     IdentityGuard,
     ProbeFinding,
@@ -555,3 +556,25 @@ def test_guarded_buffer_offset_runs_are_compact() -> None:
         _overrun(guarded.tensor, 4 + start, 1, 9)
     (message,) = guarded.violations()
     assert "offset(s) 4, 7, 10, 13, 16, 19, ... (14 elements in all)" in message
+
+
+def test_a_set_of_guarded_buffers_names_exactly_the_written_ones_and_rearms_them_all() -> None:
+    guarded = GuardedBufferSet()
+    buffers = [GuardedBuffer(n, dtype, name=f"b{i}", guard=g) for i, (n, dtype, g) in enumerate(
+        [(5, torch.int32, 3), (16, torch.bool, 8), (4, torch.float32, 1), (7, torch.int64, 2)])]
+    for buffer in buffers[:3]:
+        guarded.add(buffer)
+    assert guarded.written() == [False] * 3 and guarded.violations() == []
+    _overrun(buffers[1].tensor, 16, 1, 1)  # the first element past the end of b1
+    _overrun(buffers[2].tensor, -1, 1, 0)  # the last element before b2
+    assert guarded.written() == [False, True, True]
+    assert guarded.violations() == buffers[1].violations() + buffers[2].violations()
+    guarded.add(buffers[3])  # added after a check: covered from now on
+    _overrun(buffers[3].tensor, 8, 1, 3)  # the second element past the end of b3
+    assert guarded.written() == [False, True, True, True]
+    guarded.rearm()
+    assert guarded.written() == [False] * 4
+    _overrun(buffers[0].tensor, -3, 1, 0)  # the first element of b0's front band
+    assert guarded.written() == [True, False, False, False]
+    (message,) = guarded.violations()
+    assert "guard band before 'b0' overwritten at element offset(s) -3:" in message

@@ -10,7 +10,7 @@ probes find the ways it can break that contract:
 - :class:`IdentityGuard` — metadata tensors replaced by new objects instead of written in place.
 - :func:`check_zero_tail` — persistent buffers whose unused tail must stay zero.
 - :class:`GuardedBuffer` — poison-filled guard bands around a persistent buffer, to catch
-  writes past either end; :func:`poison_` — the poison, also laid over every buffer under
+  writes past either end (:class:`GuardedBufferSet` checks many at once); :func:`poison_` — the poison, also laid over every buffer under
   the zero-tail rule before every example, so that a tail a builder fails to zero shows at
   once.
 
@@ -27,6 +27,7 @@ from speccheck.checks.probes.allocation import AllocationEvent, AllocationRecord
 from speccheck.checks.probes.buffers import (
     DEFAULT_GUARD_ELEMENTS,
     GuardedBuffer,
+    GuardedBufferSet,
     check_zero_tail,
     poison_,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "AllocationEvent",
     "AllocationRecorder",
     "GuardedBuffer",
+    "GuardedBufferSet",
     "HostSyncEvent",
     "HostSyncRecorder",
     "IdentityGuard",

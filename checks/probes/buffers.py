@@ -118,15 +118,12 @@ class GuardedBuffer:
         for band, initial in zip(self._bands, self._initial, strict=True):
             band.view(torch.uint8).copy_(initial)
 
-    def written(self) -> torch.Tensor:
-        """A bool scalar on the buffer's device: whether either band differs from its
-        initial contents. Queues the comparison without synchronising, so a caller holding
-        many buffers reads all their answers back at once (:meth:`violations` then names
-        the offsets of the few that were written)."""
-        return torch.stack([
-            torch.ne(band.view(torch.uint8), initial).any()
-            for band, initial in zip(self._bands, self._initial, strict=True)
-        ]).any()
+    @property
+    def bands(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """``(live, initial)`` bytes (``uint8``) of the band before and of the band after
+        the buffer: :class:`GuardedBufferSet` compares many buffers' bands at once."""
+        return tuple((band.view(torch.uint8), initial)
+                     for band, initial in zip(self._bands, self._initial, strict=True))
 
     def violations(self) -> list[str]:
         """One message per overwritten band, naming the element offsets written, relative to
@@ -159,6 +156,67 @@ class GuardedBuffer:
     def findings(self) -> list[ProbeFinding]:
         """:meth:`violations` as findings with ``path`` = the buffer's name."""
         return [ProbeFinding(GUARD_BAND, self.name, message) for message in self.violations()]
+
+
+class GuardedBufferSet:
+    """Many guarded buffers (a backend may hold hundreds, one set per wrapper and batch
+    size), rearmed and checked together: one multi-tensor copy rearms every band, and one
+    concatenation, one comparison and one read-back tell which buffers were written, instead
+    of a few launches per buffer. Synchronises (verifier-side only)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[GuardedBuffer] = []
+        self._plans: dict[torch.device, _BandPlan] = {}
+        self._planned = 0
+        """How many of :attr:`buffers` the plans cover."""
+
+    def add(self, buffer: GuardedBuffer) -> None:
+        self.buffers.append(buffer)
+
+    def rearm(self) -> None:
+        """:meth:`GuardedBuffer.rearm` of every buffer."""
+        for plan in self._current_plans():
+            torch._foreach_copy_(plan.live, plan.initials)
+
+    def written(self) -> list[bool]:
+        """Per buffer, in :attr:`buffers` order, whether either band differs from its
+        initial contents."""
+        hit = [False] * len(self.buffers)
+        for plan in self._current_plans():
+            differ = torch.ne(torch.cat(plan.live), plan.initial).cumsum(0)[plan.ends]
+            per_band = torch.diff(differ, prepend=differ.new_zeros(1)) > 0
+            for owner, band_hit in zip(plan.owners, per_band.tolist(), strict=True):
+                hit[owner] = hit[owner] or band_hit
+        return hit
+
+    def violations(self) -> list[str]:
+        """:meth:`GuardedBuffer.violations` of every buffer :meth:`written` names."""
+        return [message for buffer, hit in zip(self.buffers, self.written(), strict=True)
+                if hit for message in buffer.violations()]
+
+    def _current_plans(self) -> list[_BandPlan]:
+        if self._planned != len(self.buffers):
+            grouped: dict[torch.device, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+            for owner, buffer in enumerate(self.buffers):
+                for live, initial in buffer.bands:
+                    grouped.setdefault(live.device, []).append((owner, live, initial))
+            self._plans = {device: _BandPlan(bands) for device, bands in grouped.items()}
+            self._planned = len(self.buffers)
+        return list(self._plans.values())
+
+
+class _BandPlan:
+    """The bands of one device's buffers, from ``(owner, live, initial)`` triples: their live
+    bytes, their initial bytes (apart and concatenated), the index of each band's last byte
+    in the concatenation, and the buffer each belongs to."""
+
+    def __init__(self, bands: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        self.owners = [owner for owner, _, _ in bands]
+        self.live = [live for _, live, _ in bands]
+        self.initials = [initial for _, _, initial in bands]
+        self.initial = torch.cat(self.initials)
+        sizes = torch.tensor([band.numel() for band in self.live], dtype=torch.int64)
+        self.ends = (sizes.cumsum(0) - 1).to(self.initial.device)
 
 
 def _format_offsets(offsets: Sequence[int], limit: int = 6) -> str:

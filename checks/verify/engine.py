@@ -23,6 +23,7 @@ from hypothesis.errors import Flaky
 
 from speccheck.checks.probes import (
     GuardedBuffer,
+    GuardedBufferSet,
     HostSyncRecorder,
     IdentityGuard,
     check_zero_tail,
@@ -50,6 +51,7 @@ from speccheck.checks.verify.scale import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_STEPS,
 )
+from speccheck.checks.verify.side_lane import SideLane, SideRun
 from speccheck.checks.verify.state_walk import attribute_storages, changed_paths
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder
 from speccheck.checks.verify.strategies import (
@@ -66,7 +68,7 @@ from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
 from speccheck.speculator.base import SpeculatorOptions
-from speccheck.speculator.batch import DraftBatch
+from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.model import DrafterConfig
@@ -136,34 +138,17 @@ class _Harness:
     _tail_buffers`); every example starts with them poisoned."""
 
 
-class GuardedAllocator:
+class GuardedAllocator(GuardedBufferSet):
     """A :data:`~speccheck.contract.builder.BufferAllocator` that surrounds every persistent
-    buffer with poisoned guard bands and remembers them."""
-
-    def __init__(self) -> None:
-        self.buffers: list[GuardedBuffer] = []
+    buffer with poisoned guard bands and keeps it in this set (checked and rearmed
+    together)."""
 
     def __call__(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        guarded = GuardedBuffer(shape, dtype, device, name=name)
-        self.buffers.append(guarded)
-        return guarded.tensor
-
-    def violations(self) -> list[str]:
-        """Every band violation of every buffer: one read-back for all of them (a backend
-        may hold hundreds of guarded buffers, one set per wrapper and batch size), then the
-        offsets of those written."""
-        if not self.buffers:
-            return []
-        written = torch.stack([b.written() for b in self.buffers]).tolist()
-        return [v for b, hit in zip(self.buffers, written, strict=True) if hit
-                for v in b.violations()]
-
-    def rearm(self) -> None:
-        """Every band back to its poison: later violations are later writes'."""
-        for buffer in self.buffers:
-            buffer.rearm()
+        buffer = GuardedBuffer(shape, dtype, device, name=name)
+        self.add(buffer)
+        return buffer.tensor
 
 
 def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
@@ -227,6 +212,8 @@ class BackendVerifier:
         self.last_derived_changes = 0
         """Derived metadata elements that changed between the last oracle run's steps."""
         self.guards = GuardedAllocator()
+        self.side_lane = SideLane(device)
+        """Where each example's fp32 reference runs, beside its oracle and candidates."""
 
     # ------------------------------------------------------------ set-up
     def drafter(self, dtype: str) -> DrafterConfig:
@@ -433,10 +420,42 @@ class BackendVerifier:
         h = self.harness(k)
         if h.capture_error is not None:
             return [Outcome(Check.CAPTURE, Result.FAILED, h.capture_error)]
+        start = self._start_state(h, example)
+        reference = self._submit_reference(h, start, batch)
+        try:
+            return self._run_candidates(h, example, start, reference)
+        finally:
+            if reference is not None:
+                reference.wait()
+
+    def _submit_reference(
+        self, h: _Harness, start: KVSnapshot, batch: DraftBatch
+    ) -> SideRun[DraftResult] | None:
+        """The fp32 reference's run of ``batch`` from ``start``, on the side lane (``None``
+        where the oracle is the fp32 reference): it reads ``start`` and nothing the oracle or
+        a candidate writes."""
+        reference = h.reference
+        if reference is None:
+            return None
+        whole = whole_cache_start(start, batch, self.config.block_size, self.share.world)
+
+        def run() -> DraftResult:
+            reference.kv_cache.restore(whole)
+            return reference.propose(batch, DecodePath.PER_STEP)
+
+        return self.side_lane.submit(run)
+
+    def _run_candidates(
+        self, h: _Harness, example: Example, start: KVSnapshot,
+        reference: SideRun[DraftResult] | None,
+    ) -> list[Outcome]:
+        """The oracle and the candidates of ``example`` from ``start``, their checks, and
+        the oracle against ``reference`` (waited for before the probed candidate: its
+        probe sets the process-wide sync debug mode)."""
+        k, batch = example
         spec = h.spec
         lanes = spec.bucket_for(batch.num_reqs)
         query_len = spec.first_pass_width(batch)
-        start = self._start_state(h, example)
 
         def first_pass() -> FirstPassSnapshot | None:
             if query_len is None:
@@ -464,6 +483,8 @@ class BackendVerifier:
             name = candidate.name
             spec.kv_cache.restore(start)
             probed = candidate == Candidate(DecodePath.FUSED, graphs=False)
+            if probed and reference is not None:
+                reference.wait()
             spec.refresh_hook = self._probing_refresh if probed else None
             self._poison_before_refresh = probed and spec.refresh_rebuilds_in_graph
             self._refreshed = set()
@@ -490,11 +511,9 @@ class BackendVerifier:
         outcomes += self._probe_outcomes
         self._probe_outcomes = []
         outcomes += self._guard_bands()
-        if h.reference is not None:
-            h.reference.kv_cache.restore(whole_cache_start(start, batch, bs, self.share.world))
-            expected = h.reference.propose(batch, DecodePath.PER_STEP)
+        if reference is not None:
             outcomes += compare_drafts(
-                expected, oracle, "oracle vs fp32 reference", self.reference_tol,
+                reference.result(), oracle, "oracle vs fp32 reference", self.reference_tol,
                 token_check=Check.VS_FP32_REFERENCE, logit_check=Check.VS_FP32_REFERENCE,
             )
         else:

@@ -14,17 +14,39 @@ from collections.abc import Sequence
 import torch
 
 
+class HostCopyPlan:
+    """:func:`host_copies` of a fixed list of contiguous tensors, with the per-tensor work
+    (grouping, flattening, sizes) done once, for a caller that reads the same tensors back
+    again and again (the step recorder's snapshot buffers, once per run). Valid while every
+    tensor keeps its storage, shape and dtype: a caller that replaces one builds a new plan.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.count = len(tensors)
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, tensor in enumerate(tensors):
+            if not tensor.is_contiguous():
+                raise ValueError(f"tensor {i} of a host-copy plan is not contiguous")
+            groups.setdefault((tensor.dtype, tensor.device), []).append(i)
+        self._groups = [
+            (members, [tensors[i].detach().view(-1) for i in members],
+             [tensors[i].numel() for i in members], [tensors[i].shape for i in members])
+            for members in groups.values()
+        ]
+
+    def copies(self) -> list[torch.Tensor]:
+        """Contiguous host copies of the tensors, in order, sharing no memory with them
+        (the copies of one dtype are views of one host tensor); one transfer per dtype."""
+        out: list[torch.Tensor] = [torch.empty(0)] * self.count
+        for members, flats, sizes, shapes in self._groups:
+            parts = torch.cat(flats).cpu().split(sizes)
+            for i, part, shape in zip(members, parts, shapes, strict=True):
+                out[i] = part.view(shape)
+        return out
+
+
 def host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous host copies of ``tensors``, in order, sharing no memory with them (the
     copies of one dtype are views of one host tensor): the tensors of each (dtype, device)
     are concatenated on their device and read back in one copy, then split."""
-    copies: dict[int, torch.Tensor] = {}
-    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, tensor in enumerate(tensors):
-        groups.setdefault((tensor.dtype, tensor.device), []).append(i)
-    for members in groups.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in members]).cpu()
-        parts = flat.split([tensors[i].numel() for i in members])
-        copies.update(zip(members, (part.view(tensors[i].shape)
-                                    for i, part in zip(members, parts, strict=True))))
-    return [copies[i] for i in range(len(tensors))]
+    return HostCopyPlan([tensor.contiguous() for tensor in tensors]).copies()

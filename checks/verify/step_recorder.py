@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speccheck.checks.verify.readback import host_copies
+from speccheck.checks.verify.readback import HostCopyPlan
 from speccheck.checks.verify.state_walk import walk_state
 from speccheck.contract.groups import AttentionGroup
 
@@ -115,6 +115,9 @@ class StepMetadataRecorder:
         """(lanes, step) observed outside a capture since the last :meth:`collect`."""
         self.last_metadata: list[Any] | None = None
         """The group metadata of the latest observed step."""
+        self._plans: dict[int, tuple[list[tuple[int, str]], HostCopyPlan]] = {}
+        """Per lane count, the snapshot keys in step order and the plan that reads their
+        buffers back; dropped when a buffer of that lane count is added or replaced."""
         self.storage_of: dict[str, int] = {}
         """Storage address of the tensor last seen at each path (to tell views of the
         speculator's input buffers from a builder's derived tensors)."""
@@ -143,9 +146,13 @@ class StepMetadataRecorder:
                     )
                 buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
                 self._buffers[key] = buf
+                self._plans.pop(lanes, None)
             targets.append(buf)
             self.storage_of[path] = tensor.untyped_storage().data_ptr()
-            self._seen.setdefault(lanes, {})[(step, path)] = None
+            seen = self._seen.setdefault(lanes, {})
+            if (step, path) not in seen:
+                seen[(step, path)] = None
+                self._plans.pop(lanes, None)
         if targets:
             # one multi-tensor copy, not a launch per field (capturable: device copies only)
             torch._foreach_copy_(targets, list(tensors.values()))
@@ -161,8 +168,12 @@ class StepMetadataRecorder:
         step was observed (an eager run), else those recorded when the step was captured (a
         replay). Ends the run: the next ``collect`` reports only what is observed after
         this one."""
-        keys = sorted(self._seen.get(lanes, {}), key=lambda key: key[0])
-        copies = host_copies([self._buffers[(lanes, step, path)] for step, path in keys])
+        if lanes not in self._plans:
+            keys = sorted(self._seen.get(lanes, {}), key=lambda key: key[0])
+            buffers = [self._buffers[(lanes, step, path)] for step, path in keys]
+            self._plans[lanes] = (keys, HostCopyPlan(buffers))
+        keys, plan = self._plans[lanes]
+        copies = plan.copies()
         tensors: dict[int, dict[str, torch.Tensor]] = {}
         for (step, path), copy in zip(keys, copies, strict=True):
             tensors.setdefault(step, {})[path] = copy
