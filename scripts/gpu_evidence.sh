@@ -58,7 +58,7 @@
 #   scripts/gpu_evidence.sh OUTDIR verify-overlap | verify-overlap-fi
 #       wheels in .gpu-wheels/core | fi (+ fi-jit): the verifier's CUDA tests (FA3 without its
 #       refresh at default settings for ten seeds, then every mutant with real graphs, one
-#       process) | a short flashinfer warm-up; then the verify worker of triton_attn at 200
+#       process) | every mutant with real graphs and a short flashinfer warm-up; then the verify worker of triton_attn at 200
 #       examples | flashinfer at 100 against BASE (a checkout of another commit, when set;
 #       ROUNDS alternations, benchmarks/verify_speed.py) and the whole command, one worker
 #   scripts/gpu_evidence.sh OUTDIR lean-host
@@ -242,6 +242,9 @@ if [ "$suite" = verify-overlap ]; then
   exit 0
 fi
 if [ "$suite" = verify-overlap-fi ]; then
+  timeout "${PYTEST_LIMIT:-200}" python3 -m pytest -rA -q -s -m cuda tests/test_side_lane.py \
+    tests/test_verifier_mutants.py > "$out/pytest-cuda-verifier.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-verifier.txt"
   run flashinfer-warmup "${FI_WARMUP_LIMIT:-240}" --backend flashinfer --examples 5
   verify_speed flashinfer 100 "${SPEED_LIMIT:-300}"
   JOBS=1 verify_command flashinfer 100 "${VERIFY_LIMIT:-150}"

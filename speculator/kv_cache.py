@@ -69,10 +69,21 @@ class PagedKVCache:
     def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(k.clone(), v.clone()) for k, v in self.layers]
 
-    def restore(self, snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for (k, v), (ks, vs) in zip(self.layers, snapshot, strict=True):
-            k.copy_(ks)
-            v.copy_(vs)
+    def restore(
+        self, snapshot: list[tuple[torch.Tensor, torch.Tensor]],
+        blocks: Sequence[int] | None = None,
+    ) -> None:
+        """Copy ``snapshot`` (any dtype; converted) back in place: every block, or only
+        ``blocks``, leaving the others as they are."""
+        if blocks is None:
+            for (k, v), (ks, vs) in zip(self.layers, snapshot, strict=True):
+                k.copy_(ks)
+                v.copy_(vs)
+            return
+        index = torch.tensor(sorted(set(blocks)), dtype=torch.int64).to(self.layers[0][0].device)
+        for pair, saved in zip(self.layers, snapshot, strict=True):
+            for tensor, source in zip(pair, saved, strict=True):
+                tensor.index_copy_(0, index, source.index_select(0, index).to(tensor.dtype))
 
     def fill_random_(self, seed: int) -> None:
         """Fill every layer with noise drawn from ``seed`` on the cache's own device

@@ -354,6 +354,27 @@ def test_a_shared_kv_cache_must_match_the_layers() -> None:
                           OPTIONS, matrix=MATRIX, kv_cache=smaller)
 
 
+def test_a_restore_of_some_blocks_converts_them_and_leaves_the_others() -> None:
+    """The verifier restores the fp32 reference's cache from the bf16 start state, only in
+    the blocks the example can read."""
+    from speccheck.speculator.kv_cache import PagedKVCache
+
+    layer = DRAFTER.layer_spec(4, 40)
+    cache = PagedKVCache.allocate([layer] * DRAFTER.num_layers, 6, DEVICE)
+    start = [(k.bfloat16(), v.bfloat16()) for k, v in
+             [(torch.randn_like(k), torch.randn_like(v)) for k, v in cache.layers]]
+    for k, v in cache.layers:
+        k.fill_(7.0)
+        v.fill_(7.0)
+    cache.restore(start, [4, SINK_BLOCK, 4, 2])
+    for (k, v), (ks, vs) in zip(cache.layers, start, strict=True):
+        for tensor, saved in ((k, ks), (v, vs)):
+            assert torch.equal(tensor[[0, 2, 4]], saved[[0, 2, 4]].float())
+            assert bool((tensor[[1, 3, 5]] == 7.0).all())
+    cache.restore(start)
+    assert all(torch.equal(k, ks.float()) for (k, _), (ks, _) in zip(cache.layers, start))
+
+
 def _padded_first_pass_speculator(k: int, mode: str,
                                   backend: str = "reference") -> AutoregressiveSpeculator:
     options = SpeculatorOptions(OPTIONS.capture_sizes, OPTIONS.max_num_prefill_tokens,

@@ -70,7 +70,7 @@ from speccheck.speculator.autoregressive import AutoregressiveSpeculator, Decode
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.factory import create_speculator
-from speccheck.speculator.kv_cache import PagedKVCache
+from speccheck.speculator.kv_cache import SINK_BLOCK, PagedKVCache
 from speccheck.speculator.model import DrafterConfig
 
 logger = logging.getLogger(__name__)
@@ -433,14 +433,16 @@ class BackendVerifier:
     ) -> SideRun[DraftResult] | None:
         """The fp32 reference's run of ``batch`` from ``start``, on the side lane (``None``
         where the oracle is the fp32 reference): it reads ``start`` and nothing the oracle or
-        a candidate writes."""
+        a candidate writes. Only the blocks it can read are restored: the batch's and the
+        sink block (what padding lanes and unused block-table entries point at)."""
         reference = h.reference
         if reference is None:
             return None
         whole = whole_cache_start(start, batch, self.config.block_size, self.share.world)
+        blocks = [SINK_BLOCK, *(block for row in batch.block_table for block in row)]
 
         def run() -> DraftResult:
-            reference.kv_cache.restore(whole)
+            reference.kv_cache.restore(whole, blocks)
             return reference.propose(batch, DecodePath.PER_STEP)
 
         return self.side_lane.submit(run)
@@ -450,8 +452,7 @@ class BackendVerifier:
         reference: SideRun[DraftResult] | None,
     ) -> list[Outcome]:
         """The oracle and the candidates of ``example`` from ``start``, their checks, and
-        the oracle against ``reference`` (waited for before the probed candidate: its
-        probe sets the process-wide sync debug mode)."""
+        the oracle against ``reference``."""
         k, batch = example
         spec = h.spec
         lanes = spec.bucket_for(batch.num_reqs)
@@ -483,8 +484,6 @@ class BackendVerifier:
             name = candidate.name
             spec.kv_cache.restore(start)
             probed = candidate == Candidate(DecodePath.FUSED, graphs=False)
-            if probed and reference is not None:
-                reference.wait()
             spec.refresh_hook = self._probing_refresh if probed else None
             self._poison_before_refresh = probed and spec.refresh_rebuilds_in_graph
             self._refreshed = set()
@@ -606,7 +605,10 @@ class BackendVerifier:
         roots = {"metadata": metadata, "builder": group.builder}
         name = Candidate(DecodePath.FUSED, graphs=False).name
         try:
-            with HostSyncRecorder(cuda_sync_debug=self.gpu) as syncs, IdentityGuard(roots) as ident:
+            # quiet: the fp32 reference running beside must not synchronise while the
+            # process-wide sync debug mode is set
+            with (self.side_lane.quiet(), HostSyncRecorder(cuda_sync_debug=self.gpu) as syncs,
+                  IdentityGuard(roots) as ident):
                 group.update_draft_decode_metadata(metadata)
         except Exception as exc:
             frames = traceback.format_exception(exc)
