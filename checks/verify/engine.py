@@ -452,7 +452,8 @@ class BackendVerifier:
         reference: SideRun[DraftResult] | None,
     ) -> list[Outcome]:
         """The oracle and the candidates of ``example`` from ``start``, their checks, and
-        the oracle against ``reference``."""
+        the oracle against ``reference`` (waited for before the probed candidate: its
+        probe sets the process-wide sync debug mode)."""
         k, batch = example
         spec = h.spec
         lanes = spec.bucket_for(batch.num_reqs)
@@ -484,6 +485,8 @@ class BackendVerifier:
             name = candidate.name
             spec.kv_cache.restore(start)
             probed = candidate == Candidate(DecodePath.FUSED, graphs=False)
+            if probed and reference is not None:
+                reference.wait()
             spec.refresh_hook = self._probing_refresh if probed else None
             self._poison_before_refresh = probed and spec.refresh_rebuilds_in_graph
             self._refreshed = set()
@@ -605,10 +608,7 @@ class BackendVerifier:
         roots = {"metadata": metadata, "builder": group.builder}
         name = Candidate(DecodePath.FUSED, graphs=False).name
         try:
-            # quiet: the fp32 reference running beside must not synchronise while the
-            # process-wide sync debug mode is set
-            with (self.side_lane.quiet(), HostSyncRecorder(cuda_sync_debug=self.gpu) as syncs,
-                  IdentityGuard(roots) as ident):
+            with HostSyncRecorder(cuda_sync_debug=self.gpu) as syncs, IdentityGuard(roots) as ident:
                 group.update_draft_decode_metadata(metadata)
         except Exception as exc:
             frames = traceback.format_exception(exc)

@@ -15,24 +15,18 @@ Contract for the caller:
   (the side stream waits for them) and must not read anything written after it.
 - The caller neither writes nor frees what the work reads until :meth:`SideRun.wait` (or
   :meth:`SideRun.result`) has returned.
-- The caller waits before anything that must be the process's only device work: a graph
-  capture, the next example. A probe that sets the process-wide CUDA sync debug mode runs
-  inside :meth:`SideLane.quiet` instead: the side work runs its torch operations under a
-  gate that :meth:`~SideLane.quiet` holds, so none of them (a read-back that synchronises,
-  say) runs while the mode is set, and the side work does not raise for it.
+- The caller waits before anything that must be the process's only device work: a probe that
+  sets the process-wide CUDA sync debug mode, a graph capture, the next example.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
-from contextlib import contextmanager, nullcontext
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 T = TypeVar("T")
 
@@ -57,69 +51,39 @@ class SideRun(Generic[T]):
             self._future, self._work = future, None
         return self._future.result()
 
-    def done(self) -> bool:
-        """Whether the work has finished (deferred work: whether it has run)."""
-        return self._future is not None and self._future.done()
-
     def wait(self) -> None:
         if self._future is not None:
             wait_for([self._future])
 
 
-class _Gated(TorchFunctionMode):
-    """Every torch function and tensor method the side work calls runs holding ``gate``
-    (the calls it makes inside, and what the operator does in C++, included)."""
-
-    def __init__(self, gate: threading.Lock) -> None:
-        super().__init__()
-        self.gate = gate
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        with self.gate:
-            return func(*args, **(kwargs or {}))
-
-
 class SideLane:
-    """Runs work beside the caller's: where ``concurrent`` (by default on CUDA), in one
-    thread (created on first use and kept for every later submission) with, on CUDA, a
-    stream of its own; otherwise deferred to :meth:`SideRun.result` on the caller's thread."""
+    """Runs work beside the caller's: on CUDA, one thread with a stream of its own (created
+    on first use and kept for every later submission); elsewhere, deferred to
+    :meth:`SideRun.result` on the caller's thread."""
 
-    def __init__(self, device: torch.device, concurrent: bool | None = None) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.concurrent = device.type == "cuda" if concurrent is None else concurrent
+        self.concurrent = device.type == "cuda"
         self._pool: ThreadPoolExecutor | None = None
         self._stream: torch.cuda.Stream | None = None
-        self._gate = threading.Lock()
-
-    @contextmanager
-    def quiet(self) -> Iterator[None]:
-        """Inside, no side work runs a torch operation (one already running finishes
-        first; the side work waits at its next)."""
-        with self._gate:
-            yield
 
     def submit(self, work: Callable[[], T]) -> SideRun[T]:
         if not self.concurrent:
             return SideRun(work=work)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="side-lane")
-            if self.device.type == "cuda":
-                self._stream = torch.cuda.Stream(self.device)
+            self._stream = torch.cuda.Stream(self.device)
         stream = self._stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self.device))
 
         def run() -> T:
             try:
-                with (nullcontext() if stream is None else torch.cuda.stream(stream),
-                      _Gated(self._gate)):
+                with torch.cuda.stream(stream):
                     return work()
             finally:
-                if stream is not None:
-                    # Every read of the caller's tensors has finished once this returns, so
-                    # the caller may free or overwrite them after waiting.
-                    with self._gate:
-                        stream.synchronize()
+                # Every read of the caller's tensors has finished once this returns, so the
+                # caller may free or overwrite them after waiting.
+                stream.synchronize()
 
         return SideRun(future=self._pool.submit(run))
