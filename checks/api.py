@@ -417,7 +417,6 @@ class VerifyPlan:
         and fusing not allowed, again with the fused path claimed, on the same examples."""
         from speccheck.checks.verify.dcp_ranks import verify_dcp
         from speccheck.checks.verify.examples import decode_example
-
         from speccheck.checks.verify.report import ClaimAudit
 
         examples = None if self.reproduce is None else [decode_example(self.reproduce)]
@@ -477,6 +476,13 @@ def plan_verification(
     if max_new_tokens is not None and not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
         raise VerifyInputError(f"max_new_tokens must lie in 1..{MAX_NEW_TOKENS}, "
                                f"got {max_new_tokens}")
+    if reproduce is not None:
+        from speccheck.checks.verify.examples import read_reproduce
+
+        try:
+            reproduce = read_reproduce(reproduce)
+        except ValueError as exc:
+            raise VerifyInputError(str(exc)) from None
     overrides = _overrides(config)
     tier, device = machine_tier()
     effective = RuntimeConfig(**{**_tier_defaults(tier), **overrides})
@@ -533,8 +539,9 @@ def verify(
       request brings to the first pass. ``None``: the tier's (:data:`~speccheck.checks.
       verify.engine.TIER_SCALE`: up to 64 requests of 16 new tokens on the GPU, 8 of 3 on
       the CPU).
-    - ``reproduce``: run exactly this example (a blob from a failure's reproduce command);
-      it must fit the run's limits, and cannot be combined with ``dp_size > 1``.
+    - ``reproduce``: run exactly this example (a blob from a failure's reproduce command,
+      or ``@FILE`` for one kept in a file); it must fit the run's limits, and cannot be
+      combined with ``dp_size > 1``.
     - ``audit_claims``: for a backend the matrix does not allow to fuse under the config,
       also run the fused path and report whether the claim is too strict or confirmed.
     - ``example_timeout``: seconds without progress before a worker counts as hung.

@@ -24,11 +24,16 @@ from rich.progress import Progress
 from speccheck.checks.cli.paths import output_path_problem
 from speccheck.checks.verify import runner, worker_process
 from speccheck.checks.verify.examples import (
+    MAX_ARGUMENT_CHARS,
     MAX_BLOB_CHARS,
+    REPRODUCE_DIR,
     decode_example,
     encode_example,
     example_from_json,
     example_json,
+    read_reproduce,
+    reproduce_blob,
+    reproduce_command,
 )
 from speccheck.checks.verify.vocabulary import Status
 from speccheck.contract.matrix_loader import (
@@ -443,3 +448,43 @@ def test_options_the_parser_rejects_are_one_line_and_exit_2(args: list[str], opt
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"speccheck {args[0]}: ") and option in lines[0], lines[0]
     assert proc.stdout == ""
+
+
+# --- reproduce blobs in files ----------------------------------------------------------
+
+def test_a_blob_too_long_for_one_argument_goes_to_a_file_that_reproduce_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    rows = tuple(tuple(range(1 + 4000 * r, 4001 + 4000 * r)) for r in range(16))
+    example = (4, DraftBatch((60_000,) * 16, ((1,),) * 16, rows, tuple(range(16))))
+    blob = encode_example(example)
+    assert MAX_ARGUMENT_CHARS < len(blob) < MAX_BLOB_CHARS
+    command = reproduce_command("speccheck verify --backend reference", blob)
+    assert command.startswith("speccheck verify --backend reference --reproduce @")
+    assert len(command) < 200
+    path = Path(command.rsplit("@", 1)[1])
+    assert path.parent == REPRODUCE_DIR and path.read_text() == blob + "\n"
+    assert reproduce_blob(command) == blob and read_reproduce(f"@{path}") == blob
+    assert decode_example(read_reproduce(f"@{path}")) == example
+    short = encode_example((3, DraftBatch((5,), ((1, 2),), ((1, 2, 3),), (7,))))
+    assert reproduce_command("speccheck verify", short) == f"speccheck verify --reproduce {short}"
+    assert read_reproduce(short) == short
+
+
+def test_a_reproduce_file_that_cannot_be_a_blob_is_one_line_naming_it(tmp_path: Path) -> None:
+    binary, huge = tmp_path / "binary.blob", tmp_path / "huge.blob"
+    binary.write_bytes(b"\xff\xfe" * 10)
+    with huge.open("w") as handle:  # far more than a blob may be: the read stops early
+        handle.truncate(64 << 20)
+    cases = [
+        (f"@{tmp_path}/missing.blob",
+         f"--reproduce: cannot read {tmp_path}/missing.blob: No such file or directory"),
+        (f"@{tmp_path}", f"--reproduce: cannot read {tmp_path}: Is a directory"),
+        (f"@{binary}", f"--reproduce: {binary} is not an example blob (not ASCII text)"),
+        (f"@{huge}", f"--reproduce: {huge} holds more than {MAX_BLOB_CHARS} characters"),
+    ]
+    for argument, message in cases:
+        with pytest.raises(ValueError) as excinfo:
+            timed(lambda argument=argument: read_reproduce(argument), 2.0)
+        assert str(excinfo.value).startswith(message) and "\n" not in str(excinfo.value)

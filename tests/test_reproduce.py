@@ -209,6 +209,18 @@ def test_a_reproduce_example_outside_the_limits_is_exit_2_before_any_worker() ->
                     "--max-new-tokens or --capture-sizes")
 
 
+def test_a_reproduce_file_is_read_and_checked_like_an_inline_blob(tmp_path: Path) -> None:
+    """``--reproduce @FILE``: the form a report prints for a blob too long for one
+    command-line argument."""
+    blob = encode_example((4, DraftBatch((0,), (tuple(range(64)),), (tuple(range(1, 18)),), (0,))))
+    path = tmp_path / "example.blob"
+    path.write_text(blob + "\n")
+    proc = _speccheck("verify", "--backend", "reference", "--reproduce", f"@{path}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("--reproduce: the example has 64 prefill tokens")
+
+
 def test_the_worker_rejects_an_example_outside_the_limits_as_bad_input() -> None:
     """The safety net behind the command line's check: the worker's own."""
     blob = encode_example((4, DraftBatch((60,), ((1, 2, 3, 4, 5),), (tuple(range(1, 17)),), (0,))))
@@ -225,6 +237,8 @@ def test_the_worker_rejects_an_example_outside_the_limits_as_bad_input() -> None
     (["--capture-sizes", "1,x"], "--capture-sizes: expected comma-separated request counts"),
     (["--capture-sizes", "0,2"], "capture_sizes: request counts must lie in 1..1024"),
     (["--capture-sizes", "2," + "9" * 5000], "capture_sizes: request counts must lie in 1..1024"),
+    (["--reproduce", "@/nonexistent/x.blob"],
+     "--reproduce: cannot read /nonexistent/x.blob: No such file or directory"),
     (["--dp-size", "2", "--reproduce", "eJwDAAAAAAE="],
      "--reproduce runs one example in one worker; it cannot be combined with --dp-size"),
 ])

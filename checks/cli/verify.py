@@ -101,7 +101,7 @@ def verify_command(
     backend: Annotated[str, typer.Option("--backend", help="Backend name from the matrix, or 'all'.")] = "reference",
     examples: Annotated[int, typer.Option("--examples", min=1, help="Examples per backend.")] = 50,
     seed: Annotated[int, typer.Option("--seed", help="Hypothesis seed.")] = 0,
-    reproduce: Annotated[Optional[str], typer.Option("--reproduce", help="Run exactly this example (from a failure report).")] = None,  # noqa: UP045
+    reproduce: Annotated[Optional[str], typer.Option("--reproduce", help="Run exactly this example (from a failure report): its blob, or @FILE for a blob kept in a file (reports keep blobs too long for one argument in speccheck-reproduce/).")] = None,  # noqa: UP045
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.")] = None,  # noqa: UP045
     junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report here.")] = None,  # noqa: UP045
     example_timeout: Annotated[float, typer.Option("--example-timeout", help="Seconds without progress before a worker counts as hung.")] = 300.0,

@@ -1,8 +1,9 @@
 """Examples of ``speccheck verify`` (a step count K and a :class:`DraftBatch`) as JSON and as
 the ``--reproduce`` blobs that failure reports print.
 
-A blob is URL-safe base64 of zlib-compressed JSON. Blobs arrive on command lines, so
-decoding treats them as untrusted: :func:`decode_example` either returns an example that
+A blob is URL-safe base64 of zlib-compressed JSON. Blobs arrive on command lines, inline or
+as ``@FILE`` (:func:`read_reproduce`: the form a report prints for a blob too long for one
+argument, :func:`reproduce_command`), so decoding treats them as untrusted: :func:`decode_example` either returns an example that
 satisfies every invariant of :class:`DraftBatch` that does not depend on the runtime
 configuration, or raises ``ValueError`` with one line starting ``--reproduce:``; never
 another exception, and within bounded time and memory. The bounds: at most
@@ -21,6 +22,7 @@ import base64
 import functools
 import json
 import zlib
+from pathlib import Path
 from typing import Annotated, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -31,11 +33,24 @@ from speccheck.speculator.batch import DraftBatch
 Example = tuple[int, DraftBatch]
 """``(num_speculative_steps, batch)``."""
 
-MAX_BLOB_CHARS = 131_072
-"""Longest blob accepted: Linux's limit on one command-line argument."""
-
 MAX_JSON_BYTES = 1 << 20
 """Most bytes a blob may inflate to (1 MiB)."""
+
+MAX_BLOB_CHARS = 1_500_000
+"""Longest blob accepted: base64 of what :data:`MAX_JSON_BYTES` of JSON compress to at
+worst (zlib adds at most a few bytes per 16 KiB stored), with room to spare."""
+
+MAX_ARGUMENT_CHARS = 100_000
+"""Longest blob a reproduce command passes inline; a longer one (a serving-scale batch:
+hundreds of kilobytes) goes to a file passed as ``@FILE``. Linux refuses a single
+command-line argument over 128 KiB."""
+
+REPRODUCE_DIR = Path("speccheck-reproduce")
+"""Where, relative to the working directory, reproduce commands keep blobs too long to
+pass inline (one file per blob, named by its CRC-32)."""
+
+REPRODUCE_FILE = "@"
+"""A ``--reproduce`` argument that starts so names a file holding the blob."""
 
 MAX_STEPS = 64
 """Largest ``num_speculative_steps`` (K)."""
@@ -112,13 +127,45 @@ class BadExample(ValueError):
 
 def reproduce_command(prefix: str, blob: str) -> str:
     """The command that runs the example of ``blob`` alone: ``PREFIX --reproduce BLOB``
-    (``prefix`` is a ``speccheck verify`` command line without ``--reproduce``)."""
-    return f"{prefix} --reproduce {blob}"
+    (``prefix`` is a ``speccheck verify`` command line without ``--reproduce``). A blob
+    longer than :data:`MAX_ARGUMENT_CHARS` is written to :data:`REPRODUCE_DIR` in the
+    working directory, and the command reads it from there: ``--reproduce @FILE``."""
+    if len(blob) <= MAX_ARGUMENT_CHARS:
+        return f"{prefix} --reproduce {blob}"
+    REPRODUCE_DIR.mkdir(exist_ok=True)
+    path = REPRODUCE_DIR / f"{zlib.crc32(blob.encode()):08x}.blob"
+    path.write_text(blob + "\n")
+    return f"{prefix} --reproduce {REPRODUCE_FILE}{path}"
 
 
 def reproduce_blob(command: str) -> str:
-    """The blob of a command :func:`reproduce_command` made (blobs hold no spaces)."""
-    return command.rsplit(" --reproduce ", 1)[1]
+    """The blob of a command :func:`reproduce_command` made (neither blobs nor the files it
+    writes have spaces in their names), read from its file where it names one."""
+    return read_reproduce(command.rsplit(" --reproduce ", 1)[1])
+
+
+def read_reproduce(argument: str) -> str:
+    """The blob of a ``--reproduce`` argument: the argument itself, or for ``@FILE`` what
+    the file holds (surrounding whitespace dropped), read no further than a blob may be
+    long. Raises ``ValueError`` with one line naming the file when it cannot be read, holds
+    more than :data:`MAX_BLOB_CHARS` characters or is not ASCII; whether the text is a blob
+    is :func:`decode_example`'s to say."""
+    if not argument.startswith(REPRODUCE_FILE):
+        return argument
+    path = argument[len(REPRODUCE_FILE):]
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_BLOB_CHARS + 2)  # a blob and its newline, and one more
+    except OSError as exc:
+        raise ValueError(f"--reproduce: cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"--reproduce: {path} is not an example blob (not ASCII text)") from None
+    if len(raw) > MAX_BLOB_CHARS + 1:
+        raise ValueError(f"--reproduce: {path} holds more than {MAX_BLOB_CHARS} characters, "
+                         "more than any example blob")
+    return text
 
 
 def example_json(example: Example) -> dict[str, Any]:
