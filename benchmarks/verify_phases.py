@@ -1,0 +1,143 @@
+"""Where one backend's verification spends its time, phase by phase.
+
+    python benchmarks/verify_phases.py [--backend triton_attn] [--examples 200] [--seed 0]
+        [--json OUT]
+
+Runs what a ``speccheck verify`` worker runs for the backend at the tier's defaults
+(``verify_backend``), in this process, with the engine's phases timed: each example's start
+state, every propose (by backend, path and whether it replays graphs: the fp32 reference's
+is the ``reference`` row of a backend other than ``reference``), the step recorder's
+read-backs, every comparison, the KV cache's snapshots, restores and noise. Each timed call
+runs between two device synchronisations: ``host`` is the time until it returns, ``wait``
+the time the device then still needed. Phases nest (``run_example`` holds the rest of an
+example), so the rows do not add up.
+
+The synchronisations change what they measure: a synchronisation waits for every stream,
+so the fp32 reference's side lane (``checks/verify/side_lane.py``) cannot overlap anything
+here. The table says where the work is, not how long a run takes: for that, time the worker
+alone (``benchmarks/verify_speed.py``) or the whole command (``benchmarks/verify_command.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Phase:
+    """What the calls of one phase took, in seconds."""
+
+    calls: int = 0
+    host: float = 0.0
+    wait: float = 0.0
+
+
+class PhaseTimer:
+    """Wraps functions so that each call is timed between device synchronisations."""
+
+    def __init__(self, synchronize: Callable[[], None]) -> None:
+        self.synchronize = synchronize
+        self.phases: dict[str, Phase] = {}
+
+    def wrap(self, owner: Any, name: str,
+             label: Callable[..., str] | None = None) -> None:
+        """Replace ``owner.name`` by a timed call of it, filed under ``label(*args)`` (by
+        default ``name``)."""
+        function = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            phase = self.phases.setdefault(label(*args, **kwargs) if label else name, Phase())
+            self.synchronize()
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                returned = time.perf_counter()
+                self.synchronize()
+                phase.calls += 1
+                phase.host += returned - started
+                phase.wait += time.perf_counter() - returned
+
+        setattr(owner, name, timed)
+
+    def table(self) -> list[str]:
+        rows = sorted(self.phases.items(), key=lambda item: -(item[1].host + item[1].wait))
+        lines = [f"{'phase':56s} {'calls':>6s} {'host s':>8s} {'wait s':>8s} {'sum s':>8s}"]
+        lines += [f"{label:56s} {p.calls:6d} {p.host:8.2f} {p.wait:8.2f} {p.host + p.wait:8.2f}"
+                  for label, p in rows]
+        return lines
+
+
+def instrument(timer: PhaseTimer) -> None:
+    """Time the engine's phases (see the module docstring)."""
+    from speccheck.checks.verify import engine
+    from speccheck.checks.verify.step_recorder import StepMetadataRecorder
+    from speccheck.speculator.autoregressive import AutoregressiveSpeculator
+    from speccheck.speculator.kv_cache import PagedKVCache
+
+    for name in ("run_example", "_start_state", "_declared_fields", "_zero_tails",
+                 "_guard_bands"):
+        timer.wrap(engine.BackendVerifier, name)
+    for name in ("kv_untouched", "kv_matches", "compare_drafts", "compare_steps",
+                 "expected_slots", "derived_step_changes", "first_divergence"):
+        timer.wrap(engine, name)
+    for name in ("snapshot", "restore", "fill_random_"):
+        timer.wrap(PagedKVCache, name,
+                   lambda cache, *_, _name=name, **__: f"kv cache {_name} ({cache.layers[0][0].dtype})")
+    timer.wrap(StepMetadataRecorder, "collect", lambda *_: "step recorder collect")
+
+    def propose_label(spec: AutoregressiveSpeculator, _batch: Any, path: Any = "auto",
+                      use_graphs: bool = True) -> str:
+        graphs = "graphs" if use_graphs and spec.graphs is not None else "eager"
+        return f"propose {spec.groups[0].backend_name} {getattr(path, 'value', path)} {graphs}"
+
+    timer.wrap(AutoregressiveSpeculator, "propose", propose_label)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="triton_attn")
+    parser.add_argument("--examples", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+
+    from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
+
+    interpret_triton_without_cuda()
+    import torch
+
+    from speccheck.checks.api import plan_verification
+    from speccheck.checks.verify.runner import worker_request
+    from speccheck.checks.verify.worker import verify_backend
+
+    timer = PhaseTimer(torch.cuda.synchronize if torch.cuda.is_available() else lambda: None)
+    instrument(timer)
+    plan = plan_verification(args.backend, examples=args.examples, seed=args.seed)
+    request = worker_request(args.backend, plan.config_for(args.backend), args.examples,
+                             args.seed, plan.steps, None, "", plan.matrices.path, plan.scale())
+    with tempfile.TemporaryDirectory() as folder:
+        report = verify_backend(request, Path(folder) / "progress.jsonl")
+    print(f"{args.backend}: {report.status.value}, {report.examples} examples in "
+          f"{report.seconds:.2f} s (capture {report.capture_seconds:.2f} s)")
+    print("\n".join(timer.table()))
+    if args.json:
+        args.json.write_text(json.dumps({
+            "backend": args.backend, "status": report.status.value,
+            "examples": report.examples, "seconds": report.seconds,
+            "capture_seconds": report.capture_seconds,
+            "phases": {label: vars(p) for label, p in timer.phases.items()},
+        }, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
