@@ -80,7 +80,10 @@ class PagedKVCache:
                 k.copy_(ks)
                 v.copy_(vs)
             return
-        index = torch.tensor(sorted(set(blocks)), dtype=torch.int64).to(self.layers[0][0].device)
+        device = self.layers[0][0].device
+        # from page-locked memory: queued, where a pageable copy would wait for the stream
+        index = torch.tensor(sorted(set(blocks)), dtype=torch.int64,
+                             pin_memory=device.type == "cuda").to(device, non_blocking=True)
         for pair, saved in zip(self.layers, snapshot, strict=True):
             for tensor, source in zip(pair, saved, strict=True):
                 tensor.index_copy_(0, index, source.index_select(0, index).to(tensor.dtype))

@@ -15,13 +15,13 @@ fixed-shape path, the whole cache being its one-rank case.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 
 from speccheck.backends.batch_layout import token_request_index
 from speccheck.backends.dcp import dcp_local_lengths
 from speccheck.contract.builder import blocks_for
-
 
 GATHER_BYTES = 256 * 2**20
 """Upper bound on the fp32 keys (and as much again for values) gathered at once: tokens are
@@ -67,6 +67,7 @@ def paged_attention_reference(
     scale: float,
     causal: bool,
     window: int = 0,
+    host: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` (``[T, H, D]``) over the paged cache, in fp32.
 
@@ -80,11 +81,18 @@ def paged_attention_reference(
     for a latent MLA cache, whose keys are the whole entry and whose values are its first
     ``kv_lora_rank`` channels (pass ``latent`` and ``latent[..., :kv_lora_rank]``). Returns
     ``[T, H, Dv]`` in ``query.dtype``.
+
+    ``host``: ``query_start_loc`` and ``seq_lens`` as host sequences, when the caller has
+    them (an eager build's): then nothing is read back from the device and the call never
+    waits for it. They must equal the device tensors; they are not read while capturing.
     """
+    kv_blocks = None
     if query.shape[0] and seq_lens.shape[0] and not capturing():
-        # One read-back for both: each is a wait for every launch before it.
-        host = torch.cat((query_start_loc.long(), seq_lens.long())).tolist()
-        offsets, lengths = host[: len(query_start_loc)], host[len(query_start_loc):]
+        if host is None:
+            # One read-back for both: each is a wait for every launch before it.
+            joined = torch.cat((query_start_loc.long(), seq_lens.long())).tolist()
+            host = joined[: len(query_start_loc)], joined[len(query_start_loc):]
+        offsets, lengths = list(host[0]), list(host[1])
         if max(b - a for a, b in itertools.pairwise(offsets)) > 1:
             return _per_request(query, key_cache, value_cache, offsets, lengths,
                                 block_table, scale, causal, window)
@@ -92,9 +100,10 @@ def paged_attention_reference(
         if len(groups) > 1:
             return _by_length(query, key_cache, value_cache, offsets, groups, lengths,
                               seq_lens, block_table, scale, causal, window)
+        kv_blocks = _columns_for(max(lengths), block_table, key_cache.shape[1])
     out, _ = _masked_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                                seq_lens, block_table, scale, causal, window, rank=0, world=1,
-                               with_lse=False)
+                               with_lse=False, kv_blocks=kv_blocks)
     return out.to(query.dtype)
 
 

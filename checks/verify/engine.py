@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
+from speccheck.backends.reference.builder import HostLengthsReferenceBuilder
 from speccheck.checks.probes import (
     GuardedBuffer,
     GuardedBufferSet,
@@ -294,6 +295,7 @@ class BackendVerifier:
                     "autoregressive", ["reference"] * self.settings.num_layers, ref_config,
                     self.reference_drafter(), self.device, self.options(),
                     matrix=self.settings.matrices.shipped,
+                    builder_overrides={"reference": HostLengthsReferenceBuilder},
                     kv_cache=self._reference_kv_cache,
                 )
                 assert isinstance(ref, AutoregressiveSpeculator)
@@ -430,30 +432,32 @@ class BackendVerifier:
 
     def _submit_reference(
         self, h: _Harness, start: KVSnapshot, batch: DraftBatch
-    ) -> SideRun[DraftResult] | None:
+    ) -> SideRun[tuple[torch.Tensor, torch.Tensor]] | None:
         """The fp32 reference's run of ``batch`` from ``start``, on the side lane (``None``
-        where the oracle is the fp32 reference): it reads ``start`` and nothing the oracle or
-        a candidate writes. Only the blocks it can read are restored: the batch's and the
-        sink block (what padding lanes and unused block-table entries point at)."""
+        where the oracle is the fp32 reference): its draft tokens and logits, on the device.
+        It reads ``start`` and nothing the oracle or a candidate writes. Only the blocks it
+        can read are restored: the batch's and the sink block (what padding lanes and unused
+        block-table entries point at)."""
         reference = h.reference
         if reference is None:
             return None
         whole = whole_cache_start(start, batch, self.config.block_size, self.share.world)
         blocks = [SINK_BLOCK, *(block for row in batch.block_table for block in row)]
 
-        def run() -> DraftResult:
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
             reference.kv_cache.restore(whole, blocks)
-            return reference.propose(batch, DecodePath.PER_STEP)
+            r = reference.launch(batch, DecodePath.PER_STEP)
+            # copies: the next example's run reuses the reference's buffers
+            return reference.draft_tokens[:r].clone(), reference.draft_logits[:r].clone()
 
         return self.side_lane.submit(run)
 
     def _run_candidates(
         self, h: _Harness, example: Example, start: KVSnapshot,
-        reference: SideRun[DraftResult] | None,
+        reference: SideRun[tuple[torch.Tensor, torch.Tensor]] | None,
     ) -> list[Outcome]:
         """The oracle and the candidates of ``example`` from ``start``, their checks, and
-        the oracle against ``reference`` (waited for before the probed candidate: its
-        probe sets the process-wide sync debug mode)."""
+        the oracle against ``reference``."""
         k, batch = example
         spec = h.spec
         lanes = spec.bucket_for(batch.num_reqs)
@@ -485,8 +489,6 @@ class BackendVerifier:
             name = candidate.name
             spec.kv_cache.restore(start)
             probed = candidate == Candidate(DecodePath.FUSED, graphs=False)
-            if probed and reference is not None:
-                reference.wait()
             spec.refresh_hook = self._probing_refresh if probed else None
             self._poison_before_refresh = probed and spec.refresh_rebuilds_in_graph
             self._refreshed = set()
@@ -514,8 +516,10 @@ class BackendVerifier:
         self._probe_outcomes = []
         outcomes += self._guard_bands()
         if reference is not None:
+            tokens, logits = reference.result()
+            expected = DraftResult(tokens.cpu(), logits.cpu())
             outcomes += compare_drafts(
-                reference.result(), oracle, "oracle vs fp32 reference", self.reference_tol,
+                expected, oracle, "oracle vs fp32 reference", self.reference_tol,
                 token_check=Check.VS_FP32_REFERENCE, logit_check=Check.VS_FP32_REFERENCE,
             )
         else:

@@ -2,28 +2,26 @@
 
 The fp32 reference speculator shares nothing with the speculator under test but the
 example's start state, which it only reads, so its propose need not wait for the oracle and
-the candidates. On CUDA it runs in a thread of its own on a stream of its own: its host work
-(eager fp32 layers, one read-back per attention call) and its waits for the device overlap
-theirs. PyTorch releases the GIL while an operator runs and while a copy to the host waits,
-and the current stream is per thread. Elsewhere (the CPU tier, where a second thread would
-only compete for the cores) the work runs on the caller's thread when its result is first
-asked for.
+the candidates. On CUDA it is queued, from the caller's thread, on a stream of its own, and
+the device runs it beside their work: the reference never waits for the device while it
+queues (its builder hands the attention the host lengths of each build,
+:class:`~speccheck.backends.reference.builder.HostLengthsReferenceBuilder`), so queueing
+costs the caller only the launches. Elsewhere (the CPU tier) the work runs on the caller's
+thread when its result is first asked for.
 
 Contract for the caller:
 
 - The work may read device tensors the caller's stream wrote before :meth:`SideLane.submit`
   (the side stream waits for them) and must not read anything written after it.
-- The caller neither writes nor frees what the work reads until :meth:`SideRun.wait` (or
-  :meth:`SideRun.result`) has returned.
-- The caller waits before anything that must be the process's only device work: a probe that
-  sets the process-wide CUDA sync debug mode, a graph capture, the next example.
+- The caller neither writes nor frees what the work reads before :meth:`SideRun.wait` or
+  :meth:`SideRun.result` (either makes the caller's stream wait for the work).
+- Device tensors the work returns are read on the caller's stream after
+  :meth:`SideRun.result`, and read to the host before they are freed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_for
 from typing import Generic, TypeVar
 
 import torch
@@ -32,58 +30,48 @@ T = TypeVar("T")
 
 
 class SideRun(Generic[T]):
-    """One submitted piece of work: :meth:`result` returns its value (or raises its error),
-    :meth:`wait` returns once it no longer runs, whatever its outcome."""
+    """One submitted piece of work: queued on the side stream (``done`` is recorded after
+    it), or deferred (``work`` runs at the first :meth:`result`)."""
 
-    def __init__(self, work: Callable[[], T] | None = None,
-                 future: Future[T] | None = None) -> None:
+    def __init__(self, *, work: Callable[[], T] | None = None, value: T | None = None,
+                 done: torch.cuda.Event | None = None) -> None:
         self._work = work
-        self._future = future
-
-    def result(self) -> T:
-        if self._future is None:
-            assert self._work is not None
-            future: Future[T] = Future()
-            try:
-                future.set_result(self._work())
-            except Exception as exc:  # noqa: BLE001 - kept, raised by this and every later call
-                future.set_exception(exc)
-            self._future, self._work = future, None
-        return self._future.result()
+        self._value = value
+        self._done = done
 
     def wait(self) -> None:
-        if self._future is not None:
-            wait_for([self._future])
+        """Make the caller's current stream wait for the work (queued: the host goes on).
+        Deferred work does not run."""
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+            self._done = None
+
+    def result(self) -> T:
+        """The work's value, after :meth:`wait`; deferred work runs now (until it has
+        returned once: a call after it raised runs it again)."""
+        self.wait()
+        if self._work is not None:
+            self._value = self._work()
+            self._work = None
+        return self._value  # type: ignore[return-value]
 
 
 class SideLane:
-    """Runs work beside the caller's: on CUDA, one thread with a stream of its own (created
-    on first use and kept for every later submission); elsewhere, deferred to
-    :meth:`SideRun.result` on the caller's thread."""
+    """Queues work on a CUDA stream of its own (created on first use and kept), or defers it
+    where the device is not CUDA."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.concurrent = device.type == "cuda"
-        self._pool: ThreadPoolExecutor | None = None
         self._stream: torch.cuda.Stream | None = None
 
     def submit(self, work: Callable[[], T]) -> SideRun[T]:
-        if not self.concurrent:
+        if self.device.type != "cuda":
             return SideRun(work=work)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="side-lane")
+        if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        stream = self._stream
-        assert stream is not None
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-
-        def run() -> T:
-            try:
-                with torch.cuda.stream(stream):
-                    return work()
-            finally:
-                # Every read of the caller's tensors has finished once this returns, so the
-                # caller may free or overwrite them after waiting.
-                stream.synchronize()
-
-        return SideRun(future=self._pool.submit(run))
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            value = work()
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return SideRun(value=value, done=done)
