@@ -9,7 +9,8 @@ state, every propose (by backend, path and whether it replays graphs: the fp32 r
 is the ``reference`` row of a backend other than ``reference``), the step recorder's
 read-backs, every comparison, the KV cache's snapshots, restores and noise. Each timed call
 runs between two device synchronisations: ``host`` is the time until it returns, ``wait``
-the time the device then still needed. Phases nest (``run_example`` holds the rest of an
+the time the device then still needed. The fp32 reference is queued (``launch``), its tokens
+read back later. Phases nest (``run_example`` holds the rest of an
 example), so the rows do not add up.
 
 The synchronisations change what they measure: a synchronisation waits for every stream,
@@ -99,7 +100,11 @@ def instrument(timer: PhaseTimer) -> None:
         graphs = "graphs" if use_graphs and spec.graphs is not None else "eager"
         return f"propose {spec.groups[0].backend_name} {getattr(path, 'value', path)} {graphs}"
 
+    def launch_label(spec: AutoregressiveSpeculator, _batch: Any, path: Any = "auto") -> str:
+        return f"launch {spec.groups[0].backend_name} {getattr(path, 'value', path)}"
+
     timer.wrap(AutoregressiveSpeculator, "propose", propose_label)
+    timer.wrap(AutoregressiveSpeculator, "launch", launch_label)
 
 
 def main(argv: list[str] | None = None) -> int:

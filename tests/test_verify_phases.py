@@ -22,6 +22,6 @@ def test_the_phase_table_times_every_example_and_the_fp32_reference(tmp_path: Pa
     assert result["status"] == "passed" and result["examples"] == 2
     phases = result["phases"]
     assert phases["run_example"]["calls"] == 2
-    assert phases["propose reference per_step eager"]["calls"] == 2  # the fp32 reference
+    assert phases["launch reference per_step"]["calls"] == 2  # the fp32 reference
     assert phases["propose triton_attn per_step eager"]["calls"] >= 2  # the oracle
     assert "phase" in proc.stdout and "run_example" in proc.stdout
