@@ -34,16 +34,18 @@ class SideRun(Generic[T]):
     it), or deferred (``work`` runs at the first :meth:`result`)."""
 
     def __init__(self, *, work: Callable[[], T] | None = None, value: T | None = None,
-                 done: torch.cuda.Event | None = None) -> None:
+                 done: torch.cuda.Event | None = None, device: torch.device | None = None
+                 ) -> None:
         self._work = work
         self._value = value
         self._done = done
+        self._device = device
 
     def wait(self) -> None:
         """Make the caller's current stream wait for the work (queued: the host goes on).
         Deferred work does not run."""
         if self._done is not None:
-            torch.cuda.current_stream().wait_event(self._done)
+            torch.cuda.current_stream(self._device).wait_event(self._done)
             self._done = None
 
     def result(self) -> T:
@@ -74,4 +76,4 @@ class SideLane:
             value = work()
             done = torch.cuda.Event()
             done.record(self._stream)
-        return SideRun(value=value, done=done)
+        return SideRun(value=value, done=done, device=self.device)
