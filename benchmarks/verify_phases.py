@@ -90,9 +90,11 @@ def instrument(timer: PhaseTimer) -> None:
     for name in ("kv_untouched", "kv_matches", "compare_drafts", "compare_steps",
                  "expected_slots", "derived_step_changes", "first_divergence"):
         timer.wrap(engine, name)
+    def cache_label(name: str) -> Callable[..., str]:
+        return lambda cache, *_, **__: f"kv cache {name} ({cache.layers[0][0].dtype})"
+
     for name in ("snapshot", "restore", "fill_random_"):
-        timer.wrap(PagedKVCache, name,
-                   lambda cache, *_, _name=name, **__: f"kv cache {_name} ({cache.layers[0][0].dtype})")
+        timer.wrap(PagedKVCache, name, cache_label(name))
     timer.wrap(StepMetadataRecorder, "collect", lambda *_: "step recorder collect")
 
     def propose_label(spec: AutoregressiveSpeculator, _batch: Any, path: Any = "auto",

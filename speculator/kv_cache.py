@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from speccheck.contract.builder import AttentionLayerSpec
+from speccheck.contract.host_copy import int64_on
 from speccheck.speculator.model_kernels import use_kernels
 
 SINK_BLOCK = 0
@@ -80,10 +81,7 @@ class PagedKVCache:
                 k.copy_(ks)
                 v.copy_(vs)
             return
-        device = self.layers[0][0].device
-        # from page-locked memory: queued, where a pageable copy would wait for the stream
-        index = torch.tensor(sorted(set(blocks)), dtype=torch.int64,
-                             pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        index = int64_on(sorted(set(blocks)), self.layers[0][0].device)
         for pair, saved in zip(self.layers, snapshot, strict=True):
             for tensor, source in zip(pair, saved, strict=True):
                 tensor.index_copy_(0, index, source.index_select(0, index).to(tensor.dtype))

@@ -22,6 +22,7 @@ import torch
 from speccheck.backends.batch_layout import token_request_index
 from speccheck.backends.dcp import dcp_local_lengths
 from speccheck.contract.builder import blocks_for
+from speccheck.contract.host_copy import int64_on
 
 GATHER_BYTES = 256 * 2**20
 """Upper bound on the fp32 keys (and as much again for values) gathered at once: tokens are
@@ -143,7 +144,7 @@ def _by_length(
     out = torch.zeros(num_tokens, num_heads, value_cache.shape[-1], device=query.device)
     in_order = [r for requests in groups for r in requests]
     sizes = [len(requests) for requests in groups]
-    indices = _device_indices(in_order + [offsets[r] for r in in_order], query.device)
+    indices = int64_on(in_order + [offsets[r] for r in in_order], query.device)
     index_parts, token_parts = (part.split(sizes) for part in indices.split(len(in_order)))
     for requests, index, tokens in zip(groups, index_parts, token_parts, strict=True):
         starts = torch.arange(len(requests) + 1, device=query.device, dtype=torch.int32)
@@ -155,14 +156,6 @@ def _by_length(
                                     rank=0, world=1, with_lse=False, kv_blocks=columns)
         out[tokens] = part
     return out.to(query.dtype)
-
-
-def _device_indices(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device``, copied from page-locked memory: the
-    copy is queued and the host goes on (from pageable memory it would first wait for every
-    earlier launch). PyTorch's host allocator keeps the pinned block until the copy ran."""
-    host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 def paged_attention_reference_partial(

@@ -53,13 +53,13 @@ class ReferenceMetadata:
     ``seq_lens`` itself (the same tensor)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class HostLengthsMetadata(ReferenceMetadata):
     """:class:`ReferenceMetadata` with each request's query offsets and sequence length on
     the host, as the build saw them: exact for the call it was built for, never refreshed."""
 
-    host_query_start_loc: list[int] | None = None
-    host_seq_lens: list[int] | None = None
+    host_query_start_loc: list[int]
+    host_seq_lens: list[int]
 
 
 class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
@@ -102,8 +102,6 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
         if self.dcp is None:
             host = None
             if isinstance(metadata, HostLengthsMetadata):
-                assert metadata.host_query_start_loc is not None
-                assert metadata.host_seq_lens is not None
                 host = (metadata.host_query_start_loc, metadata.host_seq_lens)
             output[:n] = paged_attention_reference(
                 query[:n],

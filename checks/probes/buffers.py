@@ -73,7 +73,8 @@ class GuardedBuffer:
     :meth:`violations` compares the bands bytewise with their initial contents, so a write is
     caught unless it stores the very sentinel bit pattern.
 
-    Contract: ``guard >= 1``; the bands are never handed out; ``violations()`` and
+    Contract: ``guard >= 1``; the bands are never handed to the code under test (only to a
+    :class:`GuardedBufferSet`, through :attr:`bands`); ``violations()`` and
     ``findings()`` synchronise (verifier-side only) and may be called any number of times.
     """
 
@@ -110,13 +111,6 @@ class GuardedBuffer:
         guarded = cls(t.shape, t.dtype, t.device, name=name, guard=guard)
         guarded.tensor.copy_(t)
         return guarded
-
-    def rearm(self) -> None:
-        """Restore both bands to their initial contents, so that :meth:`violations` reports
-        only writes made after this call (the verifier rearms before every example: a
-        failure then belongs to the example that caused it)."""
-        for band, initial in zip(self._bands, self._initial, strict=True):
-            band.view(torch.uint8).copy_(initial)
 
     @property
     def bands(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
@@ -174,7 +168,9 @@ class GuardedBufferSet:
         self.buffers.append(buffer)
 
     def rearm(self) -> None:
-        """:meth:`GuardedBuffer.rearm` of every buffer."""
+        """Restore every band to its initial contents, so that :meth:`violations` reports
+        only writes made after this call (the verifier rearms before every example: a
+        failure then belongs to the example that caused it)."""
         for plan in self._current_plans():
             torch._foreach_copy_(plan.live, plan.initials)
 

@@ -3,10 +3,11 @@ the ``--reproduce`` blobs that failure reports print.
 
 A blob is URL-safe base64 of zlib-compressed JSON. Blobs arrive on command lines, inline or
 as ``@FILE`` (:func:`read_reproduce`: the form a report prints for a blob too long for one
-argument, :func:`reproduce_command`), so decoding treats them as untrusted: :func:`decode_example` either returns an example that
-satisfies every invariant of :class:`DraftBatch` that does not depend on the runtime
-configuration, or raises ``ValueError`` with one line starting ``--reproduce:``; never
-another exception, and within bounded time and memory. The bounds: at most
+argument, :func:`reproduce_command`), so decoding treats them as untrusted:
+:func:`decode_example` either returns an example that satisfies every invariant of
+:class:`DraftBatch` that does not depend on the runtime configuration, or raises
+``ValueError`` with one line starting ``--reproduce:``; never another exception, and within
+bounded time and memory. The bounds: at most
 :data:`MAX_BLOB_CHARS` characters of blob and :data:`MAX_JSON_BYTES` bytes once inflated;
 strict JSON types (an integer is a JSON integer, never a float, a string or ``true``; a list
 is a JSON array, never a string); the value ranges and list lengths of :class:`ExampleData`;
