@@ -12,7 +12,11 @@ e.g. ``git worktree add --detach /tmp/base BASE``), the runs alternate between t
 checkouts, each imported as ``speccheck`` from its own folder, so that the load of a shared
 machine falls on both alike. Prints every run, the median examples per second of each
 checkout and their ratio, and whether the two drew the same examples and tallied the same
-check outcomes (hashes of the examples in drawing order and of the per-check tallies).
+check outcomes (hashes of the examples in drawing order and of the per-check tallies), and
+each run's workload (requests, new tokens, draft steps, context tokens of the examples
+drawn). Two commits may draw different examples at one seed even where nothing in the
+search changed: hypothesis mixes the integer literals of the modules it finds loaded into
+its integer draws.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
 interpret_triton_without_cuda()
 from speccheck.checks.api import plan_verification
+from speccheck.checks.verify.examples import decode_example
 from speccheck.checks.verify.runner import worker_request
 from speccheck.checks.verify.worker import verify_backend
 
@@ -47,10 +52,16 @@ report = verify_backend(request, progress)
 cpu = time.process_time() - cpu
 tallies = json.dumps(report.to_json()["checks"], sort_keys=True) + report.status.value
 drawn = [json.loads(line)["example"] for line in progress.read_text().splitlines()]
+batches = [decode_example(blob) for blob in drawn]
+workload = {"requests": sum(b.num_reqs for _, b in batches),
+            "new_tokens": sum(len(t) for _, b in batches for t in b.new_tokens),
+            "draft_steps": sum(k * b.num_reqs for k, b in batches),
+            "context_tokens": sum(sum(b.context_lens) for _, b in batches)}
 print(json.dumps({"status": report.status.value, "examples": report.examples,
                   "seconds": report.seconds, "cpu_seconds": cpu,
                   "drawn": hashlib.sha1(json.dumps(drawn).encode()).hexdigest()[:12],
-                  "tallies": hashlib.sha1(tallies.encode()).hexdigest()[:12]}))
+                  "tallies": hashlib.sha1(tallies.encode()).hexdigest()[:12],
+                  "workload": workload}))
 """
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{run['seconds']:7.2f} s {run['examples_per_second']:7.2f} ex/s "
                   f"(cpu {run['cpu_seconds']:6.2f} s) drawn {run['drawn']} "
                   f"tallies {run['tallies']}", flush=True)
+            work = run["workload"]
+            print(f"  workload: {work['requests']} requests, {work['new_tokens']} new tokens, "
+                  f"{work['draft_steps']} draft steps (K x requests), "
+                  f"{work['context_tokens']} context tokens", flush=True)
     medians = {label: statistics.median(r["examples_per_second"] for r in rs)
                for label, rs in runs.items()}
     for label, value in medians.items():

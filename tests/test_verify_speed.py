@@ -1,0 +1,35 @@
+"""benchmarks/verify_speed.py times verify workers of two checkouts side by side: run on the
+CPU tier against a copy of this checkout, in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_both_checkouts_report_their_time_draws_and_workload(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(ROOT, other, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "out", "docs", "tests", "*.egg-info", "__pycache__"))
+    out = tmp_path / "speed.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "verify_speed.py"), "--examples", "3",
+         "--rounds", "1", "--against", str(other), "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    (this,), (against,) = runs["this"], runs["against"]
+    for run in (this, against):
+        assert run["status"] == "passed" and run["examples"] == 3
+        workload = run["workload"]
+        assert workload["requests"] >= 3 and workload["draft_steps"] >= workload["requests"]
+        assert workload["new_tokens"] >= workload["requests"]
+    # one tree, one seed: the same examples, the same tallies, the same workload
+    assert this["drawn"] == against["drawn"] and this["workload"] == against["workload"]
+    assert "same examples drawn: True; same check tallies: True" in proc.stdout
+    assert proc.stdout.count("workload:") == 2
