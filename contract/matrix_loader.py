@@ -24,9 +24,7 @@ import difflib
 import importlib.resources
 import json
 import logging
-import os
 import re
-import stat
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from speccheck.contract.bounded_read import UnreadableFile, printable_path, read_regular_file
 from speccheck.contract.matrix_model import CONSISTENCY_ERROR_TYPE, Matrix
 from speccheck.contract.yaml_positions import (
     LoadedYaml,
@@ -167,40 +166,16 @@ def merge_matrices(parts: Sequence[LocatedMatrix]) -> Matrix:
     return Matrix(version=1, backends=tuple(e for part in parts for e in part.matrix.backends))
 
 
-def printable_path(path: str | Path) -> str:
-    """``path`` as messages show it: as given, but with everything escaped (``ascii``) when
-    any character is unprintable (a newline, an undecodable byte), so a message stays one
-    printable line."""
-    text = str(path)
-    return text if text.isprintable() else ascii(text)[1:-1]
-
-
 def _read_regular_file(path: Path, label: str) -> bytes:
-    """The bytes of ``path``, refusing anything but a regular file of at most
-    :data:`MAX_MATRIX_BYTES` before reading (a FIFO is opened without blocking) and never
-    reading more than one byte past the limit (a file that grows meanwhile)."""
+    """The bytes of ``path``: a regular file of at most :data:`MAX_MATRIX_BYTES`
+    (:func:`~speccheck.contract.bounded_read.read_regular_file`)."""
     try:
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(descriptor, "rb") as stream:
-            info = os.fstat(stream.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise MatrixError([_file_problem(label, f"it is {_file_kind(info.st_mode)}, "
-                                                        "not a regular file")])
-            if info.st_size > MAX_MATRIX_BYTES:
-                raise MatrixError([_too_large(label)])
-            raw = stream.read(MAX_MATRIX_BYTES + 1)
-    except OSError as exc:
-        raise MatrixError([_file_problem(label, exc.strerror or str(exc))]) from None
+        raw = read_regular_file(path, MAX_MATRIX_BYTES)
+    except UnreadableFile as exc:
+        raise MatrixError([_file_problem(label, str(exc))]) from None
     if len(raw) > MAX_MATRIX_BYTES:
         raise MatrixError([_too_large(label)])
     return raw
-
-
-def _file_kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-             (stat.S_ISSOCK, "a socket"))
-    return next((word for test, word in kinds if test(mode)), "a special file")
 
 
 def _file_problem(label: str, reason: str) -> MatrixProblem:

@@ -473,14 +473,18 @@ def test_a_blob_too_long_for_one_argument_goes_to_a_file_that_reproduce_reads(
 
 
 def test_a_reproduce_file_that_cannot_be_a_blob_is_one_line_naming_it(tmp_path: Path) -> None:
-    binary, huge = tmp_path / "binary.blob", tmp_path / "huge.blob"
+    binary, huge, fifo = tmp_path / "binary.blob", tmp_path / "huge.blob", tmp_path / "fifo"
     binary.write_bytes(b"\xff\xfe" * 10)
+    os.mkfifo(fifo)  # opened for reading, it would wait for a writer
     with huge.open("w") as handle:  # far more than a blob may be: the read stops early
         handle.truncate(64 << 20)
     cases = [
         (f"@{tmp_path}/missing.blob",
          f"--reproduce: cannot read {tmp_path}/missing.blob: No such file or directory"),
         (f"@{tmp_path}", f"--reproduce: cannot read {tmp_path}: Is a directory"),
+        (f"@{fifo}", f"--reproduce: cannot read {fifo}: it is a FIFO, not a regular file"),
+        ("@", "--reproduce: @ names no file (give @FILE)"),
+        ("@/dev/zero", "--reproduce: cannot read /dev/zero: it is a character device"),
         (f"@{binary}", f"--reproduce: {binary} is not an example blob (not ASCII text)"),
         (f"@{huge}", f"--reproduce: {huge} holds more than {MAX_BLOB_CHARS} characters"),
     ]

@@ -8,7 +8,7 @@ import os
 import stat
 from pathlib import Path
 
-from speccheck.contract.matrix_loader import printable_path
+from speccheck.contract.bounded_read import printable_path
 
 
 def output_path_problem(path: Path, *, create_parents: bool = False) -> str | None:

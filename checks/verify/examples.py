@@ -29,6 +29,7 @@ from typing import Annotated, Any, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from speccheck.contract.bounded_read import UnreadableFile, printable_path, read_regular_file
 from speccheck.speculator.batch import DraftBatch
 
 Example = tuple[int, DraftBatch]
@@ -148,25 +149,27 @@ def reproduce_blob(command: str) -> str:
 def read_reproduce(argument: str) -> str:
     """The blob of a ``--reproduce`` argument: the argument itself, or for ``@FILE`` what
     the file holds (surrounding whitespace dropped), read no further than a blob may be
-    long. Raises ``ValueError`` with one line naming the file when it cannot be read, holds
+    long (a regular file only: a FIFO or a device is refused, never waited on). Raises
+    ``ValueError`` with one line naming the file when it cannot be read, holds
     more than :data:`MAX_BLOB_CHARS` characters or is not ASCII; whether the text is a blob
     is :func:`decode_example`'s to say."""
     if not argument.startswith(REPRODUCE_FILE):
         return argument
     path = argument[len(REPRODUCE_FILE):]
+    if not path:
+        raise ValueError(f"--reproduce: {REPRODUCE_FILE} names no file (give {REPRODUCE_FILE}FILE)")
+    shown = printable_path(path)
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_BLOB_CHARS + 2)  # a blob and its newline, and one more
-    except OSError as exc:
-        raise ValueError(f"--reproduce: cannot read {path}: {exc.strerror or exc}") from None
-    try:
-        text = raw.decode("ascii").strip()
-    except UnicodeDecodeError:
-        raise ValueError(f"--reproduce: {path} is not an example blob (not ASCII text)") from None
+        raw = read_regular_file(path, MAX_BLOB_CHARS + 1)  # a blob and its newline
+    except UnreadableFile as exc:
+        raise ValueError(f"--reproduce: cannot read {shown}: {exc}") from None
     if len(raw) > MAX_BLOB_CHARS + 1:
-        raise ValueError(f"--reproduce: {path} holds more than {MAX_BLOB_CHARS} characters, "
+        raise ValueError(f"--reproduce: {shown} holds more than {MAX_BLOB_CHARS} characters, "
                          "more than any example blob")
-    return text
+    try:
+        return raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"--reproduce: {shown} is not an example blob (not ASCII text)") from None
 
 
 def example_json(example: Example) -> dict[str, Any]:
