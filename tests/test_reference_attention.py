@@ -120,6 +120,28 @@ def test_decode_grouped_by_length_equals_one_padded_pass(data, window, causal):
                                   seeds=(5, 13))
 
 
+@settings(max_examples=25)
+@given(data=st.data(), causal=st.booleans(), per_chunk=st.integers(1, 3))
+def test_first_pass_grouped_and_chunked_equals_one_padded_pass(data, causal, per_chunk):
+    """An eager first pass (several tokens per request) of very different lengths is
+    attended group by group, each group's requests at once in chunks whose gathered keys
+    fit the gather budget (cut here to a few requests of eight blocks): the same as the
+    fixed-shape pass over the whole row, with zeros for padding tokens, requests without a
+    token and empty requests."""
+    import speccheck.backends.reference.attention as attention
+
+    seq_lens = [data.draw(st.sampled_from([0, 2, 3, 7, 16, 33, 80])) for _ in range(6)]
+    query_lens = [data.draw(st.integers(0, min(s, 5))) for s in seq_lens]
+    query_lens[0] = max(query_lens[0], min(seq_lens[0], 2))  # several tokens: a first pass
+    budget = attention.GATHER_BYTES
+    attention.GATHER_BYTES = per_chunk * 8 * 2 * 2 * 8 * 4  # blocks of 2, 2 KV heads of 8
+    try:
+        _assert_eager_equals_captured(seq_lens, query_lens, 2, 40, causal, 0, padding=2,
+                                      seeds=(7, 17))
+    finally:
+        attention.GATHER_BYTES = budget
+
+
 def test_decode_lengths_fall_into_power_of_two_block_groups():
     from speccheck.backends.reference.attention import _length_groups
 

@@ -6,7 +6,9 @@ instead of value-dependent slicing, the whole row, tokens in chunks that bound m
 the graph replays with any lengths. Eager calls read the lengths on the host instead: decode
 steps gather, per group of requests of similar length (powers of two in blocks), only as
 many columns as the group's longest needs, and passes with several tokens per request
-(prefills) gather each request's positions once, not once per token.
+(prefills) gather each request's positions once, not once per token: per group of such
+requests at once, or, under a sliding window, request by request from where the window
+starts.
 A decode-context-parallel rank's partial attention (its interleaved share of the cache, with
 the log-sum-exp that :func:`~speccheck.backends.dcp.merge_partials` needs) always takes the
 fixed-shape path, the whole cache being its one-rank case.
@@ -25,8 +27,8 @@ from speccheck.contract.builder import blocks_for
 from speccheck.contract.host_copy import int64_on
 
 GATHER_BYTES = 256 * 2**20
-"""Upper bound on the fp32 keys (and as much again for values) gathered at once: tokens are
-processed in chunks of rows whose gathered cache rows fit it, so memory stays bounded at
+"""Upper bound on the fp32 keys (and as much again for values) gathered at once: tokens (or
+requests) are processed in chunks whose gathered cache rows fit it, so memory stays bounded at
 serving-scale batches and ``max_model_len``."""
 
 
@@ -95,6 +97,9 @@ def paged_attention_reference(
             host = joined[: len(query_start_loc)], joined[len(query_start_loc):]
         offsets, lengths = list(host[0]), list(host[1])
         if max(b - a for a, b in itertools.pairwise(offsets)) > 1:
+            if window == 0:
+                return _ragged_by_length(query, key_cache, value_cache, offsets, lengths,
+                                         seq_lens, block_table, scale, causal)
             return _per_request(query, key_cache, value_cache, offsets, lengths,
                                 block_table, scale, causal, window)
         groups = _length_groups(offsets, lengths, key_cache.shape[1])
@@ -156,6 +161,88 @@ def _by_length(
                                     rank=0, world=1, with_lse=False, kv_blocks=columns)
         out[tokens] = part
     return out.to(query.dtype)
+
+
+def _ragged_by_length(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    offsets: list[int],
+    host_seq_lens: list[int],
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """:func:`paged_attention_reference` of an eager call whose requests bring several
+    tokens (a first pass), without a window: the requests of each :func:`_length_groups`
+    group at once, their tokens padded to the group's most and their positions to the
+    columns its longest request needs, in chunks of requests whose gathered keys fit
+    :data:`GATHER_BYTES`. As in :func:`_per_request`, each request's positions are gathered
+    once for all its tokens, but a group costs the host one pass of launches instead of one
+    per request (at serving scale, 64 requests per layer). Lengths and positions come from
+    ``seq_lens`` on the device; ``host_seq_lens`` only sizes the work. Every index goes to
+    the device in one copy from page-locked memory, so nothing waits for the device. Tokens
+    of no request stay zero."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    value_size = value_cache.shape[-1]
+    chunks: list[tuple[int, int, int]] = []  # (requests, padded width, columns)
+    requests_in_order: list[int] = []
+    query_lens: list[int] = []
+    grid: list[int] = []  # each chunk's [requests, width] token indices (padding: the first)
+    real_cells: list[int] = []  # positions in the grids (one after another) of real tokens
+    real_tokens: list[int] = []  # the token each of those is
+    for requests in _length_groups(offsets, host_seq_lens, block_size):
+        columns = _columns_for(max(host_seq_lens[r] for r in requests), block_table, block_size)
+        per_chunk = max(1, GATHER_BYTES // (columns * block_size * num_kv_heads * head_size * 4))
+        for i in range(0, len(requests), per_chunk):
+            chunk = requests[i: i + per_chunk]
+            width = max(offsets[r + 1] - offsets[r] for r in chunk)
+            for r in chunk:
+                q_len = offsets[r + 1] - offsets[r]
+                real_cells.extend(range(len(grid), len(grid) + q_len))
+                grid.extend(offsets[r] + min(j, q_len - 1) for j in range(width))
+                real_tokens.extend(range(offsets[r], offsets[r + 1]))
+            requests_in_order.extend(chunk)
+            query_lens.extend(offsets[r + 1] - offsets[r] for r in chunk)
+            chunks.append((len(chunk), width, columns))
+    out = torch.zeros(num_tokens, num_kv_heads, group, value_size, device=query.device)
+    if not chunks:
+        return out.view(num_tokens, num_heads, value_size).to(query.dtype)
+    sizes = [len(requests_in_order), len(query_lens), len(grid), len(real_cells),
+             len(real_tokens)]
+    request_index, query_len, grid_index, cells, real = int64_on(
+        requests_in_order + query_lens + grid + real_cells + real_tokens,
+        query.device).split(sizes)
+    request_parts = request_index.split([n for n, _, _ in chunks])
+    query_len_parts = query_len.split([n for n, _, _ in chunks])
+    grid_parts = grid_index.split([n * w for n, w, _ in chunks])
+    results = []
+    for (n, width, columns), req, q_len, tokens in zip(
+            chunks, request_parts, query_len_parts, grid_parts, strict=True):
+        lengths = seq_lens[req].long()
+        j = torch.arange(width, device=query.device)
+        kv_pos = torch.arange(columns * block_size, device=query.device)
+        visible = (kv_pos[None, None, :] < lengths[:, None, None]) & (
+            j[None, :, None] < q_len[:, None, None])
+        if causal:
+            abs_pos = lengths[:, None] - q_len[:, None] + j[None, :]
+            visible = visible & (kv_pos[None, None, :] <= abs_pos[:, :, None])
+        tables = block_table[req, :columns].long()
+        k = key_cache[tables].flatten(1, 2).float()  # [n, L, KVH, D]
+        v = value_cache[tables].flatten(1, 2).float()
+        q = query[tokens].float().reshape(n, width, num_kv_heads, group, head_size)
+        scores = torch.einsum("nwkgd,nlkd->nwkgl", q, k) * scale
+        seen = visible[:, :, None, None, :]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        probs = torch.where(seen.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1),
+                            torch.zeros_like(scores))
+        results.append(torch.einsum("nwkgl,nlkd->nwkgd", probs, v).reshape(
+            n * width, num_kv_heads, group, value_size))
+    out[real] = torch.cat(results)[cells]
+    return out.view(num_tokens, num_heads, value_size).to(query.dtype)
 
 
 def paged_attention_reference_partial(
@@ -288,9 +375,10 @@ def _per_request(
     causal: bool,
     window: int,
 ) -> torch.Tensor:
-    """:func:`paged_attention_reference` of an eager call, one request at a time from host
-    ``offsets`` (query start locations) and ``seq_lens``: each request's visible positions
-    are gathered once for all its tokens (from the first its window reaches). Same
+    """:func:`paged_attention_reference` of an eager call under a sliding window, one
+    request at a time from host ``offsets`` (query start locations) and ``seq_lens``: each
+    request's visible positions are gathered once for all its tokens, from the first its
+    window reaches (:func:`_ragged_by_length` serves calls without a window). Same
     semantics, padding tokens and empty requests included (zeros)."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
