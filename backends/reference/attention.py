@@ -3,12 +3,12 @@
 Slow and obviously right: every token gathers its request's block-table row and masks what
 it must not see. While a CUDA graph is being captured only fixed shapes are used (masks
 instead of value-dependent slicing, the whole row, tokens in chunks that bound memory), so
-the graph replays with any lengths. Eager calls read the lengths on the host instead: decode
-steps gather, per group of requests of similar length (powers of two in blocks), only as
-many columns as the group's longest needs, and passes with several tokens per request
-(prefills) gather each request's positions once, not once per token: per group of such
-requests at once, or, under a sliding window, request by request from where the window
-starts.
+the graph replays with any lengths. Eager calls take the lengths on the host instead and
+attend per group of requests of similar length (powers of two in blocks), each group at
+once and gathering only as many columns as its longest request needs; each request's
+positions are gathered once for all its tokens, not once per token. A pass with several
+tokens per request under a sliding window goes request by request, each gathered from
+where its window starts.
 A decode-context-parallel rank's partial attention (its interleaved share of the cache, with
 the log-sum-exp that :func:`~speccheck.backends.dcp.merge_partials` needs) always takes the
 fixed-shape path, the whole cache being its one-rank case.
@@ -89,27 +89,20 @@ def paged_attention_reference(
     them (an eager build's): then nothing is read back from the device and the call never
     waits for it. They must equal the device tensors; they are not read while capturing.
     """
-    kv_blocks = None
     if query.shape[0] and seq_lens.shape[0] and not capturing():
         if host is None:
             # One read-back for both: each is a wait for every launch before it.
             joined = torch.cat((query_start_loc.long(), seq_lens.long())).tolist()
             host = joined[: len(query_start_loc)], joined[len(query_start_loc):]
         offsets, lengths = list(host[0]), list(host[1])
-        if max(b - a for a, b in itertools.pairwise(offsets)) > 1:
-            if window == 0:
-                return _ragged_by_length(query, key_cache, value_cache, offsets, lengths,
-                                         seq_lens, block_table, scale, causal)
+        if window > 0 and max(b - a for a, b in itertools.pairwise(offsets)) > 1:
             return _per_request(query, key_cache, value_cache, offsets, lengths,
                                 block_table, scale, causal, window)
-        groups = _length_groups(offsets, lengths, key_cache.shape[1])
-        if len(groups) > 1:
-            return _by_length(query, key_cache, value_cache, offsets, groups, lengths,
-                              seq_lens, block_table, scale, causal, window)
-        kv_blocks = _columns_for(max(lengths), block_table, key_cache.shape[1])
+        return _by_length(query, key_cache, value_cache, offsets, lengths, seq_lens,
+                          block_table, scale, causal, window)
     out, _ = _masked_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                                seq_lens, block_table, scale, causal, window, rank=0, world=1,
-                               with_lse=False, kv_blocks=kv_blocks)
+                               with_lse=False)
     return out.to(query.dtype)
 
 
@@ -128,7 +121,6 @@ def _by_length(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     offsets: list[int],
-    groups: list[list[int]],
     host_seq_lens: list[int],
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
@@ -136,54 +128,17 @@ def _by_length(
     causal: bool,
     window: int,
 ) -> torch.Tensor:
-    """:func:`paged_attention_reference` of an eager decode batch whose lengths differ:
-    the masked path once per group of :func:`_length_groups`, each gathering only as many
-    columns as its own longest request needs (one pass padded to the batch's longest would
-    gather that many for every token: at serving lengths, gigabytes per step). Tokens of
-    no group (padding, requests without a length) stay zero, as in one pass.
-
-    The groups' request and token indices go to the device in one copy from page-locked
-    memory and each group's column count comes from ``host_seq_lens``, so the groups are
-    queued without waiting for the device."""
-    num_tokens, num_heads = query.shape[:2]
-    out = torch.zeros(num_tokens, num_heads, value_cache.shape[-1], device=query.device)
-    in_order = [r for requests in groups for r in requests]
-    sizes = [len(requests) for requests in groups]
-    indices = int64_on(in_order + [offsets[r] for r in in_order], query.device)
-    index_parts, token_parts = (part.split(sizes) for part in indices.split(len(in_order)))
-    for requests, index, tokens in zip(groups, index_parts, token_parts, strict=True):
-        starts = torch.arange(len(requests) + 1, device=query.device, dtype=torch.int32)
-        lengths = seq_lens[index]
-        columns = _columns_for(max(host_seq_lens[r] for r in requests), block_table,
-                               key_cache.shape[1])
-        part, _ = _masked_attention(query[tokens], key_cache, value_cache, starts, lengths,
-                                    lengths, block_table[index], scale, causal, window,
-                                    rank=0, world=1, with_lse=False, kv_blocks=columns)
-        out[tokens] = part
-    return out.to(query.dtype)
-
-
-def _ragged_by_length(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    offsets: list[int],
-    host_seq_lens: list[int],
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    scale: float,
-    causal: bool,
-) -> torch.Tensor:
-    """:func:`paged_attention_reference` of an eager call whose requests bring several
-    tokens (a first pass), without a window: the requests of each :func:`_length_groups`
-    group at once, their tokens padded to the group's most and their positions to the
-    columns its longest request needs, in chunks of requests whose gathered keys fit
-    :data:`GATHER_BYTES`. As in :func:`_per_request`, each request's positions are gathered
-    once for all its tokens, but a group costs the host one pass of launches instead of one
-    per request (at serving scale, 64 requests per layer). Lengths and positions come from
-    ``seq_lens`` on the device; ``host_seq_lens`` only sizes the work. Every index goes to
-    the device in one copy from page-locked memory, so nothing waits for the device. Tokens
-    of no request stay zero."""
+    """:func:`paged_attention_reference` of an eager call (a decode step, or a first pass
+    without a window): the requests of each :func:`_length_groups` group at once, their
+    tokens padded to the group's most and their positions to the columns its longest
+    request needs, in chunks of requests whose gathered keys fit :data:`GATHER_BYTES`.
+    Grouping bounds the gather: one pass padded to the batch's longest would gather that
+    many columns for every request (at serving lengths, gigabytes per step). Each request's
+    positions are gathered once for all its tokens, and a group costs the host one pass of
+    launches, not one per request (at serving scale, 64 requests per layer). Lengths and
+    positions come from ``seq_lens`` on the device; ``host_seq_lens`` only sizes the work.
+    Every index goes to the device in one copy from page-locked memory, so nothing waits
+    for the device. Tokens of no request stay zero."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -227,9 +182,11 @@ def _ragged_by_length(
         kv_pos = torch.arange(columns * block_size, device=query.device)
         visible = (kv_pos[None, None, :] < lengths[:, None, None]) & (
             j[None, :, None] < q_len[:, None, None])
+        abs_pos = lengths[:, None] - q_len[:, None] + j[None, :]
         if causal:
-            abs_pos = lengths[:, None] - q_len[:, None] + j[None, :]
             visible = visible & (kv_pos[None, None, :] <= abs_pos[:, :, None])
+        if window > 0:
+            visible = visible & (kv_pos[None, None, :] > abs_pos[:, :, None] - window)
         tables = block_table[req, :columns].long()
         k = key_cache[tables].flatten(1, 2).float()  # [n, L, KVH, D]
         v = value_cache[tables].flatten(1, 2).float()
@@ -302,7 +259,6 @@ def _masked_attention(
     rank: int,
     world: int,
     with_lse: bool,
-    kv_blocks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fixed-shape path (masks, the whole row while capturing, tokens in chunks) over
     the cache's local positions ``j``, global position ``j * world + rank``: visible are
@@ -310,9 +266,7 @@ def _masked_attention(
     for the token's global position (from the global ``seq_lens``). ``world == 1`` is the
     whole cache. Returns fp32 ``out`` ``[T, H, Dv]`` and, ``with_lse``, ``lse`` ``[T, H]``
     (zeros and ``-inf`` for a token that sees nothing), else ``None`` (the whole-cache
-    attention needs no log-sum-exp, so its hot path does not compute one). ``kv_blocks``:
-    the block-table columns to gather when the caller knows them from host lengths (never
-    while capturing); by default :func:`gathered_blocks`."""
+    attention needs no log-sum-exp, so its hot path does not compute one)."""
     num_tokens, num_heads, head_size = query.shape
     value_size = value_cache.shape[-1]
     num_reqs = seq_lens.shape[0]
@@ -331,9 +285,7 @@ def _masked_attention(
 
     group = num_heads // num_kv_heads
     block_size = key_cache.shape[1]
-    if kv_blocks is None:
-        kv_blocks = gathered_blocks(local_seq_lens, block_table, block_size)
-    kv_len = kv_blocks * block_size
+    kv_len = gathered_blocks(local_seq_lens, block_table, block_size) * block_size
     local_pos = torch.arange(kv_len, device=query.device)
     kv_pos = local_pos * world + rank
     visible = local_pos[None, :] < local_seq_lens.long()[req][:, None]
@@ -378,7 +330,7 @@ def _per_request(
     """:func:`paged_attention_reference` of an eager call under a sliding window, one
     request at a time from host ``offsets`` (query start locations) and ``seq_lens``: each
     request's visible positions are gathered once for all its tokens, from the first its
-    window reaches (:func:`_ragged_by_length` serves calls without a window). Same
+    window reaches (:func:`_by_length` serves every other eager call). Same
     semantics, padding tokens and empty requests included (zeros)."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
