@@ -1,7 +1,7 @@
 """Where one backend's verification spends its time, phase by phase.
 
     python benchmarks/verify_phases.py [--backend triton_attn] [--examples 200] [--seed 0]
-        [--json OUT]
+        [--dtype DTYPE] [--capture-sizes 1,2,...] [--max-new-tokens N] [--aten] [--json OUT]
 
 Runs what a ``speccheck verify`` worker runs for the backend at the tier's defaults
 (``verify_backend``), in this process, with the engine's phases timed: each example's start
@@ -17,11 +17,18 @@ The synchronisations change what they measure: a synchronisation waits for every
 so the fp32 reference's side lane (``checks/verify/side_lane.py``) cannot overlap anything
 here. The table says where the work is, not how long a run takes: for that, time the worker
 alone (``benchmarks/verify_speed.py``) or the whole command (``benchmarks/verify_command.py``).
+
+``--aten`` also counts the aten operator calls of each phase (a ``TorchDispatchMode``):
+a measure of the host work of eager PyTorch that the CPU gives as well as a GPU, since the
+count does not depend on the device. ``--capture-sizes`` and ``--max-new-tokens`` set the
+batch scale (on the CPU, ``1,2,4,8,16,32,64`` and ``16`` are the GPU tier's), ``--dtype``
+the drafter's (the reference backend in ``bfloat16`` gets an fp32 reference).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -31,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 
 @dataclass
 class Phase:
@@ -39,13 +48,30 @@ class Phase:
     calls: int = 0
     host: float = 0.0
     wait: float = 0.0
+    aten: int = 0
+    """aten operator calls (counted with ``--aten`` only)."""
+
+
+class AtenCounter(TorchDispatchMode):
+    """Counts the aten operator calls made while it is active (an enclosing counter counts
+    them too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
 
 
 class PhaseTimer:
     """Wraps functions so that each call is timed between device synchronisations."""
 
-    def __init__(self, synchronize: Callable[[], None]) -> None:
+    def __init__(self, synchronize: Callable[[], None], count_aten: bool = False) -> None:
         self.synchronize = synchronize
+        self.count_aten = count_aten
         self.phases: dict[str, Phase] = {}
 
     def wrap(self, owner: Any, name: str,
@@ -57,13 +83,16 @@ class PhaseTimer:
         def timed(*args: Any, **kwargs: Any) -> Any:
             phase = self.phases.setdefault(label(*args, **kwargs) if label else name, Phase())
             self.synchronize()
+            counter = AtenCounter() if self.count_aten else contextlib.nullcontext()
             started = time.perf_counter()
             try:
-                return function(*args, **kwargs)
+                with counter:
+                    return function(*args, **kwargs)
             finally:
                 returned = time.perf_counter()
                 self.synchronize()
                 phase.calls += 1
+                phase.aten += counter.calls if isinstance(counter, AtenCounter) else 0
                 phase.host += returned - started
                 phase.wait += time.perf_counter() - returned
 
@@ -71,8 +100,10 @@ class PhaseTimer:
 
     def table(self) -> list[str]:
         rows = sorted(self.phases.items(), key=lambda item: -(item[1].host + item[1].wait))
-        lines = [f"{'phase':56s} {'calls':>6s} {'host s':>8s} {'wait s':>8s} {'sum s':>8s}"]
+        aten = f" {'aten':>9s}" if self.count_aten else ""
+        lines = [f"{'phase':56s} {'calls':>6s} {'host s':>8s} {'wait s':>8s} {'sum s':>8s}{aten}"]
         lines += [f"{label:56s} {p.calls:6d} {p.host:8.2f} {p.wait:8.2f} {p.host + p.wait:8.2f}"
+                  + (f" {p.aten:9d}" if self.count_aten else "")
                   for label, p in rows]
         return lines
 
@@ -114,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="triton_attn")
     parser.add_argument("--examples", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", help="the drafter's dtype (default: the tier's)")
+    parser.add_argument("--capture-sizes", help="comma-separated (default: the tier's)")
+    parser.add_argument("--max-new-tokens", type=int, help="default: the tier's")
+    parser.add_argument("--aten", action="store_true", help="also count aten calls")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -126,9 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     from speccheck.checks.verify.runner import worker_request
     from speccheck.checks.verify.worker import verify_backend
 
-    timer = PhaseTimer(torch.cuda.synchronize if torch.cuda.is_available() else lambda: None)
+    timer = PhaseTimer(torch.cuda.synchronize if torch.cuda.is_available() else lambda: None,
+                       count_aten=args.aten)
     instrument(timer)
-    plan = plan_verification(args.backend, examples=args.examples, seed=args.seed)
+    sizes = [int(n) for n in args.capture_sizes.split(",")] if args.capture_sizes else None
+    plan = plan_verification(args.backend, examples=args.examples, seed=args.seed,
+                             config={"dtype": args.dtype} if args.dtype else None,
+                             capture_sizes=sizes, max_new_tokens=args.max_new_tokens)
     request = worker_request(args.backend, plan.config_for(args.backend), args.examples,
                              args.seed, plan.steps, None, "", plan.matrices.path, plan.scale())
     with tempfile.TemporaryDirectory() as folder:

@@ -11,11 +11,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_phase_table_times_every_example_and_the_fp32_reference(tmp_path: Path) -> None:
+def test_the_phase_table_times_and_counts_every_example_and_the_fp32_reference(tmp_path: Path) -> None:
     out = tmp_path / "phases.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "verify_phases.py"), "--backend",
-         "triton_attn", "--examples", "2", "--json", str(out)],
+         "triton_attn", "--examples", "2", "--aten", "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -24,4 +24,7 @@ def test_the_phase_table_times_every_example_and_the_fp32_reference(tmp_path: Pa
     assert phases["run_example"]["calls"] == 2
     assert phases["launch reference per_step"]["calls"] == 2  # the fp32 reference
     assert phases["propose triton_attn per_step eager"]["calls"] >= 2  # the oracle
-    assert "phase" in proc.stdout and "run_example" in proc.stdout
+    assert "phase" in proc.stdout and "run_example" in proc.stdout and "aten" in proc.stdout
+    # aten calls nest like the phases: an example holds its reference's and its oracle's
+    reference, example = phases["launch reference per_step"], phases["run_example"]
+    assert 0 < reference["aten"] < example["aten"]
