@@ -375,6 +375,17 @@ def test_a_restore_of_some_blocks_converts_them_and_leaves_the_others() -> None:
     assert all(torch.equal(k, ks.float()) for (k, _), (ks, _) in zip(cache.layers, start))
 
 
+def _host_lengths_speculator(k: int) -> AutoregressiveSpeculator:
+    """The reference speculator as the verifier's fp32 reference builds it."""
+    from speccheck.backends.reference.builder import HostLengthsReferenceBuilder
+
+    spec = create_speculator("autoregressive", ["reference"] * 2, _config(k), DRAFTER, DEVICE,
+                             OPTIONS, matrix=MATRIX,
+                             builder_overrides={"reference": HostLengthsReferenceBuilder})
+    assert isinstance(spec, AutoregressiveSpeculator)
+    return spec
+
+
 @settings(max_examples=20, deadline=None)
 @given(data=st.data(), k=st.integers(1, 6))
 def test_the_host_lengths_reference_reads_nothing_back_and_drafts_what_the_reference_does(
@@ -383,14 +394,10 @@ def test_the_host_lengths_reference_reads_nothing_back_and_drafts_what_the_refer
     """The verifier's fp32 reference queues a whole propose without waiting for the device:
     its builder hands the attention each build's host lengths. Its drafts and KV writes are
     the plain reference builder's, prefills and decode groups of several lengths alike."""
-    from speccheck.backends.reference.builder import HostLengthsReferenceBuilder
     from speccheck.checks.probes import HostSyncRecorder
 
     plain = _speculator(k)
-    eager = create_speculator("autoregressive", ["reference"] * 2, _config(k), DRAFTER, DEVICE,
-                              OPTIONS, matrix=MATRIX,
-                              builder_overrides={"reference": HostLengthsReferenceBuilder})
-    assert isinstance(eager, AutoregressiveSpeculator)
+    eager = _host_lengths_speculator(k)
     batch = data.draw(draft_batches(_limits(k)))
     plain.kv_cache.fill_random_(k)
     eager.kv_cache.restore(plain.kv_cache.snapshot())
@@ -414,12 +421,7 @@ def test_the_host_lengths_reference_reads_nothing_back_and_drafts_what_the_refer
 @pytest.mark.cuda
 def test_on_cuda_the_host_lengths_reference_queues_a_propose_without_a_synchronisation() -> None:
     """Under the sync debug mode "error", any read-back of the propose would raise."""
-    from speccheck.backends.reference.builder import HostLengthsReferenceBuilder
-
-    eager = create_speculator("autoregressive", ["reference"] * 2, _config(4), DRAFTER, DEVICE,
-                              OPTIONS, matrix=MATRIX,
-                              builder_overrides={"reference": HostLengthsReferenceBuilder})
-    assert isinstance(eager, AutoregressiveSpeculator)
+    eager = _host_lengths_speculator(4)
     batches = [DraftBatch((5, 9), ((1,), (2, 3)), ((1, 2, 3), (4, 5, 6, 7)), (11, 12)),
                DraftBatch((2, 17, 30), ((1,), (2,), (3,)), ((8, 9), (10, 11, 12, 13, 14, 15),
                           (16, 17, 18, 19, 20, 21, 22, 23, 24)), (1, 2, 3))]

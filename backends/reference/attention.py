@@ -157,11 +157,11 @@ def _by_length(
             width = max(offsets[r + 1] - offsets[r] for r in chunk)
             for r in chunk:
                 q_len = offsets[r + 1] - offsets[r]
+                query_lens.append(q_len)
                 real_cells.extend(range(len(grid), len(grid) + q_len))
                 grid.extend(offsets[r] + min(j, q_len - 1) for j in range(width))
                 real_tokens.extend(range(offsets[r], offsets[r + 1]))
             requests_in_order.extend(chunk)
-            query_lens.extend(offsets[r + 1] - offsets[r] for r in chunk)
             chunks.append((len(chunk), width, columns))
     out = torch.zeros(num_tokens, num_kv_heads, group, value_size, device=query.device)
     if not chunks:
