@@ -10,10 +10,11 @@ from speccheck.checks.verify.comparisons import (
     Outcome,
     changed_slots,
     compare_drafts,
+    expected_slots,
     first_divergence,
 )
 from speccheck.checks.verify.vocabulary import Check, Result
-from speccheck.speculator.batch import DraftResult
+from speccheck.speculator.batch import DraftBatch, DraftResult
 
 TOL = 1e-4
 
@@ -121,3 +122,17 @@ def test_changed_slots_of_views_at_any_offset_and_stride() -> None:
     assert changed_slots(odd, after).nonzero().flatten().tolist() == [14]
     assert changed_slots(strided, after).nonzero().flatten().tolist() == [14]
     assert not changed_slots(whole, odd).any()
+
+
+def test_agreed_slots_leave_out_the_clamped_position_a_diverged_step_writes_again() -> None:
+    """At ``max_model_len`` every further decode step writes the last position again. A
+    candidate that diverged (a near tie) after step 1 rewrote it with other tokens than the
+    oracle's, so the agreed slots must not include it; a request that diverges before the
+    clamp, or not at all, keeps every slot its agreed steps write."""
+    bs, mml, k = 4, 16, 5
+    near_clamp = DraftBatch((13,), ((7, 8),), ((0, 1, 2, 3),), (0,))  # base 15 = mml - 1
+    far = DraftBatch((2,), ((7,),), ((0, 1, 2, 3),), (0,))  # base 3: steps write 3 to 6
+    assert expected_slots(near_clamp, k, bs, mml) == {3 * bs + 1, 3 * bs + 2, 3 * bs + 3}
+    assert expected_slots(near_clamp, k, bs, mml, [1]) == {3 * bs + 1, 3 * bs + 2}
+    assert expected_slots(near_clamp, k, bs, mml, [k - 1]) == {3 * bs + 1, 3 * bs + 2, 3 * bs + 3}
+    assert expected_slots(far, k, bs, mml, [1]) == {2, 3}

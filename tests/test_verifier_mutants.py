@@ -27,7 +27,10 @@ def test_the_correct_builder_passes(device: str) -> None:
     killed at that limit before pytest's summary."""
     report = verify_builder(DerivedBuilder, torch.device(device), shrink_seconds=10.0)
     if report.failures:
-        print(f"the correct builder failed on {device}: {report.failures}", flush=True)
+        example = report.minimal_example
+        blob = encode_example(example_from_json(example)) if example else None
+        print(f"the correct builder failed on {device}: {report.failures}\n"
+              f"minimal example (blob): {blob}", flush=True)
     assert report.status == "passed", report.failures
     assert report.checks["step_metadata"].passed > 0
 
