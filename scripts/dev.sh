@@ -14,7 +14,7 @@ venv="$root/.venv"
 py="$venv/bin/python"
 
 setup() {
-    if [ -x "$py" ] && "$py" -c "import speccheck.checks.cli.app, pytest, mypy" 2>/dev/null; then
+    if [ -x "$py" ] && "$py" -c "import speccheck.checks.cli.app, pytest, xdist, mypy" 2>/dev/null; then
         return
     fi
     python3 -m venv "$venv"
@@ -58,7 +58,9 @@ case "$cmd" in
             -p speccheck.contract -p speccheck.backends -p speccheck.speculator -p speccheck.checks)
         rm -rf "$typeroot"
         set +e
-        "$py" -m pytest -q "$@"
+        # One pytest worker per core, at most four (each imports torch): the suite is
+        # mostly single-threaded CPU work, so two cores take about half the time of one.
+        "$py" -m pytest -q -n auto --maxprocesses 4 "$@"
         status=$?
         set -e
         if [ "$status" -eq 5 ]; then
