@@ -34,7 +34,13 @@ from rich.progress import Progress
 from speccheck.checks.cli.runtime_options import runtime_flags
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, Failure
-from speccheck.checks.verify.scale import DEFAULT_STEPS, TIER_DEFAULTS, TIER_SCALE, HarnessScale
+from speccheck.checks.verify.scale import (
+    DEFAULT_SHRINK_SECONDS,
+    DEFAULT_STEPS,
+    TIER_DEFAULTS,
+    TIER_SCALE,
+    HarnessScale,
+)
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, Matrix
@@ -233,6 +239,8 @@ class VerifyPlan:
     """Worker processes per single-rank backend, each drawing its share of the examples
     from a seed of its own (``seed``, ``seed + 1``, ...); their reports merge
     (:func:`~speccheck.checks.verify.report.merge_shards`)."""
+    shrink_seconds: float = DEFAULT_SHRINK_SECONDS
+    """Each single-rank worker's budget for shrinking a failure to a smaller example."""
 
     def reproduce_prefix(self, name: str) -> str:
         """The command that reruns backend ``name`` with these settings, to which a report
@@ -260,7 +268,8 @@ class VerifyPlan:
         return VerifySettings(name, self.config_for(name), examples=self.examples,
                               seed=self.seed, steps=self.steps,
                               capture_sizes=scale.capture_sizes,
-                              max_new_tokens=scale.max_new_tokens, matrices=self.matrices)
+                              max_new_tokens=scale.max_new_tokens,
+                              shrink_seconds=self.shrink_seconds, matrices=self.matrices)
 
     def scale(self) -> HarnessScale:
         """The batch scale of this run: the tier's, with what was given."""
@@ -365,7 +374,7 @@ class VerifyPlan:
         prefix = self.reproduce_prefix(name)
         request = worker_request(name, self.config_for(name), self.examples, self.seed,
                                  self.steps, self.reproduce, prefix, self.matrices.path,
-                                 self.scale())
+                                 self.scale(), self.shrink_seconds)
         try:
             if self.shards(name) > 1:
                 report = self._verify_in_shards(name, request, progress)
@@ -461,6 +470,7 @@ def plan_verification(
     audit_claims: bool = False,
     example_timeout: float = 300.0,
     jobs: int = 1,
+    shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
 ) -> VerifyPlan:
     """Check the input of a verification and settle what it runs; see :func:`verify` for
     the parameters. Raises :class:`VerifyInputError` or
@@ -471,6 +481,8 @@ def plan_verification(
         raise VerifyInputError(f"example_timeout must be positive, got {example_timeout}")
     if not 1 <= jobs <= MAX_JOBS:
         raise VerifyInputError(f"jobs must lie in 1..{MAX_JOBS}, got {jobs}")
+    if not shrink_seconds >= 0:
+        raise VerifyInputError(f"shrink_seconds must be 0 or more, got {shrink_seconds}")
     from speccheck.checks.verify.examples import MAX_NEW_TOKENS
 
     if max_new_tokens is not None and not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
@@ -495,7 +507,7 @@ def plan_verification(
     _preflight(names, matrices)
     plan = VerifyPlan(names, effective, overrides, matrices, tier, device, examples, seed,
                       _steps(steps, overrides), sizes, max_new_tokens, reproduce, audit_claims,
-                      example_timeout, jobs)
+                      example_timeout, jobs, shrink_seconds)
     _check_dcp(plan)
     if reproduce is not None:
         _check_reproduce(reproduce, plan)
@@ -516,6 +528,7 @@ def verify(
     audit_claims: bool = False,
     example_timeout: float = 300.0,
     jobs: int = 1,
+    shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
 ) -> VerifyReport:
     """Verify ``backend`` as ``speccheck verify`` does, each backend in a worker process of
     its own, and return the report (raising nothing for a failed check or a crash: read
@@ -552,6 +565,8 @@ def verify(
       DP or DCP ranks, and ``reproduce``, take one. Workers sharing one GPU
       gain nothing there (measured on the H200: four workers of 50 examples took as long
       as one of 200; docs/verification/verify-jobs); they scale on the CPU tier.
+    - ``shrink_seconds``: how long each worker may shrink a failure to a smaller example
+      (the report keeps the smallest found by then); finding it does not depend on this.
 
     Bad input raises :class:`VerifyInputError` or
     :class:`~speccheck.contract.matrix_loader.MatrixError` before any worker starts.
@@ -560,6 +575,7 @@ def verify(
         backend, config=config, matrix=matrix, examples=examples, seed=seed, steps=steps,
         capture_sizes=capture_sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
         audit_claims=audit_claims, example_timeout=example_timeout, jobs=jobs,
+        shrink_seconds=shrink_seconds,
     ).run()
 
 

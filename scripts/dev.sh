@@ -60,7 +60,7 @@ case "$cmd" in
         set +e
         # One pytest worker per core, at most four (each imports torch): the suite is
         # mostly single-threaded CPU work, so two cores take about half the time of one.
-        "$py" -m pytest -q -n auto --maxprocesses 4 "$@"
+        "$py" -m pytest -q -n auto --maxprocesses 4 --dist worksteal "$@"
         status=$?
         set -e
         if [ "$status" -eq 5 ]; then

@@ -229,3 +229,22 @@ def test_jobs_split_the_examples_and_seeds_as_the_workers_draw_them() -> None:
     assert plan_verification("reference", examples=2, jobs=3).shards("reference") == 2
     assert plan_verification("reference", examples=4, jobs=2,
                              config={"dp_size": 2}).shards("reference") == 1
+
+
+def test_the_shrink_budget_reaches_every_worker() -> None:
+    """``shrink_seconds`` (``--shrink-seconds``) is each worker's: in its engine settings and
+    in the request a worker process reads; the default is the engine's own; a negative or
+    NaN budget is bad input."""
+    from speccheck.checks.verify.runner import worker_request
+    from speccheck.checks.verify.scale import DEFAULT_SHRINK_SECONDS
+
+    assert plan_verification("reference").settings_for("reference").shrink_seconds == (
+        DEFAULT_SHRINK_SECONDS)
+    plan = plan_verification("reference", examples=4, jobs=2, shrink_seconds=7.5)
+    assert [s.shrink_seconds for s in plan.shard_settings("reference")] == [7.5, 7.5]
+    request = worker_request("reference", plan.config, 4, 0, [2], None, "speccheck verify",
+                             shrink_seconds=7.5)
+    assert request["shrink_seconds"] == 7.5
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(speccheck.VerifyInputError, match="shrink_seconds must be 0 or more"):
+            plan_verification("reference", shrink_seconds=bad)

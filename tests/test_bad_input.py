@@ -440,6 +440,10 @@ def test_bad_output_paths_are_one_line_errors_before_any_work(args: list[str]) -
     (["verify", "--examples", "abc"], "--examples"),
     (["verify", "--no-such-option"], "--no-such-option"),
     (["bench", "--backend", "reference", "--repeats", "x"], "--repeats"),
+    (["verify", "--shrink-seconds", "-1"], "--shrink-seconds"),
+    (["selftest", "--shrink-seconds", "-1"], "--shrink-seconds"),
+    (["selftest", "--shrink-seconds", "nan"], "--shrink-seconds"),
+    (["verify", "--shrink-seconds", "nan"], "--shrink-seconds"),
 ])
 def test_options_the_parser_rejects_are_one_line_and_exit_2(args: list[str], option: str) -> None:
     proc = speccheck(*args)

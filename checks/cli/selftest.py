@@ -14,11 +14,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from speccheck.checks.verify.scale import DEFAULT_SHRINK_SECONDS
+
 
 def selftest_command(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results here.")] = None,  # noqa: UP045
+    shrink_seconds: Annotated[float, typer.Option("--shrink-seconds", min=0, help="Seconds each run may spend shrinking its failure to a smaller example; whether a mutant is caught does not depend on it.")] = DEFAULT_SHRINK_SECONDS,
 ) -> None:
     """Prove the verifier catches every known-bad builder (exit 1 if one slips through)."""
+    if not shrink_seconds >= 0:  # also NaN, which the option's range lets through
+        raise typer.BadParameter(f"{shrink_seconds} is not 0 or more",
+                                 param_hint="'--shrink-seconds'")
     import torch
 
     from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
@@ -28,7 +34,7 @@ def selftest_command(
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     console = Console(highlight=False, emoji=False)
-    results = run_selftest(device)
+    results = run_selftest(device, shrink_seconds)
     tier = "GPU, real graphs" if device.type == "cuda" else "CPU tier"
     table = Table(title=f"speccheck selftest ({tier})")
     for column in ("mutant", "must be caught by", "result", "re-creates"):

@@ -29,7 +29,7 @@ from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.dcp_ranks import verify_dcp
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.report import BackendReport
-from speccheck.checks.verify.scale import TIER_SCALE
+from speccheck.checks.verify.scale import DEFAULT_SHRINK_SECONDS, TIER_SCALE
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
@@ -97,12 +97,14 @@ def verify_dcp_at_defaults(
     device: torch.device,
     matrix: Matrix,
     world: int = 2,
+    shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
 ) -> BackendReport:
     """Verify ``backend`` with ``builder`` swapped in on ``world`` real DCP ranks, as
     ``speccheck verify --backend BACKEND --dcp-world-size WORLD`` does by default
     (:func:`settings_at_defaults` at that DCP size; the examples drawn in this process)."""
     settings = settings_at_defaults(backend, builder, device, matrix,
-                                    config_changes={"dcp_world_size": world})
+                                    config_changes={"dcp_world_size": world},
+                                    shrink_seconds=shrink_seconds)
     return verify_dcp(settings, world)
 
 
@@ -111,7 +113,7 @@ def verify_builder(
     device: torch.device,
     *,
     seed: int = 0,
-    shrink_seconds: float = 120.0,
+    shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
     declares: tuple[str, ...] = (DERIVED_FIELD,),
     rebuilds: bool = False,
 ) -> BackendReport:
@@ -135,15 +137,19 @@ def _result(name: str, check: str, recreates: str, report: BackendReport,
     return SelftestResult(name, check, bool(hits), detail, recreates)
 
 
-def run_selftest(device: torch.device) -> list[SelftestResult]:
+def run_selftest(
+    device: torch.device, shrink_seconds: float = DEFAULT_SHRINK_SECONDS
+) -> list[SelftestResult]:
     """The control must pass; every known-bad builder must be caught by its check: the
     reference-based mutants, the sparse_swa ones (under the shipped entry), the triton_mla
     builder that keeps the DCP-local lengths of step 1 (under the matrix its author would
     ship, at DCP 2, one process), and the reference and triton_attn builders that keep
     them on two real DCP ranks (:data:`~speccheck.checks.selftest.dcp_mutants.
-    STALE_DCP_BUILDERS`, under the matrix their author would ship)."""
+    STALE_DCP_BUILDERS`, under the matrix their author would ship). ``shrink_seconds``:
+    each run's budget for shrinking its failure (whether it is caught does not depend on
+    it)."""
     gpu = device.type == "cuda"
-    control = verify_builder(DerivedBuilder, device)
+    control = verify_builder(DerivedBuilder, device, shrink_seconds=shrink_seconds)
     results = [SelftestResult(
         "control (correct builder)", "-", control.status is Status.PASSED,
         "passed" if control.status is Status.PASSED else f"{control.failures[0].check}: {control.failures[0].diagnosis}",
@@ -152,14 +158,16 @@ def run_selftest(device: torch.device) -> list[SelftestResult]:
     for mutant in MUTANTS:
         check, phrase = mutant.expected(gpu)
         report = verify_builder(mutant.builder, device, declares=mutant.declares,
-                                rebuilds=mutant.rebuilds)
+                                rebuilds=mutant.rebuilds, shrink_seconds=shrink_seconds)
         results.append(_result(mutant.name, check, mutant.recreates, report, phrase))
     shipped = load_matrix(None)
     for swa in SWA_MUTANTS:
-        report = verify_at_defaults("sparse_swa", swa.builder, device, shipped)
+        report = verify_at_defaults("sparse_swa", swa.builder, device, shipped,
+                                    shrink_seconds=shrink_seconds)
         results.append(_result(swa.name, swa.check, swa.recreates, report, swa.names))
     report = verify_at_defaults("triton_mla", StaleDcpLocalLens, device, claiming_matrix(shipped),
-                                config_changes={"dcp_world_size": 2})
+                                config_changes={"dcp_world_size": 2},
+                                shrink_seconds=shrink_seconds)
     results.append(_result(
         "mla_stale_dcp_local_lens", Check.STEP_METADATA,
         "DCP-local lengths derived at build and not advanced between fused draft steps "
@@ -167,7 +175,8 @@ def run_selftest(device: torch.device) -> list[SelftestResult]:
         f"triton_mla.metadata.{DCP_LOCAL_FIELD}"))
     for backend, stale in dcp_mutants.STALE_DCP_BUILDERS.items():
         report = verify_dcp_at_defaults(backend, stale, device,
-                                        dcp_mutants.claiming_matrix(shipped, backend))
+                                        dcp_mutants.claiming_matrix(shipped, backend),
+                                        shrink_seconds=shrink_seconds)
         results.append(_result(
             f"{backend}_stale_dcp_local_lens", Check.STEP_METADATA,
             "DCP-local lengths not advanced between fused draft steps while the local slots "

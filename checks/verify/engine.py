@@ -50,6 +50,7 @@ from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.scale import (
     DEFAULT_CAPTURE_SIZES,
     DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_SHRINK_SECONDS,
     DEFAULT_STEPS,
 )
 from speccheck.checks.verify.side_lane import SideLane, SideRun
@@ -104,7 +105,7 @@ class VerifySettings:
     num_layers: int = 2
     builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...] = ()
     """(backend name, builder class) swaps: tests use them to plant known-bad builders."""
-    shrink_seconds: float = 120.0
+    shrink_seconds: float = DEFAULT_SHRINK_SECONDS
     """Time budget for shrinking a failure; past it the smallest failure so far is kept."""
     claim_fused: bool = False
     """Run the fused candidate even where the matrix forbids it (``--audit-claims``)."""

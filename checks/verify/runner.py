@@ -29,7 +29,7 @@ from rich.progress import TaskID
 
 from speccheck.checks.verify.examples import BadExample, reproduce_blob, reproduce_command
 from speccheck.checks.verify.report import BackendReport
-from speccheck.checks.verify.scale import TIER_SCALE, HarnessScale
+from speccheck.checks.verify.scale import DEFAULT_SHRINK_SECONDS, TIER_SCALE, HarnessScale
 from speccheck.checks.verify.vocabulary import Status, Tier
 from speccheck.checks.verify.worker_process import WorkerProcess
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -38,13 +38,14 @@ from speccheck.contract.runtime_config import RuntimeConfig
 def worker_request(
     backend: str, config: RuntimeConfig, examples: int, seed: int, steps: Sequence[int],
     reproduce: str | None, reproduce_prefix: str, matrix: Path | None = None,
-    scale: HarnessScale = TIER_SCALE[Tier.CPU],
+    scale: HarnessScale = TIER_SCALE[Tier.CPU], shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
 ) -> dict[str, object]:
     """What :mod:`speccheck.checks.verify.worker` reads: JSON-serialisable settings."""
     return {"backend": backend, "config": config.model_dump(), "examples": examples,
             "seed": seed, "steps": list(steps), "reproduce": reproduce,
             "reproduce_prefix": reproduce_prefix, "matrix": str(matrix) if matrix else None,
-            "capture_sizes": list(scale.capture_sizes), "max_new_tokens": scale.max_new_tokens}
+            "capture_sizes": list(scale.capture_sizes), "max_new_tokens": scale.max_new_tokens,
+            "shrink_seconds": shrink_seconds}
 
 
 class ProgressDisplay(Protocol):

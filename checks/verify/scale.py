@@ -50,3 +50,7 @@ head layout and serving-scale lengths on the GPU."""
 DEFAULT_STEPS = tuple(range(1, 9))
 """Draft step counts (K) drawn from when neither ``steps`` nor ``num_speculative_steps``
 is given; K = 1 (no draft decode step, hence no fused path) is the control."""
+
+DEFAULT_SHRINK_SECONDS = 120.0
+"""How long a run shrinks a failure by default (``--shrink-seconds``); past it the smallest
+failing example found so far is reported. Finding the failure does not depend on it."""

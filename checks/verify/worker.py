@@ -70,6 +70,7 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
                               seed=request["seed"], steps=tuple(request["steps"]),
                               capture_sizes=tuple(request["capture_sizes"]),
                               max_new_tokens=request["max_new_tokens"],
+                              shrink_seconds=request["shrink_seconds"],
                               claim_fused=bool(request.get("claim_fused")), matrices=matrices)
     started = time.perf_counter()
     try:
