@@ -300,10 +300,8 @@ def test_every_mutants_printed_reproduce_command_reproduces_in_a_fresh_worker(
     data = Matrix(version=1, backends=known_bad).model_dump(mode="json", exclude_defaults=True)
     matrix.write_text(yaml.safe_dump({"version": 1, **data}, sort_keys=False))
     out = tmp_path / "mutants.json"
-    # Shrinking is cut to 10 s, as in the self-test's GPU tests: what is caught does not
-    # depend on it, and at the default 120 s the run took 5 min of the suite.
     proc = _speccheck("verify", "--backend", "all", "--matrix", str(matrix), "--json", str(out),
-                      "--shrink-seconds", "10", timeout=1200)
+                      timeout=1200)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     reports = {r["backend"]: r for r in json.loads(out.read_text())["backends"]}
     assert set(reports) == {m.name for m in (*MUTANTS, *SWA_MUTANTS)}
