@@ -100,13 +100,12 @@ def expected_slots(
     step rewrites the last position, with inputs that followed the divergence.
     ``share``: the positions this process's cache holds (a DCP rank writes only its own)."""
     slots: set[int] = set()
-    last = max_model_len - 1
     for r, (ctx, new, row) in enumerate(zip(batch.context_lens, batch.new_tokens, batch.block_table)):
         steps = k - 1 if upto is None else upto[r]
         base = ctx + len(new)
-        rewritten = {min(base + s, last) for s in range(steps, k - 1)}
-        positions = [pos for pos in (*range(ctx, base), *(min(base + s, last) for s in range(steps)))
-                     if pos not in rewritten]
+        decoded = [min(base + s, max_model_len - 1) for s in range(k - 1)]
+        rewritten = set(decoded[steps:])
+        positions = [pos for pos in (*range(ctx, base), *decoded[:steps]) if pos not in rewritten]
         held = (share.slot(row, pos, block_size) for pos in positions)
         slots.update(slot for slot in held if slot is not None)
     return slots
