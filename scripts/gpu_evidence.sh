@@ -270,6 +270,7 @@ if [ "$suite" = lean-core ]; then
       echo "exit $?"; } > "$out/bench-$backend.txt" 2>&1
   done
   timeout "${PYTEST_LIMIT:-150}" python3 -m pytest -rA -q -m cuda tests/test_model_kernels.py \
+    tests/test_projection_kernels.py \
     tests/test_lane_kernels.py tests/test_speculator.py tests/test_bench.py \
     tests/test_triton_specialization.py tests/test_kv_cache_write.py \
     > "$out/pytest-cuda-lean-core.txt" 2>&1

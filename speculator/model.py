@@ -27,8 +27,8 @@ from speccheck.speculator.model_kernels import (
     rotary,
     rotary_inv_freq,
     rotary_qkv,
-    silu_mul,
 )
+from speccheck.speculator.projection_kernels import linear, norm_linear, silu_linear
 
 DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -148,10 +148,20 @@ class RMSNorm(nn.Module):
         return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps,
                         kernel=self.kernel).view(x.shape)
 
-    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(x + delta), x + delta)`` for 2-D ``x`` and ``delta``: one kernel on CUDA
-        (:func:`add_rms_norm`)."""
+    def add_and_norm(self, x: torch.Tensor,
+                     delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(x + delta), x + delta)`` for 2-D ``x`` and ``delta`` (``(self(x), x)``
+        when ``delta`` is ``None``): one kernel on CUDA (:func:`add_rms_norm`)."""
+        if delta is None:
+            return self(x), x
         return add_rms_norm(x, delta, self.weight, self.eps, kernel=self.kernel)
+
+    def then_project(self, x: torch.Tensor, delta: torch.Tensor | None,
+                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(x + delta) @ weight.T, x + delta)``, as :meth:`add_and_norm`: one kernel
+        with the projection on CUDA at decode batch sizes
+        (:func:`~speccheck.speculator.projection_kernels.norm_linear`)."""
+        return norm_linear(x, delta, self.weight, self.eps, weight, kernel=self.kernel)
 
 
 class GQAAttention(nn.Module):
@@ -170,18 +180,23 @@ class GQAAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
+        norm: RMSNorm,
         positions: torch.Tensor,
         impl: AttentionImpl[Any],
         metadata: Any,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(attention output, x + delta)``: the residual add and ``norm`` run in the QKV
+        projection's kernel (:meth:`RMSNorm.then_project`)."""
         cfg = self.cfg
         t = x.shape[0]
-        q, k, v = rotary_qkv(self.qkv_proj(x), positions, self.inv_freq, cfg.num_heads,
+        qkv, summed = norm.then_project(x, delta, self.qkv_proj.weight)
+        q, k, v = rotary_qkv(qkv, positions, self.inv_freq, cfg.num_heads,
                              cfg.num_kv_heads, cfg.head_size, kernel=cfg.kernel_choice)
         attn = torch.zeros_like(q)
         impl.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn)
-        return self.o_proj(attn.reshape(t, -1))
+        return linear(attn.reshape(t, -1), self.o_proj.weight, kernel=cfg.kernel_choice), summed
 
 
 class MLAAttention(nn.Module):
@@ -244,11 +259,26 @@ class MLAAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
+        norm: RMSNorm,
+        positions: torch.Tensor,
+        impl: AttentionImpl[Any],
+        metadata: Any,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(attention output, x + delta)``: :meth:`attend` to ``norm(x + delta)``."""
+        normed, summed = norm.add_and_norm(x, delta)
+        return self.attend(normed, positions, impl, metadata, kv_cache), summed
+
+    def attend(
+        self,
+        x: torch.Tensor,
         positions: torch.Tensor,
         impl: AttentionImpl[Any],
         metadata: Any,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
+        """The attention output for the normalised rows ``x``."""
         cfg = self.cfg
         t, rank = x.shape[0], cfg.kv_lora_rank
         q_nope, q_pe, kv_c, k_pe = self.project(x, positions)
@@ -280,22 +310,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        normed: torch.Tensor,
         x: torch.Tensor,
+        delta: torch.Tensor | None,
         positions: torch.Tensor,
         impl: AttentionImpl[Any],
         metadata: Any,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        next_norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(next_norm(y), y)`` where ``y`` is this layer's output for the residual stream
-        ``x`` and ``normed = self.input_norm(x)`` (computed by the caller, fused with the
-        previous residual add): each residual add runs in one kernel with the norm after
-        it."""
-        attn = self.attn(normed, positions, impl, metadata, kv_cache)
-        h, x = self.post_norm.add_and_norm(x, attn)
-        gate = silu_mul(self.gate_up_proj(h), kernel=self.cfg.kernel_choice)
-        return next_norm.add_and_norm(x, self.down_proj(gate))
+        """``(y, mlp)``: this layer's output is ``y + mlp`` for the residual stream ``x +
+        delta`` (``x`` when ``delta`` is ``None``). Each residual add is left to the kernel
+        after it: the norm, and at decode batch sizes the projection after the norm
+        (:mod:`~speccheck.speculator.projection_kernels`); the SwiGLU gate runs in the down
+        projection's kernel."""
+        attn, x = self.attn(x, delta, self.input_norm, positions, impl, metadata, kv_cache)
+        gate_up, x = self.post_norm.then_project(x, attn, self.gate_up_proj.weight)
+        return x, silu_linear(gate_up, self.down_proj.weight, kernel=self.cfg.kernel_choice)
 
 
 @functools.lru_cache(maxsize=2)
@@ -347,13 +376,10 @@ class DraftModel(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the ``T = len(input_ids)`` tokens."""
         x = self.embed(input_ids)
-        layers = cast(list[DecoderLayer], list(self.layers))
-        normed = layers[0].input_norm(x) if layers else self.final_norm(x)
-        for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else self.final_norm
-            normed, x = layer(normed, x, positions, impls[i], layer_metadata[i], kv_caches[i],
-                              next_norm)
-        return normed
+        delta: torch.Tensor | None = None
+        for i, layer in enumerate(cast(list[DecoderLayer], list(self.layers))):
+            x, delta = layer(x, delta, positions, impls[i], layer_metadata[i], kv_caches[i])
+        return self.final_norm.add_and_norm(x, delta)[0]
 
     def decode_weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads: every parameter but the embedding
@@ -364,5 +390,8 @@ class DraftModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[..., vocab]`` in the model's dtype: one matmul over the LM head as
         stored (fp32 accumulation inside it), no per-call conversion of the weights. The
-        verifier's fp32 reference is an fp32 drafter, whose logits are fp32."""
-        return self.lm_head(hidden)
+        verifier's fp32 reference is an fp32 drafter, whose logits are fp32. At decode batch
+        sizes on CUDA, :func:`~speccheck.speculator.projection_kernels.linear`."""
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        logits = linear(rows, self.lm_head.weight, kernel=self.cfg.kernel_choice)
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])

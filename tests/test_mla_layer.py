@@ -91,7 +91,7 @@ def test_absorbed_layer_on_the_reference_equals_naive_mla(window: int) -> None:
     cache.fill_random_(0)
     x = torch.randn(len(positions), cfg.hidden_size, generator=torch.Generator().manual_seed(1))
 
-    absorbed = attn(x, positions, builder.make_impl(cfg.softmax_scale), builder.build(common),
+    absorbed = attn.attend(x, positions, builder.make_impl(cfg.softmax_scale), builder.build(common),
                     cache.layers[0])
 
     latent = cache.layers[0][0]

@@ -1,0 +1,173 @@
+"""The fused decode-step projections (speculator/projection_kernels.py) against the unfused
+layers they replace: under the Triton interpreter on CPU (fp32: the interpreter's bf16 math
+is wrong), with tilings small enough that a weight spans several programs and reduction
+tiles; compiled on CUDA in half precision (marked ``cuda``); and compiled for sm_90 on any
+machine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from speccheck.speculator import projection_kernels
+from speccheck.speculator.model_kernels import rms_norm_torch, silu_mul_torch
+from speccheck.speculator.projection_kernels import (
+    SKINNY_ROWS,
+    Tiling,
+    fused,
+    linear,
+    norm_linear,
+    silu_linear,
+    tiling_for,
+)
+
+SMALL = settings(max_examples=20, deadline=None)
+TILINGS = st.sampled_from([Tiling(16, 16, 4, 1), Tiling(32, 64, 4, 1), Tiling(64, 512, 4, 1)])
+
+
+def _rows(seed: int, rows: int, width: int, device: str = "cpu",
+          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=gen).to(device=device, dtype=dtype)
+
+
+def _weight(seed: int, n: int, k: int, device: str = "cpu",
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (_rows(seed, n, k) / k**0.5).to(device=device, dtype=dtype)
+
+
+def _tiled(tiling: Tiling) -> mock._patch:  # type: ignore[type-arg]
+    return mock.patch.object(projection_kernels, "tiling_for", lambda n, k: tiling)
+
+
+@SMALL
+@given(rows=st.integers(0, SKINNY_ROWS), n=st.integers(1, 80), k=st.integers(1, 70),
+       tiling=TILINGS, add=st.booleans(), seed=st.integers(0, 99))
+def test_norm_linear_kernel_matches_the_unfused_layer(rows: int, n: int, k: int, tiling: Tiling,
+                                                      add: bool, seed: int) -> None:
+    """The projection of the normalised sum, and the sum itself exactly, from rows whose
+    stride is wider than their width (as a split gives them)."""
+    x = _rows(seed, rows, k + 3)[:, :k]
+    delta = _rows(seed + 1, rows, k) if add else None
+    norm_weight = 1 + 0.1 * _rows(seed + 2, 1, k)[0]
+    weight = _weight(seed + 3, n, k)
+    with _tiled(tiling):
+        out, summed = norm_linear(x, delta, norm_weight, 1e-6, weight, kernel=True)
+    want_sum = x + delta if delta is not None else x
+    want = rms_norm_torch(want_sum, norm_weight, 1e-6) @ weight.T
+    assert torch.equal(summed, want_sum)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    unfused, unfused_sum = norm_linear(x, delta, norm_weight, 1e-6, weight, kernel=False)
+    assert torch.equal(unfused_sum, want_sum)
+    torch.testing.assert_close(unfused, want, rtol=1e-5, atol=1e-5)
+
+
+@SMALL
+@given(rows=st.integers(0, SKINNY_ROWS), n=st.integers(1, 80), width=st.integers(1, 70),
+       tiling=TILINGS, seed=st.integers(0, 99))
+def test_silu_linear_kernel_matches_the_unfused_layer(rows: int, n: int, width: int,
+                                                      tiling: Tiling, seed: int) -> None:
+    gate_up = 3 * _rows(seed, rows, 2 * width)
+    weight = _weight(seed + 1, n, width)
+    with _tiled(tiling):
+        out = silu_linear(gate_up, weight, kernel=True)
+    want = silu_mul_torch(gate_up) @ weight.T
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(silu_linear(gate_up, weight, kernel=False), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+@SMALL
+@given(rows=st.integers(0, SKINNY_ROWS), n=st.integers(1, 80), k=st.integers(1, 70),
+       tiling=TILINGS, seed=st.integers(0, 99))
+def test_linear_kernel_matches_matmul(rows: int, n: int, k: int, tiling: Tiling,
+                                     seed: int) -> None:
+    x = _rows(seed, rows, k + 2)[:, :k]
+    weight = _weight(seed + 1, n, k)
+    with _tiled(tiling):
+        out = linear(x, weight, kernel=True)
+    assert out.shape == (rows, n)
+    torch.testing.assert_close(out, x @ weight.T, rtol=1e-4, atol=1e-4)
+
+
+def test_which_projections_fuse() -> None:
+    """Half-precision CUDA rows up to SKINNY_ROWS, rows contiguous; never CPU tensors or
+    fp32 (whose tensor-core dot would round to tf32) unless forced."""
+    weight = torch.zeros(8, 4, dtype=torch.bfloat16)
+    assert not fused(torch.zeros(1, 4, dtype=torch.bfloat16), weight, None)
+    assert fused(torch.zeros(1, 4), weight, True)
+    assert not fused(torch.zeros(1, 4), weight, False)
+    too_many = torch.zeros(SKINNY_ROWS + 1, 4)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        linear(too_many, torch.zeros(8, 4), kernel=True)
+
+
+def test_tilings_cover_the_drafters_projections() -> None:
+    """The swept shapes get their sweep's best tilings."""
+    assert tiling_for(3072, 2048) == Tiling(32, 256, 4, 5)
+    assert tiling_for(8192, 2048) == tiling_for(32000, 2048) == Tiling(64, 128, 4, 5)
+    assert tiling_for(2048, 2048).block_n == tiling_for(2048, 4096).block_n == 16
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, SKINNY_ROWS])
+def test_cuda_fused_projections_match_the_unfused_layers(dtype: torch.dtype, rows: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    x, delta = _rows(1, rows, 2048, "cuda", dtype), _rows(2, rows, 2048, "cuda", dtype)
+    norm_weight = (1 + 0.1 * _rows(3, 1, 2048))[0].to("cuda", dtype)
+    tol = {"rtol": 2e-2, "atol": 2e-2}
+    for n, k in ((3072, 2048), (8192, 2048), (2048, 2048), (32000, 2048)):
+        weight = _weight(4, n, k, "cuda", dtype)
+        out, summed = norm_linear(x, delta, norm_weight, 1e-6, weight)
+        want, want_sum = norm_linear(x, delta, norm_weight, 1e-6, weight, kernel=False)
+        assert torch.equal(summed, want_sum)
+        torch.testing.assert_close(out, want, **tol)
+        torch.testing.assert_close(linear(x, weight), x @ weight.T, **tol)
+    gate_up = _rows(5, rows, 8192, "cuda", dtype)
+    down = _weight(6, 2048, 4096, "cuda", dtype)
+    torch.testing.assert_close(silu_linear(gate_up, down),
+                               silu_linear(gate_up, down, kernel=False), **tol)
+
+
+_AOT_SCRIPT = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from speccheck.speculator import projection_kernels as p
+
+target = GPUTarget("cuda", 90, 32)
+for dtype in ("bf16", "fp16"):
+    for prologue in p.Prologue:
+        for n, k in ((3072, 2048), (8192, 2048), (2048, 4096)):
+            t = p.tiling_for(n, k)
+            signature = {name: "*" + dtype for name in
+                         ("x_ptr", "d_ptr", "nw_ptr", "sum_ptr", "w_ptr", "out_ptr")}
+            signature.update(dict.fromkeys(("rows", "n", "k", "x_stride", "d_stride",
+                                            "out_stride"), "i32"))
+            signature["eps"] = "fp32"
+            constants = {"PROLOGUE": int(prologue), "ROWS": p.SKINNY_ROWS,
+                         "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
+            signature.update(dict.fromkeys(constants, "constexpr"))
+            compile(ASTSource(p._skinny_linear_kernel, signature, constants), target=target,
+                    options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+        print(dtype, prologue.name, "ok")
+"""
+
+
+def test_the_fused_kernel_compiles_for_sm90() -> None:
+    """``triton.compile`` for Hopper on any machine, every prologue and tiling; a
+    subprocess, because kernels decorated under ``TRITON_INTERPRET=1`` cannot be
+    compiled."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(" ok") == 2 * len(projection_kernels.Prologue), proc.stdout
