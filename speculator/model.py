@@ -26,9 +26,8 @@ from speccheck.speculator.model_kernels import (
     rms_norm,
     rotary,
     rotary_inv_freq,
-    rotary_qkv,
 )
-from speccheck.speculator.projection_kernels import linear, norm_linear, silu_linear
+from speccheck.speculator.projection_kernels import linear, norm_linear, norm_qkv, silu_linear
 
 DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -187,13 +186,14 @@ class GQAAttention(nn.Module):
         metadata: Any,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(attention output, x + delta)``: the residual add and ``norm`` run in the QKV
-        projection's kernel (:meth:`RMSNorm.then_project`)."""
+        """``(attention output, x + delta)``: the residual add, ``norm`` and rotary run in
+        the QKV projection's kernel at decode batch sizes
+        (:func:`~speccheck.speculator.projection_kernels.norm_qkv`)."""
         cfg = self.cfg
         t = x.shape[0]
-        qkv, summed = norm.then_project(x, delta, self.qkv_proj.weight)
-        q, k, v = rotary_qkv(qkv, positions, self.inv_freq, cfg.num_heads,
-                             cfg.num_kv_heads, cfg.head_size, kernel=cfg.kernel_choice)
+        q, k, v, summed = norm_qkv(x, delta, norm.weight, norm.eps, self.qkv_proj.weight,
+                                   positions, self.inv_freq, cfg.num_heads, cfg.num_kv_heads,
+                                   cfg.head_size, kernel=cfg.kernel_choice)
         attn = torch.zeros_like(q)
         impl.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn)
         return linear(attn.reshape(t, -1), self.o_proj.weight, kernel=cfg.kernel_choice), summed

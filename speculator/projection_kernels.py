@@ -32,11 +32,18 @@ import torch
 import triton
 import triton.language as tl
 
-from speccheck.speculator.model_kernels import add_rms_norm, rms_norm, silu_mul
+from speccheck.speculator.model_kernels import add_rms_norm, rms_norm, rotary_qkv, silu_mul
 
 SKINNY_ROWS = 16
-"""Most rows the fused kernels take: their tensor-core tile is 16 rows, padded by masks
-(one to 16 rows cost the same). More rows go to cuBLAS."""
+"""Most rows :func:`linear` runs as its tensor-core kernel: the tile is 16 rows, padded by
+masks (one to 16 rows cost the same). More rows go to cuBLAS."""
+
+FUSED_ROWS = 2
+"""Most rows the projections with a prologue run as one kernel. Their kernel reduces on
+CUDA cores, one program per few output features over whole input rows (the prologue needs
+the whole row, and a tensor-core tile would have to stage it through shared memory on every
+reduction step: measured 1.5 to 2 times slower): every row multiplies the registers it
+holds, so more rows go to the unfused kernels."""
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -44,7 +51,6 @@ _HALF_DTYPES = (torch.bfloat16, torch.float16)
 class Prologue(enum.IntEnum):
     """What the fused kernel applies to its input rows before the projection."""
 
-    NONE = 0
     RMS_NORM = 1
     ADD_RMS_NORM = 2
     SILU_MUL = 3
@@ -61,10 +67,10 @@ class Tiling:
 
 
 def tiling_for(n: int, k: int) -> Tiling:
-    """The tiling for a ``[n, k]`` weight: the best of a graph-replayed sweep on an H200
-    (``docs/verification/decode-step-tiles/``) for the drafter's projection of the nearest
-    shape: wide outputs stream in short reduction tiles, narrow ones in long tiles so that
-    enough programs run."""
+    """The tensor-core tiling for a ``[n, k]`` weight: the best of a graph-replayed sweep on
+    an H200 (``docs/verification/decode-step-tiles/``) for the drafter's projection of the
+    nearest shape: wide outputs stream in short reduction tiles, narrow ones in long tiles
+    so that enough programs run."""
     if n >= 8192:
         return Tiling(64, 128, 4, 5)
     if n >= 3072:
@@ -72,60 +78,24 @@ def tiling_for(n: int, k: int) -> Tiling:
     return Tiling(16, 512, 4, 4 if k <= 2048 else 5)
 
 
-@triton.jit
-def _prologue_block(x_ptr, d_ptr, nw_ptr, r, rmask, kk, kmask, k, x_stride, d_stride, rstd,
-                    PROLOGUE: tl.constexpr):
-    """The prologue's rows ``r``, columns ``kk``, rounded to the activations' dtype."""
-    ty = x_ptr.dtype.element_ty
-    m = rmask[:, None] & kmask[None, :]
-    a = tl.load(x_ptr + r[:, None] * x_stride + kk[None, :], mask=m, other=0.0)
-    if PROLOGUE == 3:
-        up = tl.load(x_ptr + r[:, None] * x_stride + k + kk[None, :], mask=m,
-                     other=0.0).to(tl.float32)
-        gate = a.to(tl.float32)
-        a = (gate / (1.0 + tl.exp(-gate)) * up).to(ty)
-    if PROLOGUE == 2:
-        d = tl.load(d_ptr + r[:, None] * d_stride + kk[None, :], mask=m, other=0.0)
-        a = (a.to(tl.float32) + d.to(tl.float32)).to(ty)
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        w = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-        a = (a.to(tl.float32) * rstd[:, None] * w[None, :]).to(ty)
-    return a
+REDUCE_BLOCK_K = 2048
+"""Reduction tile of the fused kernel: the drafter's hidden rows in one step (the sweep's
+best CUDA-core tiling at one row: 4 output features by 2048)."""
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, out_ptr, rows, n, k,
-                          x_stride, d_stride, out_stride, eps,
-                          PROLOGUE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, rows, n, k, x_stride, out_stride,
+                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < n
     r = tl.arange(0, ROWS)
     rmask = r < rows
-    rstd = tl.zeros((ROWS,), dtype=tl.float32)
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        squares = tl.zeros((ROWS,), dtype=tl.float32)
-        for start in range(0, k, BLOCK_K):
-            kk = start + tl.arange(0, BLOCK_K)
-            kmask = kk < k
-            m = rmask[:, None] & kmask[None, :]
-            s = tl.load(x_ptr + r[:, None] * x_stride + kk[None, :], mask=m, other=0.0)
-            if PROLOGUE == 2:
-                d = tl.load(d_ptr + r[:, None] * d_stride + kk[None, :], mask=m, other=0.0)
-                # rounded to the residual's dtype, as ``x + delta`` is when stored
-                s = (s.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                if pid == 0:
-                    tl.store(sum_ptr + r[:, None] * k + kk[None, :], s, mask=m)
-            s32 = s.to(tl.float32)
-            squares += tl.sum(s32 * s32, axis=1)
-        rstd = 1.0 / tl.sqrt(squares / k + eps)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         kk = start + tl.arange(0, BLOCK_K)
         kmask = kk < k
-        a = _prologue_block(x_ptr, d_ptr, nw_ptr, r, rmask, kk, kmask, k, x_stride, d_stride,
-                            rstd, PROLOGUE)
+        a = tl.load(x_ptr + r[:, None] * x_stride + kk[None, :],
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * k + kk[None, :],
                     mask=nmask[:, None] & kmask[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(w))
@@ -133,43 +103,184 @@ def _skinny_linear_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, out_ptr, rows, n
              acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
-def fused(x: torch.Tensor, weight: torch.Tensor, kernel: bool | None) -> bool:
-    """Whether a projection of ``x`` runs as the fused kernel: forced by ``kernel``
-    (``True``/``False``), else on CUDA for half-precision rows, at most
-    :data:`SKINNY_ROWS` of them."""
+@triton.jit
+def _prologue_block(x_ptr, d_ptr, nw_ptr, r, rmask, kk, kmask, k, x_stride, d_stride, rstd,
+                    PROLOGUE: tl.constexpr):
+    """The prologue's rows ``r``, columns ``kk`` (fp32), rounded through the activations'
+    dtype as the unfused op rounds what it stores."""
+    ty = x_ptr.dtype.element_ty
+    m = rmask[:, None] & kmask[None, :]
+    a = tl.load(x_ptr + r[:, None] * x_stride + kk[None, :], mask=m, other=0.0).to(tl.float32)
+    if PROLOGUE == 3:
+        up = tl.load(x_ptr + r[:, None] * x_stride + k + kk[None, :], mask=m,
+                     other=0.0).to(tl.float32)
+        a = (a / (1.0 + tl.exp(-a)) * up).to(ty).to(tl.float32)
+    if PROLOGUE == 2:
+        d = tl.load(d_ptr + r[:, None] * d_stride + kk[None, :], mask=m, other=0.0)
+        a = (a + d.to(tl.float32)).to(ty).to(tl.float32)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        w = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+        a = (a * rstd[:, None] * w[None, :]).to(ty).to(tl.float32)
+    return a
+
+
+@triton.jit
+def _inverse_rms(x_ptr, d_ptr, sum_ptr, r, rmask, k, x_stride, d_stride, eps, store_sum,
+                 PROLOGUE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``1 / rms`` of each row of ``x + delta`` (``x`` for ``RMS_NORM``), the sum rounded to
+    the residual's dtype first; the sum is stored when ``store_sum``."""
+    squares = tl.zeros((ROWS,), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        kk = start + tl.arange(0, BLOCK_K)
+        m = rmask[:, None] & (kk < k)[None, :]
+        s = tl.load(x_ptr + r[:, None] * x_stride + kk[None, :], mask=m, other=0.0)
+        if PROLOGUE == 2:
+            d = tl.load(d_ptr + r[:, None] * d_stride + kk[None, :], mask=m, other=0.0)
+            s = (s.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if store_sum:
+                tl.store(sum_ptr + r[:, None] * k + kk[None, :], s, mask=m)
+        s32 = s.to(tl.float32)
+        squares += tl.sum(s32 * s32, axis=1)
+    return 1.0 / tl.sqrt(squares / k + eps)
+
+
+@triton.jit
+def _fused_projection_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, out_ptr, rows, n, k,
+                             x_stride, d_stride, out_stride, eps,
+                             PROLOGUE: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    r = tl.arange(0, ROWS)
+    rmask = r < rows
+    rstd = tl.zeros((ROWS,), dtype=tl.float32)
+    if PROLOGUE != 3:
+        rstd = _inverse_rms(x_ptr, d_ptr, sum_ptr, r, rmask, k, x_stride, d_stride, eps,
+                            pid == 0, PROLOGUE, ROWS, BLOCK_K)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cols < n
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        kk = start + tl.arange(0, BLOCK_K)
+        kmask = kk < k
+        a = _prologue_block(x_ptr, d_ptr, nw_ptr, r, rmask, kk, kmask, k, x_stride, d_stride,
+                            rstd, PROLOGUE)
+        w = tl.load(w_ptr + cols[:, None] * k + kk[None, :],
+                    mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+    tl.store(out_ptr + r[:, None] * out_stride + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _fused_qkv_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, pos_ptr, inv_freq_ptr, q_ptr,
+                      k_ptr, v_ptr, rows, k, x_stride, d_stride, eps, num_heads, num_kv_heads,
+                      PROLOGUE: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A fused QKV projection's ``BLOCK_P`` channel pairs ``(j, j + HALF)`` of its heads,
+    rotated (queries and keys) or copied (values) into ``q``, ``k``, ``v``."""
+    pid = tl.program_id(0)
+    r = tl.arange(0, ROWS)
+    rmask = r < rows
+    rstd = _inverse_rms(x_ptr, d_ptr, sum_ptr, r, rmask, k, x_stride, d_stride, eps, pid == 0,
+                        PROLOGUE, ROWS, BLOCK_K)
+    pair = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    head = pair // HALF
+    j = pair % HALF
+    first = head * (2 * HALF) + j
+    pmask = head < num_heads + 2 * num_kv_heads
+    acc1 = tl.zeros((ROWS, BLOCK_P), dtype=tl.float32)
+    acc2 = tl.zeros((ROWS, BLOCK_P), dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        kk = start + tl.arange(0, BLOCK_K)
+        kmask = kk < k
+        a = _prologue_block(x_ptr, d_ptr, nw_ptr, r, rmask, kk, kmask, k, x_stride, d_stride,
+                            rstd, PROLOGUE)
+        wmask = pmask[:, None] & kmask[None, :]
+        w1 = tl.load(w_ptr + first[:, None] * k + kk[None, :], mask=wmask, other=0.0)
+        w2 = tl.load(w_ptr + (first + HALF)[:, None] * k + kk[None, :], mask=wmask, other=0.0)
+        acc1 += tl.sum(a[:, None, :] * w1.to(tl.float32)[None, :, :], axis=2)
+        acc2 += tl.sum(a[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
+    ty = q_ptr.dtype.element_ty
+    # rounded as the unfused projection stores them, then rotated as rotary_qkv rotates
+    x1 = acc1.to(ty).to(tl.float32)
+    x2 = acc2.to(ty).to(tl.float32)
+    angle = (tl.load(pos_ptr + r, mask=rmask, other=0).to(tl.float32)[:, None]
+             * tl.load(inv_freq_ptr + j, mask=pmask, other=0.0)[None, :])
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    rotated = (head < num_heads + num_kv_heads)[None, :]
+    y1 = tl.where(rotated, x1 * cos - x2 * sin, x1).to(ty)
+    y2 = tl.where(rotated, x2 * cos + x1 * sin, x2).to(ty)
+    m = rmask[:, None] & pmask[None, :]
+    dim = 2 * HALF
+    is_q = (head < num_heads)[None, :]
+    is_k = ((head >= num_heads) & (head < num_heads + num_kv_heads))[None, :]
+    is_v = (head >= num_heads + num_kv_heads)[None, :]
+    q_at = (r[:, None] * num_heads + head[None, :]) * dim + j[None, :]
+    k_at = (r[:, None] * num_kv_heads + (head - num_heads)[None, :]) * dim + j[None, :]
+    v_at = (r[:, None] * num_kv_heads + (head - num_heads - num_kv_heads)[None, :]) * dim + j[None, :]
+    tl.store(q_ptr + q_at, y1, mask=m & is_q)
+    tl.store(q_ptr + q_at + HALF, y2, mask=m & is_q)
+    tl.store(k_ptr + k_at, y1, mask=m & is_k)
+    tl.store(k_ptr + k_at + HALF, y2, mask=m & is_k)
+    tl.store(v_ptr + v_at, y1, mask=m & is_v)
+    tl.store(v_ptr + v_at + HALF, y2, mask=m & is_v)
+
+
+def _is_half_rows(x: torch.Tensor, weight: torch.Tensor, most: int) -> bool:
+    return (x.is_cuda and x.dtype in _HALF_DTYPES and weight.dtype == x.dtype
+            and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= most)
+
+
+def fused(x: torch.Tensor, weight: torch.Tensor, kernel: bool | None, most: int) -> bool:
+    """Whether a projection of ``x`` runs as one kernel: forced by ``kernel``
+    (``True``/``False``), else on CUDA for half-precision rows, at most ``most`` of them
+    (:data:`SKINNY_ROWS` without a prologue, :data:`FUSED_ROWS` with one)."""
     if kernel is not None:
         return kernel
-    return (x.is_cuda and x.dtype in _HALF_DTYPES and weight.dtype == x.dtype
-            and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= SKINNY_ROWS)
+    return _is_half_rows(x, weight, most)
 
 
-def _launch(prologue: Prologue, x: torch.Tensor, weight: torch.Tensor, k: int,
-            delta: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            summed: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    rows, n = x.shape[0], weight.shape[0]
-    if rows > SKINNY_ROWS:
-        raise ValueError(f"the fused projection takes at most {SKINNY_ROWS} rows, got {rows}")
+def _check(x: torch.Tensor, weight: torch.Tensor, k: int, most: int) -> None:
+    if x.shape[0] > most:
+        raise ValueError(f"this projection kernel takes at most {most} rows, got {x.shape[0]}")
     if weight.shape[1] != k or not weight.is_contiguous():
         raise ValueError(f"the weight must be a contiguous [n, {k}] matrix, got "
                          f"{tuple(weight.shape)}")
+
+
+def _launch_fused(prologue: Prologue, x: torch.Tensor, weight: torch.Tensor, k: int,
+                  delta: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                  summed: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    _check(x, weight, k, FUSED_ROWS)
+    rows, n = x.shape[0], weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
-        tiling = tiling_for(n, k)
-        _skinny_linear_kernel[(triton.cdiv(n, tiling.block_n),)](
+        row_tile = triton.next_power_of_2(rows)
+        block_n = max(1, 4 // row_tile)
+        _fused_projection_kernel[(triton.cdiv(n, block_n),)](
             x, x if delta is None else delta, x if norm_weight is None else norm_weight,
             x if summed is None else summed, weight, out, rows, n, k, x.stride(0),
             x.stride(0) if delta is None else delta.stride(0), out.stride(0), eps,
-            PROLOGUE=int(prologue), ROWS=SKINNY_ROWS, BLOCK_N=tiling.block_n,
-            BLOCK_K=tiling.block_k, num_warps=tiling.num_warps, num_stages=tiling.num_stages)
+            PROLOGUE=int(prologue), ROWS=row_tile, BLOCK_N=block_n,
+            BLOCK_K=min(REDUCE_BLOCK_K, triton.next_power_of_2(k)), num_warps=4, num_stages=1)
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
     """``x @ weight.T`` for 2-D ``x`` (rows contiguous) and a contiguous ``weight``
     (``[n, k]``); ``kernel`` as for :func:`fused`."""
-    if not fused(x, weight, kernel):
+    if not fused(x, weight, kernel, SKINNY_ROWS):
         return torch.nn.functional.linear(x, weight)
-    return _launch(Prologue.NONE, x, weight, x.shape[1])
+    _check(x, weight, x.shape[1], SKINNY_ROWS)
+    rows, n = x.shape[0], weight.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows:
+        tiling = tiling_for(n, x.shape[1])
+        _skinny_linear_kernel[(triton.cdiv(n, tiling.block_n),)](
+            x, weight, out, rows, n, x.shape[1], x.stride(0), out.stride(0), ROWS=SKINNY_ROWS,
+            BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=tiling.num_warps,
+            num_stages=tiling.num_stages)
+    return out
 
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -182,7 +293,7 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
     multiplied. ``kernel`` as for :func:`fused`; without the fused kernel, the norm is
     :func:`~speccheck.speculator.model_kernels.add_rms_norm` (or ``rms_norm``) on CUDA and
     PyTorch ops elsewhere."""
-    if not fused(x, weight, kernel):
+    if not fused(x, weight, kernel, FUSED_ROWS):
         elementwise = None if x.is_cuda and kernel is None else False
         if delta is None:
             return torch.nn.functional.linear(
@@ -190,10 +301,10 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
         normed, summed = add_rms_norm(x, delta, norm_weight, eps, kernel=elementwise)
         return torch.nn.functional.linear(normed, weight), summed
     if delta is None:
-        return _launch(Prologue.RMS_NORM, x, weight, x.shape[1], norm_weight=norm_weight,
+        return _launch_fused(Prologue.RMS_NORM, x, weight, x.shape[1], norm_weight=norm_weight,
                        eps=eps), x
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out = _launch(Prologue.ADD_RMS_NORM, x, weight, x.shape[1], delta=delta,
+    out = _launch_fused(Prologue.ADD_RMS_NORM, x, weight, x.shape[1], delta=delta,
                   norm_weight=norm_weight, summed=summed, eps=eps)
     return out, summed
 
@@ -203,7 +314,50 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, *,
     """``(silu(gate) * up) @ weight.T`` of ``gate_up = [gate | up]`` (``[T, 2 * I]``, rows
     contiguous) and ``weight`` ``[n, I]``: the SwiGLU gate and the down projection, the
     gated rows rounded before they are multiplied. ``kernel`` as for :func:`fused`."""
-    if not fused(gate_up, weight, kernel):
+    if not fused(gate_up, weight, kernel, FUSED_ROWS):
         elementwise = None if gate_up.is_cuda and kernel is None else False
         return torch.nn.functional.linear(silu_mul(gate_up, kernel=elementwise), weight)
-    return _launch(Prologue.SILU_MUL, gate_up, weight, gate_up.shape[1] // 2)
+    return _launch_fused(Prologue.SILU_MUL, gate_up, weight, gate_up.shape[1] // 2)
+
+
+def norm_qkv(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
+             eps: float, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+             num_heads: int, num_kv_heads: int, head_size: int, *,
+             kernel: bool | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v, s)``: :func:`norm_linear` into a fused QKV projection ``weight``
+    (``[(num_heads + 2 * num_kv_heads) * head_size, k]``, in that order), then
+    :func:`~speccheck.speculator.model_kernels.rotary_qkv` (NeoX rotary of the queries and
+    keys at ``positions``, values copied; three new contiguous ``[T, heads, head_size]``
+    tensors). One kernel where :func:`fused` says so for :data:`FUSED_ROWS`: each program
+    computes channel pairs ``(j, j + head_size / 2)`` of the projection and rotates them
+    before they are stored."""
+    if not fused(x, weight, kernel, FUSED_ROWS) or head_size % 2:
+        qkv, summed = norm_linear(x, delta, norm_weight, eps, weight, kernel=kernel)
+        elementwise = None if qkv.is_cuda and kernel is None else False
+        q, k, v = rotary_qkv(qkv, positions, inv_freq, num_heads, num_kv_heads, head_size,
+                             kernel=elementwise)
+        return q, k, v, summed
+    width = x.shape[1]
+    _check(x, weight, width, FUSED_ROWS)
+    if weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_size:
+        raise ValueError(f"the QKV weight has {weight.shape[0]} rows, not "
+                         f"({num_heads} + 2 * {num_kv_heads}) * {head_size}")
+    t = x.shape[0]
+    q = torch.empty((t, num_heads, head_size), dtype=x.dtype, device=x.device)
+    k = torch.empty((t, num_kv_heads, head_size), dtype=x.dtype, device=x.device)
+    v = torch.empty((t, num_kv_heads, head_size), dtype=x.dtype, device=x.device)
+    summed = x if delta is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if t:
+        row_tile = triton.next_power_of_2(t)
+        block_p = max(1, 2 // row_tile)
+        pairs = weight.shape[0] // 2
+        _fused_qkv_kernel[(triton.cdiv(pairs, block_p),)](
+            x, x if delta is None else delta, norm_weight, summed, weight, positions, inv_freq,
+            q, k, v, t, width, x.stride(0), x.stride(0) if delta is None else delta.stride(0),
+            eps, num_heads, num_kv_heads,
+            PROLOGUE=int(Prologue.RMS_NORM if delta is None else Prologue.ADD_RMS_NORM),
+            HALF=head_size // 2, ROWS=row_tile, BLOCK_P=block_p,
+            BLOCK_K=min(REDUCE_BLOCK_K, triton.next_power_of_2(width)), num_warps=4,
+            num_stages=1)
+    return q, k, v, summed

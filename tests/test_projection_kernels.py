@@ -17,19 +17,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speccheck.speculator import projection_kernels
-from speccheck.speculator.model_kernels import rms_norm_torch, silu_mul_torch
+from speccheck.speculator.model_kernels import (
+    rms_norm_torch,
+    rotary_inv_freq,
+    rotary_qkv,
+    silu_mul_torch,
+)
 from speccheck.speculator.projection_kernels import (
+    FUSED_ROWS,
     SKINNY_ROWS,
     Tiling,
     fused,
     linear,
     norm_linear,
+    norm_qkv,
     silu_linear,
     tiling_for,
 )
 
 SMALL = settings(max_examples=20, deadline=None)
 TILINGS = st.sampled_from([Tiling(16, 16, 4, 1), Tiling(32, 64, 4, 1), Tiling(64, 512, 4, 1)])
+REDUCE_TILES = st.sampled_from([16, 32, 2048])
+"""Reduction tiles of the fused kernels: short ones split the interpreter's small rows over
+several steps, as 2048 splits the MLP's 4096 on a GPU."""
 
 
 def _rows(seed: int, rows: int, width: int, device: str = "cpu",
@@ -47,10 +57,14 @@ def _tiled(tiling: Tiling) -> mock._patch:  # type: ignore[type-arg]
     return mock.patch.object(projection_kernels, "tiling_for", lambda n, k: tiling)
 
 
+def _reduce_tile(block_k: int) -> mock._patch:  # type: ignore[type-arg]
+    return mock.patch.object(projection_kernels, "REDUCE_BLOCK_K", block_k)
+
+
 @SMALL
-@given(rows=st.integers(0, SKINNY_ROWS), n=st.integers(1, 80), k=st.integers(1, 70),
-       tiling=TILINGS, add=st.booleans(), seed=st.integers(0, 99))
-def test_norm_linear_kernel_matches_the_unfused_layer(rows: int, n: int, k: int, tiling: Tiling,
+@given(rows=st.integers(0, FUSED_ROWS), n=st.integers(1, 40), k=st.integers(1, 70),
+       block_k=REDUCE_TILES, add=st.booleans(), seed=st.integers(0, 99))
+def test_norm_linear_kernel_matches_the_unfused_layer(rows: int, n: int, k: int, block_k: int,
                                                       add: bool, seed: int) -> None:
     """The projection of the normalised sum, and the sum itself exactly, from rows whose
     stride is wider than their width (as a split gives them)."""
@@ -58,7 +72,7 @@ def test_norm_linear_kernel_matches_the_unfused_layer(rows: int, n: int, k: int,
     delta = _rows(seed + 1, rows, k) if add else None
     norm_weight = 1 + 0.1 * _rows(seed + 2, 1, k)[0]
     weight = _weight(seed + 3, n, k)
-    with _tiled(tiling):
+    with _reduce_tile(block_k):
         out, summed = norm_linear(x, delta, norm_weight, 1e-6, weight, kernel=True)
     want_sum = x + delta if delta is not None else x
     want = rms_norm_torch(want_sum, norm_weight, 1e-6) @ weight.T
@@ -70,13 +84,13 @@ def test_norm_linear_kernel_matches_the_unfused_layer(rows: int, n: int, k: int,
 
 
 @SMALL
-@given(rows=st.integers(0, SKINNY_ROWS), n=st.integers(1, 80), width=st.integers(1, 70),
-       tiling=TILINGS, seed=st.integers(0, 99))
+@given(rows=st.integers(0, FUSED_ROWS), n=st.integers(1, 40), width=st.integers(1, 70),
+       block_k=REDUCE_TILES, seed=st.integers(0, 99))
 def test_silu_linear_kernel_matches_the_unfused_layer(rows: int, n: int, width: int,
-                                                      tiling: Tiling, seed: int) -> None:
+                                                      block_k: int, seed: int) -> None:
     gate_up = 3 * _rows(seed, rows, 2 * width)
     weight = _weight(seed + 1, n, width)
-    with _tiled(tiling):
+    with _reduce_tile(block_k):
         out = silu_linear(gate_up, weight, kernel=True)
     want = silu_mul_torch(gate_up) @ weight.T
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
@@ -97,16 +111,46 @@ def test_linear_kernel_matches_matmul(rows: int, n: int, k: int, tiling: Tiling,
     torch.testing.assert_close(out, x @ weight.T, rtol=1e-4, atol=1e-4)
 
 
+@SMALL
+@given(rows=st.integers(0, FUSED_ROWS), heads=st.integers(1, 3), kv_heads=st.integers(1, 2),
+       half=st.integers(1, 9), k=st.integers(1, 40), block_k=REDUCE_TILES, add=st.booleans(),
+       seed=st.integers(0, 99))
+def test_norm_qkv_kernel_matches_the_unfused_layers(rows: int, heads: int, kv_heads: int,
+                                                    half: int, k: int, block_k: int, add: bool,
+                                                    seed: int) -> None:
+    """Queries and keys rotated, values copied, each contiguous, and the sum exactly: as
+    the norm, the projection and rotary_qkv give them one after another."""
+    dim = 2 * half
+    x = _rows(seed, rows, k + 1)[:, :k]
+    delta = _rows(seed + 1, rows, k) if add else None
+    norm_weight = 1 + 0.1 * _rows(seed + 2, 1, k)[0]
+    weight = _weight(seed + 3, (heads + 2 * kv_heads) * dim, k)
+    positions = torch.randint(0, 40000, (rows,), generator=torch.Generator().manual_seed(seed))
+    inv_freq = rotary_inv_freq(dim, 10000.0, torch.device("cpu"))
+    args = (x, delta, norm_weight, 1e-6, weight, positions, inv_freq, heads, kv_heads, dim)
+    with _reduce_tile(block_k):
+        *got, got_sum = norm_qkv(*args, kernel=True)
+    *want, want_sum = norm_qkv(*args, kernel=False)
+    qkv, _ = norm_linear(x, delta, norm_weight, 1e-6, weight, kernel=False)
+    unfused = rotary_qkv(qkv, positions, inv_freq, heads, kv_heads, dim, kernel=False)
+    assert torch.equal(got_sum, want_sum)
+    for g, w, u in zip(got, want, unfused, strict=True):
+        assert g.is_contiguous() and g.shape == w.shape
+        assert torch.equal(w, u)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-3)
+
+
 def test_which_projections_fuse() -> None:
-    """Half-precision CUDA rows up to SKINNY_ROWS, rows contiguous; never CPU tensors or
-    fp32 (whose tensor-core dot would round to tf32) unless forced."""
+    """Half-precision CUDA rows, rows contiguous, up to the kernel's row limit; never CPU
+    tensors or fp32 (whose tensor-core dot would round to tf32) unless forced."""
     weight = torch.zeros(8, 4, dtype=torch.bfloat16)
-    assert not fused(torch.zeros(1, 4, dtype=torch.bfloat16), weight, None)
-    assert fused(torch.zeros(1, 4), weight, True)
-    assert not fused(torch.zeros(1, 4), weight, False)
-    too_many = torch.zeros(SKINNY_ROWS + 1, 4)
+    assert not fused(torch.zeros(1, 4, dtype=torch.bfloat16), weight, None, SKINNY_ROWS)
+    assert fused(torch.zeros(1, 4), weight, True, SKINNY_ROWS)
+    assert not fused(torch.zeros(1, 4), weight, False, SKINNY_ROWS)
     with pytest.raises(ValueError, match="at most 16 rows"):
-        linear(too_many, torch.zeros(8, 4), kernel=True)
+        linear(torch.zeros(SKINNY_ROWS + 1, 4), torch.zeros(8, 4), kernel=True)
+    with pytest.raises(ValueError, match=f"at most {FUSED_ROWS} rows"):
+        silu_linear(torch.zeros(FUSED_ROWS + 1, 8), torch.zeros(8, 4), kernel=True)
 
 
 def test_tilings_cover_the_drafters_projections() -> None:
@@ -118,7 +162,7 @@ def test_tilings_cover_the_drafters_projections() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, SKINNY_ROWS])
+@pytest.mark.parametrize("rows", [1, FUSED_ROWS, 5, SKINNY_ROWS])
 def test_cuda_fused_projections_match_the_unfused_layers(dtype: torch.dtype, rows: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -136,6 +180,13 @@ def test_cuda_fused_projections_match_the_unfused_layers(dtype: torch.dtype, row
     down = _weight(6, 2048, 4096, "cuda", dtype)
     torch.testing.assert_close(silu_linear(gate_up, down),
                                silu_linear(gate_up, down, kernel=False), **tol)
+    positions = torch.arange(rows, device="cuda") * 997
+    inv_freq = rotary_inv_freq(128, 10000.0, torch.device("cuda"))
+    qkv_weight = _weight(7, 24 * 128, 2048, "cuda", dtype)
+    for add in (None, delta):
+        args = (x, add, norm_weight, 1e-6, qkv_weight, positions, inv_freq, 16, 4, 128)
+        for got, want in zip(norm_qkv(*args), norm_qkv(*args, kernel=False), strict=True):
+            torch.testing.assert_close(got, want, **tol)
 
 
 _AOT_SCRIPT = """
@@ -144,21 +195,42 @@ from triton.compiler import ASTSource, compile
 from speccheck.speculator import projection_kernels as p
 
 target = GPUTarget("cuda", 90, 32)
+ints = ("rows", "n", "k", "x_stride", "d_stride", "out_stride")
 for dtype in ("bf16", "fp16"):
+    for n, k in ((3072, 2048), (8192, 2048), (2048, 4096)):
+        t = p.tiling_for(n, k)
+        signature = {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "out_ptr": "*" + dtype,
+                     "rows": "i32", "n": "i32", "k": "i32", "x_stride": "i32",
+                     "out_stride": "i32"}
+        constants = {"ROWS": p.SKINNY_ROWS, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
+        signature.update(dict.fromkeys(constants, "constexpr"))
+        compile(ASTSource(p._skinny_linear_kernel, signature, constants), target=target,
+                options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+    print(dtype, "linear ok")
+    pointers = ("x_ptr", "d_ptr", "nw_ptr", "sum_ptr", "w_ptr")
     for prologue in p.Prologue:
-        for n, k in ((3072, 2048), (8192, 2048), (2048, 4096)):
-            t = p.tiling_for(n, k)
-            signature = {name: "*" + dtype for name in
-                         ("x_ptr", "d_ptr", "nw_ptr", "sum_ptr", "w_ptr", "out_ptr")}
-            signature.update(dict.fromkeys(("rows", "n", "k", "x_stride", "d_stride",
-                                            "out_stride"), "i32"))
+        for rows in (1, 2):
+            signature = {name: "*" + dtype for name in (*pointers, "out_ptr")}
+            signature.update(dict.fromkeys(ints, "i32"))
             signature["eps"] = "fp32"
-            constants = {"PROLOGUE": int(prologue), "ROWS": p.SKINNY_ROWS,
-                         "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
+            constants = {"PROLOGUE": int(prologue), "ROWS": rows, "BLOCK_N": 4 // rows,
+                         "BLOCK_K": p.REDUCE_BLOCK_K}
             signature.update(dict.fromkeys(constants, "constexpr"))
-            compile(ASTSource(p._skinny_linear_kernel, signature, constants), target=target,
-                    options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+            compile(ASTSource(p._fused_projection_kernel, signature, constants), target=target,
+                    options={"num_warps": 4, "num_stages": 1})
         print(dtype, prologue.name, "ok")
+    for prologue in (p.Prologue.RMS_NORM, p.Prologue.ADD_RMS_NORM):
+        signature = {name: "*" + dtype for name in (*pointers, "q_ptr", "k_ptr", "v_ptr")}
+        signature.update({"pos_ptr": "*i64", "inv_freq_ptr": "*fp32"})
+        signature.update(dict.fromkeys(("rows", "k", "x_stride", "d_stride", "num_heads",
+                                        "num_kv_heads"), "i32"))
+        signature["eps"] = "fp32"
+        constants = {"PROLOGUE": int(prologue), "HALF": 64, "ROWS": 1, "BLOCK_P": 2,
+                     "BLOCK_K": p.REDUCE_BLOCK_K}
+        signature.update(dict.fromkeys(constants, "constexpr"))
+        compile(ASTSource(p._fused_qkv_kernel, signature, constants), target=target,
+                options={"num_warps": 4, "num_stages": 1})
+        print(dtype, "qkv", prologue.name, "ok")
 """
 
 
@@ -170,4 +242,4 @@ def test_the_fused_kernel_compiles_for_sm90() -> None:
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 2 * len(projection_kernels.Prologue), proc.stdout
+    assert proc.stdout.count(" ok") == 2 * (1 + len(projection_kernels.Prologue) + 2), proc.stdout
