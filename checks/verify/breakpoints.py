@@ -40,7 +40,9 @@ here are where the strategy aims, and hypothesis' targeting (see
 Cost: at most ``max_builds`` builds in all, shared by the batch sizes. Where a batch size's
 share covers every length, the sweep is exhaustive; otherwise lengths are probed on a
 coarse grid (half the share) and every grid interval whose endpoints differ is bisected
-down to the exact length, narrowest (then lowest) interval first. A change that reverts
+down to the exact length, narrowest (then lowest) interval first. While the builds left
+cover a bisection of every open interval down to one change each, all open intervals are
+halved in one round whose builds are read back together; otherwise one at a time. A change that reverts
 inside one grid interval is missed (:attr:`BatchBreakpoints.coarse_step` says how wide
 they are), and intervals still open when the builds run out are listed as
 :attr:`BatchBreakpoints.unresolved`.
@@ -76,6 +78,10 @@ CPU."""
 TRACKING_WINDOW = 8
 """One-token steps per probe window: an element that changes at each of them follows the
 length and is masked (two windows: at the shortest lengths and mid-range)."""
+
+READBACK_BUILDS = 64
+"""Builds whose watched tensors one device-to-host transfer reads back (their copies stay on
+the device until then: tens of KiB per build at serving scale)."""
 
 DESCRIBE_LENGTHS = 12
 """Lengths :meth:`Breakpoints.describe` lists per field before it abbreviates."""
@@ -315,10 +321,9 @@ class _Probe:
         see two shapes, the first window's mask is kept."""
         mid = max(lo, (lo + hi) // 2 - TRACKING_WINDOW // 2)
         windows = sorted({(start, min(hi, start + TRACKING_WINDOW)) for start in (lo, mid)})
+        self._read_all(sorted({length for start, stop in windows
+                               for length in range(start, stop + 1)}))
         for start, stop in windows:
-            for length in range(start, stop + 1):
-                if length not in self._pending:
-                    self._pending[length] = self._read(length)
             values = [self._pending[length] for length in range(start, stop + 1)]
             for name in self._order:
                 series = [v[name] for v in values if name in v]
@@ -337,31 +342,47 @@ class _Probe:
         narrowest (then lowest) interval first, while builds stay within ``cap``."""
         changes: dict[str, set[int]] = {}
         unresolved: list[tuple[int, int]] = []
+        self._read_all(grid)
         heap = [(c - a, a, c) for a, c in zip(grid, grid[1:]) if self._key(a) != self._key(c)]
         heapq.heapify(heap)
         while heap:
-            width, a, c = heapq.heappop(heap)
-            if width == 1:
-                before, after = self._key(a), self._key(c)
-                for name in before.keys() | after.keys():
-                    if before.get(name) != after.get(name):
-                        changes.setdefault(name, set()).add(c)
-                continue
-            m = (a + c) // 2
-            if m not in self._keys and m not in self._pending and self.builds >= cap:
-                unresolved.append((a, c))
-                continue
-            for left, right in ((a, m), (m, c)):
-                if self._key(left) != self._key(right):
-                    heapq.heappush(heap, (right - left, left, right))
+            # One interval at a time while the builds left might not resolve every open
+            # interval: then narrowest-first decides which breakpoints stay exact.
+            ample = cap - self.builds >= sum((width - 1).bit_length() for width, _, _ in heap)
+            batch = len(heap) if ample else 1
+            split: list[tuple[int, int, int]] = []
+            to_build = 0
+            while heap and len(split) < batch:
+                width, a, c = heapq.heappop(heap)
+                if width == 1:
+                    before, after = self._key(a), self._key(c)
+                    for name in before.keys() | after.keys():
+                        if before.get(name) != after.get(name):
+                            changes.setdefault(name, set()).add(c)
+                    continue
+                m = (a + c) // 2
+                if self._built(m) or self.builds + to_build < cap:
+                    to_build += not self._built(m)
+                    split.append((a, m, c))
+                else:
+                    unresolved.append((a, c))
+            self._read_all([m for _, m, _ in split])
+            for a, m, c in split:
+                for left, right in ((a, m), (m, c)):
+                    if self._key(left) != self._key(right):
+                        heapq.heappush(heap, (right - left, left, right))
         return changes, sorted(unresolved)
 
     def _key(self, length: int) -> dict[str, Hashable]:
         """Masked digest of every watched field at ``length`` (cached)."""
         if length not in self._keys:
-            values = self._pending.pop(length) if length in self._pending else self._read(length)
+            self._read_all([length])
+            values = self._pending.pop(length)
             self._keys[length] = {name: self._digest(name, a) for name, a in values.items()}
         return self._keys[length]
+
+    def _built(self, length: int) -> bool:
+        return length in self._keys or length in self._pending
 
     def _digest(self, name: str, a: np.ndarray) -> Hashable:
         mask = self._masks.get(name)
@@ -373,8 +394,25 @@ class _Probe:
 
     # -- one build ----------------------------------------------------------------------
 
-    def _read(self, length: int) -> Values:
-        """Build at ``length`` and read every watched field."""
+    def _read_all(self, lengths: Sequence[int]) -> None:
+        """Build at each of ``lengths`` not built yet and read every watched field into
+        :attr:`_pending`. Each build's watched tensors are copied on their device as soon as
+        it returns (the next build rewrites the builder's buffers) and read back together,
+        :data:`READBACK_BUILDS` builds per transfer: a read-back of its own per build
+        waited for the device every time."""
+        queued: list[tuple[int, list[str], list[torch.Tensor], Values]] = []
+        for length in dict.fromkeys(lengths):
+            if self._built(length):
+                continue
+            queued.append(self._queue(length))
+            if len(queued) == READBACK_BUILDS:
+                self._collect(queued)
+                queued = []
+        self._collect(queued)
+
+    def _queue(self, length: int) -> tuple[int, list[str], list[torch.Tensor], Values]:
+        """Build at ``length``: the watched paths, copies of their tensors, and the host
+        values."""
         self.builds += 1
         metadata, inputs = self._build(length)
         workspace = {
@@ -386,11 +424,20 @@ class _Probe:
             path for path, tensor in tensors.items()
             if path in self.declared or tensor.untyped_storage().data_ptr() not in underived
         ]
-        copies = host_copies([tensors[path] for path in watched])
-        values: Values = {path: _host_array(copy) for path, copy in zip(watched, copies, strict=True)}
-        values.update(host)
-        self._order.update(dict.fromkeys(values))
-        return values
+        copies = [tensors[path].detach().clone(memory_format=torch.contiguous_format)
+                  for path in watched]
+        return length, watched, copies, host
+
+    def _collect(self, queued: list[tuple[int, list[str], list[torch.Tensor], Values]]) -> None:
+        """Read the queued builds' copies back in one transfer per dtype."""
+        if not queued:
+            return
+        host_tensors = iter(host_copies([t for _, _, copies, _ in queued for t in copies]))
+        for length, watched, copies, host in queued:
+            values: Values = {path: _host_array(next(host_tensors)) for path in watched}
+            values.update(host)
+            self._order.update(dict.fromkeys(values))
+            self._pending[length] = values
 
     def _input_buffers(self) -> AttentionInputBuffers:
         """The probe's own input buffers (allocated once): disjoint block-table rows for
