@@ -27,7 +27,13 @@ from speccheck.speculator.model_kernels import (
     rotary,
     rotary_inv_freq,
 )
-from speccheck.speculator.projection_kernels import linear, norm_linear, norm_qkv, silu_linear
+from speccheck.speculator.projection_kernels import (
+    EmbeddedTokens,
+    linear,
+    norm_linear,
+    norm_qkv,
+    silu_linear,
+)
 
 DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -178,7 +184,7 @@ class GQAAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | EmbeddedTokens,
         delta: torch.Tensor | None,
         norm: RMSNorm,
         positions: torch.Tensor,
@@ -186,17 +192,17 @@ class GQAAttention(nn.Module):
         metadata: Any,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(attention output, x + delta)``: the residual add, ``norm`` and rotary run in
-        the QKV projection's kernel at decode batch sizes
+        """``(attention output, x + delta)``: the residual add (or the embedding gather),
+        ``norm`` and rotary run in the QKV projection's kernel at decode batch sizes
         (:func:`~speccheck.speculator.projection_kernels.norm_qkv`)."""
         cfg = self.cfg
-        t = x.shape[0]
         q, k, v, summed = norm_qkv(x, delta, norm.weight, norm.eps, self.qkv_proj.weight,
                                    positions, self.inv_freq, cfg.num_heads, cfg.num_kv_heads,
                                    cfg.head_size, kernel=cfg.kernel_choice)
         attn = torch.zeros_like(q)
         impl.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn)
-        return linear(attn.reshape(t, -1), self.o_proj.weight, kernel=cfg.kernel_choice), summed
+        return (linear(attn.reshape(summed.shape[0], -1), self.o_proj.weight,
+                       kernel=cfg.kernel_choice), summed)
 
 
 class MLAAttention(nn.Module):
@@ -258,7 +264,7 @@ class MLAAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | EmbeddedTokens,
         delta: torch.Tensor | None,
         norm: RMSNorm,
         positions: torch.Tensor,
@@ -267,7 +273,8 @@ class MLAAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(attention output, x + delta)``: :meth:`attend` to ``norm(x + delta)``."""
-        normed, summed = norm.add_and_norm(x, delta)
+        rows = x.rows() if isinstance(x, EmbeddedTokens) else x
+        normed, summed = norm.add_and_norm(rows, delta)
         return self.attend(normed, positions, impl, metadata, kv_cache), summed
 
     def attend(
@@ -310,7 +317,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | EmbeddedTokens,
         delta: torch.Tensor | None,
         positions: torch.Tensor,
         impl: AttentionImpl[Any],
@@ -318,13 +325,14 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(y, mlp)``: this layer's output is ``y + mlp`` for the residual stream ``x +
-        delta`` (``x`` when ``delta`` is ``None``). Each residual add is left to the kernel
+        delta`` (``x`` when ``delta`` is ``None``; the first layer's ``x`` is the embedded
+        tokens, gathered in the QKV kernel). Each residual add is left to the kernel
         after it: the norm, and at decode batch sizes the projection after the norm
         (:mod:`~speccheck.speculator.projection_kernels`); the SwiGLU gate runs in the down
         projection's kernel."""
-        attn, x = self.attn(x, delta, self.input_norm, positions, impl, metadata, kv_cache)
-        gate_up, x = self.post_norm.then_project(x, attn, self.gate_up_proj.weight)
-        return x, silu_linear(gate_up, self.down_proj.weight, kernel=self.cfg.kernel_choice)
+        attn, summed = self.attn(x, delta, self.input_norm, positions, impl, metadata, kv_cache)
+        gate_up, summed = self.post_norm.then_project(summed, attn, self.gate_up_proj.weight)
+        return summed, silu_linear(gate_up, self.down_proj.weight, kernel=self.cfg.kernel_choice)
 
 
 @functools.lru_cache(maxsize=2)
@@ -375,11 +383,12 @@ class DraftModel(nn.Module):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the ``T = len(input_ids)`` tokens."""
-        x = self.embed(input_ids)
+        x: torch.Tensor | EmbeddedTokens = EmbeddedTokens(input_ids, self.embed.weight)
         delta: torch.Tensor | None = None
         for i, layer in enumerate(cast(list[DecoderLayer], list(self.layers))):
             x, delta = layer(x, delta, positions, impls[i], layer_metadata[i], kv_caches[i])
-        return self.final_norm.add_and_norm(x, delta)[0]
+        rows = x.rows() if isinstance(x, EmbeddedTokens) else x
+        return self.final_norm.add_and_norm(rows, delta)[0]
 
     def decode_weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads: every parameter but the embedding

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -51,9 +52,12 @@ _HALF_DTYPES = (torch.bfloat16, torch.float16)
 class Prologue(enum.IntEnum):
     """What the fused kernel applies to its input rows before the projection."""
 
+    NONE = 0
     RMS_NORM = 1
     ADD_RMS_NORM = 2
     SILU_MUL = 3
+    GATHER_RMS_NORM = 4
+    """RMSNorm of embedding-table rows picked by token ids (the QKV kernel only)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,12 @@ def tiling_for(n: int, k: int) -> Tiling:
         return Tiling(32, 256, 4, 5)
     return Tiling(16, 512, 4, 4 if k <= 2048 else 5)
 
+
+WIDE_OUTPUT = 8192
+"""Output features from which :func:`linear` streams the weight through tensor cores at any
+row count: in the sweep the CUDA-core reduction was faster at one row for the narrower
+projections (QKV, attention output, down) and slower for the MLP's gate_up and the LM
+head."""
 
 REDUCE_BLOCK_K = 2048
 """Reduction tile of the fused kernel: the drafter's hidden rows in one step (the sweep's
@@ -104,39 +114,42 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, rows, n, k, x_stride, out_strid
 
 
 @triton.jit
-def _prologue_block(x_ptr, d_ptr, nw_ptr, r, rmask, kk, kmask, k, x_stride, d_stride, rstd,
+def _prologue_block(x_ptr, d_ptr, nw_ptr, x_rows, r, rmask, kk, kmask, k, d_stride, rstd,
                     PROLOGUE: tl.constexpr):
-    """The prologue's rows ``r``, columns ``kk`` (fp32), rounded through the activations'
-    dtype as the unfused op rounds what it stores."""
+    """The prologue's rows ``r`` (at element offsets ``x_rows`` of ``x``), columns ``kk``
+    (fp32), rounded through the activations' dtype as the unfused op rounds what it
+    stores."""
     ty = x_ptr.dtype.element_ty
     m = rmask[:, None] & kmask[None, :]
-    a = tl.load(x_ptr + r[:, None] * x_stride + kk[None, :], mask=m, other=0.0).to(tl.float32)
+    a = tl.load(x_ptr + x_rows[:, None] + kk[None, :], mask=m, other=0.0).to(tl.float32)
     if PROLOGUE == 3:
-        up = tl.load(x_ptr + r[:, None] * x_stride + k + kk[None, :], mask=m,
+        up = tl.load(x_ptr + x_rows[:, None] + k + kk[None, :], mask=m,
                      other=0.0).to(tl.float32)
         a = (a / (1.0 + tl.exp(-a)) * up).to(ty).to(tl.float32)
     if PROLOGUE == 2:
         d = tl.load(d_ptr + r[:, None] * d_stride + kk[None, :], mask=m, other=0.0)
         a = (a + d.to(tl.float32)).to(ty).to(tl.float32)
-    if PROLOGUE == 1 or PROLOGUE == 2:
+    if PROLOGUE == 1 or PROLOGUE == 2 or PROLOGUE == 4:
         w = tl.load(nw_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
         a = (a * rstd[:, None] * w[None, :]).to(ty).to(tl.float32)
     return a
 
 
 @triton.jit
-def _inverse_rms(x_ptr, d_ptr, sum_ptr, r, rmask, k, x_stride, d_stride, eps, store_sum,
+def _inverse_rms(x_ptr, d_ptr, sum_ptr, x_rows, r, rmask, k, d_stride, eps, store_sum,
                  PROLOGUE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``1 / rms`` of each row of ``x + delta`` (``x`` for ``RMS_NORM``), the sum rounded to
-    the residual's dtype first; the sum is stored when ``store_sum``."""
+    """``1 / rms`` of each row of ``x + delta`` (``x`` for ``RMS_NORM`` and
+    ``GATHER_RMS_NORM``), the sum rounded to the residual's dtype first; the sum (the
+    gathered rows) is stored when ``store_sum``."""
     squares = tl.zeros((ROWS,), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         kk = start + tl.arange(0, BLOCK_K)
         m = rmask[:, None] & (kk < k)[None, :]
-        s = tl.load(x_ptr + r[:, None] * x_stride + kk[None, :], mask=m, other=0.0)
+        s = tl.load(x_ptr + x_rows[:, None] + kk[None, :], mask=m, other=0.0)
         if PROLOGUE == 2:
             d = tl.load(d_ptr + r[:, None] * d_stride + kk[None, :], mask=m, other=0.0)
             s = (s.to(tl.float32) + d.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        if PROLOGUE == 2 or PROLOGUE == 4:
             if store_sum:
                 tl.store(sum_ptr + r[:, None] * k + kk[None, :], s, mask=m)
         s32 = s.to(tl.float32)
@@ -152,9 +165,10 @@ def _fused_projection_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, out_ptr, rows
     pid = tl.program_id(0)
     r = tl.arange(0, ROWS)
     rmask = r < rows
+    x_rows = r.to(tl.int64) * x_stride
     rstd = tl.zeros((ROWS,), dtype=tl.float32)
-    if PROLOGUE != 3:
-        rstd = _inverse_rms(x_ptr, d_ptr, sum_ptr, r, rmask, k, x_stride, d_stride, eps,
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        rstd = _inverse_rms(x_ptr, d_ptr, sum_ptr, x_rows, r, rmask, k, d_stride, eps,
                             pid == 0, PROLOGUE, ROWS, BLOCK_K)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < n
@@ -162,7 +176,7 @@ def _fused_projection_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, out_ptr, rows
     for start in range(0, k, BLOCK_K):
         kk = start + tl.arange(0, BLOCK_K)
         kmask = kk < k
-        a = _prologue_block(x_ptr, d_ptr, nw_ptr, r, rmask, kk, kmask, k, x_stride, d_stride,
+        a = _prologue_block(x_ptr, d_ptr, nw_ptr, x_rows, r, rmask, kk, kmask, k, d_stride,
                             rstd, PROLOGUE)
         w = tl.load(w_ptr + cols[:, None] * k + kk[None, :],
                     mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
@@ -172,16 +186,21 @@ def _fused_projection_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, out_ptr, rows
 
 
 @triton.jit
-def _fused_qkv_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, pos_ptr, inv_freq_ptr, q_ptr,
-                      k_ptr, v_ptr, rows, k, x_stride, d_stride, eps, num_heads, num_kv_heads,
-                      PROLOGUE: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
-                      BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fused_qkv_kernel(x_ptr, d_ptr, ids_ptr, nw_ptr, sum_ptr, w_ptr, pos_ptr, inv_freq_ptr,
+                      q_ptr, k_ptr, v_ptr, rows, k, x_stride, d_stride, eps, num_heads,
+                      num_kv_heads, PROLOGUE: tl.constexpr, HALF: tl.constexpr,
+                      ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
     """A fused QKV projection's ``BLOCK_P`` channel pairs ``(j, j + HALF)`` of its heads,
-    rotated (queries and keys) or copied (values) into ``q``, ``k``, ``v``."""
+    rotated (queries and keys) or copied (values) into ``q``, ``k``, ``v``. With
+    ``GATHER_RMS_NORM`` the input rows are rows ``ids`` of ``x`` (an embedding table)."""
     pid = tl.program_id(0)
     r = tl.arange(0, ROWS)
     rmask = r < rows
-    rstd = _inverse_rms(x_ptr, d_ptr, sum_ptr, r, rmask, k, x_stride, d_stride, eps, pid == 0,
+    if PROLOGUE == 4:
+        x_rows = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64) * x_stride
+    else:
+        x_rows = r.to(tl.int64) * x_stride
+    rstd = _inverse_rms(x_ptr, d_ptr, sum_ptr, x_rows, r, rmask, k, d_stride, eps, pid == 0,
                         PROLOGUE, ROWS, BLOCK_K)
     pair = pid * BLOCK_P + tl.arange(0, BLOCK_P)
     head = pair // HALF
@@ -193,7 +212,7 @@ def _fused_qkv_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, pos_ptr, inv_freq_pt
     for start in range(0, k, BLOCK_K):
         kk = start + tl.arange(0, BLOCK_K)
         kmask = kk < k
-        a = _prologue_block(x_ptr, d_ptr, nw_ptr, r, rmask, kk, kmask, k, x_stride, d_stride,
+        a = _prologue_block(x_ptr, d_ptr, nw_ptr, x_rows, r, rmask, kk, kmask, k, d_stride,
                             rstd, PROLOGUE)
         wmask = pmask[:, None] & kmask[None, :]
         w1 = tl.load(w_ptr + first[:, None] * k + kk[None, :], mask=wmask, other=0.0)
@@ -268,9 +287,13 @@ def _launch_fused(prologue: Prologue, x: torch.Tensor, weight: torch.Tensor, k: 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
     """``x @ weight.T`` for 2-D ``x`` (rows contiguous) and a contiguous ``weight``
-    (``[n, k]``); ``kernel`` as for :func:`fused`."""
+    (``[n, k]``); ``kernel`` as for :func:`fused` (up to :data:`SKINNY_ROWS` rows): the
+    CUDA-core kernel up to :data:`FUSED_ROWS` rows and below :data:`WIDE_OUTPUT` output
+    features, else the tensor-core one."""
     if not fused(x, weight, kernel, SKINNY_ROWS):
         return torch.nn.functional.linear(x, weight)
+    if x.shape[0] <= FUSED_ROWS and weight.shape[0] < WIDE_OUTPUT:
+        return _launch_fused(Prologue.NONE, x, weight, x.shape[1])
     _check(x, weight, x.shape[1], SKINNY_ROWS)
     rows, n = x.shape[0], weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -320,44 +343,66 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, *,
     return _launch_fused(Prologue.SILU_MUL, gate_up, weight, gate_up.shape[1] // 2)
 
 
-def norm_qkv(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
-             eps: float, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-             num_heads: int, num_kv_heads: int, head_size: int, *,
-             kernel: bool | None = None
+class EmbeddedTokens(NamedTuple):
+    """Token rows not gathered yet: rows ``ids`` of the embedding ``table``. The first
+    layer's QKV kernel gathers them itself (:func:`norm_qkv`), saving the embedding's
+    kernel."""
+
+    ids: torch.Tensor
+    table: torch.Tensor
+
+    def rows(self) -> torch.Tensor:
+        """The gathered rows, ``[len(ids), hidden]``."""
+        return torch.nn.functional.embedding(self.ids, self.table)
+
+
+def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
+             norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+             positions: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
+             num_kv_heads: int, head_size: int, *, kernel: bool | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, k, v, s)``: :func:`norm_linear` into a fused QKV projection ``weight``
     (``[(num_heads + 2 * num_kv_heads) * head_size, k]``, in that order), then
     :func:`~speccheck.speculator.model_kernels.rotary_qkv` (NeoX rotary of the queries and
     keys at ``positions``, values copied; three new contiguous ``[T, heads, head_size]``
-    tensors). One kernel where :func:`fused` says so for :data:`FUSED_ROWS`: each program
-    computes channel pairs ``(j, j + head_size / 2)`` of the projection and rotates them
-    before they are stored."""
-    if not fused(x, weight, kernel, FUSED_ROWS) or head_size % 2:
-        qkv, summed = norm_linear(x, delta, norm_weight, eps, weight, kernel=kernel)
+    tensors). ``x`` may be :class:`EmbeddedTokens` (then ``delta`` is ``None`` and ``s`` the
+    gathered rows). One kernel where :func:`fused` says so for :data:`FUSED_ROWS`: each
+    program computes channel pairs ``(j, j + head_size / 2)`` of the projection and
+    rotates them before they are stored."""
+    gather = isinstance(x, EmbeddedTokens)
+    rows_like = x.table[: x.ids.shape[0]] if isinstance(x, EmbeddedTokens) else x
+    if not fused(rows_like, weight, kernel, FUSED_ROWS) or head_size % 2:
+        hidden = x.rows() if isinstance(x, EmbeddedTokens) else x
+        qkv, summed = norm_linear(hidden, delta, norm_weight, eps, weight, kernel=kernel)
         elementwise = None if qkv.is_cuda and kernel is None else False
         q, k, v = rotary_qkv(qkv, positions, inv_freq, num_heads, num_kv_heads, head_size,
                              kernel=elementwise)
         return q, k, v, summed
-    width = x.shape[1]
-    _check(x, weight, width, FUSED_ROWS)
+    source, ids = (x.table, x.ids) if isinstance(x, EmbeddedTokens) else (x, None)
+    t, width = (ids.shape[0] if ids is not None else source.shape[0]), source.shape[1]
+    _check(rows_like, weight, width, FUSED_ROWS)
+    if gather and delta is not None:
+        raise ValueError("embedded tokens have no residual to add")
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_size:
         raise ValueError(f"the QKV weight has {weight.shape[0]} rows, not "
                          f"({num_heads} + 2 * {num_kv_heads}) * {head_size}")
-    t = x.shape[0]
-    q = torch.empty((t, num_heads, head_size), dtype=x.dtype, device=x.device)
-    k = torch.empty((t, num_kv_heads, head_size), dtype=x.dtype, device=x.device)
-    v = torch.empty((t, num_kv_heads, head_size), dtype=x.dtype, device=x.device)
-    summed = x if delta is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dtype, device = source.dtype, source.device
+    q = torch.empty((t, num_heads, head_size), dtype=dtype, device=device)
+    k = torch.empty((t, num_kv_heads, head_size), dtype=dtype, device=device)
+    v = torch.empty((t, num_kv_heads, head_size), dtype=dtype, device=device)
+    summed = (source if delta is None and not gather
+              else torch.empty((t, width), dtype=dtype, device=device))
     if t:
         row_tile = triton.next_power_of_2(t)
         block_p = max(1, 2 // row_tile)
-        pairs = weight.shape[0] // 2
-        _fused_qkv_kernel[(triton.cdiv(pairs, block_p),)](
-            x, x if delta is None else delta, norm_weight, summed, weight, positions, inv_freq,
-            q, k, v, t, width, x.stride(0), x.stride(0) if delta is None else delta.stride(0),
-            eps, num_heads, num_kv_heads,
-            PROLOGUE=int(Prologue.RMS_NORM if delta is None else Prologue.ADD_RMS_NORM),
-            HALF=head_size // 2, ROWS=row_tile, BLOCK_P=block_p,
+        prologue = (Prologue.GATHER_RMS_NORM if gather else
+                    Prologue.RMS_NORM if delta is None else Prologue.ADD_RMS_NORM)
+        _fused_qkv_kernel[(triton.cdiv(weight.shape[0] // 2, block_p),)](
+            source, source if delta is None else delta, source if ids is None else ids,
+            norm_weight, summed, weight, positions, inv_freq, q, k, v, t, width,
+            source.stride(0), source.stride(0) if delta is None else delta.stride(0), eps,
+            num_heads, num_kv_heads, PROLOGUE=int(prologue), HALF=head_size // 2,
+            ROWS=row_tile, BLOCK_P=block_p,
             BLOCK_K=min(REDUCE_BLOCK_K, triton.next_power_of_2(width)), num_warps=4,
             num_stages=1)
     return q, k, v, summed

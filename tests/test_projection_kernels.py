@@ -26,6 +26,8 @@ from speccheck.speculator.model_kernels import (
 from speccheck.speculator.projection_kernels import (
     FUSED_ROWS,
     SKINNY_ROWS,
+    EmbeddedTokens,
+    Prologue,
     Tiling,
     fused,
     linear,
@@ -100,12 +102,13 @@ def test_silu_linear_kernel_matches_the_unfused_layer(rows: int, n: int, width: 
 
 @SMALL
 @given(rows=st.integers(0, SKINNY_ROWS), n=st.integers(1, 80), k=st.integers(1, 70),
-       tiling=TILINGS, seed=st.integers(0, 99))
-def test_linear_kernel_matches_matmul(rows: int, n: int, k: int, tiling: Tiling,
+       tiling=TILINGS, block_k=REDUCE_TILES, seed=st.integers(0, 99))
+def test_linear_kernel_matches_matmul(rows: int, n: int, k: int, tiling: Tiling, block_k: int,
                                      seed: int) -> None:
+    """Both kernels: the CUDA-core one (up to FUSED_ROWS rows) and the tensor-core one."""
     x = _rows(seed, rows, k + 2)[:, :k]
     weight = _weight(seed + 1, n, k)
-    with _tiled(tiling):
+    with _tiled(tiling), _reduce_tile(block_k):
         out = linear(x, weight, kernel=True)
     assert out.shape == (rows, n)
     torch.testing.assert_close(out, x @ weight.T, rtol=1e-4, atol=1e-4)
@@ -113,16 +116,22 @@ def test_linear_kernel_matches_matmul(rows: int, n: int, k: int, tiling: Tiling,
 
 @SMALL
 @given(rows=st.integers(0, FUSED_ROWS), heads=st.integers(1, 3), kv_heads=st.integers(1, 2),
-       half=st.integers(1, 9), k=st.integers(1, 40), block_k=REDUCE_TILES, add=st.booleans(),
-       seed=st.integers(0, 99))
+       half=st.integers(1, 9), k=st.integers(1, 40), block_k=REDUCE_TILES,
+       source=st.sampled_from([Prologue.RMS_NORM, Prologue.ADD_RMS_NORM,
+                               Prologue.GATHER_RMS_NORM]), seed=st.integers(0, 99))
 def test_norm_qkv_kernel_matches_the_unfused_layers(rows: int, heads: int, kv_heads: int,
-                                                    half: int, k: int, block_k: int, add: bool,
-                                                    seed: int) -> None:
-    """Queries and keys rotated, values copied, each contiguous, and the sum exactly: as
-    the norm, the projection and rotary_qkv give them one after another."""
+                                                    half: int, k: int, block_k: int,
+                                                    source: Prologue, seed: int) -> None:
+    """Queries and keys rotated, values copied, each contiguous, and the sum (the gathered
+    rows, for embedded tokens) exactly: as the embedding, the norm, the projection and
+    rotary_qkv give them one after another."""
     dim = 2 * half
-    x = _rows(seed, rows, k + 1)[:, :k]
-    delta = _rows(seed + 1, rows, k) if add else None
+    table = _rows(seed + 4, 11, k + 1)[:, :k]
+    ids = torch.randint(0, 11, (rows,), generator=torch.Generator().manual_seed(seed))
+    x: torch.Tensor | EmbeddedTokens = (EmbeddedTokens(ids, table)
+                                        if source is Prologue.GATHER_RMS_NORM
+                                        else _rows(seed, rows, k + 1)[:, :k])
+    delta = _rows(seed + 1, rows, k) if source is Prologue.ADD_RMS_NORM else None
     norm_weight = 1 + 0.1 * _rows(seed + 2, 1, k)[0]
     weight = _weight(seed + 3, (heads + 2 * kv_heads) * dim, k)
     positions = torch.randint(0, 40000, (rows,), generator=torch.Generator().manual_seed(seed))
@@ -131,9 +140,10 @@ def test_norm_qkv_kernel_matches_the_unfused_layers(rows: int, heads: int, kv_he
     with _reduce_tile(block_k):
         *got, got_sum = norm_qkv(*args, kernel=True)
     *want, want_sum = norm_qkv(*args, kernel=False)
-    qkv, _ = norm_linear(x, delta, norm_weight, 1e-6, weight, kernel=False)
+    rows_in = table[ids] if isinstance(x, EmbeddedTokens) else x
+    qkv, unfused_sum = norm_linear(rows_in, delta, norm_weight, 1e-6, weight, kernel=False)
     unfused = rotary_qkv(qkv, positions, inv_freq, heads, kv_heads, dim, kernel=False)
-    assert torch.equal(got_sum, want_sum)
+    assert torch.equal(got_sum, want_sum) and torch.equal(want_sum, unfused_sum)
     for g, w, u in zip(got, want, unfused, strict=True):
         assert g.is_contiguous() and g.shape == w.shape
         assert torch.equal(w, u)
@@ -183,8 +193,10 @@ def test_cuda_fused_projections_match_the_unfused_layers(dtype: torch.dtype, row
     positions = torch.arange(rows, device="cuda") * 997
     inv_freq = rotary_inv_freq(128, 10000.0, torch.device("cuda"))
     qkv_weight = _weight(7, 24 * 128, 2048, "cuda", dtype)
-    for add in (None, delta):
-        args = (x, add, norm_weight, 1e-6, qkv_weight, positions, inv_freq, 16, 4, 128)
+    table = _rows(8, 500, 2048, "cuda", dtype)
+    embedded = EmbeddedTokens(torch.arange(rows, device="cuda") * 37, table)
+    for rows_in, add in ((x, None), (x, delta), (embedded, None)):
+        args = (rows_in, add, norm_weight, 1e-6, qkv_weight, positions, inv_freq, 16, 4, 128)
         for got, want in zip(norm_qkv(*args), norm_qkv(*args, kernel=False), strict=True):
             torch.testing.assert_close(got, want, **tol)
 
@@ -208,7 +220,8 @@ for dtype in ("bf16", "fp16"):
                 options={"num_warps": t.num_warps, "num_stages": t.num_stages})
     print(dtype, "linear ok")
     pointers = ("x_ptr", "d_ptr", "nw_ptr", "sum_ptr", "w_ptr")
-    for prologue in p.Prologue:
+    for prologue in (p.Prologue.NONE, p.Prologue.RMS_NORM, p.Prologue.ADD_RMS_NORM,
+                     p.Prologue.SILU_MUL):
         for rows in (1, 2):
             signature = {name: "*" + dtype for name in (*pointers, "out_ptr")}
             signature.update(dict.fromkeys(ints, "i32"))
@@ -219,9 +232,9 @@ for dtype in ("bf16", "fp16"):
             compile(ASTSource(p._fused_projection_kernel, signature, constants), target=target,
                     options={"num_warps": 4, "num_stages": 1})
         print(dtype, prologue.name, "ok")
-    for prologue in (p.Prologue.RMS_NORM, p.Prologue.ADD_RMS_NORM):
+    for prologue in (p.Prologue.RMS_NORM, p.Prologue.ADD_RMS_NORM, p.Prologue.GATHER_RMS_NORM):
         signature = {name: "*" + dtype for name in (*pointers, "q_ptr", "k_ptr", "v_ptr")}
-        signature.update({"pos_ptr": "*i64", "inv_freq_ptr": "*fp32"})
+        signature.update({"ids_ptr": "*i64", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32"})
         signature.update(dict.fromkeys(("rows", "k", "x_stride", "d_stride", "num_heads",
                                         "num_kv_heads"), "i32"))
         signature["eps"] = "fp32"
@@ -242,4 +255,4 @@ def test_the_fused_kernel_compiles_for_sm90() -> None:
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 2 * (1 + len(projection_kernels.Prologue) + 2), proc.stdout
+    assert proc.stdout.count(" ok") == 2 * (1 + 4 + 3), proc.stdout
