@@ -193,16 +193,17 @@ class GQAAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(attention output, x + delta)``: the residual add (or the embedding gather),
-        ``norm`` and rotary run in the QKV projection's kernel at decode batch sizes
+        ``norm``, rotary and the clearing of the attention output run in the QKV
+        projection's kernel at decode batch sizes
         (:func:`~speccheck.speculator.projection_kernels.norm_qkv`)."""
         cfg = self.cfg
-        q, k, v, summed = norm_qkv(x, delta, norm.weight, norm.eps, self.qkv_proj.weight,
-                                   positions, self.inv_freq, cfg.num_heads, cfg.num_kv_heads,
-                                   cfg.head_size, kernel=cfg.kernel_choice)
-        attn = torch.zeros_like(q)
-        impl.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, attn)
-        return (linear(attn.reshape(summed.shape[0], -1), self.o_proj.weight,
-                       kernel=cfg.kernel_choice), summed)
+        qkv = norm_qkv(x, delta, norm.weight, norm.eps, self.qkv_proj.weight, positions,
+                       self.inv_freq, cfg.num_heads, cfg.num_kv_heads, cfg.head_size,
+                       kernel=cfg.kernel_choice)
+        impl.forward(qkv.q, qkv.k, qkv.v, kv_cache[0], kv_cache[1], metadata, qkv.out)
+        rows = qkv.residual.shape[0]
+        return (linear(qkv.out.reshape(rows, -1), self.o_proj.weight, kernel=cfg.kernel_choice),
+                qkv.residual)
 
 
 class MLAAttention(nn.Module):

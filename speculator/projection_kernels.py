@@ -90,7 +90,8 @@ head."""
 
 REDUCE_BLOCK_K = 2048
 """Reduction tile of the fused kernel: the drafter's hidden rows in one step (the sweep's
-best CUDA-core tiling at one row: 4 output features by 2048)."""
+best CUDA-core tiling at one row: 4 output features by 2048; from :data:`WIDE_OUTPUT`
+features, 8 by 1024)."""
 
 
 @triton.jit
@@ -187,11 +188,12 @@ def _fused_projection_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, out_ptr, rows
 
 @triton.jit
 def _fused_qkv_kernel(x_ptr, d_ptr, ids_ptr, nw_ptr, sum_ptr, w_ptr, pos_ptr, inv_freq_ptr,
-                      q_ptr, k_ptr, v_ptr, rows, k, x_stride, d_stride, eps, num_heads,
+                      q_ptr, k_ptr, v_ptr, o_ptr, rows, k, x_stride, d_stride, eps, num_heads,
                       num_kv_heads, PROLOGUE: tl.constexpr, HALF: tl.constexpr,
                       ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
     """A fused QKV projection's ``BLOCK_P`` channel pairs ``(j, j + HALF)`` of its heads,
-    rotated (queries and keys) or copied (values) into ``q``, ``k``, ``v``. With
+    rotated (queries and keys) or copied (values) into ``q``, ``k``, ``v``, and zeros where
+    it stores queries into ``o`` (the attention output, shaped as ``q``). With
     ``GATHER_RMS_NORM`` the input rows are rows ``ids`` of ``x`` (an embedding table)."""
     pid = tl.program_id(0)
     r = tl.arange(0, ROWS)
@@ -239,6 +241,8 @@ def _fused_qkv_kernel(x_ptr, d_ptr, ids_ptr, nw_ptr, sum_ptr, w_ptr, pos_ptr, in
     v_at = (r[:, None] * num_kv_heads + (head - num_heads - num_kv_heads)[None, :]) * dim + j[None, :]
     tl.store(q_ptr + q_at, y1, mask=m & is_q)
     tl.store(q_ptr + q_at + HALF, y2, mask=m & is_q)
+    tl.store(o_ptr + q_at, tl.zeros_like(y1), mask=m & is_q)
+    tl.store(o_ptr + q_at + HALF, tl.zeros_like(y2), mask=m & is_q)
     tl.store(k_ptr + k_at, y1, mask=m & is_k)
     tl.store(k_ptr + k_at + HALF, y2, mask=m & is_k)
     tl.store(v_ptr + v_at, y1, mask=m & is_v)
@@ -275,13 +279,15 @@ def _launch_fused(prologue: Prologue, x: torch.Tensor, weight: torch.Tensor, k: 
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
         row_tile = triton.next_power_of_2(rows)
-        block_n = max(1, 4 // row_tile)
+        wide = n >= WIDE_OUTPUT
+        block_n = max(1, (8 if wide else 4) // row_tile)
         _fused_projection_kernel[(triton.cdiv(n, block_n),)](
             x, x if delta is None else delta, x if norm_weight is None else norm_weight,
             x if summed is None else summed, weight, out, rows, n, k, x.stride(0),
             x.stride(0) if delta is None else delta.stride(0), out.stride(0), eps,
             PROLOGUE=int(prologue), ROWS=row_tile, BLOCK_N=block_n,
-            BLOCK_K=min(REDUCE_BLOCK_K, triton.next_power_of_2(k)), num_warps=4, num_stages=1)
+            BLOCK_K=min(REDUCE_BLOCK_K // (2 if wide else 1), triton.next_power_of_2(k)),
+            num_warps=4, num_stages=1)
     return out
 
 
@@ -343,6 +349,18 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, *,
     return _launch_fused(Prologue.SILU_MUL, gate_up, weight, gate_up.shape[1] // 2)
 
 
+class ProjectedQKV(NamedTuple):
+    """What :func:`norm_qkv` returns."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    residual: torch.Tensor
+    """``x + delta`` (the gathered rows, for embedded tokens): the residual stream."""
+    out: torch.Tensor
+    """Zeros shaped as ``q``: the attention output buffer, cleared in the same kernel."""
+
+
 class EmbeddedTokens(NamedTuple):
     """Token rows not gathered yet: rows ``ids`` of the embedding ``table``. The first
     layer's QKV kernel gathers them itself (:func:`norm_qkv`), saving the embedding's
@@ -360,13 +378,14 @@ def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
              norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
              positions: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
              num_kv_heads: int, head_size: int, *, kernel: bool | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q, k, v, s)``: :func:`norm_linear` into a fused QKV projection ``weight``
+             ) -> ProjectedQKV:
+    """``(q, k, v, s, out)``: :func:`norm_linear` into a fused QKV projection ``weight``
     (``[(num_heads + 2 * num_kv_heads) * head_size, k]``, in that order), then
     :func:`~speccheck.speculator.model_kernels.rotary_qkv` (NeoX rotary of the queries and
     keys at ``positions``, values copied; three new contiguous ``[T, heads, head_size]``
-    tensors). ``x`` may be :class:`EmbeddedTokens` (then ``delta`` is ``None`` and ``s`` the
-    gathered rows). One kernel where :func:`fused` says so for :data:`FUSED_ROWS`: each
+    tensors) and a zeroed attention output ``out`` shaped as ``q``. ``x`` may be
+    :class:`EmbeddedTokens` (then ``delta`` is ``None`` and ``s`` the gathered rows). One
+    kernel where :func:`fused` says so for :data:`FUSED_ROWS`: each
     program computes channel pairs ``(j, j + head_size / 2)`` of the projection and
     rotates them before they are stored."""
     gather = isinstance(x, EmbeddedTokens)
@@ -377,7 +396,7 @@ def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
         elementwise = None if qkv.is_cuda and kernel is None else False
         q, k, v = rotary_qkv(qkv, positions, inv_freq, num_heads, num_kv_heads, head_size,
                              kernel=elementwise)
-        return q, k, v, summed
+        return ProjectedQKV(q, k, v, summed, torch.zeros_like(q))
     source, ids = (x.table, x.ids) if isinstance(x, EmbeddedTokens) else (x, None)
     t, width = (ids.shape[0] if ids is not None else source.shape[0]), source.shape[1]
     _check(rows_like, weight, width, FUSED_ROWS)
@@ -390,6 +409,7 @@ def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
     q = torch.empty((t, num_heads, head_size), dtype=dtype, device=device)
     k = torch.empty((t, num_kv_heads, head_size), dtype=dtype, device=device)
     v = torch.empty((t, num_kv_heads, head_size), dtype=dtype, device=device)
+    out = torch.empty((t, num_heads, head_size), dtype=dtype, device=device)
     summed = (source if delta is None and not gather
               else torch.empty((t, width), dtype=dtype, device=device))
     if t:
@@ -399,10 +419,10 @@ def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
                     Prologue.RMS_NORM if delta is None else Prologue.ADD_RMS_NORM)
         _fused_qkv_kernel[(triton.cdiv(weight.shape[0] // 2, block_p),)](
             source, source if delta is None else delta, source if ids is None else ids,
-            norm_weight, summed, weight, positions, inv_freq, q, k, v, t, width,
+            norm_weight, summed, weight, positions, inv_freq, q, k, v, out, t, width,
             source.stride(0), source.stride(0) if delta is None else delta.stride(0), eps,
             num_heads, num_kv_heads, PROLOGUE=int(prologue), HALF=head_size // 2,
             ROWS=row_tile, BLOCK_P=block_p,
             BLOCK_K=min(REDUCE_BLOCK_K, triton.next_power_of_2(width)), num_warps=4,
             num_stages=1)
-    return q, k, v, summed
+    return ProjectedQKV(q, k, v, summed, out)

@@ -138,8 +138,10 @@ def test_norm_qkv_kernel_matches_the_unfused_layers(rows: int, heads: int, kv_he
     inv_freq = rotary_inv_freq(dim, 10000.0, torch.device("cpu"))
     args = (x, delta, norm_weight, 1e-6, weight, positions, inv_freq, heads, kv_heads, dim)
     with _reduce_tile(block_k):
-        *got, got_sum = norm_qkv(*args, kernel=True)
-    *want, want_sum = norm_qkv(*args, kernel=False)
+        *got, got_sum, got_out = norm_qkv(*args, kernel=True)
+    *want, want_sum, want_out = norm_qkv(*args, kernel=False)
+    assert torch.equal(got_out, torch.zeros_like(got[0]))
+    assert torch.equal(want_out, torch.zeros_like(want[0]))
     rows_in = table[ids] if isinstance(x, EmbeddedTokens) else x
     qkv, unfused_sum = norm_linear(rows_in, delta, norm_weight, 1e-6, weight, kernel=False)
     unfused = rotary_qkv(qkv, positions, inv_freq, heads, kv_heads, dim, kernel=False)
@@ -194,7 +196,7 @@ def test_cuda_fused_projections_match_the_unfused_layers(dtype: torch.dtype, row
     inv_freq = rotary_inv_freq(128, 10000.0, torch.device("cuda"))
     qkv_weight = _weight(7, 24 * 128, 2048, "cuda", dtype)
     table = _rows(8, 500, 2048, "cuda", dtype)
-    embedded = EmbeddedTokens(torch.arange(rows, device="cuda") * 37, table)
+    embedded = EmbeddedTokens(torch.arange(rows, device="cuda") * 31, table)
     for rows_in, add in ((x, None), (x, delta), (embedded, None)):
         args = (rows_in, add, norm_weight, 1e-6, qkv_weight, positions, inv_freq, 16, 4, 128)
         for got, want in zip(norm_qkv(*args), norm_qkv(*args, kernel=False), strict=True):
@@ -233,7 +235,7 @@ for dtype in ("bf16", "fp16"):
                     options={"num_warps": 4, "num_stages": 1})
         print(dtype, prologue.name, "ok")
     for prologue in (p.Prologue.RMS_NORM, p.Prologue.ADD_RMS_NORM, p.Prologue.GATHER_RMS_NORM):
-        signature = {name: "*" + dtype for name in (*pointers, "q_ptr", "k_ptr", "v_ptr")}
+        signature = {name: "*" + dtype for name in (*pointers, "q_ptr", "k_ptr", "v_ptr", "o_ptr")}
         signature.update({"ids_ptr": "*i64", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32"})
         signature.update(dict.fromkeys(("rows", "k", "x_stride", "d_stride", "num_heads",
                                         "num_kv_heads"), "i32"))
