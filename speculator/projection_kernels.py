@@ -320,14 +320,13 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
     pre-norm layer's residual add, its norm and the projection after it. ``s`` is rounded
     to ``x``'s dtype before it is normalised, the normalised rows before they are
     multiplied. ``kernel`` as for :func:`fused`; without the fused kernel, the norm is
-    :func:`~speccheck.speculator.model_kernels.add_rms_norm` (or ``rms_norm``) on CUDA and
-    PyTorch ops elsewhere."""
+    :func:`~speccheck.speculator.model_kernels.add_rms_norm` (or ``rms_norm``) given the
+    same ``kernel`` (its Triton form on CUDA by default)."""
     if not fused(x, weight, kernel, FUSED_ROWS):
-        elementwise = None if x.is_cuda and kernel is None else False
         if delta is None:
-            return torch.nn.functional.linear(
-                rms_norm(x, norm_weight, eps, kernel=elementwise), weight), x
-        normed, summed = add_rms_norm(x, delta, norm_weight, eps, kernel=elementwise)
+            return torch.nn.functional.linear(rms_norm(x, norm_weight, eps, kernel=kernel),
+                                              weight), x
+        normed, summed = add_rms_norm(x, delta, norm_weight, eps, kernel=kernel)
         return torch.nn.functional.linear(normed, weight), summed
     if delta is None:
         return _launch_fused(Prologue.RMS_NORM, x, weight, x.shape[1], norm_weight=norm_weight,
@@ -344,8 +343,7 @@ def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, *,
     contiguous) and ``weight`` ``[n, I]``: the SwiGLU gate and the down projection, the
     gated rows rounded before they are multiplied. ``kernel`` as for :func:`fused`."""
     if not fused(gate_up, weight, kernel, FUSED_ROWS):
-        elementwise = None if gate_up.is_cuda and kernel is None else False
-        return torch.nn.functional.linear(silu_mul(gate_up, kernel=elementwise), weight)
+        return torch.nn.functional.linear(silu_mul(gate_up, kernel=kernel), weight)
     return _launch_fused(Prologue.SILU_MUL, gate_up, weight, gate_up.shape[1] // 2)
 
 
@@ -393,9 +391,8 @@ def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
     if not fused(rows_like, weight, kernel, FUSED_ROWS) or head_size % 2:
         hidden = x.rows() if isinstance(x, EmbeddedTokens) else x
         qkv, summed = norm_linear(hidden, delta, norm_weight, eps, weight, kernel=kernel)
-        elementwise = None if qkv.is_cuda and kernel is None else False
         q, k, v = rotary_qkv(qkv, positions, inv_freq, num_heads, num_kv_heads, head_size,
-                             kernel=elementwise)
+                             kernel=kernel)
         return ProjectedQKV(q, k, v, summed, torch.zeros_like(q))
     source, ids = (x.table, x.ids) if isinstance(x, EmbeddedTokens) else (x, None)
     t, width = (ids.shape[0] if ids is not None else source.shape[0]), source.shape[1]

@@ -83,7 +83,9 @@ def test_breakpoint_batches_are_servable_and_most_cross_a_breakpoint() -> None:
 
     draw()
     assert len(crossing) == 300
-    assert sum(crossing) / len(crossing) > 0.3, sum(crossing)  # about 0.45; blind: 0.02
+    # 0.24 to 0.53 measured, blind 0.02: hypothesis mixes the integer literals of every
+    # loaded module into its draws, so the share moves with what the process imported before
+    assert sum(crossing) / len(crossing) > 0.15, sum(crossing)
 
 
 def test_without_breakpoints_few_batches_cross_them() -> None:
