@@ -6,18 +6,21 @@ spends as much GPU time on the fixed cost of its short kernels (ramp-up, tail, t
 the next dependent kernel) as on reading weights. Each function here computes ``op(x) @
 weight.T`` where ``op`` is what the layer does just before the projection:
 
+- :func:`norm_qkv`: the embedding gather or residual add and RMSNorm before a fused QKV
+  projection, and rotary after it;
 - :func:`norm_linear`: the residual add and RMSNorm of a pre-norm layer (or the norm
   alone), whose normalised rows feed the projection and whose sum is the next residual;
 - :func:`silu_linear`: the SwiGLU gate before the MLP's down projection;
 - :func:`linear`: nothing (the attention output projection, the LM head).
 
-On CUDA, for rows of a half-precision dtype and at most :data:`SKINNY_ROWS` rows (a decode
-step of a small batch), each is one Triton kernel that streams the weight through tensor
-cores and recomputes the prologue per program from the activations (a few KiB, read from
-L2). Elsewhere (CPU tensors, fp32, prefill-sized batches) it is the separate kernels of
-:mod:`~speccheck.speculator.model_kernels` and a cuBLAS matmul, so the numbers are those of
-the unfused layer: the prologue's result is rounded to the activations' dtype before it is
-multiplied, as the unfused ops round it when they store it.
+On CUDA, for half-precision rows, each is one Triton kernel: at most :data:`FUSED_ROWS`
+rows, a CUDA-core reduction over whole rows that recomputes the prologue per program from
+the activations (a few KiB, read from L2); :func:`linear` also streams up to
+:data:`SKINNY_ROWS` rows through tensor cores. Elsewhere (CPU tensors, fp32, larger
+batches) it is the separate kernels of :mod:`~speccheck.speculator.model_kernels` and a
+cuBLAS matmul, so the numbers are those of the unfused layer: the prologue's result is
+rounded to the activations' dtype before it is multiplied, as the unfused ops round it
+when they store it.
 
 All are capture-safe: grids from shapes, no host synchronisation; each returns new tensors
 (from the graph pool under capture).
@@ -238,7 +241,8 @@ def _fused_qkv_kernel(x_ptr, d_ptr, ids_ptr, nw_ptr, sum_ptr, w_ptr, pos_ptr, in
     is_v = (head >= num_heads + num_kv_heads)[None, :]
     q_at = (r[:, None] * num_heads + head[None, :]) * dim + j[None, :]
     k_at = (r[:, None] * num_kv_heads + (head - num_heads)[None, :]) * dim + j[None, :]
-    v_at = (r[:, None] * num_kv_heads + (head - num_heads - num_kv_heads)[None, :]) * dim + j[None, :]
+    v_head = head - num_heads - num_kv_heads
+    v_at = (r[:, None] * num_kv_heads + v_head[None, :]) * dim + j[None, :]
     tl.store(q_ptr + q_at, y1, mask=m & is_q)
     tl.store(q_ptr + q_at + HALF, y2, mask=m & is_q)
     tl.store(o_ptr + q_at, tl.zeros_like(y1), mask=m & is_q)
@@ -249,18 +253,14 @@ def _fused_qkv_kernel(x_ptr, d_ptr, ids_ptr, nw_ptr, sum_ptr, w_ptr, pos_ptr, in
     tl.store(v_ptr + v_at + HALF, y2, mask=m & is_v)
 
 
-def _is_half_rows(x: torch.Tensor, weight: torch.Tensor, most: int) -> bool:
-    return (x.is_cuda and x.dtype in _HALF_DTYPES and weight.dtype == x.dtype
-            and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= most)
-
-
 def fused(x: torch.Tensor, weight: torch.Tensor, kernel: bool | None, most: int) -> bool:
     """Whether a projection of ``x`` runs as one kernel: forced by ``kernel``
     (``True``/``False``), else on CUDA for half-precision rows, at most ``most`` of them
     (:data:`SKINNY_ROWS` without a prologue, :data:`FUSED_ROWS` with one)."""
     if kernel is not None:
         return kernel
-    return _is_half_rows(x, weight, most)
+    return (x.is_cuda and x.dtype in _HALF_DTYPES and weight.dtype == x.dtype
+            and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] <= most)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, k: int, most: int) -> None:
@@ -329,11 +329,11 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
         normed, summed = add_rms_norm(x, delta, norm_weight, eps, kernel=kernel)
         return torch.nn.functional.linear(normed, weight), summed
     if delta is None:
-        return _launch_fused(Prologue.RMS_NORM, x, weight, x.shape[1], norm_weight=norm_weight,
-                       eps=eps), x
+        return _launch_fused(Prologue.RMS_NORM, x, weight, x.shape[1],
+                             norm_weight=norm_weight, eps=eps), x
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = _launch_fused(Prologue.ADD_RMS_NORM, x, weight, x.shape[1], delta=delta,
-                  norm_weight=norm_weight, summed=summed, eps=eps)
+                        norm_weight=norm_weight, summed=summed, eps=eps)
     return out, summed
 
 
@@ -383,22 +383,26 @@ def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
     keys at ``positions``, values copied; three new contiguous ``[T, heads, head_size]``
     tensors) and a zeroed attention output ``out`` shaped as ``q``. ``x`` may be
     :class:`EmbeddedTokens` (then ``delta`` is ``None`` and ``s`` the gathered rows). One
-    kernel where :func:`fused` says so for :data:`FUSED_ROWS`: each
-    program computes channel pairs ``(j, j + head_size / 2)`` of the projection and
-    rotates them before they are stored."""
-    gather = isinstance(x, EmbeddedTokens)
-    rows_like = x.table[: x.ids.shape[0]] if isinstance(x, EmbeddedTokens) else x
+    kernel where :func:`fused` says so for :data:`FUSED_ROWS`: each program computes
+    channel pairs ``(j, j + head_size / 2)`` of the projection and rotates them before they
+    are stored."""
+    if isinstance(x, EmbeddedTokens):
+        if delta is not None:
+            raise ValueError("embedded tokens have no residual to add")
+        # the table's first rows stand for the gathered ones in the checks: same dtype,
+        # device and row layout
+        source, ids, rows_like = x.table, x.ids, x.table[: x.ids.shape[0]]
+    else:
+        source, ids, rows_like = x, None, x
     if not fused(rows_like, weight, kernel, FUSED_ROWS) or head_size % 2:
         hidden = x.rows() if isinstance(x, EmbeddedTokens) else x
         qkv, summed = norm_linear(hidden, delta, norm_weight, eps, weight, kernel=kernel)
         q, k, v = rotary_qkv(qkv, positions, inv_freq, num_heads, num_kv_heads, head_size,
                              kernel=kernel)
         return ProjectedQKV(q, k, v, summed, torch.zeros_like(q))
-    source, ids = (x.table, x.ids) if isinstance(x, EmbeddedTokens) else (x, None)
-    t, width = (ids.shape[0] if ids is not None else source.shape[0]), source.shape[1]
+    gather = ids is not None
+    t, width = rows_like.shape
     _check(rows_like, weight, width, FUSED_ROWS)
-    if gather and delta is not None:
-        raise ValueError("embedded tokens have no residual to add")
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * head_size:
         raise ValueError(f"the QKV weight has {weight.shape[0]} rows, not "
                          f"({num_heads} + 2 * {num_kv_heads}) * {head_size}")
@@ -415,7 +419,7 @@ def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
         prologue = (Prologue.GATHER_RMS_NORM if gather else
                     Prologue.RMS_NORM if delta is None else Prologue.ADD_RMS_NORM)
         _fused_qkv_kernel[(triton.cdiv(weight.shape[0] // 2, block_p),)](
-            source, source if delta is None else delta, source if ids is None else ids,
+            source, source if delta is None else delta, ids if gather else source,
             norm_weight, summed, weight, positions, inv_freq, q, k, v, out, t, width,
             source.stride(0), source.stride(0) if delta is None else delta.stride(0), eps,
             num_heads, num_kv_heads, PROLOGUE=int(prologue), HALF=head_size // 2,

@@ -42,10 +42,10 @@ share covers every length, the sweep is exhaustive; otherwise lengths are probed
 coarse grid (half the share) and every grid interval whose endpoints differ is bisected
 down to the exact length, narrowest (then lowest) interval first. While the builds left
 cover a bisection of every open interval down to one change each, all open intervals are
-halved in one round whose builds are read back together; otherwise one at a time. A change that reverts
-inside one grid interval is missed (:attr:`BatchBreakpoints.coarse_step` says how wide
-they are), and intervals still open when the builds run out are listed as
-:attr:`BatchBreakpoints.unresolved`.
+halved in one round whose builds are read back together; otherwise one at a time. A
+change that reverts inside one grid interval is missed
+(:attr:`BatchBreakpoints.coarse_step` says how wide they are), and intervals still open
+when the builds run out are listed as :attr:`BatchBreakpoints.unresolved`.
 """
 
 from __future__ import annotations
@@ -262,6 +262,10 @@ Values = dict[str, np.ndarray]
 """Watched field -> its value at one length, as a host array (host scalars and strings are
 0-d arrays)."""
 
+Queued = tuple[int, list[str], list[torch.Tensor], Values]
+"""A build not read back yet: its length, watched paths, device copies of their tensors (in
+that order) and its host values."""
+
 
 class _Probe:
     """Builds the synthetic decode batch of one batch size at any length and reads the
@@ -400,7 +404,7 @@ class _Probe:
         it returns (the next build rewrites the builder's buffers) and read back together,
         :data:`READBACK_BUILDS` builds per transfer: a read-back of its own per build
         waited for the device every time."""
-        queued: list[tuple[int, list[str], list[torch.Tensor], Values]] = []
+        queued: list[Queued] = []
         for length in dict.fromkeys(lengths):
             if self._built(length):
                 continue
@@ -410,9 +414,8 @@ class _Probe:
                 queued = []
         self._collect(queued)
 
-    def _queue(self, length: int) -> tuple[int, list[str], list[torch.Tensor], Values]:
-        """Build at ``length``: the watched paths, copies of their tensors, and the host
-        values."""
+    def _queue(self, length: int) -> Queued:
+        """Build at ``length`` and copy its watched tensors on their device."""
         self.builds += 1
         metadata, inputs = self._build(length)
         workspace = {
@@ -428,12 +431,12 @@ class _Probe:
                   for path in watched]
         return length, watched, copies, host
 
-    def _collect(self, queued: list[tuple[int, list[str], list[torch.Tensor], Values]]) -> None:
+    def _collect(self, queued: list[Queued]) -> None:
         """Read the queued builds' copies back in one transfer per dtype."""
         if not queued:
             return
         host_tensors = iter(host_copies([t for _, _, copies, _ in queued for t in copies]))
-        for length, watched, copies, host in queued:
+        for length, watched, _, host in queued:
             values: Values = {path: _host_array(next(host_tensors)) for path in watched}
             values.update(host)
             self._order.update(dict.fromkeys(values))
