@@ -101,6 +101,34 @@ def test_kernel_matches_host_layout(case: tuple[int, np.ndarray, torch.Tensor, i
         check_against_layout(indices, lens, table, page_size)
 
 
+@settings(max_examples=15)
+@given(case=page_tables(), steps=st.integers(2, 4))
+def test_one_launch_fills_the_tables_of_several_steps(
+    case: tuple[int, np.ndarray, torch.Tensor, int], steps: int
+) -> None:
+    """The draft steps of one replay: rows of one stale buffer, step ``s`` one token
+    longer per live request than step ``s - 1`` (clamped at the table's width), one launch
+    over their stacked indptr rows; each row is its own reference, and no row's tail or
+    neighbour is touched by another's."""
+    page_size, seq_lens, table, capacity = case
+    full = page_size * table.shape[1]
+    lens = np.stack([np.where(seq_lens > 0, np.minimum(seq_lens + s, full), 0)
+                     for s in range(steps)])
+    lengths = paged_kv_lengths(lens, page_size, table.shape[1])
+    backing = torch.full((steps, capacity + 3), STALE, dtype=torch.int32, device=DEVICE)
+    indices = backing[:, :capacity]
+    write_paged_kv_indices(indices, table, lengths.indptr.to(DEVICE), len(seq_lens))
+    got = backing.cpu()
+    for step in range(steps):
+        layout = paged_kv_layout(lens[step], table.cpu().numpy(), page_size)
+        assert torch.equal(lengths.indptr[step], layout.indptr)
+        assert torch.equal(lengths.last_page_len[step], layout.last_page_len)
+        used = layout.num_pages
+        assert torch.equal(got[step, :used], layout.indices), (step, got[step], layout.indices)
+        assert torch.count_nonzero(got[step, used:capacity]) == 0
+        assert (got[step, capacity:] == STALE).all()
+
+
 def test_smaller_batch_after_a_full_one_leaves_no_stale_block_id() -> None:
     """Every column of every row used, then lengths at and one past page boundaries with
     padding lanes at the end: everything past the new last page is zero."""
@@ -143,6 +171,10 @@ def test_rejects_what_it_cannot_write_safely() -> None:
         write_paged_kv_indices(indices, table, indptr[:2], 2)
     with pytest.raises(ValueError, match="one contiguous row"):
         write_paged_kv_indices(indices[::2], table, indptr, 2)
+    with pytest.raises(ValueError, match="one indptr row each"):
+        write_paged_kv_indices(indices.view(2, 3), table, indptr, 2)
+    with pytest.raises(ValueError, match="each of the 3 index rows"):
+        write_paged_kv_indices(indices.view(3, 2), table, indptr.repeat(2, 1), 2)
 
 
 def test_host_lengths() -> None:
@@ -151,6 +183,10 @@ def test_host_lengths() -> None:
     assert lengths.indptr.tolist() == [0, 0, 1, 3, 6]
     assert lengths.last_page_len.tolist() == [0, 4, 1, 4]
     assert lengths.num_pages == 6
+    steps = paged_kv_lengths(np.array([[0, 4, 5, 12], [0, 5, 6, 12]]), 4, 3)
+    assert steps.indptr.tolist() == [[0, 0, 1, 3, 6], [0, 0, 2, 4, 7]]
+    assert steps.last_page_len.tolist() == [[0, 4, 1, 4], [0, 1, 2, 4]]
+    assert steps.num_pages == 7
     with pytest.raises(ValueError, match="columns"):
         paged_kv_lengths(np.array([13]), 4, 3)
     with pytest.raises(ValueError, match="negative"):
@@ -247,11 +283,15 @@ def _decode_common(case: Any, seq_lens: list[int], lanes: int) -> Any:
 
 
 def _full_indices(builder: Any, md: Any) -> torch.Tensor:
-    """The whole persistent indices buffer ``md``'s head view belongs to."""
-    for buffer in builder.persistent_buffers().values():
-        if buffer.data_ptr() == md.paged_kv_indices.data_ptr() and buffer.dim() == 1:
-            return buffer
-    raise AssertionError("no persistent buffer starts at the metadata's indices")
+    """The whole persistent indices buffer (or row of one: a draft step's) ``md``'s head
+    view belongs to."""
+    for name, buffer in builder.persistent_buffers().items():
+        if not name.endswith("paged_kv_indices"):
+            continue
+        for row in buffer.view(-1, buffer.shape[-1]):
+            if row.data_ptr() == md.paged_kv_indices.data_ptr():
+                return row
+    raise AssertionError("no persistent indices buffer starts at the metadata's indices")
 
 
 def _check_indices(builder: Any, md: Any, common: Any) -> None:

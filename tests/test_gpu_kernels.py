@@ -562,9 +562,20 @@ def test_flashinfer_decode_graph_replay_after_replan(flashinfer: ModuleType) -> 
     assert torch.equal(kc[1:], kc_ref[1:]) and torch.equal(vc[1:], vc_ref[1:])
 
 
-def test_flashinfer_plan_draft_steps_in_one_graph(flashinfer: ModuleType) -> None:
+def test_flashinfer_plan_draft_steps_in_one_graph(
+    flashinfer: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """host_preplanned: one wrapper per draft step, all planned before one replay of a graph
-    that holds every step."""
+    that holds every step; planned through ``plan()`` for the capture, re-planned through
+    FlashInfer's ``fast_decode_plan`` (once per step) for the replay."""
+    fast_plans: list[int] = []
+    fast_decode_plan = flashinfer.decode.fast_decode_plan
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        fast_plans.append(1)
+        fast_decode_plan(*args, **kwargs)
+
+    monkeypatch.setattr(flashinfer.decode, "fast_decode_plan", counted)
     layer = fi_layer()
     builder = fi_builder(layer)
     num_reqs, num_steps = 4, 3
@@ -612,6 +623,7 @@ def test_flashinfer_plan_draft_steps_in_one_graph(flashinfer: ModuleType) -> Non
         return builder.plan_draft_steps(commons)
 
     mds = plan(case.seq_lens.astype(np.int64))
+    assert not fast_plans
     assert [m.draft_step for m in mds] == list(range(num_steps))
     assert len({id(m.wrapper) for m in mds}) == num_steps
     assert len({m.paged_kv_indices.data_ptr() for m in mds}) == num_steps
@@ -626,6 +638,7 @@ def test_flashinfer_plan_draft_steps_in_one_graph(flashinfer: ModuleType) -> Non
 
     seq0 = np.array([31, 1, 250, 64], dtype=np.int64)
     mds_replay = plan(seq0)
+    assert len(fast_plans) == num_steps
     assert all(a.wrapper is b.wrapper for a, b in zip(mds, mds_replay, strict=True))
     for t in (*q, *k, *v):
         t.copy_(randn(*t.shape))

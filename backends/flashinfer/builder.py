@@ -10,7 +10,10 @@ How the wrappers behave, and what this adapter does about it:
   ``NotImplementedError`` (the matrix declares the capability unsupported and the
   speculator falls back to per-step rebuilds). The ``host_preplanned`` strategy is offered
   by :meth:`FlashInferMetadataBuilder.plan_draft_steps`: one wrapper per draft step, every
-  one planned on the host before a single replay.
+  one planned on the host before a single replay. Knowing every step at once, it plans
+  them together: one host computation of the page tables, one copy of their lengths, one
+  launch for their page indices, and FlashInfer's ``fast_decode_plan`` (its re-plan for
+  multi-step drafting: the scheduler alone) for every plan after a wrapper's first.
 - A plan makes no device-to-host copy and no stream synchronisation, so planning ahead can
   overlap the GPU's work. FlashInfer reads ``indptr`` and ``last_page_len`` on the host
   (it calls ``.to("cpu")`` on them), so they are computed there, from the host-tracked
@@ -42,8 +45,9 @@ How the wrappers behave, and what this adapter does about it:
   the lengths).
 - A wrapper constructed with ``use_cuda_graph=True`` freezes its batch size (the length of
   its ``last_page_len`` buffer), so wrappers are created lazily, one decode/prefill pair per
-  padded batch size (and per draft step for :meth:`~FlashInferMetadataBuilder.plan_draft_steps`),
-  each with its own fixed index buffers, and cached. All of them share one 128 MiB float
+  padded batch size (and one decode wrapper per draft step for
+  :meth:`~FlashInferMetadataBuilder.plan_draft_steps`, their fixed buffers rows of shared
+  ones), each with its own fixed index buffers, and cached. All of them share one 128 MiB float
   workspace, which is safe because their kernels run one after another on one stream.
 - The graph-mode prefill wrapper also freezes the largest query-row count at its first
   plan; each new prefill wrapper is therefore planned once with the largest row count the
@@ -119,6 +123,38 @@ class _GraphWrapper:
     uploaded: torch.cuda.Event
     """Recorded after each plan: once it has completed, the plan's asynchronous uploads
     from the staged buffers and FlashInfer's page-locked workspace have run."""
+
+
+@dataclass
+class _DraftStepWrappers:
+    """The decode wrappers of the draft steps of one preplanned replay over ``batch_size``
+    lanes, one per step, planned together. Their fixed buffers are rows of shared
+    persistent buffers: ``lengths[step]`` holds step ``step``'s ``indptr``
+    (``batch_size + 1`` entries) then its ``last_page_len`` (``batch_size``), and
+    ``indices[step]`` its page indices; so one host-to-device copy from the pinned
+    ``staged`` rows fills every step's lengths, and one launch every step's indices."""
+
+    batch_size: int
+    wrappers: list[Any]
+    lengths: torch.Tensor
+    """``[steps, 2 * batch_size + 1]`` int32, device."""
+    indices: torch.Tensor
+    """``[steps, batch_size * max_blocks_per_req]`` int32, device."""
+    staged: torch.Tensor
+    """``[steps, 2 * batch_size + 1]`` int32, pinned host: the lengths of the last plan."""
+    uploaded: torch.cuda.Event
+    """Recorded after each planning of the set (see :class:`_GraphWrapper`'s)."""
+    planned: bool = False
+    """Whether every wrapper has had its first plan through FlashInfer's public ``plan()``
+    (which fixes what the fast re-plan reuses: the kernel module, the frozen shape)."""
+
+    def indptr(self, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """Step ``step``'s ``indptr`` within ``rows`` (``lengths`` or ``staged``)."""
+        return rows[step, : self.batch_size + 1]
+
+    def last_page_len(self, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """Step ``step``'s ``last_page_len`` within ``rows`` (``lengths`` or ``staged``)."""
+        return rows[step, self.batch_size + 1 :]
 
 
 @dataclass
@@ -204,6 +240,31 @@ def _same_scale(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-6 * max(abs(a), abs(b))
 
 
+def _is_decode(common: CommonAttentionMetadata) -> bool:
+    """Whether the decode wrapper serves the batch: one query token per request."""
+    return common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _check_capacity(num_pages: int, indices: torch.Tensor) -> None:
+    if num_pages > indices.shape[0]:
+        raise ValueError(
+            f"flashinfer: the batch needs {num_pages} pages but the wrapper's indices "
+            f"buffer holds {indices.shape[0]}"
+        )
+
+
+def _wait_for_upload(uploaded: torch.cuda.Event) -> None:
+    """Block until the uploads of a wrapper's last plan have run (see the module
+    docstring); they almost always have."""
+    if not uploaded.query():
+        logger.debug("flashinfer: re-planning a wrapper whose last plan is still queued")
+        uploaded.synchronize()
+
+
 class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     """Refresh strategy ``host_preplanned`` (see :meth:`plan_draft_steps`); in-graph refresh
     is impossible because ``plan()`` runs on the host.
@@ -227,7 +288,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         """Softmax scale planned into every wrapper; :meth:`make_impl` records the layer's."""
         # "Must be initialized to 0 for its first use" (FlashInfer); shared by all wrappers.
         self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
-        self._wrappers: dict[tuple[str, int, str, int], _GraphWrapper] = {}
+        self._wrappers: dict[tuple[str, int], _GraphWrapper] = {}
+        self._draft_steps: dict[tuple[int, int], _DraftStepWrappers] = {}
+        self._fast_decode_plan: Callable[..., None] | None = getattr(
+            getattr(self._flashinfer, "decode", None), "fast_decode_plan", None
+        )
+        """FlashInfer's re-plan for multi-step drafting (``flashinfer.decode``): the
+        scheduler only, for a wrapper planned before whose fixed buffers the caller has
+        filled. ``None`` in releases without it: draft steps then re-plan in full."""
 
     def make_impl(self, scale: float) -> AttentionImpl[FlashInferMetadata]:
         self.sm_scale = float(scale)
@@ -235,20 +303,20 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     # -- wrappers -----------------------------------------------------------------------
 
-    def _wrapper(self, kind: str, batch_size: int, slot: tuple[str, int]) -> _GraphWrapper:
-        key = (kind, batch_size, *slot)
+    def _wrapper(self, kind: str, batch_size: int) -> _GraphWrapper:
+        key = (kind, batch_size)
         cached = self._wrappers.get(key)
         if cached is None:
-            cached = self._new_wrapper(kind, batch_size, slot)
+            cached = self._new_wrapper(kind, batch_size)
             self._wrappers[key] = cached
         return cached
 
-    def _new_wrapper(self, kind: str, batch_size: int, slot: tuple[str, int]) -> _GraphWrapper:
+    def _new_wrapper(self, kind: str, batch_size: int) -> _GraphWrapper:
         """A graph-mode wrapper over index buffers of its own, allocated as persistent
-        buffers (named ``KIND[bs=N,SLOT=I].FIELD``), with pinned host buffers to stage its
-        plans in."""
+        buffers (named ``KIND[bs=N].FIELD``), with pinned host buffers to stage its plans
+        in."""
         fi = self._flashinfer
-        prefix = f"{kind}[bs={batch_size},{slot[0]}={slot[1]}]"
+        prefix = f"{kind}[bs={batch_size}]"
         logger.debug("flashinfer: new graph-mode wrapper %s", prefix)
 
         def buffer(field: str, size: int) -> torch.Tensor:
@@ -258,23 +326,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             return torch.zeros(size, dtype=torch.int32, pin_memory=True)
 
         indptr = buffer("paged_kv_indptr", batch_size + 1)
-        # Largest page count the wrapper can ever see: every request at max_model_len.
-        indices = buffer("paged_kv_indices", batch_size * self.layer.max_blocks_per_req)
+        indices = buffer("paged_kv_indices", self._indices_capacity(batch_size))
         last_page_len = buffer("paged_kv_last_page_len", batch_size)
         staged = {
             "paged_kv_indptr": pinned(batch_size + 1),
             "paged_kv_last_page_len": pinned(batch_size),
         }
         if kind == "decode":
-            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace,
-                kv_layout=self.kv_layout,
-                use_cuda_graph=True,
-                use_tensor_cores=False,
-                paged_kv_indptr_buffer=indptr,
-                paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last_page_len,
-            )
+            wrapper = self._decode_wrapper(indptr, indices, last_page_len)
             return _GraphWrapper(
                 kind, wrapper, indptr, indices, last_page_len, None, staged, torch.cuda.Event()
             )
@@ -293,6 +352,51 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             kind, wrapper, indptr, indices, last_page_len, qo_indptr, staged, torch.cuda.Event()
         )
         self._prime_prefill(created, batch_size)
+        return created
+
+    def _indices_capacity(self, batch_size: int) -> int:
+        """The largest page count a wrapper can ever see: every request at max_model_len."""
+        return batch_size * self.layer.max_blocks_per_req
+
+    def _decode_wrapper(
+        self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor
+    ) -> Any:
+        """A graph-mode decode wrapper over the given fixed buffers (CUDA cores: one query
+        token per request)."""
+        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace,
+            kv_layout=self.kv_layout,
+            use_cuda_graph=True,
+            use_tensor_cores=False,
+            paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last_page_len,
+        )
+
+    def _draft_step_wrappers(self, batch_size: int, steps: int) -> _DraftStepWrappers:
+        """The draft-step decode wrappers of ``steps`` steps over ``batch_size`` lanes, with
+        their shared persistent buffers (``draft[bs=N,steps=S].lengths`` and
+        ``.paged_kv_indices``); created on first use and cached."""
+        key = (batch_size, steps)
+        cached = self._draft_steps.get(key)
+        if cached is not None:
+            return cached
+        prefix = f"draft[bs={batch_size},steps={steps}]"
+        logger.debug("flashinfer: new draft-step wrappers %s", prefix)
+        width = 2 * batch_size + 1
+        lengths = self.allocate_persistent(f"{prefix}.lengths", (steps, width), torch.int32)
+        indices = self.allocate_persistent(
+            f"{prefix}.paged_kv_indices", (steps, self._indices_capacity(batch_size)), torch.int32
+        )
+        staged = torch.zeros((steps, width), dtype=torch.int32, pin_memory=True)
+        created = _DraftStepWrappers(batch_size, [], lengths, indices, staged, torch.cuda.Event())
+        created.wrappers.extend(
+            self._decode_wrapper(
+                created.indptr(lengths, step), indices[step], created.last_page_len(lengths, step)
+            )
+            for step in range(steps)
+        )
+        self._draft_steps[key] = created
         return created
 
     def _prime_prefill(self, graph_wrapper: _GraphWrapper, batch_size: int) -> None:
@@ -326,15 +430,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         to the caller: FlashInfer's scheduler does not read it, and its kernels read it
         only when they run."""
         num_pages = lengths.num_pages
-        capacity = graph_wrapper.paged_kv_indices.shape[0]
-        if num_pages > capacity:
-            raise ValueError(
-                f"flashinfer: the batch needs {num_pages} pages but the wrapper's indices "
-                f"buffer holds {capacity}"
-            )
-        if not graph_wrapper.uploaded.query():
-            logger.debug("flashinfer: re-planning a wrapper whose last plan is still queued")
-            graph_wrapper.uploaded.synchronize()
+        _check_capacity(num_pages, graph_wrapper.paged_kv_indices)
+        _wait_for_upload(graph_wrapper.uploaded)
         staged = graph_wrapper.staged
         staged["paged_kv_indptr"].copy_(lengths.indptr)
         staged["paged_kv_last_page_len"].copy_(lengths.last_page_len)
@@ -371,72 +468,22 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     # -- protocol -----------------------------------------------------------------------
 
     def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
-        return self._plan(common, slot=("main", 0), draft_step=None)
-
-    def plan_draft_steps(
-        self, common_per_step: Sequence[CommonAttentionMetadata]
-    ) -> list[FlashInferMetadata]:
-        """The ``host_preplanned`` strategy: plan one wrapper per draft step, all before a
-        single replay of the fused graph.
-
-        ``common_per_step[i]`` describes draft step ``i`` (its lengths known ahead: each
-        step adds one token per request). Step ``i`` gets its own wrapper and fixed buffers
-        (cached per batch size and step), so planning step ``i + 1`` never overwrites what
-        step ``i``'s captured kernels read. Capture the fused graph with the metadata this
-        returns, and call it again with the live batch before every replay.
-        """
-        if not common_per_step:
-            return []
-        sizes = {c.num_reqs for c in common_per_step}
-        if len(sizes) != 1:
-            raise ValueError(
-                f"plan_draft_steps: every draft step of one replay must have the same padded "
-                f"batch size, got num_reqs={[c.num_reqs for c in common_per_step]}"
-            )
-        return [
-            self._plan(common, slot=("draft", step), draft_step=step)
-            for step, common in enumerate(common_per_step)
-        ]
-
-    def _plan(
-        self, common: CommonAttentionMetadata, *, slot: tuple[str, int], draft_step: int | None
-    ) -> FlashInferMetadata:
         num_reqs = common.num_reqs
-        if num_reqs > self.limits.max_num_reqs:
-            raise ValueError(
-                f"flashinfer backend: num_reqs={num_reqs} exceeds BuilderLimits.max_num_reqs="
-                f"{self.limits.max_num_reqs}"
-            )
+        self._check_batch_size(num_reqs)
         if num_reqs == 0:
-            empty = torch.zeros(0, dtype=torch.int32, device=self.device)
-            return FlashInferMetadata(
-                run=None,
-                use_decode=False,
-                paged_kv_indptr=empty,
-                paged_kv_indices=empty,
-                paged_kv_last_page_len=empty,
-                qo_indptr=None,
-                query_start_loc=common.query_start_loc,
-                seq_lens=common.seq_lens,
-                slot_mapping=common.slot_mapping,
-                num_actual_tokens=common.num_actual_tokens,
-                num_reqs=0,
-                causal=common.causal,
-                sm_scale=self.sm_scale,
-                draft_step=draft_step,
-            )
+            return self._empty_metadata(common, draft_step=None)
         # Host work from host lengths only; the indices are gathered on the device.
         lengths = paged_kv_lengths(
             common.seq_lens_cpu_upper_bound[:num_reqs],
             self.layer.block_size,
             common.block_table.shape[1],
         )
-        use_decode = common.max_query_len == 1 and common.num_actual_tokens == num_reqs
+        use_decode = _is_decode(common)
         if use_decode:
-            graph_wrapper = self._wrapper("decode", num_reqs, slot)
+            graph_wrapper = self._wrapper("decode", num_reqs)
             self._upload_plan(graph_wrapper, lengths, None, causal=common.causal)
         else:
-            graph_wrapper = self._wrapper("prefill", num_reqs, slot)
+            graph_wrapper = self._wrapper("prefill", num_reqs)
             qo_indptr = common.query_start_loc_cpu[: num_reqs + 1]
             self._upload_plan(graph_wrapper, lengths, qo_indptr, causal=common.causal)
         # The plan has queued the copy of indptr into the fixed buffer the kernel reads.
@@ -446,21 +493,174 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             graph_wrapper.paged_kv_indptr,
             num_reqs,
         )
-        num_pages = lengths.num_pages
-        return FlashInferMetadata(
-            run=graph_wrapper.wrapper.run,
+        return self._metadata(
+            common,
+            graph_wrapper.wrapper.run,
             use_decode=use_decode,
             paged_kv_indptr=graph_wrapper.paged_kv_indptr,
-            paged_kv_indices=graph_wrapper.paged_kv_indices[:num_pages],
+            paged_kv_indices=graph_wrapper.paged_kv_indices[: lengths.num_pages],
             paged_kv_last_page_len=graph_wrapper.paged_kv_last_page_len,
             qo_indptr=graph_wrapper.qo_indptr,
+            draft_step=None,
+        )
+
+    def plan_draft_steps(
+        self, common_per_step: Sequence[CommonAttentionMetadata]
+    ) -> list[FlashInferMetadata]:
+        """The ``host_preplanned`` strategy: plan one decode wrapper per draft step, all
+        before a single replay of the fused graph.
+
+        ``common_per_step[i]`` describes draft step ``i`` (its lengths known ahead: each
+        step adds one token per request; one query token per request, one block table for
+        all). Step ``i`` gets its own wrapper and fixed buffers (cached per batch size and
+        step count), so planning step ``i + 1`` never overwrites what step ``i``'s captured
+        kernels read. Capture the fused graph with the metadata this returns, and call it
+        again with the live batch before every replay.
+
+        The steps are planned together, which is cheaper on the host than as many builds:
+        their page tables are computed in one host call, copied to the device in one
+        transfer and their page indices written in one launch; and once a wrapper has been
+        planned through ``plan()``, FlashInfer's ``fast_decode_plan`` re-plans it (its
+        scheduler on the host lengths, nothing copied: the buffers are already filled).
+        :meth:`build`, which the per-step path and the verifier's eager oracle use, always
+        plans through ``plan()``.
+        """
+        if not common_per_step:
+            return []
+        sizes = {c.num_reqs for c in common_per_step}
+        if len(sizes) != 1:
+            raise ValueError(
+                f"plan_draft_steps: every draft step of one replay must have the same padded "
+                f"batch size, got num_reqs={[c.num_reqs for c in common_per_step]}"
+            )
+        (num_reqs,) = sizes
+        self._check_batch_size(num_reqs)
+        if num_reqs == 0:
+            return [self._empty_metadata(c, draft_step=i) for i, c in enumerate(common_per_step)]
+        block_table = common_per_step[0].block_table
+        for step, common in enumerate(common_per_step):
+            if not _is_decode(common):
+                raise ValueError(
+                    f"plan_draft_steps plans decode steps (one query token per request), but "
+                    f"step {step} has max_query_len={common.max_query_len} over "
+                    f"{common.num_actual_tokens} tokens for {num_reqs} requests"
+                )
+            if not _same_view(common.block_table, block_table):
+                raise ValueError(
+                    f"plan_draft_steps: step {step} reads another block table than step 0 "
+                    "(the draft steps of one replay share one)"
+                )
+        group = self._draft_step_wrappers(num_reqs, len(common_per_step))
+        lengths = paged_kv_lengths(
+            np.stack([c.seq_lens_cpu_upper_bound[:num_reqs].numpy() for c in common_per_step]),
+            self.layer.block_size,
+            block_table.shape[1],
+        )
+        _check_capacity(lengths.num_pages, group.indices[0])
+        _wait_for_upload(group.uploaded)
+        group.staged[:, : num_reqs + 1].copy_(lengths.indptr)
+        group.staged[:, num_reqs + 1 :].copy_(lengths.last_page_len)
+        group.lengths.copy_(group.staged, non_blocking=True)
+        pages = lengths.indptr[:, -1].tolist()
+        for step, num_pages in enumerate(pages):
+            self._plan_draft_step(group, step, num_pages)
+        group.planned = True
+        write_paged_kv_indices(
+            group.indices, block_table, group.lengths[:, : num_reqs + 1], num_reqs
+        )
+        group.uploaded.record()
+        return [
+            self._metadata(
+                common,
+                group.wrappers[step].run,
+                use_decode=True,
+                paged_kv_indptr=group.indptr(group.lengths, step),
+                paged_kv_indices=group.indices[step, :num_pages],
+                paged_kv_last_page_len=group.last_page_len(group.lengths, step),
+                qo_indptr=None,
+                draft_step=step,
+            )
+            for step, (common, num_pages) in enumerate(zip(common_per_step, pages, strict=True))
+        ]
+
+    def _plan_draft_step(self, group: _DraftStepWrappers, step: int, num_pages: int) -> None:
+        """Plan draft step ``step``'s wrapper from the lengths staged in ``group`` (their
+        copy into its fixed buffers already queued): through ``plan()`` the first time,
+        then through ``fast_decode_plan`` where FlashInfer has it."""
+        wrapper = group.wrappers[step]
+        layer = self.layer
+        shape = (layer.num_heads, layer.num_kv_heads, layer.head_size, layer.block_size)
+        indices = group.indices[step, :num_pages]
+        options = {"q_data_type": layer.dtype, "kv_data_type": layer.dtype,
+                   "sm_scale": self.sm_scale}
+        if group.planned and self._fast_decode_plan is not None:
+            self._fast_decode_plan(
+                wrapper,
+                group.indptr(group.lengths, step),
+                indices,
+                group.last_page_len(group.lengths, step),
+                *shape,
+                global_override_indptr_cpu=group.indptr(group.staged, step),
+                **options,
+            )
+            return
+        wrapper.plan(
+            group.indptr(group.staged, step),
+            indices,
+            group.last_page_len(group.staged, step),
+            *shape,
+            **options,
+        )
+
+    def _check_batch_size(self, num_reqs: int) -> None:
+        if num_reqs > self.limits.max_num_reqs:
+            raise ValueError(
+                f"flashinfer backend: num_reqs={num_reqs} exceeds BuilderLimits.max_num_reqs="
+                f"{self.limits.max_num_reqs}"
+            )
+
+    def _metadata(
+        self,
+        common: CommonAttentionMetadata,
+        run: Callable[..., Any] | None,
+        *,
+        use_decode: bool,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        qo_indptr: torch.Tensor | None,
+        draft_step: int | None,
+    ) -> FlashInferMetadata:
+        return FlashInferMetadata(
+            run=run,
+            use_decode=use_decode,
+            paged_kv_indptr=paged_kv_indptr,
+            paged_kv_indices=paged_kv_indices,
+            paged_kv_last_page_len=paged_kv_last_page_len,
+            qo_indptr=qo_indptr,
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
             slot_mapping=common.slot_mapping,
             num_actual_tokens=common.num_actual_tokens,
-            num_reqs=num_reqs,
+            num_reqs=common.num_reqs,
             causal=common.causal,
             sm_scale=self.sm_scale,
+            draft_step=draft_step,
+        )
+
+    def _empty_metadata(
+        self, common: CommonAttentionMetadata, draft_step: int | None
+    ) -> FlashInferMetadata:
+        """Metadata of a batch without requests: nothing to plan or run."""
+        empty = torch.zeros(0, dtype=torch.int32, device=self.device)
+        return self._metadata(
+            common,
+            None,
+            use_decode=False,
+            paged_kv_indptr=empty,
+            paged_kv_indices=empty,
+            paged_kv_last_page_len=empty,
+            qo_indptr=None,
             draft_step=draft_step,
         )
 

@@ -5,7 +5,9 @@ physical blocks ``indices[indptr[r]:indptr[r + 1]]``, and ``last_page_len[r]`` e
 its last one. ``indptr`` and ``last_page_len`` depend only on the KV lengths, which the
 host knows, so :func:`paged_kv_lengths` computes them there. ``indices`` are block-table
 entries, which live on the device: :func:`write_paged_kv_indices` gathers them there with
-one Triton kernel, so planning never copies the block table back to the host.
+one Triton kernel, so planning never copies the block table back to the host. Both also
+take the tables of several draft steps at once, one row each (the lengths differ, the block
+table is the same): a preplanned replay's tables cost one call and one launch.
 
 :func:`paged_kv_layout` is the whole table built on the host from a host block table: the
 reference the kernel is tested against. The builder never calls it.
@@ -32,6 +34,8 @@ class PagedKVLengths:
     - ``last_page_len``: ``[num_reqs]``, entries in each request's last page, in
       ``1 .. page_size`` for a request with pages and 0 for one without (padding lanes:
       FlashInfer's device-side length is 0 whenever a request owns no page).
+
+    Several tables at once (the draft steps of one replay) carry a leading table dimension.
     """
 
     indptr: torch.Tensor
@@ -39,8 +43,8 @@ class PagedKVLengths:
 
     @property
     def num_pages(self) -> int:
-        """``indptr[-1]``: the used head of the indices."""
-        return int(self.indptr[-1])
+        """``indptr[-1]``: the used head of the indices (of several tables, the longest)."""
+        return int(self.indptr[..., -1].max())
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,12 @@ def paged_kv_lengths(
 ) -> PagedKVLengths:
     """``indptr`` and ``last_page_len`` of requests with KV lengths ``seq_lens``
     (``[num_reqs]``, host) in pages of ``page_size``; raises if a request needs more than
-    ``max_blocks`` pages (the block table's width). Host arithmetic only."""
-    seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    ``max_blocks`` pages (the block table's width). Given ``[tables, num_reqs]`` lengths
+    (the draft steps of one replay), one table per row: ``[tables, num_reqs + 1]`` and
+    ``[tables, num_reqs]``. Host arithmetic only."""
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    if seq.ndim == 0 or seq.ndim > 2:
+        raise ValueError(f"sequence lengths of shape {seq.shape}: one row, or one per table")
     if (seq < 0).any():
         raise ValueError(f"negative sequence length in {seq.tolist()}")
     pages = (seq + page_size - 1) // page_size
@@ -66,8 +74,8 @@ def paged_kv_lengths(
             f"a sequence of length {int(seq.max())} needs {int(pages.max())} pages of "
             f"{page_size} but the block table has {max_blocks} columns"
         )
-    indptr = np.zeros(seq.size + 1, dtype=np.int32)
-    np.cumsum(pages, out=indptr[1:])
+    indptr = np.zeros((*seq.shape[:-1], seq.shape[-1] + 1), dtype=np.int32)
+    np.cumsum(pages, axis=-1, out=indptr[..., 1:])
     last = np.where(pages > 0, seq - (pages - 1) * page_size, 0).astype(np.int32)
     return PagedKVLengths(indptr=torch.from_numpy(indptr), last_page_len=torch.from_numpy(last))
 
@@ -105,18 +113,26 @@ def paged_kv_indices_kernel(
     capacity,
     tail_per_program,
     stride_bt,
+    stride_indices,
+    stride_indptr,
     BLOCK: tl.constexpr,
 ):
-    """Program ``r`` (grid ``(num_reqs,)``) writes request ``r``'s page indices and zeroes
-    one share of the tail.
+    """Program ``(r, s)`` (grid ``(num_reqs, tables)``) writes request ``r``'s page indices
+    into table ``s`` and zeroes one share of that table's tail.
 
-    ``indices[indptr[r] + j] = block_table[r, j]`` for ``j < indptr[r + 1] - indptr[r]``;
-    then ``indices[used + r * tail_per_program ...]`` (``tail_per_program`` entries, where
-    ``used = indptr[num_reqs]``) are set to 0. With ``tail_per_program * num_reqs >=
-    capacity`` the programs together zero every entry from ``used`` to ``capacity``. No
-    store leaves ``indices[0:capacity]``, whatever ``indptr`` holds.
+    Table ``s`` is the row ``indices[s]`` (``capacity`` entries, ``stride_indices`` apart)
+    with its own ``indptr[s]`` (``stride_indptr`` apart); every table reads the same block
+    table. ``indices[s, indptr[s, r] + j] = block_table[r, j]`` for ``j < indptr[s, r + 1]
+    - indptr[s, r]``; then ``indices[s, used + r * tail_per_program ...]``
+    (``tail_per_program`` entries, where ``used = indptr[s, num_reqs]``) are set to 0. With
+    ``tail_per_program * num_reqs >= capacity`` the programs together zero every entry from
+    ``used`` to ``capacity``. No store leaves ``indices[s, 0:capacity]``, whatever
+    ``indptr`` holds.
     """
     req = tl.program_id(0)
+    table = tl.program_id(1).to(tl.int64)
+    indices_ptr += table * stride_indices
+    indptr_ptr += table * stride_indptr
     cols = tl.arange(0, BLOCK)
     start = tl.load(indptr_ptr + req)
     pages = tl.minimum(tl.load(indptr_ptr + req + 1) - start, max_blocks)
@@ -138,7 +154,10 @@ def write_paged_kv_indices(
     indices: torch.Tensor, block_table: torch.Tensor, indptr: torch.Tensor, num_reqs: int
 ) -> None:
     """Fill the persistent ``indices`` buffer (``[capacity]`` int32, device) with the CSR
-    page indices of the first ``num_reqs`` requests, and zero the rest of it.
+    page indices of the first ``num_reqs`` requests, and zero the rest of it; or, given
+    ``[tables, capacity]`` indices and ``[tables, >= num_reqs + 1]`` indptr, every table
+    (row) from its own indptr row, in the same one launch (the draft steps of one replay,
+    whose lengths differ while their block table is the same).
 
     ``indptr`` (``[>= num_reqs + 1]`` int32) and ``block_table`` (``[>= num_reqs,
     max_blocks]`` int32, rows contiguous) are read on the device, where they must already
@@ -158,33 +177,45 @@ def write_paged_kv_indices(
             raise ValueError(
                 f"write_paged_kv_indices: {name} is on {t.device}, indices on {indices.device}"
             )
-    if indices.dim() != 1 or not indices.is_contiguous():
-        raise ValueError("write_paged_kv_indices: indices must be one contiguous row")
+    tables = indices.unsqueeze(0) if indices.dim() == 1 else indices
+    offsets = indptr.unsqueeze(0) if indptr.dim() == 1 else indptr
+    if tables.dim() != 2 or tables.stride(1) != 1 or indices.dim() != indptr.dim():
+        raise ValueError(
+            "write_paged_kv_indices: indices must be one contiguous row, or rows of them with "
+            "one indptr row each"
+        )
     if block_table.dim() != 2 or block_table.shape[0] < num_reqs or block_table.stride(1) != 1:
         raise ValueError(
             f"write_paged_kv_indices: block_table of shape {tuple(block_table.shape)} does "
             f"not hold {num_reqs} contiguous rows"
         )
-    if indptr.dim() != 1 or indptr.shape[0] < num_reqs + 1 or not indptr.is_contiguous():
+    if (
+        offsets.dim() != 2
+        or offsets.shape[0] != tables.shape[0]
+        or offsets.shape[1] < num_reqs + 1
+        or offsets.stride(1) != 1
+    ):
         raise ValueError(
             f"write_paged_kv_indices: indptr of shape {tuple(indptr.shape)} does not cover "
-            f"num_reqs={num_reqs}"
+            f"num_reqs={num_reqs} for each of the {tables.shape[0]} index rows"
         )
-    capacity = indices.shape[0]
+    capacity = tables.shape[1]
     if num_reqs == 0:
         indices.zero_()
         return
-    if capacity == 0:
+    if capacity == 0 or tables.shape[0] == 0:
         return
-    paged_kv_indices_kernel[(num_reqs,)](
-        indices,
+    paged_kv_indices_kernel[(num_reqs, tables.shape[0])](
+        tables,
         block_table,
-        indptr,
+        offsets,
         num_reqs,
         block_table.shape[1],
         capacity,
         triton.cdiv(capacity, num_reqs),
         block_table.stride(0),
+        tables.stride(0),
+        offsets.stride(0),
         BLOCK=INDEX_BLOCK,
         num_warps=1,
     )
