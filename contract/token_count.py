@@ -10,6 +10,8 @@ what made FlashInfer raise ``q.shape[0] (52) does not match qo_indptr[-1] (48)``
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -178,4 +180,22 @@ def build_uniform_attention_metadata(
         max_model_len=max_model_len,
         causal=causal,
         uniform_query_len=num_query_per_req,
+    )
+
+
+def at_later_draft_step(
+    common: CommonAttentionMetadata, base_seq_lens_np: np.ndarray, step: int
+) -> CommonAttentionMetadata:
+    """``common`` (a decode step's metadata, built by :func:`build_attention_metadata`) as
+    that function would build it for draft step ``step`` of the same batch, without its
+    host work or device writes: the host upper bounds of the lengths and their maximum
+    advanced; everything else, the device views included, shared (a draft step's device
+    lengths, positions and slots are advanced in place by the steps before it)."""
+    seq_upper = draft_seq_lens_upper_bound(
+        base_seq_lens_np, common.num_real_reqs, common.num_reqs, step, common.max_model_len
+    )
+    return dataclasses.replace(
+        common,
+        seq_lens_cpu_upper_bound=torch.from_numpy(seq_upper),
+        max_seq_len=int(seq_upper.max()) if common.num_reqs else 0,
     )

@@ -37,7 +37,7 @@ from speccheck.contract.resolution import (
     graph_capture_shortfall,
 )
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.contract.token_count import build_uniform_attention_metadata
+from speccheck.contract.token_count import at_later_draft_step, build_uniform_attention_metadata
 from speccheck.speculator.base import DraftModelSpeculator, SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.decode_inputs import DecodeLaneBuffers, prepare_decode_lanes
@@ -261,13 +261,14 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         for_capture: bool = False,
     ) -> list[list[Any]]:
         """``[step - 1][group]`` metadata: planned per step for ``host_preplanned`` groups,
-        built once (step 1) and refreshed in-graph for the others. Host work."""
-        commons = [
-            build_uniform_attention_metadata(
-                buffers=self.buffers, batch_desc=desc, num_reqs=num_reqs, num_query_per_req=1,
-                base_seq_lens_np=base_seq_lens, step=step, max_model_len=self.max_model_len,
-            )
-            for step in range(1, self.num_steps)
+        built once (step 1) and refreshed in-graph for the others. Host work: one build,
+        the later steps' common metadata derived from it."""
+        first = build_uniform_attention_metadata(
+            buffers=self.buffers, batch_desc=desc, num_reqs=num_reqs, num_query_per_req=1,
+            base_seq_lens_np=base_seq_lens, step=1, max_model_len=self.max_model_len,
+        )
+        commons = [first] + [
+            at_later_draft_step(first, base_seq_lens, step) for step in range(2, self.num_steps)
         ]
         per_group: list[list[Any]] = []
         for group in self.groups:

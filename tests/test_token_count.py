@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.token_count import (
+    at_later_draft_step,
     attention_token_count,
     build_attention_metadata,
     build_uniform_attention_metadata,
@@ -137,3 +138,29 @@ def test_builds_of_one_size_share_their_views() -> None:
         num_reqs=3, num_query_per_req=1, base_seq_lens_np=np.full(3, 5), step=1,
         max_model_len=64)
     assert other.seq_lens.shape[0] == 8 and other.seq_lens is not first.seq_lens
+
+
+@given(base=st.lists(st.integers(0, 40), min_size=0, max_size=6), pad=st.integers(0, 3),
+       step=st.integers(2, 9))
+def test_a_later_draft_step_derived_equals_its_build(base: list[int], pad: int,
+                                                     step: int) -> None:
+    """What the preplanned path derives for step ``step`` from step 1's build is that
+    step's build: every host field equal, the device views the same."""
+    n = len(base) + pad
+    desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, n, n, 1)
+    bufs, base_np = _buffers(), np.array(base, dtype=np.int32)
+
+    def build(at: int):  # type: ignore[no-untyped-def]
+        return build_uniform_attention_metadata(
+            buffers=bufs, batch_desc=desc, num_reqs=len(base), num_query_per_req=1,
+            base_seq_lens_np=base_np, step=at, max_model_len=42)
+
+    derived, built = at_later_draft_step(build(1), base_np, step), build(step)
+    for field, value in vars(built).items():
+        got = getattr(derived, field)
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got, value), field
+        else:
+            assert got == value, field
+    for view in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "positions"):
+        assert getattr(derived, view).data_ptr() == getattr(built, view).data_ptr(), view

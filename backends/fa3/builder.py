@@ -44,6 +44,7 @@ from typing import ClassVar
 import torch
 
 from speccheck.backends.availability import require_module
+from speccheck.backends.batch_layout import zero_padding_rows
 from speccheck.backends.kv_cache_write import write_kv_cache
 from speccheck.contract.builder import (
     AttentionImpl,
@@ -140,13 +141,10 @@ class FA3AttentionImpl(AttentionImpl[FA3Metadata]):
             num_splits=metadata.num_splits,
         )
         # Rows past query_start_loc[-1] belong to no request (FULL-mode padding tokens);
-        # FA3 never writes them (its output is torch.empty). Zero them with a mask read
-        # from the device so a replay with fewer real tokens than the capture is still
-        # deterministic; the reference backend also returns zeros there.
+        # FA3 never writes them (its output is torch.empty).
         dst = output[:n]
         dst.copy_(out.view(dst.shape))
-        real = torch.arange(n, device=dst.device) < metadata.query_start_loc[-1]
-        dst.masked_fill_(~real[:, None, None], 0)
+        zero_padding_rows(dst, metadata.query_start_loc)
 
 
 class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):

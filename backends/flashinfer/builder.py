@@ -75,6 +75,7 @@ import numpy as np
 import torch
 
 from speccheck.backends.availability import require_module
+from speccheck.backends.batch_layout import zero_padding_rows
 from speccheck.backends.flashinfer.page_indices import (
     PagedKVLengths,
     paged_kv_lengths,
@@ -230,10 +231,8 @@ class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
             return
         metadata.run(query[:n], (key_cache, value_cache), out=dst)
         # Rows past query_start_loc[-1] belong to no request (FULL-mode padding lanes, whose
-        # pages are empty). Zero them with a mask read from the device, so a replay with
-        # fewer real requests than the capture is deterministic (the reference gives 0).
-        real = torch.arange(n, device=dst.device) < metadata.query_start_loc[-1]
-        dst.masked_fill_(~real[:, None, None], 0)
+        # pages are empty).
+        zero_padding_rows(dst, metadata.query_start_loc)
 
 
 def _same_scale(a: float, b: float) -> bool:

@@ -36,12 +36,26 @@ class HostCopyPlan:
 
     def copies(self) -> list[torch.Tensor]:
         """Contiguous host copies of the tensors, in order, sharing no memory with them
-        (the copies of one dtype are views of one host tensor); one transfer per dtype."""
+        (the copies of one dtype are views of one host tensor); one transfer per dtype.
+
+        From a device, each transfer lands in page-locked memory (PyTorch's caching host
+        allocator hands back blocks of earlier read-backs once their copies are freed): a
+        fresh pageable tensor would be faulted in page by page during the copy, which cost
+        a FlashInfer verify run more than the transfers themselves."""
         out: list[torch.Tensor] = [torch.empty(0)] * self.count
+        streams = []
         for members, flats, sizes, shapes in self._groups:
-            parts = torch.cat(flats).cpu().split(sizes)
-            for i, part, shape in zip(members, parts, shapes, strict=True):
+            flat = torch.cat(flats)
+            if flat.is_cuda:
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                streams.append(torch.cuda.current_stream(flat.device))
+            else:
+                host = flat
+            for i, part, shape in zip(members, host.split(sizes), shapes, strict=True):
                 out[i] = part.view(shape)
+        for stream in streams:
+            stream.synchronize()
         return out
 
 
