@@ -17,8 +17,10 @@ How the wrappers behave, and what this adapter does about it:
 - A plan makes no device-to-host copy and no stream synchronisation, so planning ahead can
   overlap the GPU's work. FlashInfer reads ``indptr`` and ``last_page_len`` on the host
   (it calls ``.to("cpu")`` on them), so they are computed there, from the host-tracked
-  lengths, staged in pinned buffers of the wrapper and handed over as host tensors (its
-  copies into the fixed buffers are then truly asynchronous). ``indices`` are block-table
+  lengths, staged in pinned buffers of the wrapper and handed over as host tensors, with
+  the KV lengths themselves (its copies into the fixed buffers are then truly
+  asynchronous; the prefill plan's copy of KV lengths it derived itself, from pageable
+  memory, may wait for the device). ``indices`` are block-table
   entries, which live on the device: the plan is given the used head of the wrapper's own
   indices buffer (its copy onto itself is a no-op, and nothing on the host reads it), and
   :func:`~speccheck.backends.flashinfer.page_indices.write_paged_kv_indices` then gathers
@@ -120,7 +122,8 @@ class _GraphWrapper:
     qo_indptr: torch.Tensor | None
     staged: dict[str, torch.Tensor]
     """Pinned host copies of the plan inputs handed to ``plan()`` (``paged_kv_indptr``,
-    ``paged_kv_last_page_len`` and, for prefill, ``qo_indptr``); overwritten by each plan."""
+    ``paged_kv_last_page_len``, the KV lengths ``seq_lens`` and, for prefill,
+    ``qo_indptr``); overwritten by each plan."""
     uploaded: torch.cuda.Event
     """Recorded after each plan: once it has completed, the plan's asynchronous uploads
     from the staged buffers and FlashInfer's page-locked workspace have run."""
@@ -330,6 +333,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         staged = {
             "paged_kv_indptr": pinned(batch_size + 1),
             "paged_kv_last_page_len": pinned(batch_size),
+            "seq_lens": pinned(batch_size),
         }
         if kind == "decode":
             wrapper = self._decode_wrapper(indptr, indices, last_page_len)
@@ -410,30 +414,38 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         np.cumsum(qo_lens, out=qo_indptr[1:])
         kv_lens = np.minimum(np.maximum(qo_lens, 1), self.layer.max_model_len)
         lengths = paged_kv_lengths(kv_lens, self.layer.block_size, self.layer.max_blocks_per_req)
-        self._upload_plan(graph_wrapper, lengths, torch.from_numpy(qo_indptr), causal=True)
+        self._upload_plan(
+            graph_wrapper, torch.from_numpy(kv_lens.astype(np.int32)), lengths,
+            torch.from_numpy(qo_indptr), causal=True,
+        )
 
     def _upload_plan(
         self,
         graph_wrapper: _GraphWrapper,
+        seq_lens: torch.Tensor,
         lengths: PagedKVLengths,
         qo_indptr: torch.Tensor | None,
         *,
         causal: bool,
     ) -> None:
-        """``plan()`` the wrapper from host lengths (and, for prefill, the host query
-        offsets ``qo_indptr``), without reading anything back from the device.
+        """``plan()`` the wrapper from host KV lengths ``seq_lens`` (int32) and their page
+        table ``lengths`` (and, for prefill, the host query offsets ``qo_indptr``), without
+        reading anything back from the device.
 
         Waits for the wrapper's previous plan to have been uploaded (see the module
         docstring), stages the host arrays in the wrapper's pinned buffers and plans with
-        the used head of its own indices buffer as ``indices``. Leaves the indices buffer
-        to the caller: FlashInfer's scheduler does not read it, and its kernels read it
-        only when they run."""
+        the used head of its own indices buffer as ``indices``. The KV lengths are handed
+        over too: FlashInfer would otherwise derive them into a fresh pageable tensor, and
+        the prefill plan's copy from that one may wait for the device. Leaves the
+        indices buffer to the caller: FlashInfer's scheduler does not read it, and its
+        kernels read it only when they run."""
         num_pages = lengths.num_pages
         _check_capacity(num_pages, graph_wrapper.paged_kv_indices)
         _wait_for_upload(graph_wrapper.uploaded)
         staged = graph_wrapper.staged
         staged["paged_kv_indptr"].copy_(lengths.indptr)
         staged["paged_kv_last_page_len"].copy_(lengths.last_page_len)
+        staged["seq_lens"].copy_(seq_lens)
         indices = graph_wrapper.paged_kv_indices[:num_pages]
         layer = self.layer
         shape = (layer.num_heads, layer.num_kv_heads, layer.head_size, layer.block_size)
@@ -446,6 +458,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 q_data_type=layer.dtype,
                 kv_data_type=layer.dtype,
                 sm_scale=self.sm_scale,
+                seq_lens=staged["seq_lens"],
             )
         else:
             if qo_indptr is None:
@@ -461,6 +474,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 sm_scale=self.sm_scale,
                 q_data_type=layer.dtype,
                 kv_data_type=layer.dtype,
+                seq_lens=staged["seq_lens"],
             )
         graph_wrapper.uploaded.record()
 
@@ -472,19 +486,16 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if num_reqs == 0:
             return self._empty_metadata(common, draft_step=None)
         # Host work from host lengths only; the indices are gathered on the device.
-        lengths = paged_kv_lengths(
-            common.seq_lens_cpu_upper_bound[:num_reqs],
-            self.layer.block_size,
-            common.block_table.shape[1],
-        )
+        seq_lens = common.seq_lens_cpu_upper_bound[:num_reqs]
+        lengths = paged_kv_lengths(seq_lens, self.layer.block_size, common.block_table.shape[1])
         use_decode = _is_decode(common)
         if use_decode:
             graph_wrapper = self._wrapper("decode", num_reqs)
-            self._upload_plan(graph_wrapper, lengths, None, causal=common.causal)
+            self._upload_plan(graph_wrapper, seq_lens, lengths, None, causal=common.causal)
         else:
             graph_wrapper = self._wrapper("prefill", num_reqs)
             qo_indptr = common.query_start_loc_cpu[: num_reqs + 1]
-            self._upload_plan(graph_wrapper, lengths, qo_indptr, causal=common.causal)
+            self._upload_plan(graph_wrapper, seq_lens, lengths, qo_indptr, causal=common.causal)
         # The plan has queued the copy of indptr into the fixed buffer the kernel reads.
         write_paged_kv_indices(
             graph_wrapper.paged_kv_indices,
