@@ -207,7 +207,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         # Real lanes advance one position (clamped); padding lanes (position and length 0)
         # stay.
         finish_decode_step(
-            self.model.compute_logits(self._run_model(n, group_metadata)),
+            self.model.unprojected_logits(self._run_model(n, group_metadata)),
             self.options.sampling, self.seeds[:n], b.positions[:n], b.seq_lens[:n],
             self.is_real_req[:n], self.current_step, self.draft_tokens[:n],
             self.draft_logits[:n], self.input_ids[:n],

@@ -29,6 +29,7 @@ from speccheck.speculator.model_kernels import (
 )
 from speccheck.speculator.projection_kernels import (
     EmbeddedTokens,
+    UnprojectedLogits,
     linear,
     norm_linear,
     norm_qkv,
@@ -403,5 +404,12 @@ class DraftModel(nn.Module):
         verifier's fp32 reference is an fp32 drafter, whose logits are fp32. At decode batch
         sizes on CUDA, :func:`~speccheck.speculator.projection_kernels.linear`."""
         rows = hidden.reshape(-1, hidden.shape[-1])
-        logits = linear(rows, self.lm_head.weight, kernel=self.cfg.kernel_choice)
+        logits = self.unprojected_logits(rows).project(kernel=self.cfg.kernel_choice)
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
+    def unprojected_logits(self, hidden: torch.Tensor) -> UnprojectedLogits:
+        """The logits of ``hidden`` (``[T, hidden]``), left to their consumer to project:
+        the end of a decode step (:func:`~speccheck.speculator.sampling.finish_decode_step`)
+        samples in the LM head's kernel. Projected with the drafter's kernel choice, they
+        are what :meth:`compute_logits` returns."""
+        return UnprojectedLogits(hidden, self.lm_head.weight)

@@ -16,11 +16,16 @@ weight.T`` where ``op`` is what the layer does just before the projection:
 On CUDA, for half-precision rows, each is one Triton kernel: at most :data:`FUSED_ROWS`
 rows, a CUDA-core reduction over whole rows that recomputes the prologue per program from
 the activations (a few KiB, read from L2); :func:`linear` also streams up to
-:data:`SKINNY_ROWS` rows through tensor cores. Elsewhere (CPU tensors, fp32, larger
-batches) it is the separate kernels of :mod:`~speccheck.speculator.model_kernels` and a
-cuBLAS matmul, so the numbers are those of the unfused layer: the prologue's result is
-rounded to the activations' dtype before it is multiplied, as the unfused ops round it
-when they store it.
+:data:`SKINNY_ROWS` rows through tensor cores (:func:`runs_skinny`). Elsewhere (CPU
+tensors, fp32, larger batches) it is the separate kernels of
+:mod:`~speccheck.speculator.model_kernels` and a cuBLAS matmul, so the numbers are those of
+the unfused layer: the prologue's result is rounded to the activations' dtype before it is
+multiplied, as the unfused ops round it when they store it.
+
+The tensor-core kernel is a tile (:func:`skinny_tile`) and a launch (:func:`launch_skinny`)
+that other kernels share with their own epilogues: the end of a decode step
+(:mod:`~speccheck.speculator.sampling`) takes the LM head's logits unprojected
+(:class:`UnprojectedLogits`) and samples in the epilogue of the same tile.
 
 All are capture-safe: grids from shapes, no host synchronisation; each returns new tensors
 (from the graph pool under capture).
@@ -98,12 +103,11 @@ features, 8 by 1024)."""
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, rows, n, k, x_stride, out_stride,
-                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = cols < n
-    r = tl.arange(0, ROWS)
-    rmask = r < rows
+def skinny_tile(x_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, ROWS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 tile ``x[r] @ w[cols].T`` (``[ROWS, BLOCK_N]``; zero where ``rmask`` or
+    ``nmask`` is off), reduced on tensor cores in ``BLOCK_K`` steps: the body of every
+    kernel :func:`launch_skinny` launches, so that they all compute the same numbers."""
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         kk = start + tl.arange(0, BLOCK_K)
@@ -113,6 +117,17 @@ def _skinny_linear_kernel(x_ptr, w_ptr, out_ptr, rows, n, k, x_stride, out_strid
         w = tl.load(w_ptr + cols[:, None] * k + kk[None, :],
                     mask=nmask[:, None] & kmask[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(w))
+    return acc
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, rows, n, k, x_stride, out_ptr, out_stride,
+                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cols < n
+    r = tl.arange(0, ROWS)
+    rmask = r < rows
+    acc = skinny_tile(x_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, ROWS, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + r[:, None] * out_stride + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
@@ -291,25 +306,51 @@ def _launch_fused(prologue: Prologue, x: torch.Tensor, weight: torch.Tensor, k: 
     return out
 
 
+def runs_skinny(x: torch.Tensor, weight: torch.Tensor, kernel: bool | None) -> bool:
+    """Whether :func:`linear` runs ``x @ weight.T`` as the tensor-core kernel: :func:`fused`
+    says so for :data:`SKINNY_ROWS`, and ``x`` has more than :data:`FUSED_ROWS` rows or
+    ``weight`` at least :data:`WIDE_OUTPUT` output features."""
+    return (fused(x, weight, kernel, SKINNY_ROWS)
+            and (x.shape[0] > FUSED_ROWS or weight.shape[0] >= WIDE_OUTPUT))
+
+
+def skinny_tiles(weight: torch.Tensor) -> int:
+    """Programs of a tensor-core kernel over ``weight`` (``[n, k]``), one per ``BLOCK_N``
+    output features of :func:`tiling_for`'s tiling (:func:`launch_skinny`'s grid)."""
+    n, k = weight.shape
+    return triton.cdiv(n, tiling_for(n, k).block_n)
+
+
+def launch_skinny(kernel: triton.JITFunction, x: torch.Tensor, weight: torch.Tensor,
+                  *args: object, **constants: object) -> None:
+    """Launch ``kernel``, built around :func:`skinny_tile`, over ``x`` (2-D, rows contiguous,
+    at most :data:`SKINNY_ROWS` rows) and a contiguous ``weight`` (``[n, k]``): one program
+    per ``BLOCK_N`` output features (:func:`skinny_tiles`), tiled as :func:`tiling_for`
+    says. Its parameters start ``(x_ptr, w_ptr, rows, n, k, x_stride)``, then ``args``;
+    ``constants`` and the tiling's ``ROWS``, ``BLOCK_N``, ``BLOCK_K`` go by name. What it
+    writes is its own. Nothing is launched for zero rows. Capture-safe: grid and tiling
+    are functions of the shapes."""
+    _check(x, weight, x.shape[1], SKINNY_ROWS)
+    rows, (n, k) = x.shape[0], weight.shape
+    if rows:
+        tiling = tiling_for(n, k)
+        kernel[(skinny_tiles(weight),)](
+            x, weight, rows, n, k, x.stride(0), *args, **constants, ROWS=SKINNY_ROWS,
+            BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=tiling.num_warps,
+            num_stages=tiling.num_stages)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
     """``x @ weight.T`` for 2-D ``x`` (rows contiguous) and a contiguous ``weight``
     (``[n, k]``); ``kernel`` as for :func:`fused` (up to :data:`SKINNY_ROWS` rows): the
-    CUDA-core kernel up to :data:`FUSED_ROWS` rows and below :data:`WIDE_OUTPUT` output
-    features, else the tensor-core one."""
-    if not fused(x, weight, kernel, SKINNY_ROWS):
-        return torch.nn.functional.linear(x, weight)
-    if x.shape[0] <= FUSED_ROWS and weight.shape[0] < WIDE_OUTPUT:
+    tensor-core kernel where :func:`runs_skinny` says so, else the CUDA-core one."""
+    if runs_skinny(x, weight, kernel):
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        launch_skinny(_skinny_linear_kernel, x, weight, out, out.stride(0))
+        return out
+    if fused(x, weight, kernel, SKINNY_ROWS):
         return _launch_fused(Prologue.NONE, x, weight, x.shape[1])
-    _check(x, weight, x.shape[1], SKINNY_ROWS)
-    rows, n = x.shape[0], weight.shape[0]
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    if rows:
-        tiling = tiling_for(n, x.shape[1])
-        _skinny_linear_kernel[(triton.cdiv(n, tiling.block_n),)](
-            x, weight, out, rows, n, x.shape[1], x.stride(0), out.stride(0), ROWS=SKINNY_ROWS,
-            BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=tiling.num_warps,
-            num_stages=tiling.num_stages)
-    return out
+    return torch.nn.functional.linear(x, weight)
 
 
 def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -370,6 +411,21 @@ class EmbeddedTokens(NamedTuple):
     def rows(self) -> torch.Tensor:
         """The gathered rows, ``[len(ids), hidden]``."""
         return torch.nn.functional.embedding(self.ids, self.table)
+
+
+class UnprojectedLogits(NamedTuple):
+    """Logits not computed yet: ``linear(rows, weight)``, the LM head over hidden ``rows``
+    (``[R, hidden]``). The end of a decode step
+    (:func:`~speccheck.speculator.sampling.finish_decode_step`) projects them itself,
+    sampling in the epilogue of the LM head's tensor-core kernel where :func:`runs_skinny`
+    says so (one kernel less)."""
+
+    rows: torch.Tensor
+    weight: torch.Tensor
+
+    def project(self, *, kernel: bool | None = None) -> torch.Tensor:
+        """The logits, ``[R, vocab]`` in the rows' dtype: :func:`linear`."""
+        return linear(self.rows, self.weight, kernel=kernel)
 
 
 def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,

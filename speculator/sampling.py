@@ -12,8 +12,16 @@ one contiguous chunk per program (storing its fp32 logits, in the decode step) a
 the chunk's best score and the index of its first maximum to scratch ``[rows, splits]``
 tensors; phase 2, one program per row, takes the first chunk holding the greatest score,
 so the result is exactly ``torch.argmax``'s first maximum, and does the stores. ``splits``
-is a function of the vocabulary size alone (:func:`_split_plan`). No host values, no
-synchronisation; the scratch comes from the graph pool under capture.
+is a function of the vocabulary size alone (:func:`_split_plan`).
+
+At the end of a decode step whose LM head runs as the tensor-core kernel of
+:mod:`~speccheck.speculator.projection_kernels` (given its logits unprojected), phase 1 is
+that kernel's epilogue instead: each program rounds its tile of logits to the model's
+dtype, as the LM head's own kernel stores them, stores them in fp32 and writes the tile's
+partials for every row. ``splits`` is then the kernel's tile count (500 at vocabulary
+32000, 2004 at 128256), and tokens and logits are those of the separate kernels.
+
+No host values, no synchronisation; the scratch comes from the graph pool under capture.
 """
 
 from __future__ import annotations
@@ -25,6 +33,13 @@ import triton
 import triton.language as tl
 
 from speccheck.speculator.model_kernels import use_kernels
+from speccheck.speculator.projection_kernels import (
+    UnprojectedLogits,
+    launch_skinny,
+    runs_skinny,
+    skinny_tile,
+    skinny_tiles,
+)
 
 SamplingMethod = Literal["argmax", "gumbel"]
 
@@ -77,11 +92,12 @@ def _gumbel_score(x, key, cols):
 
 
 @triton.jit
-def _running_argmax(score, start, best, best_index):
-    """The row's best score and its index so far, after the block of ``score`` that starts
-    at vocabulary entry ``start``; strict, so the first maximum wins, as ``torch.argmax``."""
-    block_best = tl.max(score, axis=0)
-    block_index = tl.argmax(score, axis=0) + start
+def _running_argmax(score, start, best, best_index, AXIS: tl.constexpr):
+    """The best score and its index so far, after the block of ``score`` whose entries along
+    ``AXIS`` (a row's vocabulary) start at entry ``start``; strict, so the first maximum
+    wins, as ``torch.argmax``."""
+    block_best = tl.max(score, axis=AXIS)
+    block_index = tl.argmax(score, axis=AXIS) + start
     better = block_best > best
     return tl.where(better, block_best, best), tl.where(better, block_index, best_index)
 
@@ -138,10 +154,47 @@ def _chunk_argmax_kernel(
         if GUMBEL:
             score = _gumbel_score(x, key, cols)
         score = tl.where(mask, score, -float("inf"))
-        best, best_index = _running_argmax(score, start, best, best_index)
+        best, best_index = _running_argmax(score, start, best, best_index, 0)
     part = row * tl.num_programs(1) + split
     tl.store(part_best_ptr + part, best)
     tl.store(part_index_ptr + part, best_index)
+
+
+@triton.jit(do_not_specialize=("rows",))
+def _lm_head_argmax_kernel(
+    x_ptr, w_ptr, rows, n, k, x_stride, seeds_ptr, positions_ptr, step_ptr, draft_logits_ptr,
+    part_best_ptr, part_index_ptr, draft_logits_row_stride, draft_logits_step_stride,
+    GUMBEL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Phase 1 in the LM head's epilogue, program ``tile`` of
+    :func:`~speccheck.speculator.projection_kernels.launch_skinny`'s grid: the logits of
+    entries ``[tile * BLOCK_N, (tile + 1) * BLOCK_N)`` of every row, rounded to the hidden
+    rows' dtype as :func:`~speccheck.speculator.projection_kernels.linear` stores them, are
+    stored in fp32 at ``draft_logits[row, step]``; the tile's best score (the logits, plus
+    the row's Gumbel noise with ``GUMBEL``) and the index of its first maximum at
+    ``[row, tile]`` of the partials (``[rows, tiles]``, fp32 and int64). The same stores
+    and scores as :func:`_chunk_argmax_kernel`'s over the same logits."""
+    tile = tl.program_id(0)
+    r = tl.arange(0, ROWS)
+    rmask = r < rows
+    start = tile * BLOCK_N
+    cols = start + tl.arange(0, BLOCK_N)
+    nmask = cols < n
+    acc = skinny_tile(x_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, ROWS, BLOCK_N, BLOCK_K)
+    x = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    out_logits = draft_logits_ptr + tl.load(step_ptr) * draft_logits_step_stride
+    tl.store(out_logits + r[:, None] * draft_logits_row_stride + cols[None, :], x,
+             mask=rmask[:, None] & nmask[None, :])
+    score = x
+    if GUMBEL:
+        key = _row_key(tl.load(seeds_ptr + r, mask=rmask, other=0).to(tl.int64),
+                       tl.load(positions_ptr + r, mask=rmask, other=0).to(tl.int64))
+        score = _gumbel_score(x, key[:, None], cols[None, :])
+    score = tl.where(nmask[None, :], score, -float("inf"))
+    best, best_index = _running_argmax(score, start, -float("inf"), start, 1)
+    part = r * tl.num_programs(0) + tile
+    tl.store(part_best_ptr + part, best, mask=rmask)
+    tl.store(part_index_ptr + part, best_index, mask=rmask)
 
 
 @triton.jit
@@ -155,7 +208,7 @@ def _partials_argmax(part_best_ptr, part_index_ptr, row, splits, SPLITS: tl.cons
     mask = offs < splits
     scores = tl.load(part_best_ptr + row * splits + offs, mask=mask, other=-float("inf"))
     indices = tl.load(part_index_ptr + row * splits + offs, mask=mask, other=0)
-    _, split = _running_argmax(scores, 0, -float("inf"), 0)
+    _, split = _running_argmax(scores, 0, -float("inf"), 0, 0)
     return tl.sum(tl.where(offs == split, indices, 0), axis=0)
 
 
@@ -183,6 +236,23 @@ def _chunk_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
         row_stride, step_stride, vocab, chunk, GUMBEL=gumbel,
         STORE_LOGITS=draft_logits is not None, BLOCK=block)
     return part_best, part_index, splits
+
+
+def _lm_head_argmax(head: UnprojectedLogits, seeds: torch.Tensor, positions: torch.Tensor, *,
+                    gumbel: bool, step: torch.Tensor, draft_logits: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Launch the LM head with phase 1 in its epilogue over ``head`` (at least one row): the
+    partials, one per tensor-core tile of the vocabulary (new tensors, from the graph pool
+    under capture), and their count per row; the fp32 logits stored at
+    ``draft_logits[:, step]``."""
+    tiles = skinny_tiles(head.weight)
+    rows, device = head.rows.shape[0], head.rows.device
+    part_best = torch.empty(rows, tiles, dtype=torch.float32, device=device)
+    part_index = torch.empty(rows, tiles, dtype=torch.int64, device=device)
+    launch_skinny(_lm_head_argmax_kernel, head.rows, head.weight, seeds, positions, step,
+                  draft_logits, part_best, part_index, *draft_logits.stride()[:2],
+                  GUMBEL=gumbel)
+    return part_best, part_index, tiles
 
 
 def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *,
@@ -223,7 +293,7 @@ def _decode_step_finish_kernel(
 
 
 def finish_decode_step(
-    logits: torch.Tensor,
+    logits: torch.Tensor | UnprojectedLogits,
     method: SamplingMethod,
     seeds: torch.Tensor,
     positions: torch.Tensor,
@@ -238,23 +308,33 @@ def finish_decode_step(
     max_model_len: int,
     kernel: bool | None = None,
 ) -> None:
-    """The end of a decode step over the ``R = len(logits)`` lanes, in place: sample each
-    lane's token from ``logits`` (``[R, vocab]``, the model's dtype) as
-    :func:`sample_tokens` does, store it at column ``step`` (a device scalar) of
-    ``draft_tokens`` (``[R, K]``) and the logits, in fp32, at ``draft_logits[:, step]``
-    (``[R, K, vocab]``), and feed it back as ``input_ids``. With ``advance``, real lanes
-    (``is_real``) move one position on (``positions`` clamped at ``max_model_len - 1``,
-    ``seq_lens`` at ``max_model_len``); padding lanes stay. Sampling reads the positions
-    before they advance. ``step`` itself is left to the caller. Nothing else is written.
+    """The end of a decode step over the ``R`` lanes, in place: sample each lane's token
+    from ``logits`` (``[R, vocab]``, the model's dtype) as :func:`sample_tokens` does, store
+    it at column ``step`` (a device scalar) of ``draft_tokens`` (``[R, K]``) and the logits,
+    in fp32, at ``draft_logits[:, step]`` (``[R, K, vocab]``), and feed it back as
+    ``input_ids``. With ``advance``, real lanes (``is_real``) move one position on
+    (``positions`` clamped at ``max_model_len - 1``, ``seq_lens`` at ``max_model_len``);
+    padding lanes stay. Sampling reads the positions before they advance. ``step`` itself is
+    left to the caller. Nothing else is written.
+
+    ``logits`` may be :class:`~speccheck.speculator.projection_kernels.UnprojectedLogits`
+    (the LM head over ``R`` hidden rows), projected here with the same ``kernel`` choice and
+    the same numbers as its ``project``: where
+    :func:`~speccheck.speculator.projection_kernels.runs_skinny` says so, by the LM head's
+    tensor-core kernel with phase 1 in its epilogue (one kernel less), else by ``project``
+    first.
 
     On CUDA (``kernel`` forces or avoids it) two Triton kernels: several programs per lane
-    scan its vocabulary in chunks (sampling partials, fp32 logits stored), then one program
-    per lane picks the token and does the stores and the advance. ``logits`` rows and the
-    vocabulary dimension of ``draft_logits`` must be contiguous. Tensor ops elsewhere.
-    Capture-safe: no host values or synchronisation, the scratch partials from the graph
-    pool under capture, every write to the buffers in place."""
-    n = logits.shape[0]
-    if not (use_kernels(logits) if kernel is None else kernel):
+    scan its vocabulary in chunks or tiles (sampling partials, fp32 logits stored), then one
+    program per lane picks the token and does the stores and the advance. ``logits`` rows
+    and the vocabulary dimension of ``draft_logits`` must be contiguous. Tensor ops
+    elsewhere. Capture-safe: no host values or synchronisation, the scratch partials from
+    the graph pool under capture, every write to the buffers in place."""
+    if isinstance(logits, UnprojectedLogits) and not runs_skinny(*logits, kernel):
+        logits = logits.project(kernel=kernel)
+    # logits still unprojected take the kernels (runs_skinny said so)
+    if isinstance(logits, torch.Tensor) and not (
+            use_kernels(logits) if kernel is None else kernel):
         tokens = sample_tokens(logits, method, seeds, positions, kernel=False)
         at_step = step.view(1)
         draft_tokens.index_copy_(1, at_step, tokens.unsqueeze(1))
@@ -264,10 +344,15 @@ def finish_decode_step(
             positions.add_(is_real).clamp_(max=max_model_len - 1)
             seq_lens.add_(is_real).clamp_(max=max_model_len)
         return
+    n = input_ids.shape[0]
     if n:
-        part_best, part_index, splits = _chunk_argmax(
-            logits, seeds, positions, gumbel=method == "gumbel", step=step,
-            draft_logits=draft_logits)
+        gumbel = method == "gumbel"
+        part_best, part_index, splits = (
+            _chunk_argmax(logits, seeds, positions, gumbel=gumbel, step=step,
+                          draft_logits=draft_logits)
+            if isinstance(logits, torch.Tensor) else
+            _lm_head_argmax(logits, seeds, positions, gumbel=gumbel, step=step,
+                            draft_logits=draft_logits))
         _decode_step_finish_kernel[(n,)](
             part_best, part_index, positions, seq_lens, is_real, step, draft_tokens, input_ids,
             draft_tokens.stride(0), splits, max_model_len, ADVANCE=advance,

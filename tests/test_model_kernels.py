@@ -5,6 +5,7 @@ machine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speccheck.speculator import sampling
+from speccheck.speculator import projection_kernels, sampling
 from speccheck.speculator.model_kernels import (
     add_rms_norm,
     rms_norm,
@@ -27,6 +28,12 @@ from speccheck.speculator.model_kernels import (
     silu_mul,
     silu_mul_torch,
 )
+from speccheck.speculator.projection_kernels import (
+    SKINNY_ROWS,
+    Tiling,
+    UnprojectedLogits,
+    runs_skinny,
+)
 from speccheck.speculator.sampling import (
     SamplingMethod,
     finish_decode_step,
@@ -35,6 +42,7 @@ from speccheck.speculator.sampling import (
 )
 
 SMALL = settings(max_examples=15, deadline=None)
+METHODS: tuple[SamplingMethod, ...] = ("argmax", "gumbel")
 
 
 def _rows(seed: int, rows: int, width: int, device: str = "cpu",
@@ -114,20 +122,29 @@ def _decode_state(rows: int, steps: int, vocab: int, max_len: int,
     }
 
 
+def _finished(logits: torch.Tensor | UnprojectedLogits, method: SamplingMethod, steps: int,
+              step: int, advance: bool, seed: int, kernel: bool | None,
+              device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The buffers drawn from ``seed`` after :func:`finish_decode_step` over ``logits``."""
+    rows, vocab = (logits.shape if isinstance(logits, torch.Tensor)
+                   else (logits.rows.shape[0], logits.weight.shape[0]))
+    max_len = 50
+    buffers = {name: t.to(device) for name, t in
+               _decode_state(rows, steps, vocab, max_len, seed).items()}
+    finish_decode_step(logits, method, buffers["seeds"], buffers["positions"],
+                       buffers["seq_lens"], buffers["is_real"],
+                       torch.tensor(step, device=device),
+                       buffers["draft_tokens"], buffers["draft_logits"], buffers["input_ids"],
+                       advance=advance, max_model_len=max_len, kernel=kernel)
+    return buffers
+
+
 def _assert_decode_step_forms_agree(logits: torch.Tensor, method: SamplingMethod, steps: int,
                                     step: int, advance: bool, seed: int) -> torch.Tensor:
     """Run :func:`finish_decode_step` as kernels and as tensor ops on twin buffers: every
     buffer equal afterwards. Returns the tokens."""
-    rows, vocab = logits.shape
-    max_len = 50
-    got = _decode_state(rows, steps, vocab, max_len, seed)
-    want = _decode_state(rows, steps, vocab, max_len, seed)
-    for buffers, kernel in ((got, True), (want, False)):
-        finish_decode_step(logits, method, buffers["seeds"], buffers["positions"],
-                           buffers["seq_lens"], buffers["is_real"], torch.tensor(step),
-                           buffers["draft_tokens"], buffers["draft_logits"],
-                           buffers["input_ids"], advance=advance, max_model_len=max_len,
-                           kernel=kernel)
+    got = _finished(logits, method, steps, step, advance, seed, kernel=True)
+    want = _finished(logits, method, steps, step, advance, seed, kernel=False)
     for name in want:
         assert torch.equal(got[name], want[name]), name
     return got["input_ids"]
@@ -174,6 +191,74 @@ def test_split_argmax_ties_take_the_lowest_index(vocab: int, block: int) -> None
         assert torch.equal(gumbel_argmax(logits, seeds, positions, kernel=False), expected)
         for method in ("argmax", "gumbel"):
             tokens = _assert_decode_step_forms_agree(logits, method, 2, 1, True, 0)
+            assert torch.equal(tokens, expected), method
+
+
+def _lm_head_tiles(block_n: int) -> contextlib.ExitStack:
+    """The LM head's tensor-core kernel in tiles of ``block_n`` vocabulary entries by 16 of
+    the hidden rows, at any row count (as a real vocabulary, of ``WIDE_OUTPUT`` entries or
+    more, takes it on a GPU)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(projection_kernels, "tiling_for",
+                                          lambda n, k: Tiling(block_n, 16, 4, 1)))
+    stack.enter_context(mock.patch.object(projection_kernels, "WIDE_OUTPUT", 1))
+    return stack
+
+
+def _assert_lm_head_epilogue_agrees(hidden: torch.Tensor, weight: torch.Tensor,
+                                    method: SamplingMethod, steps: int, step: int,
+                                    advance: bool, seed: int) -> torch.Tensor:
+    """The end of a decode step from unprojected logits, sampling in the LM head's
+    epilogue, against the LM head's own kernel followed by :func:`finish_decode_step`'s
+    kernels, and against the tensor-op forms: every buffer equal. Returns the tokens."""
+    head = UnprojectedLogits(hidden, weight)
+    assert runs_skinny(hidden, weight, True)
+    args = (method, steps, step, advance, seed)
+    with mock.patch.object(sampling, "_chunk_argmax", side_effect=AssertionError("unfused")):
+        got = _finished(head, *args, kernel=True)
+    for want in (_finished(head.project(kernel=True), *args, kernel=True),
+                 _finished(head, *args, kernel=False)):
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+    return got["input_ids"]
+
+
+@SMALL
+@given(rows=st.integers(1, SKINNY_ROWS), vocab=st.integers(1, 90), k=st.integers(1, 40),
+       block_n=st.sampled_from([16, 32]), steps=st.integers(1, 3),
+       method=st.sampled_from(["argmax", "gumbel"]), advance=st.booleans(),
+       seed=st.integers(0, 99))
+def test_lm_head_epilogue_matches_the_separate_kernels(rows: int, vocab: int, k: int,
+                                                       block_n: int, steps: int,
+                                                       method: SamplingMethod, advance: bool,
+                                                       seed: int) -> None:
+    """Integer hidden rows and weights, so that the logits are exact and most rows have
+    equal maxima (in different tiles, often); vocabularies over up to 6 tiles, most
+    ending in a partial one, hidden rows over up to 3 reduction steps."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randint(-2, 3, (rows, k), generator=gen).float()
+    weight = torch.randint(-2, 3, (vocab, k), generator=gen).float()
+    step = int(torch.randint(0, steps, (1,), generator=gen))
+    with _lm_head_tiles(block_n):
+        _assert_lm_head_epilogue_agrees(hidden, weight, method, steps, step, advance, seed + 1)
+
+
+def test_lm_head_epilogue_ties_take_the_lowest_index() -> None:
+    """Equal maxima in different tiles (adjacent across a tile boundary, in the first and
+    the last tile, at the very end of a vocabulary that is no multiple of the tile), every
+    entry equal: the lowest index wins, in the plain and the Gumbel argmax. One-hot hidden
+    rows pick a weight column each: 2**30 at the tied entries (the Gumbel noise leaves it
+    exact), small integers elsewhere."""
+    ties = [(15, 16), (17, 81), (79, 82), tuple(range(83))]
+    weight = torch.randint(-2, 3, (83, len(ties)), generator=torch.Generator().manual_seed(0))
+    weight = weight.float()
+    for row, at in enumerate(ties):
+        weight[list(at), row] = 2.0**30
+    expected = torch.tensor([at[0] for at in ties])
+    with _lm_head_tiles(16):
+        for method in METHODS:
+            tokens = _assert_lm_head_epilogue_agrees(torch.eye(len(ties)), weight, method, 2,
+                                                     1, True, 0)
             assert torch.equal(tokens, expected), method
 
 
@@ -262,6 +347,33 @@ def test_cuda_kernels_match_torch(dtype: torch.dtype) -> None:
         assert torch.equal(input_ids, expected), method
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_lm_head_epilogue_matches_the_separate_kernels(dtype: torch.dtype) -> None:
+    """Sampling in the LM head's epilogue against the LM head's own kernel followed by
+    :func:`finish_decode_step`'s kernels: every buffer bit-identical, both samplers, at one,
+    a few and ``SKINNY_ROWS`` lanes, vocabularies 32000 and 128256. Lane 0's logits are
+    greatest, and equal, at entries of three tiles (its hidden row copied into the weight
+    there); the argmax is the first maximum of the stored logits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for vocab in (32000, 128256):
+        weight = _rows(1, vocab, 2048, "cuda", dtype) / 150
+        for rows in (1, 5, SKINNY_ROWS):
+            hidden = _rows(2, rows, 2048, "cuda", dtype)
+            weight[[63, 64, vocab - 1]] = hidden[0] / 64
+            head = UnprojectedLogits(hidden, weight)
+            assert runs_skinny(hidden, weight, None)
+            for method in METHODS:
+                got = _finished(head, method, 4, 2, True, 0, None, "cuda")
+                want = _finished(head.project(), method, 4, 2, True, 0, None, "cuda")
+                for name in want:
+                    assert torch.equal(got[name], want[name]), (vocab, rows, method, name)
+                if method == "argmax":
+                    first = got["draft_logits"][:, 2].argmax(dim=-1)
+                    assert torch.equal(got["input_ids"], first), (vocab, rows)
+
+
 _AOT_SCRIPT = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
@@ -304,25 +416,42 @@ compile(ASTSource(s._store_argmax_kernel, {"part_best_ptr": "*fp32", "part_index
         "out_ptr": "*i64", "splits": "i32", "SPLITS": "constexpr"}, {"SPLITS": 16}),
         target=target)
 print("store argmax ok")
-for advance in (False, True):
+# split plans of vocabulary 32000 and 128256, the LM head's tiles at 128256
+for advance, splits in ((False, 16), (True, 32), (True, 2048)):
     compile(ASTSource(s._decode_step_finish_kernel, {"part_best_ptr": "*fp32",
             "part_index_ptr": "*i64", "positions_ptr": "*i64", "seq_lens_ptr": "*i32",
             "is_real_ptr": "*i1", "step_ptr": "*i64", "tokens_ptr": "*i64",
             "input_ids_ptr": "*i64", "tokens_row_stride": "i32", "splits": "i32",
             "max_model_len": "i32", "ADVANCE": "constexpr", "SPLITS": "constexpr"},
-            {"ADVANCE": advance, "SPLITS": 16}), target=target)
+            {"ADVANCE": advance, "SPLITS": splits}), target=target)
     print("decode step finish ok")
+from speccheck.speculator import projection_kernels as p
+tiling = p.tiling_for(128256, 2048)
+for dtype in ("bf16", "fp16"):
+    for gumbel in (False, True):
+        signature = {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "rows": "i32", "n": "i32",
+                     "k": "i32", "x_stride": "i32", "seeds_ptr": "*i64", "positions_ptr": "*i64",
+                     "step_ptr": "*i64", "draft_logits_ptr": "*fp32", "part_best_ptr": "*fp32",
+                     "part_index_ptr": "*i64", "draft_logits_row_stride": "i32",
+                     "draft_logits_step_stride": "i32"}
+        constants = {"GUMBEL": gumbel, "ROWS": p.SKINNY_ROWS, "BLOCK_N": tiling.block_n,
+                     "BLOCK_K": tiling.block_k}
+        signature.update(dict.fromkeys(constants, "constexpr"))
+        compile(ASTSource(s._lm_head_argmax_kernel, signature, constants), target=target,
+                options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
+        print(dtype, "lm head argmax ok")
 """
 
 
 def test_kernels_compile_for_sm90() -> None:
-    """``triton.compile`` for Hopper on any machine; a subprocess, because kernels decorated
-    under ``TRITON_INTERPRET=1`` cannot be compiled."""
+    """``triton.compile`` for Hopper on any machine, the LM head with sampling in its
+    epilogue too; a subprocess, because kernels decorated under ``TRITON_INTERPRET=1``
+    cannot be compiled."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 3 + 3 + 1 + 2, proc.stdout
+    assert proc.stdout.count(" ok") == 3 + 3 + 1 + 3 + 4, proc.stdout
 
 
 @SMALL

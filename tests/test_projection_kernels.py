@@ -26,6 +26,7 @@ from speccheck.speculator.model_kernels import (
 from speccheck.speculator.projection_kernels import (
     FUSED_ROWS,
     SKINNY_ROWS,
+    WIDE_OUTPUT,
     EmbeddedTokens,
     Prologue,
     Tiling,
@@ -33,6 +34,7 @@ from speccheck.speculator.projection_kernels import (
     linear,
     norm_linear,
     norm_qkv,
+    runs_skinny,
     silu_linear,
     tiling_for,
 )
@@ -154,11 +156,17 @@ def test_norm_qkv_kernel_matches_the_unfused_layers(rows: int, heads: int, kv_he
 
 def test_which_projections_fuse() -> None:
     """Half-precision CUDA rows, rows contiguous, up to the kernel's row limit; never CPU
-    tensors or fp32 (whose tensor-core dot would round to tf32) unless forced."""
+    tensors or fp32 (whose tensor-core dot would round to tf32) unless forced. The
+    tensor-core kernel from FUSED_ROWS + 1 rows, or at any count for wide outputs."""
     weight = torch.zeros(8, 4, dtype=torch.bfloat16)
     assert not fused(torch.zeros(1, 4, dtype=torch.bfloat16), weight, None, SKINNY_ROWS)
     assert fused(torch.zeros(1, 4), weight, True, SKINNY_ROWS)
     assert not fused(torch.zeros(1, 4), weight, False, SKINNY_ROWS)
+    x = torch.zeros(FUSED_ROWS, 4)
+    assert not runs_skinny(x, torch.zeros(8, 4), True)
+    assert runs_skinny(x, torch.zeros(WIDE_OUTPUT, 4), True)
+    assert runs_skinny(torch.zeros(FUSED_ROWS + 1, 4), torch.zeros(8, 4), True)
+    assert not runs_skinny(torch.zeros(FUSED_ROWS + 1, 4), torch.zeros(8, 4), None)
     with pytest.raises(ValueError, match="at most 16 rows"):
         linear(torch.zeros(SKINNY_ROWS + 1, 4), torch.zeros(8, 4), kernel=True)
     with pytest.raises(ValueError, match=f"at most {FUSED_ROWS} rows"):
@@ -213,8 +221,8 @@ ints = ("rows", "n", "k", "x_stride", "d_stride", "out_stride")
 for dtype in ("bf16", "fp16"):
     for n, k in ((3072, 2048), (8192, 2048), (2048, 4096)):
         t = p.tiling_for(n, k)
-        signature = {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "out_ptr": "*" + dtype,
-                     "rows": "i32", "n": "i32", "k": "i32", "x_stride": "i32",
+        signature = {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "rows": "i32", "n": "i32",
+                     "k": "i32", "x_stride": "i32", "out_ptr": "*" + dtype,
                      "out_stride": "i32"}
         constants = {"ROWS": p.SKINNY_ROWS, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
         signature.update(dict.fromkeys(constants, "constexpr"))
