@@ -212,8 +212,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             self.is_real_req[:n], self.current_step, self.draft_tokens[:n],
             self.draft_logits[:n], self.input_ids[:n],
             advance=self.config.advance_draft_positions, max_model_len=self.max_model_len,
-            kernel=self.kernel)
-        self.current_step.add_(1)
+            lanes_done=self.lanes_done, kernel=self.kernel)
         if not self._in_capture:
             self.counters.eager_step_calls += 1
         self._record("generate", step)

@@ -277,12 +277,17 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
 @triton.jit
 def _decode_step_finish_kernel(
     part_best_ptr, part_index_ptr, positions_ptr, seq_lens_ptr, is_real_ptr, step_ptr,
-    tokens_ptr, input_ids_ptr, tokens_row_stride, splits, max_model_len,
-    ADVANCE: tl.constexpr, SPLITS: tl.constexpr,
+    done_ptr, tokens_ptr, input_ids_ptr, tokens_row_stride, splits, max_model_len,
+    ADVANCE: tl.constexpr, MOVE_ON: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    """Program ``row`` (grid ``(lanes,)``): the lane's token from its partials, stored and
+    fed back, and its advance. With ``MOVE_ON``, every program counts itself done in
+    ``done`` (acquire-release) after it has read the step; the last one stores ``step + 1``
+    and clears ``done``, so no program can read the step after it moved on."""
     row = tl.program_id(0)
+    step = tl.load(step_ptr)
     token = _partials_argmax(part_best_ptr, part_index_ptr, row, splits, SPLITS)
-    tl.store(tokens_ptr + row * tokens_row_stride + tl.load(step_ptr), token)
+    tl.store(tokens_ptr + row * tokens_row_stride + step, token)
     tl.store(input_ids_ptr + row, token)
     if ADVANCE:
         position = tl.load(positions_ptr + row)
@@ -290,6 +295,10 @@ def _decode_step_finish_kernel(
         tl.store(positions_ptr + row, tl.minimum(position + real, max_model_len - 1))
         seq_len = tl.load(seq_lens_ptr + row)
         tl.store(seq_lens_ptr + row, tl.minimum(seq_len + real.to(seq_len.dtype), max_model_len))
+    if MOVE_ON:
+        last = tl.atomic_add(done_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1
+        tl.store(step_ptr, step + 1, mask=last)
+        tl.store(done_ptr, 0, mask=last)
 
 
 def finish_decode_step(
@@ -306,6 +315,7 @@ def finish_decode_step(
     *,
     advance: bool,
     max_model_len: int,
+    lanes_done: torch.Tensor | None = None,
     kernel: bool | None = None,
 ) -> None:
     """The end of a decode step over the ``R`` lanes, in place: sample each lane's token
@@ -314,8 +324,10 @@ def finish_decode_step(
     in fp32, at ``draft_logits[:, step]`` (``[R, K, vocab]``), and feed it back as
     ``input_ids``. With ``advance``, real lanes (``is_real``) move one position on
     (``positions`` clamped at ``max_model_len - 1``, ``seq_lens`` at ``max_model_len``);
-    padding lanes stay. Sampling reads the positions before they advance. ``step`` itself is
-    left to the caller. Nothing else is written.
+    padding lanes stay. Sampling reads the positions before they advance. Given
+    ``lanes_done`` (an int32 device scalar the caller owns, zero between calls, left zero),
+    ``step`` moves on by one at the end, inside the last kernel; otherwise it is left to the
+    caller. Nothing else is written.
 
     ``logits`` may be :class:`~speccheck.speculator.projection_kernels.UnprojectedLogits`
     (the LM head over ``R`` hidden rows), projected here with the same ``kernel`` choice and
@@ -326,7 +338,8 @@ def finish_decode_step(
 
     On CUDA (``kernel`` forces or avoids it) two Triton kernels: several programs per lane
     scan its vocabulary in chunks or tiles (sampling partials, fp32 logits stored), then one
-    program per lane picks the token and does the stores and the advance. ``logits`` rows
+    program per lane picks the token and does the stores and the advance (and the last
+    one to finish moves the step on). ``logits`` rows
     and the vocabulary dimension of ``draft_logits`` must be contiguous. Tensor ops
     elsewhere. Capture-safe: no host values or synchronisation, the scratch partials from
     the graph pool under capture, every write to the buffers in place."""
@@ -343,8 +356,12 @@ def finish_decode_step(
         if advance:
             positions.add_(is_real).clamp_(max=max_model_len - 1)
             seq_lens.add_(is_real).clamp_(max=max_model_len)
+        if lanes_done is not None:
+            step.add_(1)
         return
     n = input_ids.shape[0]
+    if not n and lanes_done is not None:
+        step.add_(1)
     if n:
         gumbel = method == "gumbel"
         part_best, part_index, splits = (
@@ -354,9 +371,9 @@ def finish_decode_step(
             _lm_head_argmax(logits, seeds, positions, gumbel=gumbel, step=step,
                             draft_logits=draft_logits))
         _decode_step_finish_kernel[(n,)](
-            part_best, part_index, positions, seq_lens, is_real, step, draft_tokens, input_ids,
-            draft_tokens.stride(0), splits, max_model_len, ADVANCE=advance,
-            SPLITS=triton.next_power_of_2(splits))
+            part_best, part_index, positions, seq_lens, is_real, step, lanes_done, draft_tokens,
+            input_ids, draft_tokens.stride(0), splits, max_model_len, ADVANCE=advance,
+            MOVE_ON=lanes_done is not None, SPLITS=triton.next_power_of_2(splits))
 
 
 def sample_tokens(

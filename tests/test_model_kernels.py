@@ -131,11 +131,14 @@ def _finished(logits: torch.Tensor | UnprojectedLogits, method: SamplingMethod, 
     max_len = 50
     buffers = {name: t.to(device) for name, t in
                _decode_state(rows, steps, vocab, max_len, seed).items()}
+    buffers["step"] = torch.tensor(step, device=device)
+    buffers["lanes_done"] = torch.zeros((), dtype=torch.int32, device=device)
     finish_decode_step(logits, method, buffers["seeds"], buffers["positions"],
-                       buffers["seq_lens"], buffers["is_real"],
-                       torch.tensor(step, device=device),
+                       buffers["seq_lens"], buffers["is_real"], buffers["step"],
                        buffers["draft_tokens"], buffers["draft_logits"], buffers["input_ids"],
-                       advance=advance, max_model_len=max_len, kernel=kernel)
+                       advance=advance, max_model_len=max_len,
+                       lanes_done=buffers["lanes_done"], kernel=kernel)
+    assert int(buffers["step"]) == step + 1 and int(buffers["lanes_done"]) == 0
     return buffers
 
 
@@ -165,6 +168,28 @@ def test_decode_step_epilogue_kernel_matches_torch(rows: int, vocab: int, steps:
     step = int(torch.randint(0, steps, (1,), generator=gen))
     with mock.patch.object(sampling, "_ARGMAX_BLOCK", block):
         _assert_decode_step_forms_agree(logits, method, steps, step, advance, seed + 1)
+
+
+def test_the_step_moves_on_inside_the_kernel_only_when_asked() -> None:
+    """Given the lane counter, every call moves the step on by one (as each replay of a
+    captured step does: the tokens land in the next column each time) and leaves the
+    counter zero; without it the step stays for the caller to move."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    state = _decode_state(3, 4, 40, 50, 0)
+    step, done = torch.tensor(0), torch.zeros((), dtype=torch.int32)
+
+    def finish(lanes_done: torch.Tensor | None) -> None:
+        finish_decode_step(logits, "argmax", state["seeds"], state["positions"],
+                           state["seq_lens"], state["is_real"], step, state["draft_tokens"],
+                           state["draft_logits"], state["input_ids"], advance=False,
+                           max_model_len=50, lanes_done=lanes_done, kernel=True)
+
+    for expected in (1, 2, 3):
+        finish(done)
+        assert int(step) == expected and int(done) == 0
+    finish(None)
+    assert int(step) == 3
+    assert (state["draft_tokens"][:, :4] == logits.argmax(dim=1)[:, None]).all()
 
 
 @pytest.mark.parametrize(("vocab", "block"), [(200, 16), (333, 16), (5000, 1024)])
@@ -420,10 +445,11 @@ print("store argmax ok")
 for advance, splits in ((False, 16), (True, 32), (True, 2048)):
     compile(ASTSource(s._decode_step_finish_kernel, {"part_best_ptr": "*fp32",
             "part_index_ptr": "*i64", "positions_ptr": "*i64", "seq_lens_ptr": "*i32",
-            "is_real_ptr": "*i1", "step_ptr": "*i64", "tokens_ptr": "*i64",
+            "is_real_ptr": "*i1", "step_ptr": "*i64", "done_ptr": "*i32", "tokens_ptr": "*i64",
             "input_ids_ptr": "*i64", "tokens_row_stride": "i32", "splits": "i32",
-            "max_model_len": "i32", "ADVANCE": "constexpr", "SPLITS": "constexpr"},
-            {"ADVANCE": advance, "SPLITS": splits}), target=target)
+            "max_model_len": "i32", "ADVANCE": "constexpr", "MOVE_ON": "constexpr",
+            "SPLITS": "constexpr"}, {"ADVANCE": advance, "MOVE_ON": True, "SPLITS": splits}),
+            target=target)
     print("decode step finish ok")
 from speccheck.speculator import projection_kernels as p
 tiling = p.tiling_for(128256, 2048)
