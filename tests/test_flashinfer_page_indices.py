@@ -15,9 +15,6 @@ with one planned the old way, from a page table built on the host.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +35,7 @@ from speccheck.backends.flashinfer.page_indices import (
 from speccheck.backends.kv_cache_write import write_kv_cache
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.token_count import build_attention_metadata
+from tests.fixtures.sm90_compile import run_without_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where the kernel tests run: the interpreter on CPU, the compiled kernel on a GPU."""
@@ -199,11 +197,11 @@ _AOT_SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from speccheck.backends.flashinfer.page_indices import INDEX_BLOCK, paged_kv_indices_kernel
+    from tests.fixtures.sm90_compile import signature
 
     fn = paged_kv_indices_kernel
-    signature = {p.name: "constexpr" if p.is_constexpr else "*i32" if p.name.endswith("_ptr")
-                 else "i32" for p in fn.params}
-    src = ASTSource(fn, signature, {"BLOCK": INDEX_BLOCK})
+    constexprs = {"BLOCK": INDEX_BLOCK}
+    src = ASTSource(fn, signature(fn, constexprs, {}, "*i32"), constexprs)
     assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
     print(fn.__name__, "ok", flush=True)
     """
@@ -213,12 +211,8 @@ _AOT_SCRIPT = textwrap.dedent(
 def test_kernel_compiles_for_sm90() -> None:
     """``triton.compile`` for Hopper on any machine; in a subprocess because kernels
     decorated under ``TRITON_INTERPRET=1`` cannot be compiled."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "paged_kv_indices_kernel ok" in proc.stdout, proc.stdout
+    out = run_without_interpreter(_AOT_SCRIPT)
+    assert "paged_kv_indices_kernel ok" in out, out
 
 
 @pytest.mark.cuda

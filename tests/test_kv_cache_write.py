@@ -3,16 +3,13 @@ the Triton interpreter on CPU, compiled for sm_90, and on CUDA."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speccheck.backends.kv_cache_write import SINK_SLOT, write_kv_cache
+from tests.fixtures.sm90_compile import run_without_interpreter
 
 
 def _case(tokens: int, heads: int, head_size: int, blocks: int, block_size: int, seed: int,
@@ -76,10 +73,8 @@ print("ok")
 
 
 def test_kernel_compiles_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    out = run_without_interpreter(_AOT_SCRIPT)
+    assert out.strip() == "ok", out
 
 
 @pytest.mark.cuda

@@ -7,9 +7,6 @@ they leave, real and padding lanes alike."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import fields
 from typing import TypeVar
 
@@ -28,6 +25,7 @@ from speccheck.speculator.pass_inputs import (
     stage_pass_inputs,
 )
 from speccheck.speculator.staging import HostStaging
+from tests.fixtures.sm90_compile import run_without_interpreter
 
 SMALL = settings(max_examples=15, deadline=None)
 
@@ -214,11 +212,8 @@ print("scatter ok")
 def test_lane_kernels_compile_for_sm90() -> None:
     """``triton.compile`` for Hopper on any machine (a subprocess: kernels decorated under
     ``TRITON_INTERPRET=1`` cannot be compiled)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 3, proc.stdout
+    out = run_without_interpreter(_AOT_SCRIPT)
+    assert out.count(" ok") == 3, out
 
 
 B = TypeVar("B", IndexBuffers, DecodeLaneBuffers)

@@ -6,9 +6,6 @@ machine."""
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
@@ -40,6 +37,7 @@ from speccheck.speculator.sampling import (
     gumbel_argmax,
     gumbel_noise,
 )
+from tests.fixtures.sm90_compile import run_without_interpreter
 
 SMALL = settings(max_examples=15, deadline=None)
 METHODS: tuple[SamplingMethod, ...] = ("argmax", "gumbel")
@@ -473,11 +471,8 @@ def test_kernels_compile_for_sm90() -> None:
     """``triton.compile`` for Hopper on any machine, the LM head with sampling in its
     epilogue too; a subprocess, because kernels decorated under ``TRITON_INTERPRET=1``
     cannot be compiled."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 3 + 3 + 1 + 3 + 4, proc.stdout
+    out = run_without_interpreter(_AOT_SCRIPT)
+    assert out.count(" ok") == 3 + 3 + 1 + 3 + 4, out
 
 
 @SMALL

@@ -12,9 +12,6 @@ serving-like shapes and under CUDA-graph replay.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
 
@@ -35,6 +32,7 @@ from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_attention_metadata
 from speccheck.speculator.kv_cache import PAD_SLOT
 from tests.fixtures.kernel_batches import batch_metadata, refresh_token_slots, shuffled_inputs
+from tests.fixtures.sm90_compile import run_without_interpreter
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """atol = rtol per dtype against the fp32 reference."""
@@ -355,18 +353,12 @@ _AOT_SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from speccheck.backends.sparse_swa import attention_kernels, index_kernels
+    from tests.fixtures.sm90_compile import signature
 
     SHARED_MEMORY = 232448  # bytes per block on an H200
 
     def compile_sm90(fn, pointer_types, constexprs, num_warps=4):
-        sig = {}
-        for p in fn.params:
-            if p.is_constexpr or p.name in constexprs:
-                sig[p.name] = "constexpr"
-            elif p.name.endswith("_ptr"):
-                sig[p.name] = pointer_types.get(p.name, "*i32")
-            else:
-                sig[p.name] = "fp32" if p.name == "scale_log2e" else "i32"
+        sig = signature(fn, constexprs, pointer_types, "*i32")
         compiled = triton.compile(ASTSource(fn, sig, constexprs),
                                   target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": num_warps})
@@ -402,13 +394,8 @@ def test_kernels_compile_for_sm90():
     """``triton.compile`` for Hopper on any machine (the wheel ships ptxas), within an H200's
     shared memory; in a subprocess, because kernels decorated under ``TRITON_INTERPRET=1``
     cannot be compiled."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True,
-        timeout=300, check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok ") == 9, proc.stdout
+    out = run_without_interpreter(_AOT_SCRIPT)
+    assert out.count(" ok ") == 9, out
 
 
 @pytest.mark.cuda

@@ -9,9 +9,6 @@ at serving-like shapes, and under CUDA-graph replay.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
 
@@ -32,6 +29,7 @@ from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.kv_cache import PAD_SLOT
 from tests.fixtures.kernel_batches import batch_metadata, refresh_token_slots, shuffled_inputs
+from tests.fixtures.sm90_compile import run_without_interpreter
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """atol = rtol per dtype (bf16: the interpreter's fp32->bf16 store truncates, ~1 ulp)."""
@@ -279,20 +277,10 @@ _AOT_SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from speccheck.backends.triton_attn import kernels
-
-    def signature(fn, pointer_types, constexprs):
-        sig = {}
-        for p in fn.params:
-            if p.is_constexpr or p.name in constexprs:
-                sig[p.name] = "constexpr"
-            elif p.name.endswith("_ptr"):
-                sig[p.name] = pointer_types.get(p.name, "*fp32")
-            else:
-                sig[p.name] = "fp32" if p.name == "scale_log2e" else "i32"
-        return sig
+    from tests.fixtures.sm90_compile import signature
 
     def compile_sm90(fn, pointer_types, constexprs):
-        src = ASTSource(fn, signature(fn, pointer_types, constexprs), constexprs)
+        src = ASTSource(fn, signature(fn, constexprs, pointer_types, "*fp32"), constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"], fn.__name__
         print(fn.__name__, "ok", flush=True)
@@ -323,12 +311,8 @@ _AOT_SCRIPT = textwrap.dedent(
 def test_kernels_compile_for_sm90():
     """``triton.compile`` for Hopper on any machine (the wheel ships ptxas); runs in a
     subprocess because kernels decorated under ``TRITON_INTERPRET=1`` cannot be compiled."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 5, proc.stdout
+    out = run_without_interpreter(_AOT_SCRIPT)
+    assert out.count(" ok") == 5, out
 
 
 @pytest.mark.cuda

@@ -9,9 +9,6 @@ and fp16 at DeepSeek's latent sizes (512 + 64).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
 
@@ -32,6 +29,7 @@ from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.kv_cache import PAD_SLOT
 from tests.fixtures.kernel_batches import batch_metadata, refresh_token_slots, shuffled_inputs
+from tests.fixtures.sm90_compile import run_without_interpreter
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 """atol = rtol per dtype, for outputs of order one."""
@@ -208,6 +206,7 @@ _AOT_SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from speccheck.backends.triton_mla import kernels
+    from tests.fixtures.sm90_compile import signature
 
     fn = kernels.mla_split_kernel
     index = {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "local_lens_ptr",
@@ -222,14 +221,7 @@ _AOT_SCRIPT = textwrap.dedent(
     ]:
         constexprs = dict(BLOCK_H=16, BLOCK_N=16, **extra)
         pointers = {**index, "q_ptr": "*" + dtype, "latent_ptr": "*" + dtype}
-        sig = {}
-        for p in fn.params:
-            if p.is_constexpr or p.name in constexprs:
-                sig[p.name] = "constexpr"
-            elif p.name.endswith("_ptr"):
-                sig[p.name] = pointers.get(p.name, "*fp32")
-            else:
-                sig[p.name] = "fp32" if p.name == "scale_log2e" else "i32"
+        sig = signature(fn, constexprs, pointers, "*fp32")
         compiled = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"] and compiled.metadata.shared <= 232448, dtype
         print(dtype, "ok", flush=True)
@@ -240,13 +232,8 @@ _AOT_SCRIPT = textwrap.dedent(
 def test_kernel_compiles_for_sm90():
     """``triton.compile`` for Hopper on any machine; in a subprocess because kernels
     decorated under ``TRITON_INTERPRET=1`` cannot be compiled."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok") == 3, proc.stdout
+    out = run_without_interpreter(_AOT_SCRIPT)
+    assert out.count(" ok") == 3, out
 
 
 @pytest.mark.cuda
