@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from speccheck.checks.probes.findings import (
     ALLOCATION,
     ProbeFinding,
     call_site,
 )
+from speccheck.checks.probes.tracing import HookDispatchMode, ModeRecorder
 
 logger = logging.getLogger(__name__)
 _aten = torch.ops.aten
@@ -63,7 +61,7 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
-class AllocationRecorder:
+class AllocationRecorder(ModeRecorder):
     """Records tensors allocated while the context is active.
 
     Usage::
@@ -90,20 +88,38 @@ class AllocationRecorder:
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self.events: list[AllocationEvent] = []
-        self._stack = ExitStack()
 
     def __enter__(self) -> AllocationRecorder:
-        self._stack.enter_context(_AllocationDispatchMode(self))
+        self._stack.enter_context(HookDispatchMode(self._dispatch))
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stack.close()
+    def _dispatch(
+        self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
+        """Runs the aten op; records the tensors it returns fresh and those it writes whose
+        storage moved."""
+        written = [
+            t
+            for argument, value in _bound_arguments(func, args, kwargs)
+            if argument.alias_info is not None and argument.alias_info.is_write
+            for t in _tensors_in(value)
+        ]
+        addresses = [t.untyped_storage().data_ptr() for t in written]
+        out = func(*args, **kwargs)
+        op = str(func)
+        for t, address in zip(written, addresses, strict=True):
+            if t.untyped_storage().data_ptr() != address:
+                self._record(op, "moved", t)
+        returns = func._schema.returns
+        values = (out,) if len(returns) == 1 else tuple(out or ())
+        for ret, value in zip(returns, values, strict=True):
+            for t in _tensors_in(value):
+                fresh = func is _aten.lift_fresh.default and t.dim() > 0
+                if ret.alias_info is None or fresh:
+                    self._record(op, "new", t)
+        return out
 
     def _record(self, op: str, kind: Literal["new", "moved"], t: torch.Tensor) -> None:
         site, function = call_site()
@@ -143,41 +159,6 @@ class AllocationRecorder:
                 )
             findings.append(ProbeFinding(ALLOCATION, site, message))
         return findings
-
-
-class _AllocationDispatchMode(TorchDispatchMode):
-    def __init__(self, recorder: AllocationRecorder) -> None:
-        super().__init__()
-        self._recorder = recorder
-
-    def __torch_dispatch__(
-        self,
-        func: torch._ops.OpOverload,
-        types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        written = [
-            t
-            for argument, value in _bound_arguments(func, args, kwargs)
-            if argument.alias_info is not None and argument.alias_info.is_write
-            for t in _tensors_in(value)
-        ]
-        addresses = [t.untyped_storage().data_ptr() for t in written]
-        out = func(*args, **kwargs)
-        op = str(func)
-        for t, address in zip(written, addresses, strict=True):
-            if t.untyped_storage().data_ptr() != address:
-                self._recorder._record(op, "moved", t)
-        returns = func._schema.returns
-        values = (out,) if len(returns) == 1 else tuple(out or ())
-        for ret, value in zip(returns, values, strict=True):
-            for t in _tensors_in(value):
-                fresh = func is _aten.lift_fresh.default and t.dim() > 0
-                if ret.alias_info is None or fresh:
-                    self._recorder._record(op, "new", t)
-        return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from speccheck.checks.probes.findings import (
     HOST_SYNC,
     ProbeFinding,
     call_site,
 )
+from speccheck.checks.probes.tracing import HookDispatchMode, ModeRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +196,7 @@ class HostSyncEvent:
     """How to make it capture-safe."""
 
 
-class HostSyncRecorder:
+class HostSyncRecorder(ModeRecorder):
     """Records host synchronisations made while the context is active.
 
     Usage::
@@ -232,11 +230,11 @@ class HostSyncRecorder:
     """
 
     def __init__(self, *, cuda_sync_debug: bool = False, device_only: bool = False) -> None:
+        super().__init__()
         self.cuda_sync_debug = cuda_sync_debug
         self.device_only = device_only
         self.events: list[HostSyncEvent] = []
         self._suppress = 0
-        self._stack = ExitStack()
 
     def __enter__(self) -> HostSyncRecorder:
         if self.cuda_sync_debug:
@@ -246,17 +244,20 @@ class HostSyncRecorder:
                 self._stack.callback(torch.cuda.set_sync_debug_mode, previous)
             else:
                 logger.info("cuda_sync_debug requested without CUDA; tracing only")
-        self._stack.enter_context(_SyncDispatchMode(self))
+        self._stack.enter_context(HookDispatchMode(self._dispatch))
         self._stack.enter_context(_SyncFunctionMode(self))
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stack.close()
+    def _dispatch(
+        self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> Any:
+        """Runs the aten op; records it first if it synchronises, unless it runs inside a
+        recorded Python-level call (or, with ``device_only``, touches no device tensor)."""
+        if not self._suppress and (not self.device_only or _touches_device(args, kwargs)):
+            kind = _dispatch_sync(func, args, kwargs)
+            if kind is not None:
+                self._record(str(func), kind)
+        return func(*args, **kwargs)
 
     def _record(self, op: str, kind: _SyncKind) -> None:
         site, function = call_site()
@@ -317,27 +318,6 @@ class _SyncFunctionMode(TorchFunctionMode):
             return func(*args, **kwargs)
         finally:
             self._recorder._suppress -= 1
-
-
-class _SyncDispatchMode(TorchDispatchMode):
-    def __init__(self, recorder: HostSyncRecorder) -> None:
-        super().__init__()
-        self._recorder = recorder
-
-    def __torch_dispatch__(
-        self,
-        func: torch._ops.OpOverload,
-        types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if not self._recorder._suppress and (not self._recorder.device_only
-                                             or _touches_device(args, kwargs)):
-            kind = _dispatch_sync(func, args, kwargs)
-            if kind is not None:
-                self._recorder._record(str(func), kind)
-        return func(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
