@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speccheck.backends.kv_cache_write import SINK_SLOT, write_kv_cache
-from tests.fixtures.sm90_compile import run_without_interpreter
+from tests.fixtures.sm90_compile import compile_one_kernel
 
 
 def _case(tokens: int, heads: int, head_size: int, blocks: int, block_size: int, seed: int,
@@ -58,23 +58,13 @@ def test_heads_apart_fall_back_to_index_copy() -> None:
     assert torch.equal(_live(vc_got), _live(vc_want))
 
 
-_AOT_SCRIPT = """
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
-from speccheck.backends import kv_cache_write
-
-signature = {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16",
-             "value_cache_ptr": "*bf16", "slot_ptr": "*i64", "key_token_stride": "i32",
-             "value_token_stride": "i32", "WIDTH": "constexpr", "BLOCK": "constexpr"}
-compile(ASTSource(kv_cache_write._write_kv_kernel, signature, {"WIDTH": 512, "BLOCK": 512}),
-        target=GPUTarget("cuda", 90, 32))
-print("ok")
-"""
-
-
 def test_kernel_compiles_for_sm90() -> None:
-    out = run_without_interpreter(_AOT_SCRIPT)
-    assert out.strip() == "ok", out
+    compile_one_kernel(
+        "speccheck.backends.kv_cache_write", "_write_kv_kernel",
+        {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16",
+         "value_cache_ptr": "*bf16", "slot_ptr": "*i64", "key_token_stride": "i32",
+         "value_token_stride": "i32", "WIDTH": "constexpr", "BLOCK": "constexpr"},
+        {"WIDTH": 512, "BLOCK": 512})
 
 
 @pytest.mark.cuda

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from speccheck.backends.batch_layout import PADDING_ROW_BLOCK, zero_padding_rows
-from tests.fixtures.sm90_compile import run_without_interpreter
+from tests.fixtures.sm90_compile import compile_one_kernel
 
 
 def _offsets(lengths: list[int], padded_reqs: int) -> torch.Tensor:
@@ -54,22 +54,12 @@ def test_rows_wider_than_one_block_and_strided_rows() -> None:
     assert strided[:2].eq(1).all() and torch.count_nonzero(strided[2]) == 0
 
 
-_AOT_SCRIPT = """
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
-from speccheck.backends import batch_layout
-
-signature = {"rows_ptr": "*bf16", "query_start_loc_ptr": "*i32", "num_reqs": "i32",
-             "row_stride": "i32", "width": "i32", "BLOCK": "constexpr"}
-compile(ASTSource(batch_layout._zero_padding_rows_kernel, signature, {"BLOCK": 1024}),
-        target=GPUTarget("cuda", 90, 32))
-print("ok")
-"""
-
-
 def test_kernel_compiles_for_sm90() -> None:
-    out = run_without_interpreter(_AOT_SCRIPT)
-    assert out.strip() == "ok", out
+    compile_one_kernel(
+        "speccheck.backends.batch_layout", "_zero_padding_rows_kernel",
+        {"rows_ptr": "*bf16", "query_start_loc_ptr": "*i32", "num_reqs": "i32",
+         "row_stride": "i32", "width": "i32", "BLOCK": "constexpr"},
+        {"BLOCK": 1024})
 
 
 @pytest.mark.cuda
