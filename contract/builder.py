@@ -241,11 +241,21 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
         Host work, never captured. Each step's metadata must live in storage of its own
         (persistent, sized at construction), so that planning step ``i + 1`` never
-        overwrites what step ``i``'s captured kernels read. Default: unsupported.
+        overwrites what step ``i``'s captured kernels read. Device work the plans need may
+        be left to :meth:`finish_draft_step_plans`, which the body runs first. Default:
+        unsupported.
         """
         raise NotImplementedError(
             f"{type(self).__name__} has no host_preplanned strategy (plan_draft_steps)"
         )
+
+    def finish_draft_step_plans(self, metadata_per_step: Sequence[M]) -> None:
+        """The device half of :meth:`plan_draft_steps`: the work that completes its host
+        plans (``metadata_per_step``, as it returned them), run at the start of the
+        preplanned body, before any step's attention, so inside its graph. Must be
+        capture-safe: no host synchronisation, no allocation, launch grids fixed by the
+        metadata's shapes, reading only device state that :meth:`plan_draft_steps` left in
+        persistent storage. Default: nothing to do (plans complete on the host)."""
 
     def allocate_persistent(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,3 +53,6 @@ class AttentionGroup:
 
     def update_draft_decode_metadata(self, metadata: Any) -> None:
         self.builder.update_draft_decode_metadata(metadata)
+
+    def finish_draft_step_plans(self, metadata_per_step: Sequence[Any]) -> None:
+        self.builder.finish_draft_step_plans(metadata_per_step)

@@ -242,8 +242,13 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
 
     def _generate_preplanned_drafts(self, n: int, per_step: Sequence[Sequence[Any]]) -> None:
         """Every decode step in one body with metadata planned ahead per step
-        (``per_step[i]`` is step ``i + 1``'s); between steps only the slot mappings are
-        recomputed, and groups that refresh in-graph are refreshed."""
+        (``per_step[i]`` is step ``i + 1``'s): first the device half of the host plans
+        (:meth:`~speccheck.contract.builder.AttentionMetadataBuilder.
+        finish_draft_step_plans`); between steps only the slot mappings are recomputed, and
+        groups that refresh in-graph are refreshed."""
+        for index, group in enumerate(self.groups):
+            if group.plans_on_host:
+                group.finish_draft_step_plans([step_md[index] for step_md in per_step])
         for step in range(1, self.num_steps):
             group_metadata = per_step[step - 1]
             self._generate_draft(n, group_metadata, step)

@@ -303,8 +303,9 @@ def _check_indices(builder: Any, md: Any, common: Any) -> None:
 @pytest.mark.cuda
 def test_plan_makes_no_synchronising_call(flashinfer: ModuleType) -> None:
     """After a first build (wrappers created, kernels loaded), decode and prefill builds
-    and ``plan_draft_steps`` run with every synchronising CUDA call an error; the page
-    tables they leave on the device equal the host reference."""
+    and ``plan_draft_steps`` (with its device half, ``finish_draft_step_plans``) run with
+    every synchronising CUDA call an error; the page tables they leave on the device equal
+    the host reference."""
     from tests.test_gpu_kernels import fi_builder, fi_layer, make_case
 
     layer = fi_layer()
@@ -315,7 +316,9 @@ def test_plan_makes_no_synchronising_call(flashinfer: ModuleType) -> None:
     prefill = make_case(layer, query_lens=[3, 1, 6, 2], seq_lens=[3, 20, 200, 33])
     builder.build(decode.common)
     builder.build(prefill.common)
-    builder.plan_draft_steps([_decode_common(decode, [5, 6], 8) for _ in range(3)])
+    builder.finish_draft_step_plans(
+        builder.plan_draft_steps([_decode_common(decode, [5, 6], 8) for _ in range(3)])
+    )
     torch.cuda.synchronize()
 
     commons = [_decode_common(decode, [256, 16 * s + 16, 1, 0][: 2 + s], 8) for s in range(3)]
@@ -323,6 +326,7 @@ def test_plan_makes_no_synchronising_call(flashinfer: ModuleType) -> None:
         decode_md = builder.build(commons[0])
         prefill_md = builder.build(prefill.common)
         step_mds = builder.plan_draft_steps(commons)
+        builder.finish_draft_step_plans(step_mds)
     torch.cuda.synchronize()
     _check_indices(builder, decode_md, commons[0])
     _check_indices(builder, prefill_md, prefill.common)

@@ -566,16 +566,19 @@ def test_flashinfer_plan_draft_steps_in_one_graph(
     flashinfer: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """host_preplanned: one wrapper per draft step, all planned before one replay of a graph
-    that holds every step; planned through ``plan()`` for the capture, re-planned through
-    FlashInfer's ``fast_decode_plan`` (once per step) for the replay."""
+    that holds every step; planned through ``plan()`` for the capture, re-planned by
+    FlashInfer's decode scheduler alone (once per step) for the replay, with other page
+    counts than the capture's: the replay attends to the new lengths."""
+    from speccheck.backends.flashinfer import builder as fi_builder_module
+
     fast_plans: list[int] = []
-    fast_decode_plan = flashinfer.decode.fast_decode_plan
+    schedule = fi_builder_module._DecodeScheduler.__call__
 
-    def counted(*args: Any, **kwargs: Any) -> None:
+    def counted(self: Any, *args: Any) -> None:
         fast_plans.append(1)
-        fast_decode_plan(*args, **kwargs)
+        schedule(self, *args)
 
-    monkeypatch.setattr(flashinfer.decode, "fast_decode_plan", counted)
+    monkeypatch.setattr(fi_builder_module._DecodeScheduler, "__call__", counted)
     layer = fi_layer()
     builder = fi_builder(layer)
     num_reqs, num_steps = 4, 3
@@ -629,6 +632,7 @@ def test_flashinfer_plan_draft_steps_in_one_graph(
     assert len({m.paged_kv_indices.data_ptr() for m in mds}) == num_steps
 
     def body() -> None:
+        builder.finish_draft_step_plans(mds)
         for step in range(num_steps):
             bufs.seq_lens[:num_reqs].copy_(lens[step])
             bufs.slot_mapping[:num_reqs].copy_(slots[step])

@@ -54,9 +54,10 @@ class PlannedMetadata(ReferenceMetadata):
 
 
 class PlannedBuilder(ReferenceMetadataBuilder):
-    """Plans ``kv_lens_plus_one`` on the host into persistent buffers of their own, as
-    FlashInfer's wrappers do: ``planned[0]`` for per-step builds, ``planned[i]`` for draft
-    step ``i`` of a preplanned run."""
+    """Plans ``kv_lens_plus_one`` into persistent buffers of their own, as FlashInfer's
+    wrappers do: ``planned[0]`` for per-step builds, ``planned[i]`` for draft step ``i`` of
+    a preplanned run. A preplanned plan is split as FlashInfer's is: the host half writes
+    the lengths, the device half (``finish_draft_step_plans``, in the body) adds the one."""
 
     def setup(self) -> None:
         self.planned = [
@@ -64,23 +65,32 @@ class PlannedBuilder(ReferenceMetadataBuilder):
             for row in range(self.config.num_speculative_steps + 1)
         ]
 
-    def _plan(self, common: CommonAttentionMetadata, row: int) -> PlannedMetadata:
+    def _plan(self, common: CommonAttentionMetadata, row: int, plus: int) -> PlannedMetadata:
         n = common.num_reqs
         self.planned[row].zero_()
-        self.planned[row][:n].copy_(common.seq_lens_cpu_upper_bound[:n] + 1)
+        self.planned[row][:n].copy_(common.seq_lens_cpu_upper_bound[:n] + plus)
         return PlannedMetadata(**vars(super().build(common)), kv_lens_plus_one=self.planned[row][:n])
 
     def build(self, common: CommonAttentionMetadata) -> PlannedMetadata:
-        return self._plan(common, 0)
+        return self._plan(common, 0, plus=1)
 
     def plan_draft_steps(self, commons):
-        return [self._plan(common, step) for step, common in enumerate(commons, start=1)]
+        return [self._plan(common, step, plus=0) for step, common in enumerate(commons, start=1)]
+
+    def finish_draft_step_plans(self, metadata_per_step):
+        for md in metadata_per_step:
+            md.kv_lens_plus_one.add_(1)
 
 
 class StalePlan(PlannedBuilder):
     def plan_draft_steps(self, commons):
         """Plans every step with the first step's lengths."""
-        return [self._plan(commons[0], step) for step in range(1, len(commons) + 1)]
+        return [self._plan(commons[0], step, plus=0) for step in range(1, len(commons) + 1)]
+
+
+class UnfinishedPlan(PlannedBuilder):
+    def finish_draft_step_plans(self, metadata_per_step):
+        """Leaves the device half of the plans undone."""
 
 
 def _speculator(builder: type = PlannedBuilder, **options) -> AutoregressiveSpeculator:
@@ -149,8 +159,9 @@ def test_verifier_checks_the_preplanned_path() -> None:
     assert report.checks["step_metadata"].passed > 0
 
 
-def test_verifier_catches_a_stale_plan() -> None:
-    report = _verify(StalePlan)
+@pytest.mark.parametrize("builder", [StalePlan, UnfinishedPlan])
+def test_verifier_catches_a_stale_plan(builder: type) -> None:
+    report = _verify(builder)
     stale = [f for f in report.failures if f.check == "step_metadata"]
     assert stale and stale[0].field == "flashinfer.metadata.kv_lens_plus_one", report.failures
 

@@ -12,8 +12,10 @@ How the wrappers behave, and what this adapter does about it:
   by :meth:`FlashInferMetadataBuilder.plan_draft_steps`: one wrapper per draft step, every
   one planned on the host before a single replay. Knowing every step at once, it plans
   them together: one host computation of the page tables, one copy of their lengths, one
-  launch for their page indices, and FlashInfer's ``fast_decode_plan`` (its re-plan for
-  multi-step drafting: the scheduler alone) for every plan after a wrapper's first.
+  launch for their page indices (inside the preplanned graph:
+  :meth:`FlashInferMetadataBuilder.finish_draft_step_plans`), and FlashInfer's decode
+  scheduler alone (the C++ call that its ``fast_decode_plan``, the re-plan for multi-step
+  drafting, ends in) for every plan after a wrapper's first.
 - A plan makes no device-to-host copy and no stream synchronisation, so planning ahead can
   overlap the GPU's work. FlashInfer reads ``indptr`` and ``last_page_len`` on the host
   (it calls ``.to("cpu")`` on them), so they are computed there, from the host-tracked
@@ -129,6 +131,55 @@ class _GraphWrapper:
     from the staged buffers and FlashInfer's page-locked workspace have run."""
 
 
+@dataclass(frozen=True)
+class _DecodeScheduler:
+    """FlashInfer's CUDA-core decode scheduler of one graph-mode decode wrapper, called
+    directly: the C++ ``plan`` that both ``plan()`` and ``fast_decode_plan`` end in, given
+    the host ``indptr`` (the page counts) and every other argument as the wrapper's first
+    ``plan()`` fixed it. It writes the schedule into the wrapper's page-locked workspace,
+    queues its upload into the wrapper's int workspace and sets the wrapper's plan info;
+    what else a plan sets (heads, dtypes, scale, window, the frozen batch size) is the same
+    for every draft step of the wrapper, so is left as the first plan set it.
+
+    This reaches into FlashInfer's wrapper state (what ``fast_decode_plan`` itself does):
+    :meth:`of` takes a wrapper only when it has that state and runs the CUDA-core module."""
+
+    wrapper: Any
+    arguments: tuple[Any, ...]
+    """The scheduler's arguments after ``batch_size``: heads, page size, graph mode,
+    window, soft cap, head dims and the dtype carriers."""
+
+    @classmethod
+    def of(cls, wrapper: Any, layer: Any) -> _DecodeScheduler | None:
+        """The scheduler of ``wrapper`` after its first ``plan()``, or ``None`` where the
+        wrapper does not run FlashInfer's CUDA-core decode module through its plan state
+        (tensor cores, cuDNN, another release's layout): its draft steps then re-plan
+        through ``plan()``."""
+        state = ("_cached_module", "_float_workspace_buffer", "_int_workspace_buffer",
+                 "_pin_memory_int_workspace_buffer", "_window_left", "_logits_soft_cap")
+        if (
+            wrapper.use_tensor_cores
+            or getattr(wrapper, "resolved_backend", None) != "fa2"
+            or not all(hasattr(wrapper, name) for name in state)
+            or not wrapper.is_cuda_graph_enabled
+        ):
+            return None
+        carriers = tuple(torch.empty(0, dtype=layer.dtype) for _ in range(2))
+        return cls(wrapper, (
+            layer.num_heads, layer.num_kv_heads, layer.block_size, True,
+            wrapper._window_left, wrapper._logits_soft_cap, layer.head_size, layer.head_size,
+            *carriers,
+        ))
+
+    def __call__(self, indptr_host: torch.Tensor, batch_size: int) -> None:
+        """Re-plan the wrapper for the pinned host ``indptr`` of ``batch_size`` requests."""
+        w = self.wrapper
+        w._plan_info = w._cached_module.plan(
+            w._float_workspace_buffer, w._int_workspace_buffer,
+            w._pin_memory_int_workspace_buffer, indptr_host, batch_size, *self.arguments,
+        )
+
+
 @dataclass
 class _DraftStepWrappers:
     """The decode wrappers of the draft steps of one preplanned replay over ``batch_size``
@@ -136,10 +187,10 @@ class _DraftStepWrappers:
     persistent buffers: ``lengths[step]`` holds step ``step``'s ``indptr``
     (``batch_size + 1`` entries) then its ``last_page_len`` (``batch_size``), and
     ``indices[step]`` its page indices; so one host-to-device copy from the pinned
-    ``staged`` rows fills every step's lengths, and one launch every step's indices."""
+    ``staged`` rows fills every step's lengths, and one launch every step's indices. The
+    per-step views are made once, here: a view costs microseconds of host time."""
 
     batch_size: int
-    wrappers: list[Any]
     lengths: torch.Tensor
     """``[steps, 2 * batch_size + 1]`` int32, device."""
     indices: torch.Tensor
@@ -148,17 +199,39 @@ class _DraftStepWrappers:
     """``[steps, 2 * batch_size + 1]`` int32, pinned host: the lengths of the last plan."""
     uploaded: torch.cuda.Event
     """Recorded after each planning of the set (see :class:`_GraphWrapper`'s)."""
+    wrappers: list[Any] = field(default_factory=list)
+    schedulers: list[_DecodeScheduler] | None = None
+    """Each wrapper's scheduler, once every wrapper has had its first plan through
+    ``plan()`` (which fixes what a re-plan reuses: the kernel module, the frozen shape);
+    ``None`` before, or where a wrapper has no scheduler to call (:meth:`_DecodeScheduler.
+    of`): every plan then goes through ``plan()``."""
     planned: bool = False
-    """Whether every wrapper has had its first plan through FlashInfer's public ``plan()``
-    (which fixes what the fast re-plan reuses: the kernel module, the frozen shape)."""
+    """Whether every wrapper has had its first plan."""
 
-    def indptr(self, rows: torch.Tensor, step: int) -> torch.Tensor:
-        """Step ``step``'s ``indptr`` within ``rows`` (``lengths`` or ``staged``)."""
-        return rows[step, : self.batch_size + 1]
+    block_table: torch.Tensor | None = None
+    """The block table the last plan was made for (a view of the speculator's persistent
+    one), which :meth:`FlashInferMetadataBuilder.finish_draft_step_plans` gathers from."""
+    staged_rows: np.ndarray = field(init=False)
+    """``staged`` as a NumPy array (the same page-locked memory)."""
+    indptr_views: list[torch.Tensor] = field(init=False)
+    """Each step's device ``indptr``: the buffer its wrapper is built over."""
+    last_page_len_views: list[torch.Tensor] = field(init=False)
+    """Each step's device ``last_page_len``: the buffer its wrapper is built over."""
+    indptr_rows: torch.Tensor = field(init=False)
+    """Every step's device ``indptr``, ``[steps, batch_size + 1]`` (a view of ``lengths``)."""
+    staged_indptr: list[torch.Tensor] = field(init=False)
+    """Each step's pinned host ``indptr``: what its plans are given."""
+    staged_last_page_len: list[torch.Tensor] = field(init=False)
+    """Each step's pinned host ``last_page_len``."""
 
-    def last_page_len(self, rows: torch.Tensor, step: int) -> torch.Tensor:
-        """Step ``step``'s ``last_page_len`` within ``rows`` (``lengths`` or ``staged``)."""
-        return rows[step, self.batch_size + 1 :]
+    def __post_init__(self) -> None:
+        n = self.batch_size
+        self.staged_rows = self.staged.numpy()
+        self.indptr_rows = self.lengths[:, : n + 1]
+        self.indptr_views = list(self.indptr_rows)
+        self.last_page_len_views = list(self.lengths[:, n + 1 :])
+        self.staged_indptr = list(self.staged[:, : n + 1])
+        self.staged_last_page_len = list(self.staged[:, n + 1 :])
 
 
 @dataclass
@@ -251,11 +324,11 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
-def _check_capacity(num_pages: int, indices: torch.Tensor) -> None:
-    if num_pages > indices.shape[0]:
+def _check_capacity(num_pages: int, capacity: int) -> None:
+    if num_pages > capacity:
         raise ValueError(
             f"flashinfer: the batch needs {num_pages} pages but the wrapper's indices "
-            f"buffer holds {indices.shape[0]}"
+            f"buffer holds {capacity}"
         )
 
 
@@ -292,12 +365,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
         self._wrappers: dict[tuple[str, int], _GraphWrapper] = {}
         self._draft_steps: dict[tuple[int, int], _DraftStepWrappers] = {}
-        self._fast_decode_plan: Callable[..., None] | None = getattr(
-            getattr(self._flashinfer, "decode", None), "fast_decode_plan", None
-        )
-        """FlashInfer's re-plan for multi-step drafting (``flashinfer.decode``): the
-        scheduler only, for a wrapper planned before whose fixed buffers the caller has
-        filled. ``None`` in releases without it: draft steps then re-plan in full."""
 
     def make_impl(self, scale: float) -> AttentionImpl[FlashInferMetadata]:
         self.sm_scale = float(scale)
@@ -392,12 +459,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             f"{prefix}.paged_kv_indices", (steps, self._indices_capacity(batch_size)), torch.int32
         )
         staged = torch.zeros((steps, width), dtype=torch.int32, pin_memory=True)
-        created = _DraftStepWrappers(batch_size, [], lengths, indices, staged, torch.cuda.Event())
+        created = _DraftStepWrappers(batch_size, lengths, indices, staged, torch.cuda.Event())
         created.wrappers.extend(
-            self._decode_wrapper(
-                created.indptr(lengths, step), indices[step], created.last_page_len(lengths, step)
+            self._decode_wrapper(indptr, row, last_page_len)
+            for indptr, row, last_page_len in zip(
+                created.indptr_views, indices, created.last_page_len_views, strict=True
             )
-            for step in range(steps)
         )
         self._draft_steps[key] = created
         return created
@@ -440,7 +507,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         indices buffer to the caller: FlashInfer's scheduler does not read it, and its
         kernels read it only when they run."""
         num_pages = lengths.num_pages
-        _check_capacity(num_pages, graph_wrapper.paged_kv_indices)
+        _check_capacity(num_pages, graph_wrapper.paged_kv_indices.shape[0])
         _wait_for_upload(graph_wrapper.uploaded)
         staged = graph_wrapper.staged
         staged["paged_kv_indptr"].copy_(lengths.indptr)
@@ -524,16 +591,18 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         step adds one token per request; one query token per request, one block table for
         all). Step ``i`` gets its own wrapper and fixed buffers (cached per batch size and
         step count), so planning step ``i + 1`` never overwrites what step ``i``'s captured
-        kernels read. Capture the fused graph with the metadata this returns, and call it
-        again with the live batch before every replay.
+        kernels read. Capture the preplanned body (:meth:`finish_draft_step_plans` first,
+        then the steps) with the metadata this returns, and call it again with the live
+        batch before every replay.
 
         The steps are planned together, which is cheaper on the host than as many builds:
-        their page tables are computed in one host call, copied to the device in one
-        transfer and their page indices written in one launch; and once a wrapper has been
-        planned through ``plan()``, FlashInfer's ``fast_decode_plan`` re-plans it (its
-        scheduler on the host lengths, nothing copied: the buffers are already filled).
-        :meth:`build`, which the per-step path and the verifier's eager oracle use, always
-        plans through ``plan()``.
+        their page tables are computed in one host call and copied to the device in one
+        transfer, and their page indices are left to :meth:`finish_draft_step_plans`, one
+        launch inside the preplanned graph; and once a wrapper has been planned through
+        ``plan()``, a re-plan is FlashInfer's scheduler alone (:class:`_DecodeScheduler`: on
+        the host page counts, nothing copied, the buffers already filled). :meth:`build`,
+        which the per-step path and the verifier's eager oracle use, always plans through
+        ``plan()``.
         """
         if not common_per_step:
             return []
@@ -566,61 +635,69 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self.layer.block_size,
             block_table.shape[1],
         )
-        _check_capacity(lengths.num_pages, group.indices[0])
+        indptr = lengths.indptr.numpy()
+        pages: list[int] = indptr[:, num_reqs].tolist()
+        _check_capacity(max(pages), group.indices.shape[1])
         _wait_for_upload(group.uploaded)
-        group.staged[:, : num_reqs + 1].copy_(lengths.indptr)
-        group.staged[:, num_reqs + 1 :].copy_(lengths.last_page_len)
+        group.staged_rows[:, : num_reqs + 1] = indptr
+        group.staged_rows[:, num_reqs + 1 :] = lengths.last_page_len.numpy()
         group.lengths.copy_(group.staged, non_blocking=True)
-        pages = lengths.indptr[:, -1].tolist()
-        for step, num_pages in enumerate(pages):
-            self._plan_draft_step(group, step, num_pages)
-        group.planned = True
-        write_paged_kv_indices(
-            group.indices, block_table, group.lengths[:, : num_reqs + 1], num_reqs
-        )
+        group.block_table = block_table
+        if group.schedulers is not None:
+            for schedule, step_indptr in zip(group.schedulers, group.staged_indptr, strict=True):
+                schedule(step_indptr, num_reqs)
+        else:
+            self._plan_draft_steps_in_full(group, pages)
         group.uploaded.record()
         return [
             self._metadata(
                 common,
                 group.wrappers[step].run,
                 use_decode=True,
-                paged_kv_indptr=group.indptr(group.lengths, step),
+                paged_kv_indptr=group.indptr_views[step],
                 paged_kv_indices=group.indices[step, :num_pages],
-                paged_kv_last_page_len=group.last_page_len(group.lengths, step),
+                paged_kv_last_page_len=group.last_page_len_views[step],
                 qo_indptr=None,
                 draft_step=step,
             )
             for step, (common, num_pages) in enumerate(zip(common_per_step, pages, strict=True))
         ]
 
-    def _plan_draft_step(self, group: _DraftStepWrappers, step: int, num_pages: int) -> None:
-        """Plan draft step ``step``'s wrapper from the lengths staged in ``group`` (their
-        copy into its fixed buffers already queued): through ``plan()`` the first time,
-        then through ``fast_decode_plan`` where FlashInfer has it."""
-        wrapper = group.wrappers[step]
+    def finish_draft_step_plans(self, metadata_per_step: Sequence[FlashInferMetadata]) -> None:
+        """Gather every draft step's page indices into its wrapper's indices buffer, in one
+        launch, from the block table and the ``indptr`` rows :meth:`plan_draft_steps`
+        copied to the device, zeroing each buffer's tail. Capture-safe: the preplanned body
+        runs it first, inside its graph, so a replay gathers from the lengths planned for
+        it (the host spends no launch on it)."""
+        if not metadata_per_step or metadata_per_step[0].num_reqs == 0:
+            return
+        num_reqs = metadata_per_step[0].num_reqs
+        group = self._draft_steps[(num_reqs, len(metadata_per_step))]
+        if group.block_table is None:
+            raise ValueError("finish_draft_step_plans: plan_draft_steps has not planned them")
+        write_paged_kv_indices(group.indices, group.block_table, group.indptr_rows, num_reqs)
+
+    def _plan_draft_steps_in_full(self, group: _DraftStepWrappers, pages: Sequence[int]) -> None:
+        """Plan every draft step's wrapper through ``plan()`` from the lengths staged in
+        ``group`` (their copy into its fixed buffers already queued); after the first time,
+        take each wrapper's scheduler for the later plans where there is one."""
         layer = self.layer
         shape = (layer.num_heads, layer.num_kv_heads, layer.head_size, layer.block_size)
-        indices = group.indices[step, :num_pages]
-        options = {"q_data_type": layer.dtype, "kv_data_type": layer.dtype,
-                   "sm_scale": self.sm_scale}
-        if group.planned and self._fast_decode_plan is not None:
-            self._fast_decode_plan(
-                wrapper,
-                group.indptr(group.lengths, step),
-                indices,
-                group.last_page_len(group.lengths, step),
+        for step, (wrapper, num_pages) in enumerate(zip(group.wrappers, pages, strict=True)):
+            wrapper.plan(
+                group.staged_indptr[step],
+                group.indices[step, :num_pages],
+                group.staged_last_page_len[step],
                 *shape,
-                global_override_indptr_cpu=group.indptr(group.staged, step),
-                **options,
+                q_data_type=layer.dtype,
+                kv_data_type=layer.dtype,
+                sm_scale=self.sm_scale,
             )
-            return
-        wrapper.plan(
-            group.indptr(group.staged, step),
-            indices,
-            group.last_page_len(group.staged, step),
-            *shape,
-            **options,
-        )
+        if not group.planned:
+            group.planned = True
+            schedulers = [_DecodeScheduler.of(w, layer) for w in group.wrappers]
+            if all(schedulers):
+                group.schedulers = cast(list[_DecodeScheduler], schedulers)
 
     def _check_batch_size(self, num_reqs: int) -> None:
         if num_reqs > self.limits.max_num_reqs:
