@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from speccheck.backends.flashinfer.page_indices import (
     paged_kv_layout,
     paged_kv_lengths,
+    stage_paged_kv_lengths,
     write_paged_kv_indices,
 )
 from speccheck.backends.kv_cache_write import write_kv_cache
@@ -189,6 +190,24 @@ def test_host_lengths() -> None:
         paged_kv_lengths(np.array([13]), 4, 3)
     with pytest.raises(ValueError, match="negative"):
         paged_kv_lengths(np.array([-1]), 4, 3)
+
+
+def test_staged_lengths_are_the_host_lengths() -> None:
+    """The draft steps' staging rows (indptr, then last_page_len) hold what
+    ``paged_kv_lengths`` computes, whatever the rows held before; the page counts come
+    back; the same checks raise."""
+    seq = np.array([[0, 4, 5, 12], [0, 5, 6, 12], [1, 6, 7, 12]])
+    rows = np.full((3, 9), 77, dtype=np.int32)
+    assert stage_paged_kv_lengths(seq, 4, 3, rows) == [6, 7, 8]
+    want = paged_kv_lengths(seq, 4, 3)
+    assert rows[:, :5].tolist() == want.indptr.tolist()
+    assert rows[:, 5:].tolist() == want.last_page_len.tolist()
+    with pytest.raises(ValueError, match="columns"):
+        stage_paged_kv_lengths(np.array([[13]]), 4, 3, np.zeros((1, 3), np.int32))
+    with pytest.raises(ValueError, match="negative"):
+        stage_paged_kv_lengths(np.array([[-1]]), 4, 3, np.zeros((1, 3), np.int32))
+    with pytest.raises(ValueError, match="staging rows"):
+        stage_paged_kv_lengths(seq, 4, 3, np.zeros((3, 8), np.int32))
 
 
 _AOT_SCRIPT = textwrap.dedent(

@@ -83,6 +83,7 @@ from speccheck.backends.batch_layout import zero_padding_rows
 from speccheck.backends.flashinfer.page_indices import (
     PagedKVLengths,
     paged_kv_lengths,
+    stage_paged_kv_lengths,
     write_paged_kv_indices,
 )
 from speccheck.backends.kv_cache_write import write_kv_cache
@@ -217,6 +218,8 @@ class _DraftStepWrappers:
     """Each step's device ``indptr``: the buffer its wrapper is built over."""
     last_page_len_views: list[torch.Tensor] = field(init=False)
     """Each step's device ``last_page_len``: the buffer its wrapper is built over."""
+    index_rows: list[torch.Tensor] = field(init=False)
+    """Each step's device indices buffer (a row of ``indices``)."""
     indptr_rows: torch.Tensor = field(init=False)
     """Every step's device ``indptr``, ``[steps, batch_size + 1]`` (a view of ``lengths``)."""
     staged_indptr: list[torch.Tensor] = field(init=False)
@@ -227,6 +230,7 @@ class _DraftStepWrappers:
     def __post_init__(self) -> None:
         n = self.batch_size
         self.staged_rows = self.staged.numpy()
+        self.index_rows = list(self.indices)
         self.indptr_rows = self.lengths[:, : n + 1]
         self.indptr_views = list(self.indptr_rows)
         self.last_page_len_views = list(self.lengths[:, n + 1 :])
@@ -463,7 +467,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         created.wrappers.extend(
             self._decode_wrapper(indptr, row, last_page_len)
             for indptr, row, last_page_len in zip(
-                created.indptr_views, indices, created.last_page_len_views, strict=True
+                created.indptr_views, created.index_rows, created.last_page_len_views,
+                strict=True,
             )
         )
         self._draft_steps[key] = created
@@ -630,17 +635,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                     "(the draft steps of one replay share one)"
                 )
         group = self._draft_step_wrappers(num_reqs, len(common_per_step))
-        lengths = paged_kv_lengths(
-            np.stack([c.seq_lens_cpu_upper_bound[:num_reqs].numpy() for c in common_per_step]),
-            self.layer.block_size,
-            block_table.shape[1],
+        seq_lens = np.stack(
+            [c.seq_lens_cpu_upper_bound.numpy()[:num_reqs] for c in common_per_step]
         )
-        indptr = lengths.indptr.numpy()
-        pages: list[int] = indptr[:, num_reqs].tolist()
-        _check_capacity(max(pages), group.indices.shape[1])
         _wait_for_upload(group.uploaded)
-        group.staged_rows[:, : num_reqs + 1] = indptr
-        group.staged_rows[:, num_reqs + 1 :] = lengths.last_page_len.numpy()
+        pages = stage_paged_kv_lengths(
+            seq_lens, self.layer.block_size, block_table.shape[1], group.staged_rows
+        )
+        _check_capacity(max(pages), group.indices.shape[1])
         group.lengths.copy_(group.staged, non_blocking=True)
         group.block_table = block_table
         if group.schedulers is not None:
@@ -655,7 +657,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 group.wrappers[step].run,
                 use_decode=True,
                 paged_kv_indptr=group.indptr_views[step],
-                paged_kv_indices=group.indices[step, :num_pages],
+                paged_kv_indices=group.index_rows[step][:num_pages],
                 paged_kv_last_page_len=group.last_page_len_views[step],
                 qo_indptr=None,
                 draft_step=step,
@@ -686,7 +688,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         for step, (wrapper, num_pages) in enumerate(zip(group.wrappers, pages, strict=True)):
             wrapper.plan(
                 group.staged_indptr[step],
-                group.indices[step, :num_pages],
+                group.index_rows[step][:num_pages],
                 group.staged_last_page_len[step],
                 *shape,
                 q_data_type=layer.dtype,

@@ -66,6 +66,36 @@ def paged_kv_lengths(
     seq = np.asarray(seq_lens, dtype=np.int64)
     if seq.ndim == 0 or seq.ndim > 2:
         raise ValueError(f"sequence lengths of shape {seq.shape}: one row, or one per table")
+    indptr = np.zeros((*seq.shape[:-1], seq.shape[-1] + 1), dtype=np.int32)
+    last = np.empty(seq.shape, dtype=np.int32)
+    _fill_lengths(seq, page_size, max_blocks, indptr, last)
+    return PagedKVLengths(indptr=torch.from_numpy(indptr), last_page_len=torch.from_numpy(last))
+
+
+def stage_paged_kv_lengths(
+    seq_lens: np.ndarray, page_size: int, max_blocks: int, rows: np.ndarray
+) -> list[int]:
+    """:func:`paged_kv_lengths` of ``[tables, num_reqs]`` lengths written straight into
+    ``rows`` (``[tables, 2 * num_reqs + 1]`` int32: each table's ``indptr``, then its
+    ``last_page_len``; the draft steps' staging layout); returns each table's page count.
+    Same checks, no tensor made: host time is what the preplanned path is for."""
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    if seq.ndim != 2 or rows.shape != (seq.shape[0], 2 * seq.shape[1] + 1):
+        raise ValueError(
+            f"lengths of shape {seq.shape} do not fit staging rows of shape {rows.shape}"
+        )
+    n = seq.shape[1]
+    rows[:, 0] = 0
+    _fill_lengths(seq, page_size, max_blocks, rows[:, : n + 1], rows[:, n + 1 :])
+    pages: list[int] = rows[:, n].tolist()
+    return pages
+
+
+def _fill_lengths(
+    seq: np.ndarray, page_size: int, max_blocks: int, indptr: np.ndarray, last: np.ndarray
+) -> None:
+    """Check ``seq`` (int64, ``[..., num_reqs]``) and write its ``indptr[..., 1:]`` (the
+    caller zeroes ``indptr[..., 0]``) and ``last_page_len``."""
     if (seq < 0).any():
         raise ValueError(f"negative sequence length in {seq.tolist()}")
     pages = (seq + page_size - 1) // page_size
@@ -74,10 +104,8 @@ def paged_kv_lengths(
             f"a sequence of length {int(seq.max())} needs {int(pages.max())} pages of "
             f"{page_size} but the block table has {max_blocks} columns"
         )
-    indptr = np.zeros((*seq.shape[:-1], seq.shape[-1] + 1), dtype=np.int32)
-    np.cumsum(pages, axis=-1, out=indptr[..., 1:])
-    last = np.where(pages > 0, seq - (pages - 1) * page_size, 0).astype(np.int32)
-    return PagedKVLengths(indptr=torch.from_numpy(indptr), last_page_len=torch.from_numpy(last))
+    np.cumsum(pages, axis=-1, out=indptr[..., 1:], dtype=np.int32)
+    np.copyto(last, np.where(pages > 0, seq - (pages - 1) * page_size, 0), casting="unsafe")
 
 
 def paged_kv_layout(
