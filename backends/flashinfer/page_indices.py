@@ -7,7 +7,9 @@ host knows, so :func:`paged_kv_lengths` computes them there. ``indices`` are blo
 entries, which live on the device: :func:`write_paged_kv_indices` gathers them there with
 one Triton kernel, so planning never copies the block table back to the host. Both also
 take the tables of several draft steps at once, one row each (the lengths differ, the block
-table is the same): a preplanned replay's tables cost one call and one launch.
+table is the same): a preplanned replay's tables cost one call and one launch, and
+:func:`stage_paged_kv_lengths` writes their lengths straight into the pinned rows they are
+copied to the device from.
 
 :func:`paged_kv_layout` is the whole table built on the host from a host block table: the
 reference the kernel is tested against. The builder never calls it.
