@@ -139,6 +139,8 @@ def run_and_check(batch: Batch, seed: int, max_query_block: int | None = None) -
     torch.testing.assert_close(output.float(), want.float(), atol=tol, rtol=tol)
     num_real = sum(batch.query_lens)
     assert torch.count_nonzero(output[num_real:]) == 0, "padding tokens must produce zeros"
+    if md.split_arrivals is not None:
+        assert torch.count_nonzero(md.split_arrivals) == 0, "split counters must end at zero"
 
 
 @settings(max_examples=30)
@@ -286,16 +288,17 @@ _AOT_SCRIPT = textwrap.dedent(
         print(fn.__name__, "ok", flush=True)
 
     index = {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "local_lens_ptr",
-                                 "query_start_loc_ptr")}
+                                 "query_start_loc_ptr", "arrivals_ptr")}
     for dtype, extra in [
         ("bf16", dict(NUM_HEADS=32, GROUP=4, GROUP_P=4, HEAD_SIZE=128, BLOCK_SIZE=16,
-                      BLOCK_M=1, NUM_SPLITS=8, CAUSAL=True, UPCAST=False)),
+                      BLOCK_M=1, NUM_SPLITS=8, CAUSAL=True, UPCAST=False, REDUCE=True)),
         ("fp16", dict(NUM_HEADS=6, GROUP=3, GROUP_P=4, HEAD_SIZE=256, BLOCK_SIZE=1,
-                      BLOCK_M=4, NUM_SPLITS=3, CAUSAL=False, UPCAST=False)),
+                      BLOCK_M=4, NUM_SPLITS=3, CAUSAL=False, UPCAST=False, REDUCE=True)),
         ("fp32", dict(NUM_HEADS=1, GROUP=1, GROUP_P=1, HEAD_SIZE=16, BLOCK_SIZE=5,
-                      BLOCK_M=2, NUM_SPLITS=1, CAUSAL=True, UPCAST=True, num_reqs=1)),
+                      BLOCK_M=2, NUM_SPLITS=1, CAUSAL=True, UPCAST=True, REDUCE=False,
+                      num_reqs=1)),
     ]:
-        data = {n: "*" + dtype for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr")}
+        data = {n: "*" + dtype for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
         compile_sm90(kernels.paged_attention_split_kernel, {**data, **index},
                      dict(BLOCK_N=32, **extra))
     for dtype, extra in [

@@ -170,13 +170,20 @@ class TritonAttnMetadata:
     dcp_local_seq_lens: torch.Tensor | None = None
     """``[num_reqs]`` int32: positions of each request this rank's cache holds; without DCP
     ``seq_lens`` itself (the same tensor). ``None`` reads as ``seq_lens``."""
+    split_arrivals: torch.Tensor | None = None
+    """int32, one counter per (program slot, KV head) of the split kernel, zero between
+    launches (persistent): how many splits of a query block have stored their partials,
+    so that the last one merges them (without DCP). ``None``: a separate reduction."""
 
 
 class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
-    """Split-KV paged attention in two Triton launches (partials, then reduction).
+    """Split-KV paged attention in one Triton launch: each split stores its partials, and
+    the last split of a query block to store them (counted in ``split_arrivals``) merges
+    them into the output; programs past the last request zero the padding rows. Without
+    ``split_arrivals``, or under DCP, the merge is a second launch (the reduction kernel).
 
-    Capture-safe: two in-place cache scatters and two kernel launches whose grids depend on
-    shapes only; no allocation, no host synchronisation.
+    Capture-safe: two in-place cache scatters and one or two kernel launches whose grids
+    depend on shapes only; no allocation, no host synchronisation.
 
     With ``dcp`` (more than one rank) the cache holds this rank's interleaved share: the
     kernels compute its partial attention and log-sum-exp into fp32 temporaries, and the
@@ -230,10 +237,17 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
         local = metadata.dcp_local_seq_lens
         local = metadata.seq_lens if local is None else local
         rank, world = (0, 1) if self.dcp is None else (self.dcp.rank, self.dcp.world_size)
+        arrivals = metadata.split_arrivals
+        reduce = self.dcp is None and arrivals is not None and num_reqs > 0
         if num_reqs > 0:
             block_m = self.query_block(metadata.max_query_len, group_p)
-            grid = (n // block_m + num_reqs, num_kv_heads, scratch.num_splits)
-            paged_attention_split_kernel[grid](
+            slots = n // block_m + num_reqs + int(reduce)
+            if reduce and arrivals is not None and slots * num_kv_heads > arrivals.numel():
+                raise ValueError(
+                    f"{slots} program slots of {num_kv_heads} KV heads exceed the "
+                    f"{arrivals.numel()} split counters"
+                )
+            paged_attention_split_kernel[(slots, num_kv_heads, scratch.num_splits)](
                 query,
                 key_cache,
                 value_cache,
@@ -244,8 +258,11 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 scratch.part_max,
                 scratch.part_sum,
                 scratch.part_acc,
+                output,
+                arrivals if reduce else metadata.seq_lens,
                 self.scale * LOG2E,
                 num_reqs,
+                n,
                 rank,
                 world,
                 query.stride(0),
@@ -257,6 +274,8 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 value_cache.stride(1),
                 value_cache.stride(2),
                 metadata.block_table.stride(0),
+                output.stride(0),
+                output.stride(1),
                 NUM_HEADS=num_heads,
                 GROUP=group,
                 GROUP_P=group_p,
@@ -267,7 +286,10 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 NUM_SPLITS=scratch.num_splits,
                 CAUSAL=metadata.causal,
                 UPCAST=query.device.type != "cuda",
+                REDUCE=reduce,
             )
+        if reduce:
+            return
         if self.dcp is None:
             scratch.reduce_into(output, metadata.query_start_loc, num_reqs, n)
             return
@@ -328,6 +350,17 @@ class TritonAttnMetadataBuilder(HoldsDcpShare[TritonAttnMetadata], AttentionMeta
             limits.max_num_tokens, layer.num_heads, splits, layer.head_size, device
         )
         self.dcp_share = DcpLocalShare.for_builder(self, dcp)
+        self.split_arrivals = (
+            self.allocate_persistent(
+                "split_arrivals",
+                ((limits.max_num_tokens + limits.max_num_reqs + 1) * layer.num_kv_heads,),
+                torch.int32,
+            )
+            if self.dcp_share is None
+            else None
+        )
+        """The split kernel's arrival counters (see :class:`TritonAttnMetadata`): one per
+        (program slot, KV head) of the largest batch; without DCP only."""
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttnMetadata:
         slots, local = common.slot_mapping, common.seq_lens
@@ -344,6 +377,7 @@ class TritonAttnMetadataBuilder(HoldsDcpShare[TritonAttnMetadata], AttentionMeta
             scratch=self.scratch,
             positions=common.positions,
             dcp_local_seq_lens=local,
+            split_arrivals=self.split_arrivals,
         )
 
     def make_impl(self, scale: float) -> TritonAttnImpl:

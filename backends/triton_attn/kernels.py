@@ -1,4 +1,5 @@
-"""Triton kernels of the ``triton_attn`` backend: split-KV paged attention and its reduction.
+"""Triton kernels of the ``triton_attn`` backend: split-KV paged attention and its reduction
+(a kernel of its own, or folded into the split kernel).
 
 Both kernels take every length, offset and block id from device memory at run time, so
 their grids depend only on tensor *shapes* and compile-time constants. A graph captured once
@@ -25,6 +26,16 @@ running maximum (log2 domain), the softmax denominator and the weighted value su
 ``NUM_SPLITS`` partials of a token and writes the output row. Tokens at or past
 ``query_start_loc[num_reqs]`` (padding) get zeros without reading scratch, and a row that saw
 no key (``seq_len == 0``, or a causal position before the first key) gets zeros too.
+
+The reduction folded into the split kernel (``REDUCE``, the decode path's one launch): after
+storing its partials, a program counts itself in its (slot, KV head)'s arrival counter with
+an acquire-release atomic, behind a barrier, so every thread's stores are released with
+it. The last of the ``NUM_SPLITS`` to arrive clears the counter and merges the partials of
+its rows as the reduction kernel does, reading them past the SM-local cache. The grid then
+has one slot more: the slots past the last request's (trailing slot ``j`` takes the
+``BLOCK_M`` tokens from ``query_start_loc[num_reqs] + j * BLOCK_M``) zero the padding
+tokens' rows, which, with the extra slot, they cover whatever the offsets. Decode context
+parallelism keeps the separate reduction (it also writes the log-sum-exp).
 
 Decode context parallelism: the split kernel attends the KV positions of one DCP rank's
 share (``dcp_rank`` of ``dcp_world``; the layout of :mod:`speccheck.backends.dcp`): local
@@ -72,7 +83,7 @@ def _owning_request(query_start_loc_ptr, slot, num_reqs, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=("num_reqs",))
+@triton.jit(do_not_specialize=("num_reqs", "num_tokens"))
 def paged_attention_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -84,8 +95,11 @@ def paged_attention_split_kernel(
     part_max_ptr,
     part_sum_ptr,
     part_acc_ptr,
+    out_ptr,
+    arrivals_ptr,
     scale_log2e,
     num_reqs,
+    num_tokens,
     dcp_rank,
     dcp_world,
     stride_qt,
@@ -97,6 +111,8 @@ def paged_attention_split_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    stride_ot,
+    stride_oh,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
@@ -107,6 +123,7 @@ def paged_attention_split_kernel(
     NUM_SPLITS: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
+    REDUCE: tl.constexpr,
 ):
     """Partial attention of one (query block, KV head, KV split); see the module docstring.
 
@@ -116,6 +133,12 @@ def paged_attention_split_kernel(
     query_start_loc ``[num_reqs + 1]`` int32; scratch contiguous ``[T', NUM_HEADS,
     NUM_SPLITS]`` (fp32 max and sum) and ``[T', NUM_HEADS, NUM_SPLITS, HEAD_SIZE]`` (fp32
     acc) with ``T' >= T``. The last dimension of q and of the caches must be contiguous.
+
+    With ``REDUCE`` the kernel also does the reduction (see the module docstring): the grid
+    has one more slot, ``out`` (``[T, NUM_HEADS, HEAD_SIZE]``, strides ``stride_ot,
+    stride_oh``, last dimension contiguous) receives the rows of the ``num_tokens = T``
+    tokens, and ``arrivals`` (int32, one counter per (slot, KV head), zero before the
+    launch) is left zero. Without it ``out_ptr`` and ``arrivals_ptr`` are never touched.
     """
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,6 +149,11 @@ def paged_attention_split_kernel(
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     block_q0 = (slot - (q_start // BLOCK_M + req)) * BLOCK_M
     if block_q0 >= q_len:
+        if REDUCE:
+            if split == 0:
+                _zero_trailing_block(out_ptr, query_start_loc_ptr, slot, kv_head, num_reqs,
+                                     num_tokens, stride_ot, stride_oh, GROUP, GROUP_P,
+                                     HEAD_SIZE, BLOCK_M)
         return
     seq_len = tl.load(seq_lens_ptr + req)
     local_len = tl.load(local_lens_ptr + req)
@@ -191,6 +219,69 @@ def paged_attention_split_kernel(
     tl.store(
         part_acc_ptr + part[:, None] * HEAD_SIZE + dims[None, :], acc, mask=row_ok[:, None]
     )
+    if REDUCE:
+        # Every thread's partials are stored before the count is released; the last split
+        # to arrive acquires them all, clears the count and merges.
+        tl.debug_barrier()
+        counter = arrivals_ptr + slot * (NUM_HEADS // GROUP) + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:
+            tl.store(counter, 0)
+            tl.debug_barrier()
+            _merge_splits(out_ptr, token * stride_ot + head * stride_oh, part_max_ptr,
+                          part_sum_ptr, part_acc_ptr, (token * NUM_HEADS + head) * NUM_SPLITS,
+                          row_ok, HEAD_SIZE, NUM_SPLITS)
+
+
+@triton.jit
+def _merge_splits(out_ptr, out_rows, part_max_ptr, part_sum_ptr, part_acc_ptr, first, row_ok,
+                  HEAD_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Merge the ``NUM_SPLITS`` partials of each row, found from ``first`` (the row's first
+    partial), into its output row at ``out_ptr + out_rows`` (offsets of the rows' first
+    channels), as :func:`paged_attention_reduce_kernel` does; a row that saw no key gets
+    zeros. The partials were written by other programs: read past the SM-local cache."""
+    dims = tl.arange(0, HEAD_SIZE)
+    m = tl.full(row_ok.shape, float("-inf"), tl.float32)
+    l = tl.zeros(row_ok.shape, tl.float32)
+    acc = tl.zeros([row_ok.shape[0], HEAD_SIZE], tl.float32)
+    for s in range(NUM_SPLITS):
+        m_s = tl.load(part_max_ptr + first + s, mask=row_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        l_s = tl.load(part_sum_ptr + first + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_SIZE + dims[None, :],
+                        mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, m_s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_ref)
+        beta = tl.exp2(m_s - m_ref)
+        l = l * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m = m_new
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def _zero_trailing_block(out_ptr, query_start_loc_ptr, slot, kv_head, num_reqs, num_tokens,
+                         stride_ot, stride_oh, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                         HEAD_SIZE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Zero KV head ``kv_head``'s query heads in the output rows of this slot's share of the
+    padding tokens (those at or past ``query_start_loc[num_reqs]``): trailing slot ``j``
+    (the ``j``-th past the last request's slots) takes the ``BLOCK_M`` tokens from
+    ``query_start_loc[num_reqs] + j * BLOCK_M``, below ``num_tokens``. With one slot more
+    than the split grid needs, the trailing slots cover every padding token."""
+    end = tl.load(query_start_loc_ptr + num_reqs)
+    trailing = slot - (end // BLOCK_M + num_reqs)
+    if trailing >= 0:
+        lanes = tl.arange(0, GROUP_P)
+        heads = kv_head * GROUP + lanes
+        dims = tl.arange(0, HEAD_SIZE)
+        zeros = tl.zeros([GROUP_P, HEAD_SIZE], tl.float32).to(out_ptr.dtype.element_ty)
+        for i in range(BLOCK_M):
+            tok = (end + trailing * BLOCK_M + i).to(tl.int64)
+            rows = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+            tl.store(rows, zeros, mask=(lanes[:, None] < GROUP) & (tok < num_tokens))
 
 
 @triton.jit(do_not_specialize=("num_reqs",))
