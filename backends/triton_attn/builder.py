@@ -237,12 +237,12 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
         local = metadata.dcp_local_seq_lens
         local = metadata.seq_lens if local is None else local
         rank, world = (0, 1) if self.dcp is None else (self.dcp.rank, self.dcp.world_size)
-        arrivals = metadata.split_arrivals
-        reduce = self.dcp is None and arrivals is not None and num_reqs > 0
+        arrivals = metadata.split_arrivals if self.dcp is None and num_reqs > 0 else None
+        reduce = arrivals is not None
         if num_reqs > 0:
             block_m = self.query_block(metadata.max_query_len, group_p)
             slots = n // block_m + num_reqs + int(reduce)
-            if reduce and arrivals is not None and slots * num_kv_heads > arrivals.numel():
+            if arrivals is not None and slots * num_kv_heads > arrivals.numel():
                 raise ValueError(
                     f"{slots} program slots of {num_kv_heads} KV heads exceed the "
                     f"{arrivals.numel()} split counters"
@@ -259,7 +259,7 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 scratch.part_sum,
                 scratch.part_acc,
                 output,
-                arrivals if reduce else metadata.seq_lens,
+                metadata.seq_lens if arrivals is None else arrivals,
                 self.scale * LOG2E,
                 num_reqs,
                 n,
