@@ -2,6 +2,5 @@
 
 Imports nothing else of speccheck. Holds the runtime configuration, the capability matrix
 models and condition language, the CUDA-graph modes and batch descriptor, the common
-attention metadata, the attention token-count rule, the metadata-builder protocol, and
-the rule for kernels launched as programmatic dependents.
+attention metadata, the attention token-count rule, and the metadata-builder protocol.
 """

@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from speccheck.contract.programmatic_launch import await_predecessor, programmatic_launch
-
 
 def use_kernels(x: torch.Tensor) -> bool:
     """Triton kernels for CUDA tensors; PyTorch ops for the rest."""
@@ -38,8 +36,7 @@ def _rms_normalised(x, w_ptr, cols, mask, width, eps):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, out_row_stride, width, eps,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
-    await_predecessor(PDL)
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
@@ -64,17 +61,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     rows, width = x.shape
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if rows:
-        pdl = programmatic_launch(x)
         _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), width, eps,
-                                  BLOCK=triton.next_power_of_2(width), PDL=pdl,
-                                  launch_pdl=pdl)
+                                  BLOCK=triton.next_power_of_2(width))
     return out
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, x_row_stride, d_row_stride,
-                         width, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    await_predecessor(PDL)
+                         width, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
@@ -101,11 +95,9 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     summed = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if rows:
-        pdl = programmatic_launch(x)
         _add_rms_norm_kernel[(rows,)](x, delta, weight, summed, out, x.stride(0),
                                       delta.stride(0), width, eps,
-                                      BLOCK=triton.next_power_of_2(width), PDL=pdl,
-                                      launch_pdl=pdl)
+                                      BLOCK=triton.next_power_of_2(width))
     return out, summed
 
 

@@ -34,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from speccheck.contract.programmatic_launch import await_predecessor
 from speccheck.speculator.model_kernels import use_kernels
 from speccheck.speculator.projection_kernels import (
     UnprojectedLogits,
@@ -169,7 +168,7 @@ def _lm_head_step_kernel(
     step_ptr, done_ptr, tokens_ptr, input_ids_ptr, draft_logits_ptr, part_best_ptr,
     part_index_ptr, tokens_row_stride, draft_logits_row_stride, draft_logits_step_stride,
     max_model_len, GUMBEL: tl.constexpr, ADVANCE: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The whole end of a decode step in the LM head's kernel, program ``tile`` of
     :func:`~speccheck.speculator.projection_kernels.launch_skinny`'s grid.
@@ -186,7 +185,6 @@ def _lm_head_step_kernel(
     (acquire-release, behind a barrier, after it has read the step); the last one clears
     the count and does what :func:`_decode_step_finish_kernel` does for every row, moving
     the step on (no program reads it after that)."""
-    await_predecessor(PDL)
     tile = tl.program_id(0)
     r = tl.arange(0, ROWS)
     rmask = r < rows

@@ -402,8 +402,7 @@ target = GPUTarget("cuda", 90, 32)
 for dtype in ("bf16", "fp16", "fp32"):
     compile(ASTSource(k._rms_norm_kernel, {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype,
             "out_ptr": "*" + dtype, "x_row_stride": "i32", "out_row_stride": "i32",
-            "width": "i32", "eps": "fp32", "BLOCK": "constexpr", "PDL": "constexpr"},
-            {"BLOCK": 2048, "PDL": dtype == "bf16"}), target=target)
+            "width": "i32", "eps": "fp32", "BLOCK": "constexpr"}, {"BLOCK": 2048}), target=target)
     compile(ASTSource(k._rotary_kernel, {"x_ptr": "*" + dtype, "pos_ptr": "*i64",
             "inv_freq_ptr": "*fp32", "out_ptr": "*" + dtype, "x_tok_stride": "i32",
             "x_head_stride": "i32", "num_heads": "i32", "half": "i32", "BLOCK": "constexpr"},
@@ -414,8 +413,7 @@ for dtype in ("bf16", "fp16", "fp32"):
     compile(ASTSource(k._add_rms_norm_kernel, {"x_ptr": "*" + dtype, "d_ptr": "*" + dtype,
             "w_ptr": "*" + dtype, "sum_ptr": "*" + dtype, "out_ptr": "*" + dtype,
             "x_row_stride": "i32", "d_row_stride": "i32", "width": "i32", "eps": "fp32",
-            "BLOCK": "constexpr", "PDL": "constexpr"}, {"BLOCK": 2048, "PDL": dtype == "bf16"}),
-            target=target)
+            "BLOCK": "constexpr"}, {"BLOCK": 2048}), target=target)
     compile(ASTSource(k._rotary_qkv_kernel, {"qkv_ptr": "*" + dtype, "pos_ptr": "*i64",
             "inv_freq_ptr": "*fp32", "q_ptr": "*" + dtype, "k_ptr": "*" + dtype,
             "v_ptr": "*" + dtype, "qkv_tok_stride": "i32", "num_heads": "i32",
@@ -459,7 +457,7 @@ for dtype in ("bf16", "fp16"):
                      "draft_logits_row_stride": "i32", "draft_logits_step_stride": "i32",
                      "max_model_len": "i32"}
         constants = {"GUMBEL": gumbel, "ADVANCE": advance, "ROWS": p.SKINNY_ROWS,
-                     "BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k, "PDL": gumbel}
+                     "BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k}
         signature.update(dict.fromkeys(constants, "constexpr"))
         compile(ASTSource(s._lm_head_step_kernel, signature, constants), target=target,
                 options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})

@@ -26,7 +26,6 @@ import triton
 
 from speccheck.backends.dcp import DcpLocalShare, HoldsDcpShare, merge_across_ranks
 from speccheck.backends.kv_cache_write import write_kv_cache
-from speccheck.contract.programmatic_launch import programmatic_launch
 from speccheck.backends.triton_attn.kernels import (
     LOG2E,
     paged_attention_reduce_kernel,
@@ -260,7 +259,6 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                     f"{slots} program slots of {num_kv_heads} KV heads exceed the "
                     f"{arrivals.numel()} split counters"
                 )
-            pdl = programmatic_launch(query)
             paged_attention_split_kernel[(slots, num_kv_heads, scratch.num_splits)](
                 query,
                 key_cache,
@@ -309,8 +307,6 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 UPCAST=query.device.type != "cuda",
                 REDUCE=reduce,
                 WRITE_KV=write_kv,
-                PDL=pdl,
-                launch_pdl=pdl,
             )
         if reduce:
             return

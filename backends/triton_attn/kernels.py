@@ -69,7 +69,6 @@ import triton
 import triton.language as tl
 
 from speccheck.backends.triton_shared import online_softmax_step
-from speccheck.contract.programmatic_launch import await_predecessor
 
 LOG2E = 1.4426950408889634
 """``log2(e)``: scores are scaled by ``scale * LOG2E`` so the kernels can use ``exp2``."""
@@ -142,7 +141,6 @@ def paged_attention_split_kernel(
     UPCAST: tl.constexpr,
     REDUCE: tl.constexpr,
     WRITE_KV: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Partial attention of one (query block, KV head, KV split); see the module docstring.
 
@@ -164,10 +162,7 @@ def paged_attention_split_kernel(
     stride_nkh`` and ``stride_nvt, stride_nvh``, last dimension contiguous) into the caches
     at ``slot_mapping`` (``[T]``), as :func:`~speccheck.backends.kv_cache_write.write_kv_cache`
     would before the launch; without it those three pointers are never touched.
-    ``PDL``: launched as a programmatic dependent
-    (:func:`~speccheck.backends.triton_shared.await_predecessor`).
     """
-    await_predecessor(PDL)
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
