@@ -153,10 +153,9 @@ class DraftModelSpeculator:
             r, self.num_steps, self.vocab_size, dtype=torch.float32, device=device
         )
         self.current_step = torch.zeros((), dtype=torch.int64, device=device)
-        self.step_done_count = torch.zeros((), dtype=torch.int32, device=device)
-        """The end-of-step kernel's count of programs done (zero between steps): its last
-        program moves ``current_step`` on
-        (:func:`~speccheck.speculator.sampling.finish_decode_step`)."""
+        self.lanes_done = torch.zeros((), dtype=torch.int32, device=device)
+        """The end-of-step kernel's count of lanes done (zero between steps): its last lane
+        moves ``current_step`` on (:func:`~speccheck.speculator.sampling.finish_decode_step`)."""
         b = self.buffers
         self.index_buffers = IndexBuffers(
             block_table=b.block_table, seeds=self.seeds, seq_lens=b.seq_lens,

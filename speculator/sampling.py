@@ -19,9 +19,7 @@ At the end of a decode step whose LM head runs as the tensor-core kernel of
 that kernel's epilogue instead: each program rounds its tile of logits to the model's
 dtype, as the LM head's own kernel stores them, stores them in fp32 and writes the tile's
 partials for every row. ``splits`` is then the kernel's tile count (500 at vocabulary
-32000, 2004 at 128256), and phase 2 runs in the same kernel, in the last program to finish
-(counted by an acquire-release atomic): the whole end of the step is one kernel, and tokens
-and logits are those of the separate kernels.
+32000, 2004 at 128256), and tokens and logits are those of the separate kernels.
 
 No host values, no synchronisation; the scratch comes from the graph pool under capture.
 """
@@ -163,28 +161,19 @@ def _chunk_argmax_kernel(
 
 
 @triton.jit(do_not_specialize=("rows",))
-def _lm_head_step_kernel(
-    x_ptr, w_ptr, rows, n, k, x_stride, seeds_ptr, positions_ptr, seq_lens_ptr, is_real_ptr,
-    step_ptr, done_ptr, tokens_ptr, input_ids_ptr, draft_logits_ptr, part_best_ptr,
-    part_index_ptr, tokens_row_stride, draft_logits_row_stride, draft_logits_step_stride,
-    max_model_len, GUMBEL: tl.constexpr, ADVANCE: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _lm_head_argmax_kernel(
+    x_ptr, w_ptr, rows, n, k, x_stride, seeds_ptr, positions_ptr, step_ptr, draft_logits_ptr,
+    part_best_ptr, part_index_ptr, draft_logits_row_stride, draft_logits_step_stride,
+    GUMBEL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """The whole end of a decode step in the LM head's kernel, program ``tile`` of
-    :func:`~speccheck.speculator.projection_kernels.launch_skinny`'s grid.
-
-    Phase 1 in the epilogue: the logits of entries ``[tile * BLOCK_N, (tile + 1) *
-    BLOCK_N)`` of every row, rounded to the hidden rows' dtype as
-    :func:`~speccheck.speculator.projection_kernels.linear` stores them, are stored in fp32
-    at ``draft_logits[row, step]``; the tile's best score (the logits, plus the row's Gumbel
-    noise with ``GUMBEL``) and the index of its first maximum at ``[row, tile]`` of the
-    partials (``[rows, tiles]``, fp32 and int64): the same stores and scores as
-    :func:`_chunk_argmax_kernel`'s over the same logits.
-
-    Phase 2 in the last program to finish: every program counts itself done in ``done``
-    (acquire-release, behind a barrier, after it has read the step); the last one clears
-    the count and does what :func:`_decode_step_finish_kernel` does for every row, moving
-    the step on (no program reads it after that)."""
+    """Phase 1 in the LM head's epilogue, program ``tile`` of
+    :func:`~speccheck.speculator.projection_kernels.launch_skinny`'s grid: the logits of
+    entries ``[tile * BLOCK_N, (tile + 1) * BLOCK_N)`` of every row, rounded to the hidden
+    rows' dtype as :func:`~speccheck.speculator.projection_kernels.linear` stores them, are
+    stored in fp32 at ``draft_logits[row, step]``; the tile's best score (the logits, plus
+    the row's Gumbel noise with ``GUMBEL``) and the index of its first maximum at
+    ``[row, tile]`` of the partials (``[rows, tiles]``, fp32 and int64). The same stores
+    and scores as :func:`_chunk_argmax_kernel`'s over the same logits."""
     tile = tl.program_id(0)
     r = tl.arange(0, ROWS)
     rmask = r < rows
@@ -193,8 +182,7 @@ def _lm_head_step_kernel(
     nmask = cols < n
     acc = skinny_tile(x_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, ROWS, BLOCK_N, BLOCK_K)
     x = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-    step = tl.load(step_ptr)
-    out_logits = draft_logits_ptr + step * draft_logits_step_stride
+    out_logits = draft_logits_ptr + tl.load(step_ptr) * draft_logits_step_stride
     tl.store(out_logits + r[:, None] * draft_logits_row_stride + cols[None, :], x,
              mask=rmask[:, None] & nmask[None, :])
     score = x
@@ -204,62 +192,9 @@ def _lm_head_step_kernel(
         score = _gumbel_score(x, key[:, None], cols[None, :])
     score = tl.where(nmask[None, :], score, -float("inf"))
     best, best_index = _running_argmax(score, start, -float("inf"), start, 1)
-    tiles = tl.num_programs(0)
-    part = r * tiles + tile
+    part = r * tl.num_programs(0) + tile
     tl.store(part_best_ptr + part, best, mask=rmask)
     tl.store(part_index_ptr + part, best_index, mask=rmask)
-    # Every thread's partials are stored before the count is released; the last program
-    # to arrive acquires them all.
-    tl.debug_barrier()
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel") == tiles - 1:
-        tl.store(done_ptr, 0)
-        tl.debug_barrier()
-        token = _rows_argmax(part_best_ptr, part_index_ptr, r, rmask, tiles, ROWS)
-        _store_and_advance(token, r, rmask, step, positions_ptr, seq_lens_ptr, is_real_ptr,
-                           tokens_ptr, input_ids_ptr, tokens_row_stride, max_model_len,
-                           ADVANCE)
-        tl.store(step_ptr, step + 1)
-
-
-_FINISH_BLOCK: tl.constexpr = tl.constexpr(128)
-"""Partials per row the LM head's last program reads at a time."""
-
-
-@triton.jit
-def _rows_argmax(part_best_ptr, part_index_ptr, r, rmask, splits, ROWS: tl.constexpr):
-    """Phase 2 for rows ``r`` at once: each row's first maximum from its ``splits`` partials
-    (written by other programs: read past the SM-local cache), in blocks of
-    :data:`_FINISH_BLOCK` partials, taking the first partial holding the greatest score as
-    :func:`_partials_argmax` does."""
-    best = tl.full((ROWS,), -float("inf"), tl.float32)
-    best_part = tl.zeros((ROWS,), tl.int32)
-    for first in range(0, splits, _FINISH_BLOCK):
-        offs = first + tl.arange(0, _FINISH_BLOCK)
-        m = rmask[:, None] & (offs < splits)[None, :]
-        scores = tl.load(part_best_ptr + r[:, None] * splits + offs[None, :], mask=m,
-                         other=-float("inf"), cache_modifier=".cg")
-        best, best_part = _running_argmax(scores, first, best, best_part, 1)
-    return tl.load(part_index_ptr + r * splits + best_part, mask=rmask, other=0,
-                   cache_modifier=".cg")
-
-
-@triton.jit
-def _store_and_advance(token, row, mask, step, positions_ptr, seq_lens_ptr, is_real_ptr,
-                       tokens_ptr, input_ids_ptr, tokens_row_stride, max_model_len,
-                       ADVANCE: tl.constexpr):
-    """Rows ``row`` (where ``mask``) of the end of a decode step after sampling: ``token``
-    stored at column ``step`` and fed back; with ``ADVANCE``, real rows move one position
-    on (clamped)."""
-    tl.store(tokens_ptr + row * tokens_row_stride + step, token, mask=mask)
-    tl.store(input_ids_ptr + row, token, mask=mask)
-    if ADVANCE:
-        position = tl.load(positions_ptr + row, mask=mask, other=0)
-        real = tl.load(is_real_ptr + row, mask=mask, other=0).to(position.dtype)
-        tl.store(positions_ptr + row, tl.minimum(position + real, max_model_len - 1),
-                 mask=mask)
-        seq_len = tl.load(seq_lens_ptr + row, mask=mask, other=0)
-        tl.store(seq_lens_ptr + row, tl.minimum(seq_len + real.to(seq_len.dtype),
-                                                max_model_len), mask=mask)
 
 
 @triton.jit
@@ -303,6 +238,23 @@ def _chunk_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     return part_best, part_index, splits
 
 
+def _lm_head_argmax(head: UnprojectedLogits, seeds: torch.Tensor, positions: torch.Tensor, *,
+                    gumbel: bool, step: torch.Tensor, draft_logits: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Launch the LM head with phase 1 in its epilogue over ``head`` (at least one row): the
+    partials, one per tensor-core tile of the vocabulary (new tensors, from the graph pool
+    under capture), and their count per row; the fp32 logits stored at
+    ``draft_logits[:, step]``."""
+    tiles = skinny_tiles(head.weight)
+    rows, device = head.rows.shape[0], head.rows.device
+    part_best = torch.empty(rows, tiles, dtype=torch.float32, device=device)
+    part_index = torch.empty(rows, tiles, dtype=torch.int64, device=device)
+    launch_skinny(_lm_head_argmax_kernel, head.rows, head.weight, seeds, positions, step,
+                  draft_logits, part_best, part_index, *draft_logits.stride()[:2],
+                  GUMBEL=gumbel)
+    return part_best, part_index, tiles
+
+
 def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *,
                   kernel: bool | None = None) -> torch.Tensor:
     """``argmax(logits + gumbel_noise(seeds, positions))`` per row (the first maximum),
@@ -326,20 +278,27 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
 def _decode_step_finish_kernel(
     part_best_ptr, part_index_ptr, positions_ptr, seq_lens_ptr, is_real_ptr, step_ptr,
     done_ptr, tokens_ptr, input_ids_ptr, tokens_row_stride, splits, max_model_len,
-    ADVANCE: tl.constexpr, SPLITS: tl.constexpr,
+    ADVANCE: tl.constexpr, MOVE_ON: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Program ``row`` (grid ``(lanes,)``): the lane's token from its partials, stored and
-    fed back, and its advance. Every program counts itself done in ``done``
-    (acquire-release) after it has read the step; the last one stores ``step + 1`` and
-    clears ``done``, so no program can read the step after it moved on."""
+    fed back, and its advance. With ``MOVE_ON``, every program counts itself done in
+    ``done`` (acquire-release) after it has read the step; the last one stores ``step + 1``
+    and clears ``done``, so no program can read the step after it moved on."""
     row = tl.program_id(0)
     step = tl.load(step_ptr)
     token = _partials_argmax(part_best_ptr, part_index_ptr, row, splits, SPLITS)
-    _store_and_advance(token, row, True, step, positions_ptr, seq_lens_ptr, is_real_ptr,
-                       tokens_ptr, input_ids_ptr, tokens_row_stride, max_model_len, ADVANCE)
-    last = tl.atomic_add(done_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1
-    tl.store(step_ptr, step + 1, mask=last)
-    tl.store(done_ptr, 0, mask=last)
+    tl.store(tokens_ptr + row * tokens_row_stride + step, token)
+    tl.store(input_ids_ptr + row, token)
+    if ADVANCE:
+        position = tl.load(positions_ptr + row)
+        real = tl.load(is_real_ptr + row).to(position.dtype)
+        tl.store(positions_ptr + row, tl.minimum(position + real, max_model_len - 1))
+        seq_len = tl.load(seq_lens_ptr + row)
+        tl.store(seq_lens_ptr + row, tl.minimum(seq_len + real.to(seq_len.dtype), max_model_len))
+    if MOVE_ON:
+        last = tl.atomic_add(done_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1
+        tl.store(step_ptr, step + 1, mask=last)
+        tl.store(done_ptr, 0, mask=last)
 
 
 def finish_decode_step(
@@ -353,37 +312,37 @@ def finish_decode_step(
     draft_tokens: torch.Tensor,
     draft_logits: torch.Tensor,
     input_ids: torch.Tensor,
-    done_count: torch.Tensor,
     *,
     advance: bool,
     max_model_len: int,
+    lanes_done: torch.Tensor | None = None,
     kernel: bool | None = None,
 ) -> None:
     """The end of a decode step over the ``R`` lanes, in place: sample each lane's token
     from ``logits`` (``[R, vocab]``, the model's dtype) as :func:`sample_tokens` does, store
     it at column ``step`` (a device scalar) of ``draft_tokens`` (``[R, K]``) and the logits,
-    in fp32, at ``draft_logits[:, step]`` (``[R, K, vocab]``), feed it back as
-    ``input_ids``, and move ``step`` on by one. With ``advance``, real lanes (``is_real``)
-    move one position on (``positions`` clamped at ``max_model_len - 1``, ``seq_lens`` at
-    ``max_model_len``); padding lanes stay. Sampling reads the positions before they
-    advance. ``done_count`` is an int32 device scalar the caller owns, zero between calls
-    and left zero: the programs of the last kernel count themselves done in it, and the
-    last one moves the step on. Nothing else is written.
+    in fp32, at ``draft_logits[:, step]`` (``[R, K, vocab]``), and feed it back as
+    ``input_ids``. With ``advance``, real lanes (``is_real``) move one position on
+    (``positions`` clamped at ``max_model_len - 1``, ``seq_lens`` at ``max_model_len``);
+    padding lanes stay. Sampling reads the positions before they advance. Given
+    ``lanes_done`` (an int32 device scalar the caller owns, zero between calls, left zero),
+    ``step`` moves on by one at the end, inside the last kernel; otherwise it is left to the
+    caller. Nothing else is written.
 
     ``logits`` may be :class:`~speccheck.speculator.projection_kernels.UnprojectedLogits`
     (the LM head over ``R`` hidden rows), projected here with the same ``kernel`` choice and
     the same numbers as its ``project``: where
-    :func:`~speccheck.speculator.projection_kernels.runs_skinny` says so, the whole end of
-    the step is the LM head's tensor-core kernel (:func:`_lm_head_step_kernel`: sampling in
-    its epilogue, the token picked by its last program), else ``project`` runs first.
+    :func:`~speccheck.speculator.projection_kernels.runs_skinny` says so, by the LM head's
+    tensor-core kernel with phase 1 in its epilogue (one kernel less), else by ``project``
+    first.
 
-    On CUDA (``kernel`` forces or avoids it), from projected logits, two Triton kernels:
-    several programs per lane scan its vocabulary in chunks (sampling partials, fp32 logits
-    stored), then one program per lane picks the token and does the stores and the advance
-    (and the last one to finish moves the step on). ``logits`` rows and the vocabulary
-    dimension of ``draft_logits`` must be contiguous. Tensor ops elsewhere. Capture-safe:
-    no host values or synchronisation, the scratch partials from the graph pool under
-    capture, every write to the buffers in place."""
+    On CUDA (``kernel`` forces or avoids it) two Triton kernels: several programs per lane
+    scan its vocabulary in chunks or tiles (sampling partials, fp32 logits stored), then one
+    program per lane picks the token and does the stores and the advance (and the last
+    one to finish moves the step on). ``logits`` rows
+    and the vocabulary dimension of ``draft_logits`` must be contiguous. Tensor ops
+    elsewhere. Capture-safe: no host values or synchronisation, the scratch partials from
+    the graph pool under capture, every write to the buffers in place."""
     if isinstance(logits, UnprojectedLogits) and not runs_skinny(*logits, kernel):
         logits = logits.project(kernel=kernel)
     # logits still unprojected take the kernels (runs_skinny said so)
@@ -397,29 +356,24 @@ def finish_decode_step(
         if advance:
             positions.add_(is_real).clamp_(max=max_model_len - 1)
             seq_lens.add_(is_real).clamp_(max=max_model_len)
-        step.add_(1)
+        if lanes_done is not None:
+            step.add_(1)
         return
     n = input_ids.shape[0]
-    if not n:
+    if not n and lanes_done is not None:
         step.add_(1)
-        return
-    gumbel = method == "gumbel"
-    if isinstance(logits, UnprojectedLogits):
-        tiles = skinny_tiles(logits.weight)
-        part_best = torch.empty(n, tiles, dtype=torch.float32, device=input_ids.device)
-        part_index = torch.empty(n, tiles, dtype=torch.int64, device=input_ids.device)
-        launch_skinny(_lm_head_step_kernel, logits.rows, logits.weight, seeds, positions,
-                      seq_lens, is_real, step, done_count, draft_tokens, input_ids,
-                      draft_logits, part_best, part_index, draft_tokens.stride(0),
-                      *draft_logits.stride()[:2], max_model_len, GUMBEL=gumbel,
-                      ADVANCE=advance)
-        return
-    part_best, part_index, splits = _chunk_argmax(logits, seeds, positions, gumbel=gumbel,
-                                                  step=step, draft_logits=draft_logits)
-    _decode_step_finish_kernel[(n,)](
-        part_best, part_index, positions, seq_lens, is_real, step, done_count, draft_tokens,
-        input_ids, draft_tokens.stride(0), splits, max_model_len, ADVANCE=advance,
-        SPLITS=triton.next_power_of_2(splits))
+    if n:
+        gumbel = method == "gumbel"
+        part_best, part_index, splits = (
+            _chunk_argmax(logits, seeds, positions, gumbel=gumbel, step=step,
+                          draft_logits=draft_logits)
+            if isinstance(logits, torch.Tensor) else
+            _lm_head_argmax(logits, seeds, positions, gumbel=gumbel, step=step,
+                            draft_logits=draft_logits))
+        _decode_step_finish_kernel[(n,)](
+            part_best, part_index, positions, seq_lens, is_real, step, lanes_done, draft_tokens,
+            input_ids, draft_tokens.stride(0), splits, max_model_len, ADVANCE=advance,
+            MOVE_ON=lanes_done is not None, SPLITS=triton.next_power_of_2(splits))
 
 
 def sample_tokens(

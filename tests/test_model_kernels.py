@@ -130,13 +130,13 @@ def _finished(logits: torch.Tensor | UnprojectedLogits, method: SamplingMethod, 
     buffers = {name: t.to(device) for name, t in
                _decode_state(rows, steps, vocab, max_len, seed).items()}
     buffers["step"] = torch.tensor(step, device=device)
-    buffers["done_count"] = torch.zeros((), dtype=torch.int32, device=device)
+    buffers["lanes_done"] = torch.zeros((), dtype=torch.int32, device=device)
     finish_decode_step(logits, method, buffers["seeds"], buffers["positions"],
                        buffers["seq_lens"], buffers["is_real"], buffers["step"],
                        buffers["draft_tokens"], buffers["draft_logits"], buffers["input_ids"],
-                       buffers["done_count"], advance=advance, max_model_len=max_len,
-                       kernel=kernel)
-    assert int(buffers["step"]) == step + 1 and int(buffers["done_count"]) == 0
+                       advance=advance, max_model_len=max_len,
+                       lanes_done=buffers["lanes_done"], kernel=kernel)
+    assert int(buffers["step"]) == step + 1 and int(buffers["lanes_done"]) == 0
     return buffers
 
 
@@ -168,19 +168,26 @@ def test_decode_step_epilogue_kernel_matches_torch(rows: int, vocab: int, steps:
         _assert_decode_step_forms_agree(logits, method, steps, step, advance, seed + 1)
 
 
-def test_the_step_moves_on_inside_the_kernel() -> None:
-    """Every call moves the step on by one (as each replay of a captured step does: the
-    tokens land in the next column each time) and leaves the done count zero."""
+def test_the_step_moves_on_inside_the_kernel_only_when_asked() -> None:
+    """Given the lane counter, every call moves the step on by one (as each replay of a
+    captured step does: the tokens land in the next column each time) and leaves the
+    counter zero; without it the step stays for the caller to move."""
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
     state = _decode_state(3, 4, 40, 50, 0)
     step, done = torch.tensor(0), torch.zeros((), dtype=torch.int32)
-    for expected in (1, 2, 3):
+
+    def finish(lanes_done: torch.Tensor | None) -> None:
         finish_decode_step(logits, "argmax", state["seeds"], state["positions"],
                            state["seq_lens"], state["is_real"], step, state["draft_tokens"],
-                           state["draft_logits"], state["input_ids"], done, advance=False,
-                           max_model_len=50, kernel=True)
+                           state["draft_logits"], state["input_ids"], advance=False,
+                           max_model_len=50, lanes_done=lanes_done, kernel=True)
+
+    for expected in (1, 2, 3):
+        finish(done)
         assert int(step) == expected and int(done) == 0
-    assert (state["draft_tokens"][:, :3] == logits.argmax(dim=1)[:, None]).all()
+    finish(None)
+    assert int(step) == 3
+    assert (state["draft_tokens"][:, :4] == logits.argmax(dim=1)[:, None]).all()
 
 
 @pytest.mark.parametrize(("vocab", "block"), [(200, 16), (333, 16), (5000, 1024)])
@@ -332,9 +339,8 @@ def test_cuda_kernels_match_torch(dtype: torch.dtype) -> None:
             finish_decode_step(logits, method, buffers["seeds"], buffers["positions"],
                                buffers["seq_lens"], buffers["is_real"], step,
                                buffers["draft_tokens"], buffers["draft_logits"],
-                               buffers["input_ids"],
-                               torch.zeros((), dtype=torch.int32, device="cuda"),
-                               advance=True, max_model_len=32768, kernel=kernel)
+                               buffers["input_ids"], advance=True, max_model_len=32768,
+                               kernel=kernel)
         for name, value in state.items():
             if name in ("draft_tokens", "input_ids") and method == "gumbel":
                 continue  # compared below: log differs in its last bits between the forms
@@ -359,8 +365,7 @@ def test_cuda_kernels_match_torch(dtype: torch.dtype) -> None:
                            torch.ones(3, dtype=torch.bool, device="cuda"),
                            torch.tensor(0, device="cuda"),
                            torch.zeros(3, 1, dtype=torch.int64, device="cuda"),
-                           torch.zeros(3, 1, 32000, device="cuda"), input_ids,
-                           torch.zeros((), dtype=torch.int32, device="cuda"), advance=False,
+                           torch.zeros(3, 1, 32000, device="cuda"), input_ids, advance=False,
                            max_model_len=32768)
         assert torch.equal(input_ids, expected), method
 
@@ -440,27 +445,25 @@ for advance, splits in ((False, 16), (True, 32), (True, 2048)):
             "part_index_ptr": "*i64", "positions_ptr": "*i64", "seq_lens_ptr": "*i32",
             "is_real_ptr": "*i1", "step_ptr": "*i64", "done_ptr": "*i32", "tokens_ptr": "*i64",
             "input_ids_ptr": "*i64", "tokens_row_stride": "i32", "splits": "i32",
-            "max_model_len": "i32", "ADVANCE": "constexpr", "SPLITS": "constexpr"},
-            {"ADVANCE": advance, "SPLITS": splits}), target=target)
+            "max_model_len": "i32", "ADVANCE": "constexpr", "MOVE_ON": "constexpr",
+            "SPLITS": "constexpr"}, {"ADVANCE": advance, "MOVE_ON": True, "SPLITS": splits}),
+            target=target)
     print("decode step finish ok")
 from speccheck.speculator import projection_kernels as p
 tiling = p.tiling_for(128256, 2048)
 for dtype in ("bf16", "fp16"):
-    for gumbel, advance in ((False, True), (True, False)):
+    for gumbel in (False, True):
         signature = {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "rows": "i32", "n": "i32",
                      "k": "i32", "x_stride": "i32", "seeds_ptr": "*i64", "positions_ptr": "*i64",
-                     "seq_lens_ptr": "*i32", "is_real_ptr": "*i1", "step_ptr": "*i64",
-                     "done_ptr": "*i32", "tokens_ptr": "*i64", "input_ids_ptr": "*i64",
-                     "draft_logits_ptr": "*fp32", "part_best_ptr": "*fp32",
-                     "part_index_ptr": "*i64", "tokens_row_stride": "i32",
-                     "draft_logits_row_stride": "i32", "draft_logits_step_stride": "i32",
-                     "max_model_len": "i32"}
-        constants = {"GUMBEL": gumbel, "ADVANCE": advance, "ROWS": p.SKINNY_ROWS,
-                     "BLOCK_N": tiling.block_n, "BLOCK_K": tiling.block_k}
+                     "step_ptr": "*i64", "draft_logits_ptr": "*fp32", "part_best_ptr": "*fp32",
+                     "part_index_ptr": "*i64", "draft_logits_row_stride": "i32",
+                     "draft_logits_step_stride": "i32"}
+        constants = {"GUMBEL": gumbel, "ROWS": p.SKINNY_ROWS, "BLOCK_N": tiling.block_n,
+                     "BLOCK_K": tiling.block_k}
         signature.update(dict.fromkeys(constants, "constexpr"))
-        compile(ASTSource(s._lm_head_step_kernel, signature, constants), target=target,
+        compile(ASTSource(s._lm_head_argmax_kernel, signature, constants), target=target,
                 options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
-        print(dtype, "lm head step ok")
+        print(dtype, "lm head argmax ok")
 """
 
 

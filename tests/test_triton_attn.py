@@ -106,13 +106,10 @@ def refresh_slots(batch: Batch) -> None:
     refresh_token_slots(batch.buffers, batch.query_lens, batch.key_cache.shape[1])
 
 
-def run_and_check(batch: Batch, seed: int, max_query_block: int | None = None,
-                  write_kv_up_to: int | None = None) -> None:
+def run_and_check(batch: Batch, seed: int, max_query_block: int | None = None) -> None:
     """One forward with poisoned scratch and output; checks the KV write and the output
     against the reference. ``max_query_block`` lowers the impl's query-block cap, so that
-    one request's tokens spread over several programs; ``write_kv_up_to`` sets the longest
-    query the split kernel writes the cache for itself (so that programs of several query
-    blocks write the same new tokens)."""
+    one request's tokens spread over several programs."""
     md = batch.metadata
     n = md.num_actual_tokens
     num_heads, kv_heads = batch.builder.layer.num_heads, batch.builder.layer.num_kv_heads
@@ -129,8 +126,6 @@ def run_and_check(batch: Batch, seed: int, max_query_block: int | None = None,
     impl = batch.builder.make_impl(batch.scale)
     if max_query_block is not None:
         impl.max_query_block = max_query_block
-    if write_kv_up_to is not None:
-        impl.max_query_len_writing_kv = write_kv_up_to
     impl.forward(query, key, value, batch.key_cache, batch.value_cache, md, output)
 
     real = (md.slot_mapping != PAD_SLOT).nonzero().squeeze(1)
@@ -160,11 +155,10 @@ def run_and_check(batch: Batch, seed: int, max_query_block: int | None = None,
     causal=st.booleans(),
     num_kv_splits=st.sampled_from([1, 3]),
     max_query_block=st.sampled_from([1, 2, 16]),
-    write_kv_up_to=st.sampled_from([1, 4]),
 )
 def test_matches_reference(
     data, num_reqs, block_size, kv_heads, group, head_size, dtype, causal, num_kv_splits,
-    max_query_block, write_kv_up_to,
+    max_query_block,
 ):
     seq_lens = [data.draw(st.integers(0, 48), label="seq_len") for _ in range(num_reqs)]
     query_lens = [data.draw(st.integers(1, 4), label="query_len") for _ in range(num_reqs)]
@@ -184,8 +178,7 @@ def test_matches_reference(
         num_kv_splits=num_kv_splits,
         seed=data.draw(st.integers(0, 2**16), label="seed"),
     )
-    run_and_check(batch, seed=1, max_query_block=max_query_block,
-                  write_kv_up_to=write_kv_up_to)
+    run_and_check(batch, seed=1, max_query_block=max_query_block)
 
 
 def test_several_splits_each_hold_a_share():
@@ -296,20 +289,16 @@ _AOT_SCRIPT = textwrap.dedent(
 
     index = {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "local_lens_ptr",
                                  "query_start_loc_ptr", "arrivals_ptr")}
-    index["slot_mapping_ptr"] = "*i64"
     for dtype, extra in [
         ("bf16", dict(NUM_HEADS=32, GROUP=4, GROUP_P=4, HEAD_SIZE=128, BLOCK_SIZE=16,
-                      BLOCK_M=1, NUM_SPLITS=8, CAUSAL=True, UPCAST=False, REDUCE=True,
-                      WRITE_KV=True)),
+                      BLOCK_M=1, NUM_SPLITS=8, CAUSAL=True, UPCAST=False, REDUCE=True)),
         ("fp16", dict(NUM_HEADS=6, GROUP=3, GROUP_P=4, HEAD_SIZE=256, BLOCK_SIZE=1,
-                      BLOCK_M=4, NUM_SPLITS=3, CAUSAL=False, UPCAST=False, REDUCE=True,
-                      WRITE_KV=False)),
+                      BLOCK_M=4, NUM_SPLITS=3, CAUSAL=False, UPCAST=False, REDUCE=True)),
         ("fp32", dict(NUM_HEADS=1, GROUP=1, GROUP_P=1, HEAD_SIZE=16, BLOCK_SIZE=5,
                       BLOCK_M=2, NUM_SPLITS=1, CAUSAL=True, UPCAST=True, REDUCE=False,
-                      WRITE_KV=False, num_reqs=1)),
+                      num_reqs=1)),
     ]:
-        data = {n: "*" + dtype for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr",
-                                         "key_ptr", "value_ptr")}
+        data = {n: "*" + dtype for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
         compile_sm90(kernels.paged_attention_split_kernel, {**data, **index},
                      dict(BLOCK_N=32, **extra))
     for dtype, extra in [

@@ -179,14 +179,11 @@ class TritonAttnMetadata:
 class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
     """Split-KV paged attention in one Triton launch: each split stores its partials, and
     the last split of a query block to store them (counted in ``split_arrivals``) merges
-    them into the output; programs past the last request zero the padding rows. At decode
-    query lengths (:attr:`max_query_len_writing_kv`) the same launch writes the new keys and
-    values into the cache; longer queries get a write kernel before it. Without
-    ``split_arrivals``, or under DCP, the cache write and the merge are launches of their
-    own (the write kernel, the reduction kernel).
+    them into the output; programs past the last request zero the padding rows. Without
+    ``split_arrivals``, or under DCP, the merge is a second launch (the reduction kernel).
 
-    Capture-safe: one to three kernel launches, all writes in place, grids depending on
-    shapes only; no allocation, no host synchronisation.
+    Capture-safe: two in-place cache scatters and one or two kernel launches whose grids
+    depend on shapes only; no allocation, no host synchronisation.
 
     With ``dcp`` (more than one rank) the cache holds this rank's interleaved share: the
     kernels compute its partial attention and log-sum-exp into fp32 temporaries, and the
@@ -204,12 +201,6 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
     max_rows: int = 64
     """Upper bound on ``BLOCK_M * GROUP_P`` (rows of one program's score tile), unless the
     padded head group alone is larger."""
-
-    max_query_len_writing_kv: int = 1
-    """Up to this ``max_query_len`` (decode) the split kernel writes the new keys and values
-    itself, each program those it reads before it reads them (one launch less per call).
-    Longer queries get a write kernel first: a program would write every new token of its
-    KV range, and the query blocks of a long prefill would repeat those writes."""
 
     def query_block(self, max_query_len: int, group_p: int) -> int:
         """``BLOCK_M``: a power of two covering ``max_query_len`` within the two caps."""
@@ -234,6 +225,7 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
             )
         if any(t.stride(-1) != 1 for t in (query, output, key_cache, value_cache)):
             raise ValueError("query, output and caches need a contiguous head dimension")
+        write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping)
         if n == 0:
             return
 
@@ -247,10 +239,6 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
         rank, world = (0, 1) if self.dcp is None else (self.dcp.rank, self.dcp.world_size)
         arrivals = metadata.split_arrivals if self.dcp is None and num_reqs > 0 else None
         reduce = arrivals is not None
-        write_kv = (reduce and metadata.max_query_len <= self.max_query_len_writing_kv
-                    and key.stride(-1) == 1 and value.stride(-1) == 1)
-        if not write_kv:
-            write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping)
         if num_reqs > 0:
             block_m = self.query_block(metadata.max_query_len, group_p)
             slots = n // block_m + num_reqs + int(reduce)
@@ -272,9 +260,6 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 scratch.part_acc,
                 output,
                 metadata.seq_lens if arrivals is None else arrivals,
-                key,
-                value,
-                metadata.slot_mapping,
                 self.scale * LOG2E,
                 num_reqs,
                 n,
@@ -291,10 +276,6 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 metadata.block_table.stride(0),
                 output.stride(0),
                 output.stride(1),
-                key.stride(0),
-                key.stride(1),
-                value.stride(0),
-                value.stride(1),
                 NUM_HEADS=num_heads,
                 GROUP=group,
                 GROUP_P=group_p,
@@ -306,7 +287,6 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 CAUSAL=metadata.causal,
                 UPCAST=query.device.type != "cuda",
                 REDUCE=reduce,
-                WRITE_KV=write_kv,
             )
         if reduce:
             return

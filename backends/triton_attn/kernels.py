@@ -37,15 +37,6 @@ has one slot more: the slots past the last request's (trailing slot ``j`` takes 
 tokens' rows, which, with the extra slot, they cover whatever the offsets. Decode context
 parallelism keeps the separate reduction (it also writes the log-sum-exp).
 
-The cache write folded in too (``WRITE_KV``, with ``REDUCE``; the impl asks for it at
-decode query lengths): before its tile loop, each program writes the request's new keys
-and values at the positions it is about to read (at their ``slot_mapping`` slots), then
-passes a barrier, so its own reads see them; programs of several query blocks that read the
-same new positions write the same values. The trailing slots write the padding tokens'
-(to the sink slot their mapping gives). Every token is written, as a write kernel before
-the launch would write it, but a slot read by another request's program is not ordered
-with it: correct for slot mappings that give each new token a slot of its own request.
-
 Decode context parallelism: the split kernel attends the KV positions of one DCP rank's
 share (``dcp_rank`` of ``dcp_world``; the layout of :mod:`speccheck.backends.dcp`): local
 position ``j`` of a request, bounded by ``local_lens[r]``, holds global position
@@ -106,9 +97,6 @@ def paged_attention_split_kernel(
     part_acc_ptr,
     out_ptr,
     arrivals_ptr,
-    key_ptr,
-    value_ptr,
-    slot_mapping_ptr,
     scale_log2e,
     num_reqs,
     num_tokens,
@@ -125,10 +113,6 @@ def paged_attention_split_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
-    stride_nkt,
-    stride_nkh,
-    stride_nvt,
-    stride_nvh,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
@@ -140,7 +124,6 @@ def paged_attention_split_kernel(
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     REDUCE: tl.constexpr,
-    WRITE_KV: tl.constexpr,
 ):
     """Partial attention of one (query block, KV head, KV split); see the module docstring.
 
@@ -156,12 +139,6 @@ def paged_attention_split_kernel(
     stride_oh``, last dimension contiguous) receives the rows of the ``num_tokens = T``
     tokens, and ``arrivals`` (int32, one counter per (slot, KV head), zero before the
     launch) is left zero. Without it ``out_ptr`` and ``arrivals_ptr`` are never touched.
-
-    With ``WRITE_KV`` (which needs ``REDUCE``) the kernel also writes the new keys and
-    values (``key``, ``value``: ``[T, num_kv_heads, HEAD_SIZE]``, strides ``stride_nkt,
-    stride_nkh`` and ``stride_nvt, stride_nvh``, last dimension contiguous) into the caches
-    at ``slot_mapping`` (``[T]``), as :func:`~speccheck.backends.kv_cache_write.write_kv_cache`
-    would before the launch; without it those three pointers are never touched.
     """
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -173,22 +150,10 @@ def paged_attention_split_kernel(
     block_q0 = (slot - (q_start // BLOCK_M + req)) * BLOCK_M
     if block_q0 >= q_len:
         if REDUCE:
-            # Trailing slot j (the j-th past the last request's slots) takes the BLOCK_M
-            # padding tokens from query_start_loc[num_reqs] + j * BLOCK_M; with one slot
-            # more than the split grid needs, the trailing slots cover every padding token.
-            end = tl.load(query_start_loc_ptr + num_reqs)
-            trailing = slot - (end // BLOCK_M + num_reqs)
-            if split == 0 and trailing >= 0:
-                first = end + trailing * BLOCK_M
-                last = tl.minimum(first + BLOCK_M, num_tokens)
-                _zero_rows(out_ptr, first, last, kv_head, stride_ot, stride_oh, GROUP,
-                           GROUP_P, HEAD_SIZE, BLOCK_M)
-                if WRITE_KV:
-                    _write_new_kv(key_ptr, value_ptr, slot_mapping_ptr, k_cache_ptr,
-                                  v_cache_ptr, kv_head, first, last, stride_nkt, stride_nkh,
-                                  stride_nvt, stride_nvh, stride_kb, stride_ks, stride_kh,
-                                  stride_vb, stride_vs, stride_vh, HEAD_SIZE, BLOCK_SIZE,
-                                  BLOCK_M)
+            if split == 0:
+                _zero_trailing_block(out_ptr, query_start_loc_ptr, slot, kv_head, num_reqs,
+                                     num_tokens, stride_ot, stride_oh, GROUP, GROUP_P,
+                                     HEAD_SIZE, BLOCK_M)
         return
     seq_len = tl.load(seq_lens_ptr + req)
     local_len = tl.load(local_lens_ptr + req)
@@ -212,19 +177,6 @@ def paged_attention_split_kernel(
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    if WRITE_KV:
-        # The request's new tokens at the positions this program reads: written first, so
-        # that its reads below see them. Query blocks whose ranges overlap write the same
-        # values to the same slots.
-        new_lo = seq_len - q_len
-        read_lo = tl.maximum(tile_lo * BLOCK_N, new_lo)
-        read_hi = tl.minimum(tl.minimum(tile_hi * BLOCK_N, kv_end), seq_len)
-        _write_new_kv(key_ptr, value_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr,
-                      kv_head, q_start + read_lo - new_lo, q_start + read_hi - new_lo,
-                      stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_kb, stride_ks,
-                      stride_kh, stride_vb, stride_vs, stride_vh, HEAD_SIZE, BLOCK_SIZE,
-                      BLOCK_M)
-        tl.debug_barrier()
 
     dims = tl.arange(0, HEAD_SIZE)
     token = (q_start + tok).to(tl.int64)
@@ -282,33 +234,6 @@ def paged_attention_split_kernel(
 
 
 @triton.jit
-def _write_new_kv(key_ptr, value_ptr, slot_mapping_ptr, k_cache_ptr, v_cache_ptr, kv_head,
-                  first, end, stride_nkt, stride_nkh, stride_nvt, stride_nvh, stride_kb,
-                  stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
-    """KV head ``kv_head``'s key and value rows of tokens ``[first, end)`` into the caches
-    at their ``slot_mapping`` slots, converted to the caches' dtype, ``CHUNK`` tokens at a
-    time (none when ``end <= first``)."""
-    dims = tl.arange(0, HEAD_SIZE)
-    for start in range(first, end, CHUNK):
-        token = start + tl.arange(0, CHUNK)
-        ok = token < end
-        token = token.to(tl.int64)
-        slot = tl.load(slot_mapping_ptr + token, mask=ok, other=0).to(tl.int64)
-        page, in_page = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-        key = tl.load(key_ptr + token[:, None] * stride_nkt + kv_head * stride_nkh
-                      + dims[None, :], mask=ok[:, None])
-        value = tl.load(value_ptr + token[:, None] * stride_nvt + kv_head * stride_nvh
-                        + dims[None, :], mask=ok[:, None])
-        k_at = page * stride_kb + in_page * stride_ks + kv_head * stride_kh
-        v_at = page * stride_vb + in_page * stride_vs + kv_head * stride_vh
-        tl.store(k_cache_ptr + k_at[:, None] + dims[None, :],
-                 key.to(k_cache_ptr.dtype.element_ty), mask=ok[:, None])
-        tl.store(v_cache_ptr + v_at[:, None] + dims[None, :],
-                 value.to(v_cache_ptr.dtype.element_ty), mask=ok[:, None])
-
-
-@triton.jit
 def _merge_splits(out_ptr, out_rows, part_max_ptr, part_sum_ptr, part_acc_ptr, first, row_ok,
                   HEAD_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """Merge the ``NUM_SPLITS`` partials of each row, found from ``first`` (the row's first
@@ -338,18 +263,25 @@ def _merge_splits(out_ptr, out_rows, part_max_ptr, part_sum_ptr, part_acc_ptr, f
 
 
 @triton.jit
-def _zero_rows(out_ptr, first, last, kv_head, stride_ot, stride_oh, GROUP: tl.constexpr,
-               GROUP_P: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Zero KV head ``kv_head``'s query heads in the output rows of tokens ``[first,
-    last)``, at most ``BLOCK_M`` of them."""
-    lanes = tl.arange(0, GROUP_P)
-    heads = kv_head * GROUP + lanes
-    dims = tl.arange(0, HEAD_SIZE)
-    zeros = tl.zeros([GROUP_P, HEAD_SIZE], tl.float32).to(out_ptr.dtype.element_ty)
-    for i in range(BLOCK_M):
-        tok = (first + i).to(tl.int64)
-        rows = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(rows, zeros, mask=(lanes[:, None] < GROUP) & (tok < last))
+def _zero_trailing_block(out_ptr, query_start_loc_ptr, slot, kv_head, num_reqs, num_tokens,
+                         stride_ot, stride_oh, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                         HEAD_SIZE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Zero KV head ``kv_head``'s query heads in the output rows of this slot's share of the
+    padding tokens (those at or past ``query_start_loc[num_reqs]``): trailing slot ``j``
+    (the ``j``-th past the last request's slots) takes the ``BLOCK_M`` tokens from
+    ``query_start_loc[num_reqs] + j * BLOCK_M``, below ``num_tokens``. With one slot more
+    than the split grid needs, the trailing slots cover every padding token."""
+    end = tl.load(query_start_loc_ptr + num_reqs)
+    trailing = slot - (end // BLOCK_M + num_reqs)
+    if trailing >= 0:
+        lanes = tl.arange(0, GROUP_P)
+        heads = kv_head * GROUP + lanes
+        dims = tl.arange(0, HEAD_SIZE)
+        zeros = tl.zeros([GROUP_P, HEAD_SIZE], tl.float32).to(out_ptr.dtype.element_ty)
+        for i in range(BLOCK_M):
+            tok = (end + trailing * BLOCK_M + i).to(tl.int64)
+            rows = out_ptr + tok * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+            tl.store(rows, zeros, mask=(lanes[:, None] < GROUP) & (tok < num_tokens))
 
 
 @triton.jit(do_not_specialize=("num_reqs",))
