@@ -50,29 +50,18 @@ class CudaGraphManager:
         to Python)."""
 
     def capture(self, key: Hashable, body: Callable[[], None], warmup_runs: int = 1) -> None:
-        """Warm ``body`` up on a side stream, then capture it there into the shared pool.
-
-        The capture calls ``CUDAGraph.capture_begin``/``capture_end`` itself rather than
-        entering ``torch.cuda.graph``, which first synchronises the device and empties
-        PyTorch's device and page-locked host caches: a verification captures hundreds of
-        graphs, and every allocation after such a flush goes back to the driver (a
-        page-locked one synchronises). Errors are checked as ``torch.cuda.graph`` checks
-        them (``capture_error_mode="global"``)."""
+        """Warm ``body`` up on a side stream, then capture it into the shared pool."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(current)
-        graph = torch.cuda.CUDAGraph()
+        side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(warmup_runs):
                 body()
-            graph.capture_begin(pool=self._pool, capture_error_mode="global")
-            try:
-                body()
-            finally:
-                graph.capture_end()
-        current.wait_stream(side)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            body()
         torch.cuda.synchronize(self.device)
         self._graphs[key] = graph
         logger.debug("captured CUDA graph %s", key)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from unittest import mock
 
 import torch
 from hypothesis import given, settings
@@ -141,35 +140,6 @@ def test_first_pass_grouped_and_chunked_equals_one_padded_pass(data, causal, per
                                       seeds=(7, 17))
     finally:
         attention.GATHER_BYTES = budget
-
-
-@settings(max_examples=25)
-@given(data=st.data(), window=st.sampled_from([0, 2, 9]), causal=st.booleans(),
-       merge_columns=st.integers(1, 200))
-def test_merged_length_groups_equal_one_padded_pass(data, window, causal, merge_columns):
-    """Length groups merged as on CUDA (under budgets from one column to all of them):
-    the same as the fixed-shape pass, for decode batches and first passes."""
-    import speccheck.backends.reference.attention as attention
-
-    seq_lens = [data.draw(st.sampled_from([0, 1, 2, 3, 7, 16, 33, 80])) for _ in range(6)]
-    most = data.draw(st.sampled_from([1, 4]))
-    query_lens = [data.draw(st.integers(0, min(s, most))) for s in seq_lens]
-    with mock.patch.object(attention, "_merge_columns", lambda device, size: merge_columns):
-        _assert_eager_equals_captured(seq_lens, query_lens, 2, 40, causal, window if most == 1
-                                      else 0, padding=2, seeds=(5, 13))
-
-
-def test_neighbouring_length_groups_merge_within_the_budget():
-    from speccheck.backends.reference.attention import _length_groups
-
-    # block size 4: classes of 1 block (requests 0, 1), 2 blocks (2, 3), 3..4 blocks (4)
-    # and 5..8 blocks (5); merged shortest first while requests x blocks of the longest fit
-    offsets = [0, 1, 2, 3, 4, 5, 6, 6, 7]
-    lens = [1, 4, 5, 8, 9, 30, 31, 0]
-    assert _length_groups(offsets, lens, 4, merge_columns=8) == [[0, 1, 2, 3], [4], [5]]
-    assert _length_groups(offsets, lens, 4, merge_columns=15) == [[0, 1, 2, 3, 4], [5]]
-    assert _length_groups(offsets, lens, 4, merge_columns=48) == [[0, 1, 2, 3, 4, 5]]
-    assert _length_groups(offsets, lens, 4, merge_columns=3) == [[0, 1], [2, 3], [4], [5]]
 
 
 def test_decode_lengths_fall_into_power_of_two_block_groups():

@@ -4,9 +4,8 @@ Slow and obviously right: every token gathers its request's block-table row and 
 it must not see. While a CUDA graph is being captured only fixed shapes are used (masks
 instead of value-dependent slicing, the whole row, tokens in chunks that bound memory), so
 the graph replays with any lengths. Eager calls take the lengths on the host instead and
-attend per group of requests of similar length (powers of two in blocks, neighbours merged
-on CUDA while their gather fits a budget), each group at once and gathering only as many
-columns as its longest request needs; each request's
+attend per group of requests of similar length (powers of two in blocks), each group at
+once and gathering only as many columns as its longest request needs; each request's
 positions are gathered once for all its tokens, not once per token. A pass with several
 tokens per request under a sliding window goes request by request, each gathered from
 where its window starts.
@@ -107,34 +106,14 @@ def paged_attention_reference(
     return out.to(query.dtype)
 
 
-def _length_groups(offsets: list[int], seq_lens: list[int], block_size: int,
-                   merge_columns: int = 0) -> list[list[int]]:
-    """The requests of a batch that have a token and a length, grouped by the power of two
-    at or above the blocks their length spans (shortest first); then neighbouring groups
-    merged, shortest first, while a merged group's requests times the blocks its longest
-    spans stay within ``merge_columns``."""
-    classes: dict[int, list[int]] = {}
+def _length_groups(offsets: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """The requests of a decode batch (at most one query token each) that have a token and
+    a length, grouped by the power of two at or above the blocks their length spans."""
+    groups: dict[int, list[int]] = {}
     for r, length in enumerate(seq_lens):
         if offsets[r + 1] > offsets[r] and length > 0:
-            classes.setdefault((blocks_for(length, block_size) - 1).bit_length(), []).append(r)
-    groups: list[list[int]] = []
-    for _, requests in sorted(classes.items()):
-        if groups:
-            merged = groups[-1] + requests
-            longest = max(seq_lens[r] for r in merged)
-            if len(merged) * blocks_for(longest, block_size) <= merge_columns:
-                groups[-1] = merged
-                continue
-        groups.append(requests)
-    return groups
-
-
-def _merge_columns(device: torch.device, bytes_per_column: int) -> int:
-    """How far :func:`_length_groups` merges: on CUDA, groups whose gathered fp32 keys fit
-    :data:`GATHER_BYTES` (one chunk each), since there the host's launches per group cost
-    more than the device's padded arithmetic; elsewhere none (the CPU pays for every
-    padded column)."""
-    return GATHER_BYTES // bytes_per_column if device.type == "cuda" else 0
+            groups.setdefault((blocks_for(length, block_size) - 1).bit_length(), []).append(r)
+    return list(groups.values())
 
 
 def _by_length(
@@ -154,9 +133,7 @@ def _by_length(
     tokens padded to the group's most and their positions to the columns its longest
     request needs, in chunks of requests whose gathered keys fit :data:`GATHER_BYTES`.
     Grouping bounds the gather: one pass padded to the batch's longest would gather that
-    many columns for every request (at serving lengths, gigabytes per step); on CUDA,
-    groups whose gather stays within the budget merge (:func:`_merge_columns`), so a batch
-    of short and long requests is a few passes, not one per length class. Each request's
+    many columns for every request (at serving lengths, gigabytes per step). Each request's
     positions are gathered once for all its tokens, and a group costs the host one pass of
     launches, not one per request (at serving scale, 64 requests per layer). Lengths and
     positions come from ``seq_lens`` on the device; ``host_seq_lens`` only sizes the work.
@@ -172,11 +149,9 @@ def _by_length(
     grid: list[int] = []  # each chunk's [requests, width] token indices (padding: the first)
     real_cells: list[int] = []  # positions in the grids (one after another) of real tokens
     real_tokens: list[int] = []  # the token each of those is
-    column_bytes = block_size * num_kv_heads * head_size * 4
-    merge = _merge_columns(query.device, column_bytes)
-    for requests in _length_groups(offsets, host_seq_lens, block_size, merge):
+    for requests in _length_groups(offsets, host_seq_lens, block_size):
         columns = _columns_for(max(host_seq_lens[r] for r in requests), block_table, block_size)
-        per_chunk = max(1, GATHER_BYTES // (columns * column_bytes))
+        per_chunk = max(1, GATHER_BYTES // (columns * block_size * num_kv_heads * head_size * 4))
         for i in range(0, len(requests), per_chunk):
             chunk = requests[i: i + per_chunk]
             width = max(offsets[r + 1] - offsets[r] for r in chunk)
