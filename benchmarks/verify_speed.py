@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from checkouts import ROOT, importable
 
 RUN = """
 import hashlib, json, os, sys, tempfile, time
@@ -64,17 +64,12 @@ print(json.dumps({"status": report.status.value, "examples": report.examples,
                   "workload": workload}))
 """
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_once(checkout: Path, backend: str, examples: int, seed: int) -> dict[str, Any]:
     """One run of ``checkout``'s verifier in a fresh process (``checkout`` imported as
-    ``speccheck`` through ``PYTHONPATH``), as the worker's environment has it."""
-    with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "speccheck").symlink_to(checkout)
-        # the checkout first, then whatever the caller had (wheels installed beside the image)
-        path = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    ``speccheck``), as the worker's environment has it."""
+    with importable(checkout, OMP_NUM_THREADS="1") as (folder, env):
         out = subprocess.run([sys.executable, "-c", RUN, backend, str(examples), str(seed)],
                              env=env, capture_output=True, text=True, cwd=folder, check=False)
     if out.returncode:

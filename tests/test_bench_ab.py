@@ -1,0 +1,38 @@
+"""benchmarks/bench_ab.py benches two checkouts in alternating rounds: run on the CPU tier
+against a copy of this checkout, in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_both_checkouts_are_benched_in_alternating_rounds(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(ROOT, other, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "out", "docs", "tests", "*.egg-info", "__pycache__"))
+    out = tmp_path / "ab.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_ab.py"), "--against", str(other),
+         "--backend", "reference", "--steps", "2", "--batches", "1,2", "--repeats", "1",
+         "--rounds", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = json.loads(out.read_text())["reports"]
+    assert len(reports["this"]) == len(reports["against"]) == 2
+    rounds = [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("round")]
+    # the order within a round alternates
+    assert rounds == ["round 1 this", "round 1 against", "round 2 against", "round 2 this"]
+    cases = {(r["path"], r["k"], r["batch"]) for r in reports["this"][0]["rows"]}
+    assert cases == {(path, 2, batch) for path in ("per_step", "fused") for batch in (1, 2)}
+    for path, k, batch in cases:
+        assert f"path={path} k={k} batch={batch}" in proc.stdout
+    # on the CPU only the wall time and its ratio are measured, each against the other side
+    assert proc.stdout.count("wall_ms ") == proc.stdout.count("wall_ratio ") == 4
+    assert proc.stdout.count("this/against") == 8
+    assert "host_ms" not in proc.stdout and "step_gpu_ms" not in proc.stdout
