@@ -4,18 +4,15 @@ against a copy of this checkout, in a process of its own."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.fixtures.checkout_copy import ROOT, copy_of_checkout
 
 
 def test_both_checkouts_are_benched_in_alternating_rounds(tmp_path: Path) -> None:
-    other = tmp_path / "other"
-    shutil.copytree(ROOT, other, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "out", "docs", "tests", "*.egg-info", "__pycache__"))
+    other = copy_of_checkout(tmp_path)
     out = tmp_path / "ab.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_ab.py"), "--against", str(other),

@@ -4,18 +4,15 @@ CPU tier against a copy of this checkout, in a process of its own."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.fixtures.checkout_copy import ROOT, copy_of_checkout
 
 
 def test_both_checkouts_report_their_time_draws_and_workload(tmp_path: Path) -> None:
-    other = tmp_path / "other"
-    shutil.copytree(ROOT, other, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "out", "docs", "tests", "*.egg-info", "__pycache__"))
+    other = copy_of_checkout(tmp_path)
     out = tmp_path / "speed.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "verify_speed.py"), "--examples", "3",
