@@ -65,7 +65,6 @@ print(json.dumps({"status": report.status.value, "examples": report.examples,
 """
 
 
-
 def run_once(checkout: Path, backend: str, examples: int, seed: int) -> dict[str, Any]:
     """One run of ``checkout``'s verifier in a fresh process (``checkout`` imported as
     ``speccheck``), as the worker's environment has it."""
