@@ -139,14 +139,20 @@ def test_preplanned_loop_order_and_one_metadata_object_per_step() -> None:
     assert len({i for _, i in seen}) == 3, "each step runs with its own planned metadata"
 
 
-def _settings(builder: type, examples: int) -> VerifySettings:
-    return VerifySettings("flashinfer", CONFIG.model_copy(update={"head_size": 16}), examples=examples,
-                          steps=(4,), capture_sizes=(2, 4), vocab_size=64,
-                          builder_overrides=(("flashinfer", builder),), matrices=MATRICES)
+def _settings(builder: type, examples: int | None = None,
+              steps: tuple[int, ...] | None = None) -> VerifySettings:
+    """The verifier's settings for ``builder``: its default example count and draft step
+    counts unless given."""
+    counts = {"examples": examples, "steps": steps}
+    return VerifySettings("flashinfer", CONFIG.model_copy(update={"head_size": 16}),
+                          capture_sizes=(2, 4), vocab_size=64,
+                          builder_overrides=(("flashinfer", builder),), matrices=MATRICES,
+                          **{name: value for name, value in counts.items() if value is not None})
 
 
-def _verify(builder: type) -> BackendReport:
-    verifier = BackendVerifier(_settings(builder, examples=12), DEVICE)
+def _verify(builder: type, examples: int | None = None,
+            steps: tuple[int, ...] | None = None) -> BackendReport:
+    verifier = BackendVerifier(_settings(builder, examples, steps), DEVICE)
     assert [c.name for c in verifier.candidates()] == ["preplanned_eager"]
     report = BackendReport("flashinfer", "cpu", "passed")
     verifier.run(report, lambda i, e: None)
@@ -154,13 +160,14 @@ def _verify(builder: type) -> BackendReport:
 
 
 def test_verifier_checks_the_preplanned_path() -> None:
-    report = _verify(PlannedBuilder)
+    report = _verify(PlannedBuilder, examples=12, steps=(4,))
     assert report.status == "passed", report.failures
     assert report.checks["step_metadata"].passed > 0
 
 
 @pytest.mark.parametrize("builder", [StalePlan, UnfinishedPlan])
 def test_verifier_catches_a_stale_plan(builder: type) -> None:
+    """At the verifier's default example count and draft step counts."""
     report = _verify(builder)
     stale = [f for f in report.failures if f.check == "step_metadata"]
     assert stale and stale[0].field == "flashinfer.metadata.kv_lens_plus_one", report.failures
@@ -205,7 +212,7 @@ def test_a_per_step_candidate_after_a_preplanned_one_sees_rewritten_step_buffers
     per_step_first: bool,
 ) -> None:
     pair = [Candidate(DecodePath.PER_STEP, graphs=False), Candidate(DecodePath.PREPLANNED, graphs=False)]
-    verifier = _OrderedVerifier(_settings(PlannedBuilder, examples=6),
+    verifier = _OrderedVerifier(_settings(PlannedBuilder, examples=6, steps=(4,)),
                                 pair if per_step_first else pair[::-1])
     report = BackendReport("flashinfer", "cpu", "passed")
     verifier.run(report, lambda i, e: None)
