@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from checkouts import ROOT, importable
+from checkouts import ROOT, importable, not_a_checkout
 
 RUN = "from speccheck.checks.cli.app import main; main()"
 """The command line of ``speccheck`` in a process whose ``speccheck`` is one checkout's."""
@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    problem = None if args.against is None else not_a_checkout(args.against)
+    if problem:
+        parser.error(problem)
     bench_args = ["--backend", args.backend, "--steps", args.steps, "--batches", args.batches,
                   "--repeats", str(args.repeats)]
     checkouts = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})

@@ -13,6 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 """This checkout."""
 
 
+def not_a_checkout(path: Path) -> str | None:
+    """Why ``path`` cannot be run as another checkout (one line), or ``None``."""
+    if not (path / "checks" / "cli").is_dir():
+        return f"--against {path}: not a speccheck checkout (no checks/cli)"
+    return None
+
+
 @contextlib.contextmanager
 def importable(checkout: Path, **extra: str) -> Iterator[tuple[Path, dict[str, str]]]:
     """``(folder, env)`` for a fresh process that imports ``checkout`` as ``speccheck``: a

@@ -33,3 +33,14 @@ def test_both_checkouts_are_benched_in_alternating_rounds(tmp_path: Path) -> Non
     assert proc.stdout.count("wall_ms ") == proc.stdout.count("wall_ratio ") == 4
     assert proc.stdout.count("this/against") == 8
     assert "host_ms" not in proc.stdout and "step_gpu_ms" not in proc.stdout
+
+
+def test_another_folder_than_a_checkout_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    for script in ("bench_ab.py", "verify_speed.py"):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / script), "--against", str(tmp_path)],
+            capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 2, script
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.endswith(f"--against {tmp_path}: not a speccheck checkout (no checks/cli)")
+        assert "Traceback" not in proc.stderr
