@@ -5,7 +5,8 @@ A decode step at batch 1 is memory-bound: it must read every weight it multiplie
 *weight-read bound* is those bytes over the device's copy bandwidth, measured here with a
 device-to-device copy (the report divides them:
 :attr:`~speccheck.checks.bench.records.BenchReport.weight_read_bound_ms`); a step's GPU
-time is the single-step graph replayed alone between CUDA events. Both need CUDA.
+time is the single-step graph replayed alone between CUDA events, the graph already queued
+when the first event fires (:func:`decode_step_gpu_ms`). Both need CUDA.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from speccheck.speculator.autoregressive import AutoregressiveSpeculator
 
 COPY_BYTES = 1 << 30
 """Bytes copied per bandwidth measurement: large enough to stream from HBM, not cache."""
+
+HOLD_CYCLES = 2_000_000
+"""GPU clock cycles (about a millisecond on an H200) a spin kernel holds the stream before
+each timed replay: far longer than the host takes to launch the graph, so the start event
+fires with the whole replay queued behind it."""
 
 
 def copy_bandwidth_gbps(device: torch.device, repeats: int = 10) -> float:
@@ -38,7 +44,13 @@ def decode_step_gpu_ms(spec: AutoregressiveSpeculator, batch: int, repeats: int)
     """Median GPU time of the single-step graph for ``batch`` requests, replayed alone
     from the state the last propose left: the inputs a step advances (positions, lengths,
     token ids, step counter) are restored before every replay, outside the timed span, so
-    each replay is the same step 1. ``None`` without that graph."""
+    each replay is the same step 1. ``None`` without that graph.
+
+    The timed span holds the step's kernels only. Before the start event a spin kernel
+    (:data:`HOLD_CYCLES`) keeps the GPU busy while the host launches the replay: started
+    on an idle GPU, the span would also hold the host's graph launch (the event fires at
+    once, the first kernel only when the launch call has submitted the graph), which is
+    host time, and which a fused propose's steps, back to back in one graph, never pay."""
     key = ("step", spec.bucket_for(batch))
     if spec.graphs is None or key not in spec.graphs:
         return None
@@ -49,6 +61,7 @@ def decode_step_gpu_ms(spec: AutoregressiveSpeculator, batch: int, repeats: int)
         for tensor, value in zip(advanced, saved, strict=True):
             tensor.copy_(value)
         spec.current_step.fill_(1)
+        torch.cuda._sleep(HOLD_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         spec.graphs.replay(key)
