@@ -193,11 +193,12 @@ def rotary_qkv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     kernel on CUDA."""
     t = qkv.shape[0]
     if not (use_kernels(qkv) if kernel is None else kernel):
-        kv_size = num_kv_heads * head_size
-        q, k, v = qkv.split([num_heads * head_size, kv_size, kv_size], dim=-1)
-        return (rotary_torch(q.view(t, num_heads, head_size), positions, inv_freq),
-                rotary_torch(k.view(t, num_kv_heads, head_size), positions, inv_freq),
-                v.reshape(t, num_kv_heads, head_size).contiguous())
+        rotated_heads = num_heads + num_kv_heads  # queries and keys: one rotary for both
+        qk = rotary_torch(qkv[:, : rotated_heads * head_size].view(t, rotated_heads, head_size),
+                          positions, inv_freq)
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        v = qkv[:, rotated_heads * head_size:].reshape(t, num_kv_heads, head_size)
+        return q.contiguous(), k.contiguous(), v.contiguous()
     q = torch.empty((t, num_heads, head_size), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((t, num_kv_heads, head_size), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty((t, num_kv_heads, head_size), dtype=qkv.dtype, device=qkv.device)

@@ -60,6 +60,20 @@ def _columns_for(longest: int, block_table: torch.Tensor, block_size: int) -> in
     return max(1, min(block_table.shape[1], blocks_for(longest, block_size)))
 
 
+_NOTHING = -(1 << 62)
+"""A grid cell's visible end for a padding cell of :func:`_by_length` (below any length:
+it sees no position)."""
+
+
+def _masked_probs(scores: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension of ``scores`` leaving out the entries ``hidden``
+    marks (``scores`` is overwritten with ``-inf`` there); a row that sees nothing is zeros,
+    not NaN."""
+    scores.masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return probs.masked_fill_(hidden.all(dim=-1, keepdim=True), 0.0)
+
+
 def paged_attention_reference(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -145,8 +159,8 @@ def _by_length(
     value_size = value_cache.shape[-1]
     chunks: list[tuple[int, int, int]] = []  # (requests, padded width, columns)
     requests_in_order: list[int] = []
-    query_lens: list[int] = []
     grid: list[int] = []  # each chunk's [requests, width] token indices (padding: the first)
+    ends: list[int] = []  # per grid cell: where its visible positions end, less the length
     real_cells: list[int] = []  # positions in the grids (one after another) of real tokens
     real_tokens: list[int] = []  # the token each of those is
     for requests in _length_groups(offsets, host_seq_lens, block_size):
@@ -157,45 +171,40 @@ def _by_length(
             width = max(offsets[r + 1] - offsets[r] for r in chunk)
             for r in chunk:
                 q_len = offsets[r + 1] - offsets[r]
-                query_lens.append(q_len)
                 real_cells.extend(range(len(grid), len(grid) + q_len))
                 grid.extend(offsets[r] + min(j, q_len - 1) for j in range(width))
+                ends.extend((j - q_len + 1 if causal else 0) if j < q_len else _NOTHING
+                            for j in range(width))
                 real_tokens.extend(range(offsets[r], offsets[r + 1]))
             requests_in_order.extend(chunk)
             chunks.append((len(chunk), width, columns))
     out = torch.zeros(num_tokens, num_kv_heads, group, value_size, device=query.device)
     if not chunks:
         return out.view(num_tokens, num_heads, value_size).to(query.dtype)
-    sizes = [len(requests_in_order), len(query_lens), len(grid), len(real_cells),
-             len(real_tokens)]
-    request_index, query_len, grid_index, cells, real = int64_on(
-        requests_in_order + query_lens + grid + real_cells + real_tokens,
-        query.device).split(sizes)
-    request_parts = request_index.split([n for n, _, _ in chunks])
-    query_len_parts = query_len.split([n for n, _, _ in chunks])
-    grid_parts = grid_index.split([n * w for n, w, _ in chunks])
+    sizes = [len(requests_in_order), len(grid), len(ends), len(real_cells), len(real_tokens)]
+    request_index, grid_index, end_index, cells, real = int64_on(
+        requests_in_order + grid + ends + real_cells + real_tokens, query.device).split(sizes)
     results = []
-    for (n, width, columns), req, q_len, tokens in zip(
-            chunks, request_parts, query_len_parts, grid_parts, strict=True):
-        lengths = seq_lens[req].long()
-        j = torch.arange(width, device=query.device)
+    for (n, width, columns), req, tokens, cell_ends in zip(
+            chunks, request_index.split([n for n, _, _ in chunks]),
+            grid_index.split([n * w for n, w, _ in chunks]),
+            end_index.split([n * w for n, w, _ in chunks]), strict=True):
+        # a cell (request, query offset j) sees kv_pos < seq_len + its end (its own position
+        # and those before it when causal; the whole request otherwise; nothing for padding)
+        # and, under a window, kv_pos > its position - window (then every request has one
+        # token at most, at position seq_len - 1 = end - 1: the caller sends longer queries
+        # under a window to _per_request)
+        end = seq_lens[req].long()[:, None] + cell_ends.view(n, width)
         kv_pos = torch.arange(columns * block_size, device=query.device)
-        visible = (kv_pos[None, None, :] < lengths[:, None, None]) & (
-            j[None, :, None] < q_len[:, None, None])
-        abs_pos = lengths[:, None] - q_len[:, None] + j[None, :]
-        if causal:
-            visible = visible & (kv_pos[None, None, :] <= abs_pos[:, :, None])
+        hidden = kv_pos >= end[:, :, None]
         if window > 0:
-            visible = visible & (kv_pos[None, None, :] > abs_pos[:, :, None] - window)
-        tables = block_table[req, :columns].long()
+            hidden |= kv_pos <= end[:, :, None] - 1 - window
+        tables = block_table[req, :columns]
         k = key_cache[tables].flatten(1, 2).float()  # [n, L, KVH, D]
         v = value_cache[tables].flatten(1, 2).float()
-        q = query[tokens].float().reshape(n, width, num_kv_heads, group, head_size)
+        q = query[tokens].float().view(n, width, num_kv_heads, group, head_size)
         scores = torch.einsum("nwkgd,nlkd->nwkgl", q, k) * scale
-        seen = visible[:, :, None, None, :]
-        scores = scores.masked_fill(~seen, float("-inf"))
-        probs = torch.where(seen.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1),
-                            torch.zeros_like(scores))
+        probs = _masked_probs(scores, hidden[:, :, None, None, :])
         results.append(torch.einsum("nwkgl,nlkd->nwkgd", probs, v).reshape(
             n * width, num_kv_heads, group, value_size))
     out[real] = torch.cat(results)[cells]
@@ -305,10 +314,7 @@ def _masked_attention(
         k = key_cache[blocks[rows]].flatten(1, 2).float()  # [t, L, KVH, D]
         v = value_cache[blocks[rows]].flatten(1, 2).float()
         scores = torch.einsum("tkgd,tlkd->tkgl", q[rows], k) * scale
-        seen = visible[rows][:, None, None, :]
-        scores = scores.masked_fill(~seen, float("-inf"))
-        probs = torch.where(seen.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1),
-                            torch.zeros_like(scores))
+        probs = _masked_probs(scores, ~visible[rows][:, None, None, :])
         out[rows] = torch.einsum("tkgl,tlkd->tkgd", probs, v)
         if lse is not None:
             lse[rows] = torch.logsumexp(scores, dim=-1)
@@ -357,9 +363,6 @@ def _per_request(
             visible &= kv_pos[None, :] > abs_pos[:, None] - window
         q = query[start:end].float().reshape(q_len, num_kv_heads, group, head_size)
         scores = torch.einsum("tkgd,lkd->tkgl", q, k) * scale
-        seen = visible[:, None, None, :]
-        scores = scores.masked_fill(~seen, float("-inf"))
-        probs = torch.where(seen.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1),
-                            torch.zeros_like(scores))
+        probs = _masked_probs(scores, ~visible[:, None, None, :])
         out[start:end] = torch.einsum("tkgl,lkd->tkgd", probs, v)
     return out.view(num_tokens, num_heads, -1).to(query.dtype)
