@@ -276,7 +276,9 @@ def test_gpu_replays_capture_cost_and_host_time() -> None:
     for row in report.rows:
         assert row.host_ms is not None and row.graph_reserved_bytes is not None
         assert row.capture_s > 0
-        assert row.step_gpu_ms is not None and row.step_gpu_ms > 0
+        # the spin kernel queued before the start event (over a millisecond at any clock an
+        # H200 runs) is outside the timed span: this small drafter's step takes far less
+        assert row.step_gpu_ms is not None and 0 < row.step_gpu_ms < 1.0
     assert report.bandwidth_gbps is not None and report.bandwidth_gbps > 100
     assert report.weight_read_bound_ms is not None and report.weight_read_bound_ms > 0
 
