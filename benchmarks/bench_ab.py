@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from checkouts import ROOT, importable, not_a_checkout
+from checkouts import checkouts_to_run, importable
 
 RUN = "from speccheck.checks.cli.app import main; main()"
 """The command line of ``speccheck`` in a process whose ``speccheck`` is one checkout's."""
@@ -96,12 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    problem = None if args.against is None else not_a_checkout(args.against)
-    if problem:
-        parser.error(problem)
     bench_args = ["--backend", args.backend, "--steps", args.steps, "--batches", args.batches,
                   "--repeats", str(args.repeats)]
-    checkouts = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
+    checkouts = checkouts_to_run(parser, args.against)
     reports: dict[str, list[dict[str, Any]]] = {label: [] for label in checkouts}
     for round_ in range(1, args.rounds + 1):
         order = list(checkouts) if round_ % 2 else list(reversed(checkouts))

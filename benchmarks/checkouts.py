@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import tempfile
@@ -13,11 +14,15 @@ ROOT = Path(__file__).resolve().parent.parent
 """This checkout."""
 
 
-def not_a_checkout(path: Path) -> str | None:
-    """Why ``path`` cannot be run as another checkout (one line), or ``None``."""
-    if not (path / "checks" / "cli").is_dir():
-        return f"--against {path}: not a speccheck checkout (no checks/cli)"
-    return None
+def checkouts_to_run(parser: argparse.ArgumentParser, against: Path | None) -> dict[str, Path]:
+    """The checkouts a side-by-side benchmark runs, by label: ``this``, and ``against`` when
+    given. A folder that is not a speccheck checkout ends the command through
+    ``parser.error`` (one line, exit 2) before anything runs."""
+    if against is None:
+        return {"this": ROOT}
+    if not (against / "checks" / "cli").is_dir():
+        parser.error(f"--against {against}: not a speccheck checkout (no checks/cli)")
+    return {"this": ROOT, "against": against.resolve()}
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from checkouts import ROOT, importable, not_a_checkout
+from checkouts import checkouts_to_run, importable
 
 RUN = """
 import hashlib, json, os, sys, tempfile, time
@@ -87,10 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", type=Path, help="another checkout to run alternately")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    problem = None if args.against is None else not_a_checkout(args.against)
-    if problem:
-        parser.error(problem)
-    checkouts = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
+    checkouts = checkouts_to_run(parser, args.against)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in checkouts}
     for round_ in range(1, args.rounds + 1):
         for label, checkout in checkouts.items():
