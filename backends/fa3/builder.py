@@ -105,9 +105,9 @@ class FA3Metadata:
 
 
 class FA3AttentionImpl(AttentionImpl[FA3Metadata]):
-    """Writes the new keys/values with :func:`write_kv_cache`, then one
-    ``flash_attn_with_kvcache`` varlen call without ``k``/``v`` (nothing appended inside
-    the kernel), over the per-request cache rows."""
+    """Writes the new keys/values with :func:`write_kv_cache`, then one FA3 varlen call
+    without ``k``/``v`` (nothing appended inside the kernel) over the per-request cache rows,
+    its result written straight into ``output``."""
 
     def forward(
         self,
@@ -127,23 +127,33 @@ class FA3AttentionImpl(AttentionImpl[FA3Metadata]):
         if metadata.num_reqs == 0:
             output[:n].zero_()
             return
-        out = fa3.flash_attn_with_kvcache(
-            query[:n],
-            key_cache,
-            value_cache,
-            cache_seqlens=metadata.seq_lens,
-            cache_batch_idx=metadata.cache_batch_idx,
-            cu_seqlens_q=metadata.query_start_loc,
-            max_seqlen_q=metadata.max_query_len,
-            softmax_scale=self.scale,
-            causal=metadata.causal,
-            scheduler_metadata=metadata.scheduler_metadata,
-            num_splits=metadata.num_splits,
+        dst = output[:n]
+        # FA3 writes its result into ``dst`` (its main kernel, or the split combine), so no
+        # copy of a returned tensor follows. ``flash_attn_with_kvcache`` has no ``out``
+        # argument, and the Python custom op under it refuses an output that aliases an
+        # input, so this calls the compiled op that both wrap, with the arguments
+        # ``flash_attn_with_kvcache`` passes (its ``cache_seqlens`` is ``seqused_k``, its
+        # ``cache_batch_idx`` is ``kv_batch_idx``).
+        fa3.fa3_fwd_cuda.fwd(
+            query[:n], key_cache, value_cache,
+            None, None, None,  # k_new, v_new, qv: nothing appended inside the kernel
+            dst,  # out_
+            metadata.query_start_loc,  # cu_seqlens_q
+            None, None, None,  # cu_seqlens_k, cu_seqlens_k_new, seqused_q
+            metadata.seq_lens,  # seqused_k
+            metadata.max_query_len,  # max_seqlen_q
+            None, None,  # max_seqlen_k (from the cache's shape), page_table
+            metadata.cache_batch_idx,  # kv_batch_idx
+            None, None, None, None,  # leftpad_k, rotary_cos, rotary_sin, seqlens_rotary
+            None, None, None,  # q_descale, k_descale, v_descale
+            self.scale, metadata.causal,
+            -1, -1, 0, 0.0,  # window left and right, attention_chunk, softcap
+            True,  # rotary_interleaved (no rotary here)
+            metadata.scheduler_metadata, metadata.num_splits,
+            None, 0,  # pack_gqa (FA3's heuristic), sm_margin
         )
         # Rows past query_start_loc[-1] belong to no request (FULL-mode padding tokens);
-        # FA3 never writes them (its output is torch.empty).
-        dst = output[:n]
-        dst.copy_(out.view(dst.shape))
+        # FA3 never writes them.
         zero_padding_rows(dst, metadata.query_start_loc)
 
 
