@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from speccheck.checks.verify.scale import (
     TIER_DEFAULTS,
     TIER_SCALE,
     HarnessScale,
+    default_jobs,
 )
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.adapter_status import implementation_path
@@ -75,6 +77,15 @@ class VerifyInputError(ValueError):
     """Input a verification cannot run with (an unknown backend, a bad runtime value, a
     builder class the worker cannot import, a bad ``reproduce`` blob). ``str()`` is one line;
     the command prints it on stderr and exits 2."""
+
+
+def _device_gib(tier: Tier) -> float:
+    """The GPU's memory in GiB on the GPU tier (0 on the CPU tier)."""
+    if tier is not Tier.GPU:
+        return 0.0
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
 
 
 def machine_tier() -> tuple[Tier, str]:
@@ -377,7 +388,7 @@ class VerifyPlan:
                                  self.scale(), self.shrink_seconds)
         try:
             if self.shards(name) > 1:
-                report = self._verify_in_shards(name, request, progress)
+                report = self._verify_in_shards(name, request, progress, spare)
             else:
                 report = run_worker(request, progress, self.example_timeout, self.tier,
                                     worker=spare.pop() if spare else None)
@@ -397,10 +408,12 @@ class VerifyPlan:
         return report
 
     def _verify_in_shards(
-        self, name: str, request: dict[str, object], progress: ProgressDisplay
+        self, name: str, request: dict[str, object], progress: ProgressDisplay,
+        spare: list[WorkerProcess],
     ) -> BackendReport:
         """Backend ``name`` in :meth:`shards` workers at once (:meth:`shares`), their reports
-        merged. Each worker holds its own drafters, graphs and KV caches on the device."""
+        merged; the first takes a ``spare`` process when there is one. Each worker holds its
+        own drafters, graphs and KV caches on the device."""
         import time
         from concurrent.futures import ThreadPoolExecutor
 
@@ -411,9 +424,12 @@ class VerifyPlan:
                     for examples, seed in self.shares(name)]
         count = len(requests)
 
+        started_early = spare.pop() if spare else None
+
         def shard(i: int) -> BackendReport:
             return run_worker(requests[i], progress, self.example_timeout, self.tier,
-                              label=f"{name} [{i + 1}/{count}]")
+                              label=f"{name} [{i + 1}/{count}]",
+                              worker=started_early if i == 0 else None)
 
         started = time.perf_counter()
         with ThreadPoolExecutor(count) as pool:
@@ -469,7 +485,7 @@ def plan_verification(
     reproduce: str | None = None,
     audit_claims: bool = False,
     example_timeout: float = 300.0,
-    jobs: int = 1,
+    jobs: int | None = None,
     shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
 ) -> VerifyPlan:
     """Check the input of a verification and settle what it runs; see :func:`verify` for
@@ -479,7 +495,7 @@ def plan_verification(
         raise VerifyInputError(f"examples must be at least 1, got {examples}")
     if example_timeout <= 0:
         raise VerifyInputError(f"example_timeout must be positive, got {example_timeout}")
-    if not 1 <= jobs <= MAX_JOBS:
+    if jobs is not None and not 1 <= jobs <= MAX_JOBS:
         raise VerifyInputError(f"jobs must lie in 1..{MAX_JOBS}, got {jobs}")
     if not shrink_seconds >= 0:
         raise VerifyInputError(f"shrink_seconds must be 0 or more, got {shrink_seconds}")
@@ -505,6 +521,8 @@ def plan_verification(
     else:
         names = (_declared_backend(backend, matrices),)
     _preflight(names, matrices)
+    if jobs is None:
+        jobs = default_jobs(tier, examples, os.cpu_count() or 1, _device_gib(tier))
     plan = VerifyPlan(names, effective, overrides, matrices, tier, device, examples, seed,
                       _steps(steps, overrides), sizes, max_new_tokens, reproduce, audit_claims,
                       example_timeout, jobs, shrink_seconds)
@@ -527,7 +545,7 @@ def verify(
     reproduce: str | None = None,
     audit_claims: bool = False,
     example_timeout: float = 300.0,
-    jobs: int = 1,
+    jobs: int | None = None,
     shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
 ) -> VerifyReport:
     """Verify ``backend`` as ``speccheck verify`` does, each backend in a worker process of
@@ -562,9 +580,10 @@ def verify(
       share of ``examples`` from a seed of its own (``seed + i``) on the same device, their
       reports merged (the worst status wins, with its failure and reproduce command). Each
       holds its own drafters, graphs and KV caches: device memory grows with it. Runs on
-      DP or DCP ranks, and ``reproduce``, take one. Workers sharing one GPU
-      gain nothing there (measured on the H200: four workers of 50 examples took as long
-      as one of 200; docs/verification/verify-jobs); they scale on the CPU tier.
+      DP or DCP ranks, and ``reproduce``, take one. ``None``: :func:`~speccheck.checks.
+      verify.scale.default_jobs` (on the GPU tier two where each gets 50 examples, two CPU
+      cores and 32 GiB of the device; one on the CPU tier). ``jobs=1`` draws every example
+      from ``seed`` alone.
     - ``shrink_seconds``: how long each worker may shrink a failure to a smaller example
       (the report keeps the smallest found by then); finding it does not depend on this.
 

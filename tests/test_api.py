@@ -19,6 +19,7 @@ from speccheck.checks.api import (
     plan_verification,
 )
 from speccheck.checks.verify.report import BackendReport, Failure, merge_shards
+from speccheck.checks.verify.scale import default_jobs
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.runtime_config import RuntimeConfig
 from tests.fixtures.adapters.out_of_tree import PlusOneBuilder
@@ -218,8 +219,21 @@ def test_merged_shards_sum_their_examples_and_keep_the_worst_status() -> None:
     assert crashed.reproduce.endswith("c")
 
 
+@pytest.mark.parametrize(("tier", "examples", "cpus", "gib", "jobs"), [
+    (Tier.GPU, 200, 16, 139.8, 2), (Tier.GPU, 100, 16, 139.8, 2), (Tier.GPU, 99, 16, 139.8, 1),
+    (Tier.GPU, 200, 3, 139.8, 1), (Tier.GPU, 200, 4, 139.8, 2), (Tier.GPU, 200, 16, 63.5, 1),
+    (Tier.GPU, 200, 16, 24.0, 1), (Tier.GPU, 1, 16, 139.8, 1), (Tier.CPU, 200, 64, 0.0, 1),
+])
+def test_jobs_default_to_two_workers_where_the_gpu_tier_machine_holds_them(
+    tier: Tier, examples: int, cpus: int, gib: float, jobs: int
+) -> None:
+    """Two workers on the GPU tier where each gets 50 examples, two CPU cores and 32 GiB of
+    the device; one otherwise, and always one on the CPU tier."""
+    assert default_jobs(tier, examples, cpus, gib) == jobs
+
+
 def test_jobs_split_the_examples_and_seeds_as_the_workers_draw_them() -> None:
-    """The default is one worker; ``jobs`` splits the examples as evenly as they go, worker
+    """On this (CPU) tier the default is one worker; ``jobs`` splits the examples as evenly as they go, worker
     ``i`` on ``seed + i``, and each worker's engine settings say so."""
     assert plan_verification("reference", examples=50).jobs == 1
     plan = plan_verification("reference", examples=7, seed=3, jobs=3)

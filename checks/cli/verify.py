@@ -41,7 +41,13 @@ from speccheck.checks.cli.runtime_options import (
     build_runtime_config,
     with_runtime_options,
 )
-from speccheck.checks.verify.scale import DEFAULT_SHRINK_SECONDS, TIER_SCALE
+from speccheck.checks.verify.scale import (
+    AUTO_JOBS,
+    DEFAULT_SHRINK_SECONDS,
+    DEVICE_GIB_PER_JOB,
+    EXAMPLES_PER_JOB,
+    TIER_SCALE,
+)
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.checks.verify.worker_process import WorkerProcess
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -106,7 +112,7 @@ def verify_command(
     junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report here.")] = None,  # noqa: UP045
     example_timeout: Annotated[float, typer.Option("--example-timeout", help="Seconds without progress before a worker counts as hung.")] = 300.0,
     shrink_seconds: Annotated[float, typer.Option("--shrink-seconds", min=0, help="Seconds a worker may spend shrinking a failure to a smaller example (the report keeps the smallest found by then); finding the failure does not depend on it.")] = DEFAULT_SHRINK_SECONDS,
-    jobs: Annotated[int, typer.Option("--jobs", min=1, max=MAX_JOBS, help="Worker processes per backend, each running its share of --examples from a seed of its own (--seed + i); their reports merge. Each holds its own drafters, graphs and KV caches. Workers sharing one GPU gain nothing (measured on the H200); they scale on the CPU tier. DP and DCP runs and --reproduce take one.")] = 1,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, max=MAX_JOBS, help="Worker processes per backend, each running its share of --examples from a seed of its own (--seed + i) on the same device; their reports merge. Each holds its own drafters, graphs and KV caches. DP and DCP runs and --reproduce take one. --jobs 1 draws every example from --seed alone.", show_default=f"GPU tier {AUTO_JOBS} where each gets {EXAMPLES_PER_JOB} examples, two CPU cores and {DEVICE_GIB_PER_JOB} GiB of the device, else 1; CPU tier 1")] = None,  # noqa: UP045
     audit_claims: Annotated[bool, typer.Option("--audit-claims", help="For a backend the matrix does not allow to fuse under the config, also run the fused path (in its own worker) and report whether the claim is too strict or confirmed.")] = False,
     capture_sizes: Annotated[Optional[str], typer.Option("--capture-sizes", help="Padded request counts to capture graphs for (and pad eager runs to), comma-separated; the largest bounds the requests and prefill tokens of an example.", show_default=_shown_scale("capture_sizes"))] = None,  # noqa: UP045
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Most tokens a request brings to the first (prefill) pass; the prefill budget is this many per request of the largest capture size.", show_default=_shown_scale("max_new_tokens"))] = None,  # noqa: UP045

@@ -54,3 +54,35 @@ is given; K = 1 (no draft decode step, hence no fused path) is the control."""
 DEFAULT_SHRINK_SECONDS = 120.0
 """How long a run shrinks a failure by default (``--shrink-seconds``); past it the smallest
 failing example found so far is reported. Finding the failure does not depend on it."""
+
+AUTO_JOBS = 2
+"""Workers an automatic ``--jobs`` starts where the machine allows (:func:`default_jobs`).
+A worker is one busy host thread feeding a mostly idle GPU, so a second one overlaps its
+host work with the first's; from the third on, the processes contend for the one device
+(time-sliced between their contexts) more than they overlap. Measured on an H200,
+``verify --backend triton_attn --examples 200``: 36.0 s with one worker, 28.8 s with two,
+32.9 s with four (docs/verification/verify-jobs-2)."""
+
+EXAMPLES_PER_JOB = 50
+"""Fewest examples a worker of an automatic ``--jobs`` gets: below this, a worker's fixed
+cost (imports, breakpoint discovery, graph capture: about 10 s on the H200) outweighs its
+share of the examples."""
+
+DEVICE_GIB_PER_JOB = 32
+"""Device memory an automatic ``--jobs`` asks per worker: each holds a serving-scale KV
+cache, its fp32 reference's, the snapshots the comparisons take and the graph pools (a
+worker of the GPU tier's default scale stays well inside this)."""
+
+
+def default_jobs(tier: Tier, examples: int, cpus: int, device_gib: float) -> int:
+    """Worker processes per backend when ``--jobs`` is not given.
+
+    GPU tier: :data:`AUTO_JOBS` where every worker gets :data:`EXAMPLES_PER_JOB` examples,
+    two CPU cores and :data:`DEVICE_GIB_PER_JOB` GiB of the device; else one. CPU tier:
+    one (its workers compete for the cores the Triton interpreter already fills). The
+    examples are split among the workers, worker ``i`` drawing from ``seed + i``: the
+    example count, hence the search's size, is the same whatever the worker count."""
+    if tier is not Tier.GPU:
+        return 1
+    return max(1, min(AUTO_JOBS, examples // EXAMPLES_PER_JOB, cpus // 2,
+                      int(device_gib // DEVICE_GIB_PER_JOB)))
