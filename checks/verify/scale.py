@@ -70,8 +70,9 @@ share of the examples."""
 
 DEVICE_GIB_PER_JOB = 32
 """Device memory an automatic ``--jobs`` asks per worker: each holds a serving-scale KV
-cache, its fp32 reference's, the snapshots the comparisons take and the graph pools (a
-worker of the GPU tier's default scale stays well inside this)."""
+cache and its fp32 reference's (at the GPU tier's defaults about 4 and 8 GiB), the
+snapshots the comparisons take of them, and the graph pools. A margin, not a measured
+peak: two workers ran side by side on a 140 GiB H200."""
 
 
 def default_jobs(tier: Tier, examples: int, cpus: int, device_gib: float) -> int:
