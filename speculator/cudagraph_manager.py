@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import MappingProxyType
@@ -60,8 +61,20 @@ class CudaGraphManager:
                 body()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            body()
+        # No cyclic garbage collection while the stream captures: a collection there runs
+        # the finalizers of unrelated dropped objects, and one that frees a CUDA graph (or
+        # anything else the driver refuses during capture) invalidates this capture.
+        # torch.cuda.graph does not collect before it begins (unless torch.compiler's
+        # force_cudagraph_gc is set): a process that dropped earlier speculators frees them
+        # with gc.collect() before capturing new ones.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                body()
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize(self.device)
         self._graphs[key] = graph
         logger.debug("captured CUDA graph %s", key)
