@@ -233,8 +233,8 @@ def test_jobs_default_to_two_workers_where_the_gpu_tier_machine_holds_them(
 
 
 def test_jobs_split_the_examples_and_seeds_as_the_workers_draw_them() -> None:
-    """On this (CPU) tier the default is one worker; ``jobs`` splits the examples as evenly as they go, worker
-    ``i`` on ``seed + i``, and each worker's engine settings say so."""
+    """On this (CPU) tier the default is one worker; ``jobs`` splits the examples as evenly
+    as they go, worker ``i`` on ``seed + i``, and each worker's engine settings say so."""
     assert plan_verification("reference", examples=50).jobs == 1
     plan = plan_verification("reference", examples=7, seed=3, jobs=3)
     assert plan.shares("reference") == [(3, 3), (2, 4), (2, 5)]

@@ -148,35 +148,34 @@ def kv_untouched(
     # each tensor on its own: an MLA layer's second tensor is empty
     changed = [changed_slots(k0, k1) | changed_slots(v0, v1)
                for (k0, v0), (k1, v1) in zip(start, after)]
-    if not _any_stray(changed, expected, bs):
+    stray = _stray_slots(changed, expected, bs)
+    # one read-back for every layer; the slots themselves only when there is one to name
+    if stray is None or not bool(stray.any()):
         return [Outcome(Check.KV_CACHE, Result.PASSED, candidate=name)]
-    for layer, layer_changed in enumerate(changed):
-        layer_changed[SINK_BLOCK * bs : (SINK_BLOCK + 1) * bs] = False
-        stray = sorted(set(torch.nonzero(layer_changed).flatten().tolist()) - expected)
-        if stray:
-            where = ", ".join(
-                describe_slot(batch, bs, expected, s, share)
-                + ("" if steps is None else f", {_mapped_by(steps, s)}")
-                for s in stray[:4]
-            )
-            return [Outcome(Check.KV_CACHE, Result.FAILED,
-                            f"{name}: layer {layer} wrote {len(stray)} slot(s) outside the expected "
-                            f"ones: {where} — a padding lane or a stale slot mapping writes a live block",
-                            name)]
-    return [Outcome(Check.KV_CACHE, Result.PASSED, candidate=name)]
+    layer = next(i for i, layer_stray in enumerate(stray) if bool(layer_stray.any()))
+    slots = torch.nonzero(stray[layer]).flatten().tolist()
+    where = ", ".join(
+        describe_slot(batch, bs, expected, s, share)
+        + ("" if steps is None else f", {_mapped_by(steps, s)}")
+        for s in slots[:4]
+    )
+    return [Outcome(Check.KV_CACHE, Result.FAILED,
+                    f"{name}: layer {layer} wrote {len(slots)} slot(s) outside the expected "
+                    f"ones: {where} — a padding lane or a stale slot mapping writes a live block",
+                    name)]
 
 
-def _any_stray(changed: list[torch.Tensor], expected: set[int], block_size: int) -> bool:
-    """Whether a layer's ``changed`` mask (:func:`changed_slots`) holds a slot outside
-    ``expected`` and the sink block: one read-back for every layer (the slots themselves
-    are read only when there is one to name)."""
+def _stray_slots(changed: list[torch.Tensor], expected: set[int],
+                 block_size: int) -> torch.Tensor | None:
+    """``[layers, slots]`` bool: the layers' ``changed`` masks (:func:`changed_slots`) less
+    the ``expected`` slots and the sink block; ``None`` without layers."""
     if not changed:
-        return False
+        return None
     stray = torch.stack(changed)
     stray[:, SINK_BLOCK * block_size : (SINK_BLOCK + 1) * block_size] = False
     if expected:
         stray[:, int64_on(sorted(expected), stray.device)] = False
-    return bool(stray.any())
+    return stray
 
 
 def changed_slots(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
