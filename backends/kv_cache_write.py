@@ -7,6 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
+from speccheck.contract.dependent_launch import (
+    await_predecessor,
+    dependent_launch,
+    release_dependents,
+)
+
 SINK_SLOT = 0
 """The reserved sink slot (the first slot of block 0, which no block table holds): padding
 tokens, and under decode context parallelism tokens another rank stores, write there, and
@@ -16,11 +22,13 @@ nothing reads it. It is the speculator's ``PAD_SLOT``; a test holds the two equa
 @triton.jit
 def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                      key_token_stride, value_token_stride,
-                     WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+                     WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program ``t``: token ``t``'s key and value rows (``WIDTH`` contiguous elements each)
     into slot ``slot_mapping[t]`` of each cache (contiguous: a slot every ``WIDTH``
     elements), converted to the cache's dtype."""
     token = tl.program_id(0)
+    release_dependents(PDL)
+    await_predecessor(PDL)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < WIDTH
@@ -49,7 +57,8 @@ def write_kv_cache(
     """Scatter ``key``/``value`` (``[T, num_kv_heads, head_size]``) into the caches
     (``[num_blocks, block_size, num_kv_heads, head_size]``) at ``slot_mapping`` (``[T]``).
 
-    Capture-safe, every write in place: on CUDA one Triton kernel writes both caches (two
+    Capture-safe, every write in place: on CUDA one Triton kernel writes both caches, a
+    programmatic dependent on Hopper (:mod:`~speccheck.contract.dependent_launch`; two
     ``index_copy_`` launches elsewhere, or where a token's heads are not one contiguous
     run; ``kernel`` forces or avoids the kernel). Padding tokens must map to the reserved
     sink slot, never to a live one; which duplicate write wins there is undefined.
@@ -60,9 +69,10 @@ def write_kv_cache(
     if (use_kernel and num_tokens > 0 and _rows_contiguous(key) and _rows_contiguous(value)
             and key_cache.is_contiguous() and value_cache.is_contiguous()):
         width = kv_heads * head_size
+        pdl = dependent_launch(key)
         _write_kv_kernel[(num_tokens,)](
             key, value, key_cache, value_cache, slot_mapping, key.stride(0), value.stride(0),
-            WIDTH=width, BLOCK=triton.next_power_of_2(width))
+            WIDTH=width, BLOCK=triton.next_power_of_2(width), PDL=pdl, launch_pdl=pdl)
         return
     key_cache.view(-1, kv_heads, head_size).index_copy_(
         0, slot_mapping, key[:num_tokens].to(key_cache.dtype)

@@ -150,6 +150,12 @@ class AttentionImpl(ABC, Generic[M]):
         mapping, then attend ``query`` (``[T, num_heads, head_size]``) over the paged cache
         into ``output`` (same shape as ``query``). ``T`` is the metadata's token count.
 
+        Rows of ``output`` past ``query_start_loc[num_reqs]`` (tokens of no request:
+        FULL-mode padding) arrive zero, and must be left zero: the caller clears them (the
+        drafter clears the whole output in the kernel that projects ``query``), so an impl
+        whose kernel writes only the requests' rows needs no launch of its own for them.
+        Other rows arrive holding anything.
+
         For a latent layer (:attr:`AttentionLayerSpec.kv_layout` ``latent``): ``key`` is the
         latent entry ``[T, 1, kv_lora_rank + qk_rope_head_dim]`` written into
         ``key_cache``, ``value`` is ``key[..., :kv_lora_rank]`` (nothing is written to the

@@ -8,7 +8,9 @@ most of them a couple of microseconds of GPU time each: far more than reading th
 Each function here is one kernel on a CUDA tensor and the same math in PyTorch ops
 elsewhere (CPU tensors, where the Triton interpreter would be slow; the kernels are tested
 against these under the interpreter). All are capture-safe: fixed grids from shapes, no
-host synchronisation; each returns a new tensor (from the graph pool under capture).
+host synchronisation; each returns a new tensor (from the graph pool under capture). The
+kernels of a decode step launch as programmatic dependents on Hopper
+(:mod:`~speccheck.contract.dependent_launch`).
 
 Math is fp32 with one rounding to the input dtype at the end.
 """
@@ -18,6 +20,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from speccheck.contract.dependent_launch import (
+    await_predecessor,
+    dependent_launch,
+    release_dependents,
+)
 
 
 def use_kernels(x: torch.Tensor) -> bool:
@@ -36,8 +44,10 @@ def _rms_normalised(x, w_ptr, cols, mask, width, eps):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, out_row_stride, width, eps,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
+    release_dependents(PDL)
+    await_predecessor(PDL)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -61,15 +71,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     rows, width = x.shape
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if rows:
+        pdl = dependent_launch(x)
         _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), width, eps,
-                                  BLOCK=triton.next_power_of_2(width))
+                                  BLOCK=triton.next_power_of_2(width), PDL=pdl, launch_pdl=pdl)
     return out
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, x_row_stride, d_row_stride,
-                         width, eps, BLOCK: tl.constexpr):
+                         width, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
+    release_dependents(PDL)
+    await_predecessor(PDL)
     cols = tl.arange(0, BLOCK)
     mask = cols < width
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -95,9 +108,11 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     summed = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if rows:
+        pdl = dependent_launch(x)
         _add_rms_norm_kernel[(rows,)](x, delta, weight, summed, out, x.stride(0),
                                       delta.stride(0), width, eps,
-                                      BLOCK=triton.next_power_of_2(width))
+                                      BLOCK=triton.next_power_of_2(width), PDL=pdl,
+                                      launch_pdl=pdl)
     return out, summed
 
 
@@ -160,9 +175,11 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
 
 @triton.jit
 def _rotary_qkv_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, v_ptr, qkv_tok_stride,
-                       num_heads, num_kv_heads, half, BLOCK: tl.constexpr):
+                       num_heads, num_kv_heads, half, BLOCK: tl.constexpr, PDL: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)  # 0 .. num_heads + 2 * num_kv_heads - 1, in the projection's order
+    release_dependents(PDL)
+    await_predecessor(PDL)
     j = tl.arange(0, BLOCK)
     mask = j < half
     dim = 2 * half
@@ -204,17 +221,21 @@ def rotary_qkv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     v = torch.empty((t, num_kv_heads, head_size), dtype=qkv.dtype, device=qkv.device)
     if t:
         half = head_size // 2
+        pdl = dependent_launch(qkv)
         _rotary_qkv_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, positions, inv_freq, q, k, v, qkv.stride(0), num_heads, num_kv_heads, half,
-            BLOCK=triton.next_power_of_2(half))
+            BLOCK=triton.next_power_of_2(half), PDL=pdl, launch_pdl=pdl)
     return q, k, v
 
 
 # --------------------------------------------------------------------------- SwiGLU gate
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, x_row_stride, width, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, x_row_stride, width, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     row = tl.program_id(0)
+    release_dependents(PDL)
+    await_predecessor(PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -240,5 +261,7 @@ def silu_mul(gate_up: torch.Tensor, *, kernel: bool | None = None) -> torch.Tens
     out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         grid = (rows, triton.cdiv(width, _SILU_BLOCK))
-        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), width, BLOCK=_SILU_BLOCK)
+        pdl = dependent_launch(gate_up)
+        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), width, BLOCK=_SILU_BLOCK,
+                               PDL=pdl, launch_pdl=pdl)
     return out

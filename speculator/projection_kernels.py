@@ -41,6 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
+from speccheck.contract.dependent_launch import (
+    await_predecessor,
+    dependent_launch,
+    release_dependents,
+)
 from speccheck.speculator.model_kernels import add_rms_norm, rms_norm, rotary_qkv, silu_mul
 
 SKINNY_ROWS = 16
@@ -122,11 +127,14 @@ def skinny_tile(x_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, ROWS: tl.const
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, rows, n, k, x_stride, out_ptr, out_stride,
-                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
+    release_dependents(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < n
     r = tl.arange(0, ROWS)
     rmask = r < rows
+    await_predecessor(PDL)
     acc = skinny_tile(x_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, ROWS, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + r[:, None] * out_stride + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
@@ -177,29 +185,42 @@ def _inverse_rms(x_ptr, d_ptr, sum_ptr, x_rows, r, rmask, k, d_stride, eps, stor
 
 
 @triton.jit
+def _weight_tile(w_ptr, cols, nmask, kk, k):
+    """Rows ``cols``, columns ``kk`` of the ``[n, k]`` weight, in its dtype (zero where
+    masked: past ``k``, a load of nothing)."""
+    return tl.load(w_ptr + cols[:, None] * k + kk[None, :],
+                   mask=nmask[:, None] & (kk < k)[None, :], other=0.0)
+
+
+@triton.jit
 def _fused_projection_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, out_ptr, rows, n, k,
                              x_stride, d_stride, out_stride, eps,
                              PROLOGUE: tl.constexpr, ROWS: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program ``pid``: output features ``[pid * BLOCK_N, (pid + 1) * BLOCK_N)`` of every
+    row. Each reduction tile's weights are loaded one tile ahead, the first before the
+    program waits for the kernel ahead (:mod:`~speccheck.contract.dependent_launch`)."""
     pid = tl.program_id(0)
+    release_dependents(PDL)
     r = tl.arange(0, ROWS)
     rmask = r < rows
     x_rows = r.to(tl.int64) * x_stride
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cols < n
+    w = _weight_tile(w_ptr, cols, nmask, tl.arange(0, BLOCK_K), k)
+    await_predecessor(PDL)
     rstd = tl.zeros((ROWS,), dtype=tl.float32)
     if PROLOGUE == 1 or PROLOGUE == 2:
         rstd = _inverse_rms(x_ptr, d_ptr, sum_ptr, x_rows, r, rmask, k, d_stride, eps,
                             pid == 0, PROLOGUE, ROWS, BLOCK_K)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = cols < n
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         kk = start + tl.arange(0, BLOCK_K)
         kmask = kk < k
         a = _prologue_block(x_ptr, d_ptr, nw_ptr, x_rows, r, rmask, kk, kmask, k, d_stride,
                             rstd, PROLOGUE)
-        w = tl.load(w_ptr + cols[:, None] * k + kk[None, :],
-                    mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+        acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        w = _weight_tile(w_ptr, cols, nmask, kk + BLOCK_K, k)
     tl.store(out_ptr + r[:, None] * out_stride + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
@@ -208,25 +229,32 @@ def _fused_projection_kernel(x_ptr, d_ptr, nw_ptr, sum_ptr, w_ptr, out_ptr, rows
 def _fused_qkv_kernel(x_ptr, d_ptr, ids_ptr, nw_ptr, sum_ptr, w_ptr, pos_ptr, inv_freq_ptr,
                       q_ptr, k_ptr, v_ptr, o_ptr, rows, k, x_stride, d_stride, eps, num_heads,
                       num_kv_heads, PROLOGUE: tl.constexpr, HALF: tl.constexpr,
-                      ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr):
+                      ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
     """A fused QKV projection's ``BLOCK_P`` channel pairs ``(j, j + HALF)`` of its heads,
     rotated (queries and keys) or copied (values) into ``q``, ``k``, ``v``, and zeros where
     it stores queries into ``o`` (the attention output, shaped as ``q``). With
-    ``GATHER_RMS_NORM`` the input rows are rows ``ids`` of ``x`` (an embedding table)."""
+    ``GATHER_RMS_NORM`` the input rows are rows ``ids`` of ``x`` (an embedding table).
+    Weights are loaded one reduction tile ahead, the first before the program waits for
+    the kernel ahead (:mod:`~speccheck.contract.dependent_launch`)."""
     pid = tl.program_id(0)
+    release_dependents(PDL)
     r = tl.arange(0, ROWS)
     rmask = r < rows
+    pair = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    head = pair // HALF
+    j = pair % HALF
+    first = head * (2 * HALF) + j
+    pmask = head < num_heads + 2 * num_kv_heads
+    w1 = _weight_tile(w_ptr, first, pmask, tl.arange(0, BLOCK_K), k)
+    w2 = _weight_tile(w_ptr, first + HALF, pmask, tl.arange(0, BLOCK_K), k)
+    await_predecessor(PDL)
     if PROLOGUE == 4:
         x_rows = tl.load(ids_ptr + r, mask=rmask, other=0).to(tl.int64) * x_stride
     else:
         x_rows = r.to(tl.int64) * x_stride
     rstd = _inverse_rms(x_ptr, d_ptr, sum_ptr, x_rows, r, rmask, k, d_stride, eps, pid == 0,
                         PROLOGUE, ROWS, BLOCK_K)
-    pair = pid * BLOCK_P + tl.arange(0, BLOCK_P)
-    head = pair // HALF
-    j = pair % HALF
-    first = head * (2 * HALF) + j
-    pmask = head < num_heads + 2 * num_kv_heads
     acc1 = tl.zeros((ROWS, BLOCK_P), dtype=tl.float32)
     acc2 = tl.zeros((ROWS, BLOCK_P), dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
@@ -234,11 +262,10 @@ def _fused_qkv_kernel(x_ptr, d_ptr, ids_ptr, nw_ptr, sum_ptr, w_ptr, pos_ptr, in
         kmask = kk < k
         a = _prologue_block(x_ptr, d_ptr, nw_ptr, x_rows, r, rmask, kk, kmask, k, d_stride,
                             rstd, PROLOGUE)
-        wmask = pmask[:, None] & kmask[None, :]
-        w1 = tl.load(w_ptr + first[:, None] * k + kk[None, :], mask=wmask, other=0.0)
-        w2 = tl.load(w_ptr + (first + HALF)[:, None] * k + kk[None, :], mask=wmask, other=0.0)
         acc1 += tl.sum(a[:, None, :] * w1.to(tl.float32)[None, :, :], axis=2)
         acc2 += tl.sum(a[:, None, :] * w2.to(tl.float32)[None, :, :], axis=2)
+        w1 = _weight_tile(w_ptr, first, pmask, kk + BLOCK_K, k)
+        w2 = _weight_tile(w_ptr, first + HALF, pmask, kk + BLOCK_K, k)
     ty = q_ptr.dtype.element_ty
     # rounded as the unfused projection stores them, then rotated as rotary_qkv rotates
     x1 = acc1.to(ty).to(tl.float32)
@@ -296,13 +323,14 @@ def _launch_fused(prologue: Prologue, x: torch.Tensor, weight: torch.Tensor, k: 
         row_tile = triton.next_power_of_2(rows)
         wide = n >= WIDE_OUTPUT
         block_n = max(1, (8 if wide else 4) // row_tile)
+        pdl = dependent_launch(x)
         _fused_projection_kernel[(triton.cdiv(n, block_n),)](
             x, x if delta is None else delta, x if norm_weight is None else norm_weight,
             x if summed is None else summed, weight, out, rows, n, k, x.stride(0),
             x.stride(0) if delta is None else delta.stride(0), out.stride(0), eps,
             PROLOGUE=int(prologue), ROWS=row_tile, BLOCK_N=block_n,
             BLOCK_K=min(REDUCE_BLOCK_K // (2 if wide else 1), triton.next_power_of_2(k)),
-            num_warps=4, num_stages=1)
+            PDL=pdl, num_warps=4, num_stages=1, launch_pdl=pdl)
     return out
 
 
@@ -327,17 +355,20 @@ def launch_skinny(kernel: triton.JITFunction, x: torch.Tensor, weight: torch.Ten
     at most :data:`SKINNY_ROWS` rows) and a contiguous ``weight`` (``[n, k]``): one program
     per ``BLOCK_N`` output features (:func:`skinny_tiles`), tiled as :func:`tiling_for`
     says. Its parameters start ``(x_ptr, w_ptr, rows, n, k, x_stride)``, then ``args``;
-    ``constants`` and the tiling's ``ROWS``, ``BLOCK_N``, ``BLOCK_K`` go by name. What it
-    writes is its own. Nothing is launched for zero rows. Capture-safe: grid and tiling
-    are functions of the shapes."""
+    ``constants``, the tiling's ``ROWS``, ``BLOCK_N``, ``BLOCK_K`` and ``PDL`` go by name:
+    it launches as a programmatic dependent where ``PDL`` says so, so it must keep
+    :mod:`~speccheck.contract.dependent_launch`'s contract. What it writes is its own.
+    Nothing is launched for zero rows. Capture-safe: grid and tiling are functions of the
+    shapes."""
     _check(x, weight, x.shape[1], SKINNY_ROWS)
     rows, (n, k) = x.shape[0], weight.shape
     if rows:
         tiling = tiling_for(n, k)
+        pdl = dependent_launch(x)
         kernel[(skinny_tiles(weight),)](
             x, weight, rows, n, k, x.stride(0), *args, **constants, ROWS=SKINNY_ROWS,
-            BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, num_warps=tiling.num_warps,
-            num_stages=tiling.num_stages)
+            BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, PDL=pdl,
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
@@ -472,6 +503,7 @@ def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
     if t:
         row_tile = triton.next_power_of_2(t)
         block_p = max(1, 2 // row_tile)
+        pdl = dependent_launch(source)
         prologue = (Prologue.GATHER_RMS_NORM if gather else
                     Prologue.RMS_NORM if delta is None else Prologue.ADD_RMS_NORM)
         _fused_qkv_kernel[(triton.cdiv(weight.shape[0] // 2, block_p),)](
@@ -480,6 +512,6 @@ def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
             source.stride(0), source.stride(0) if delta is None else delta.stride(0), eps,
             num_heads, num_kv_heads, PROLOGUE=int(prologue), HALF=head_size // 2,
             ROWS=row_tile, BLOCK_P=block_p,
-            BLOCK_K=min(REDUCE_BLOCK_K, triton.next_power_of_2(width)), num_warps=4,
-            num_stages=1)
+            BLOCK_K=min(REDUCE_BLOCK_K, triton.next_power_of_2(width)),
+            PDL=pdl, num_warps=4, num_stages=1, launch_pdl=pdl)
     return ProjectedQKV(q, k, v, summed, out)

@@ -32,6 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
+from speccheck.contract.dependent_launch import (
+    await_predecessor,
+    dependent_launch,
+    release_dependents,
+)
 from speccheck.speculator.model_kernels import use_kernels
 from speccheck.speculator.projection_kernels import (
     UnprojectedLogits,
@@ -165,6 +170,7 @@ def _lm_head_argmax_kernel(
     x_ptr, w_ptr, rows, n, k, x_stride, seeds_ptr, positions_ptr, step_ptr, draft_logits_ptr,
     part_best_ptr, part_index_ptr, draft_logits_row_stride, draft_logits_step_stride,
     GUMBEL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Phase 1 in the LM head's epilogue, program ``tile`` of
     :func:`~speccheck.speculator.projection_kernels.launch_skinny`'s grid: the logits of
@@ -175,11 +181,13 @@ def _lm_head_argmax_kernel(
     ``[row, tile]`` of the partials (``[rows, tiles]``, fp32 and int64). The same stores
     and scores as :func:`_chunk_argmax_kernel`'s over the same logits."""
     tile = tl.program_id(0)
+    release_dependents(PDL)
     r = tl.arange(0, ROWS)
     rmask = r < rows
     start = tile * BLOCK_N
     cols = start + tl.arange(0, BLOCK_N)
     nmask = cols < n
+    await_predecessor(PDL)
     acc = skinny_tile(x_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, ROWS, BLOCK_N, BLOCK_K)
     x = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     out_logits = draft_logits_ptr + tl.load(step_ptr) * draft_logits_step_stride
@@ -278,13 +286,15 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
 def _decode_step_finish_kernel(
     part_best_ptr, part_index_ptr, positions_ptr, seq_lens_ptr, is_real_ptr, step_ptr,
     done_ptr, tokens_ptr, input_ids_ptr, tokens_row_stride, splits, max_model_len,
-    ADVANCE: tl.constexpr, MOVE_ON: tl.constexpr, SPLITS: tl.constexpr,
+    ADVANCE: tl.constexpr, MOVE_ON: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program ``row`` (grid ``(lanes,)``): the lane's token from its partials, stored and
     fed back, and its advance. With ``MOVE_ON``, every program counts itself done in
     ``done`` (acquire-release) after it has read the step; the last one stores ``step + 1``
     and clears ``done``, so no program can read the step after it moved on."""
     row = tl.program_id(0)
+    release_dependents(PDL)
+    await_predecessor(PDL)
     step = tl.load(step_ptr)
     token = _partials_argmax(part_best_ptr, part_index_ptr, row, splits, SPLITS)
     tl.store(tokens_ptr + row * tokens_row_stride + step, token)
@@ -370,10 +380,12 @@ def finish_decode_step(
             if isinstance(logits, torch.Tensor) else
             _lm_head_argmax(logits, seeds, positions, gumbel=gumbel, step=step,
                             draft_logits=draft_logits))
+        pdl = dependent_launch(input_ids)
         _decode_step_finish_kernel[(n,)](
             part_best, part_index, positions, seq_lens, is_real, step, lanes_done, draft_tokens,
             input_ids, draft_tokens.stride(0), splits, max_model_len, ADVANCE=advance,
-            MOVE_ON=lanes_done is not None, SPLITS=triton.next_power_of_2(splits))
+            MOVE_ON=lanes_done is not None, SPLITS=triton.next_power_of_2(splits), PDL=pdl,
+            launch_pdl=pdl)
 
 
 def sample_tokens(

@@ -221,17 +221,23 @@ def test_write_plots_one_png_per_k(tmp_path: Path) -> None:
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
 
 
-def test_device_time_sums_device_events_only() -> None:
+def test_device_time_is_the_union_of_device_events() -> None:
+    """Host events are left out; overlapping device events (a dependent kernel resident
+    before the one ahead ends) count once; gaps count not at all."""
     from torch.autograd import DeviceType
 
-    def event(kind: DeviceType, name: str, us: float) -> SimpleNamespace:
+    def event(kind: DeviceType, name: str, start: float, end: float) -> SimpleNamespace:
         return SimpleNamespace(device_type=kind, name=name,
-                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+                               time_range=SimpleNamespace(start=start, end=end))
 
-    events = [event(DeviceType.CPU, "cudaStreamSynchronize", 30.0),
-              event(DeviceType.CPU, "aten::mm", 7.0),
-              event(DeviceType.CUDA, "gemm", 11.0), event(DeviceType.CUDA, "memcpy", 2.0)]
-    assert device_us(events) == 13.0
+    events = [event(DeviceType.CPU, "cudaStreamSynchronize", 0.0, 30.0),
+              event(DeviceType.CUDA, "memcpy", 40.0, 42.0),
+              event(DeviceType.CUDA, "gemm", 10.0, 21.0),
+              event(DeviceType.CUDA, "dependent", 18.0, 25.0),
+              event(DeviceType.CUDA, "inside", 19.0, 20.0),
+              event(DeviceType.CPU, "aten::mm", 20.0, 27.0)]
+    assert device_us(events) == 15.0 + 2.0
+    assert device_us([]) == 0.0
 
 
 def test_launch_queues_the_work_propose_tokens_returns() -> None:

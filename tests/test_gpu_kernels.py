@@ -209,7 +209,9 @@ def reference_output(
 
 
 def run_and_compare(builder: Any, case: Case) -> tuple[Any, torch.Tensor]:
-    """Build, run the impl eagerly, and compare output and KV writes with the reference."""
+    """Build, run the impl eagerly, and compare output and KV writes with the reference.
+    The output arrives as the contract says: the rows of requests NaN (the impl must write
+    every one), the rows past them zero (the impl must leave them so)."""
     impl = builder.make_impl(case.scale)
     md = builder.build(case.common)
     n = case.num_tokens
@@ -217,11 +219,14 @@ def run_and_compare(builder: Any, case: Case) -> tuple[Any, torch.Tensor]:
     kc_ref, vc_ref = case.key_cache.clone(), case.value_cache.clone()
     write_kv_cache(case.key[:n], case.value[:n], kc_ref, vc_ref, case.common.slot_mapping)
     out = torch.full_like(case.query, float("nan"))
+    requests_rows = int(case.common.query_start_loc[case.common.num_reqs])
+    out[requests_rows:].zero_()
     impl.forward(case.query, case.key, case.value, kc, vc, md, out)
     torch.cuda.synchronize()
     ref = reference_output(case, kc_ref, vc_ref)
     assert torch.equal(kc[1:], kc_ref[1:]) and torch.equal(vc[1:], vc_ref[1:])
     torch.testing.assert_close(out[:n].float(), ref.float(), atol=ATOL, rtol=RTOL)
+    assert torch.count_nonzero(out[requests_rows:]) == 0, "a padding row was written"
     return md, out
 
 

@@ -63,8 +63,9 @@ def test_kernel_compiles_for_sm90() -> None:
         "speccheck.backends.kv_cache_write", "_write_kv_kernel",
         {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16",
          "value_cache_ptr": "*bf16", "slot_ptr": "*i64", "key_token_stride": "i32",
-         "value_token_stride": "i32", "WIDTH": "constexpr", "BLOCK": "constexpr"},
-        {"WIDTH": 512, "BLOCK": 512})
+         "value_token_stride": "i32", "WIDTH": "constexpr", "BLOCK": "constexpr",
+         "PDL": "constexpr"},
+        {"WIDTH": 512, "BLOCK": 512, "PDL": True})
 
 
 @pytest.mark.cuda

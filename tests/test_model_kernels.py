@@ -406,23 +406,25 @@ target = GPUTarget("cuda", 90, 32)
 for dtype in ("bf16", "fp16", "fp32"):
     compile(ASTSource(k._rms_norm_kernel, {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype,
             "out_ptr": "*" + dtype, "x_row_stride": "i32", "out_row_stride": "i32",
-            "width": "i32", "eps": "fp32", "BLOCK": "constexpr"}, {"BLOCK": 2048}), target=target)
+            "width": "i32", "eps": "fp32", "BLOCK": "constexpr", "PDL": "constexpr"},
+            {"BLOCK": 2048, "PDL": True}), target=target)
     compile(ASTSource(k._rotary_kernel, {"x_ptr": "*" + dtype, "pos_ptr": "*i64",
             "inv_freq_ptr": "*fp32", "out_ptr": "*" + dtype, "x_tok_stride": "i32",
             "x_head_stride": "i32", "num_heads": "i32", "half": "i32", "BLOCK": "constexpr"},
             {"BLOCK": 64}), target=target)
     compile(ASTSource(k._silu_mul_kernel, {"x_ptr": "*" + dtype, "out_ptr": "*" + dtype,
-            "x_row_stride": "i32", "width": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024}),
-            target=target)
+            "x_row_stride": "i32", "width": "i32", "BLOCK": "constexpr", "PDL": "constexpr"},
+            {"BLOCK": 1024, "PDL": True}), target=target)
     compile(ASTSource(k._add_rms_norm_kernel, {"x_ptr": "*" + dtype, "d_ptr": "*" + dtype,
             "w_ptr": "*" + dtype, "sum_ptr": "*" + dtype, "out_ptr": "*" + dtype,
             "x_row_stride": "i32", "d_row_stride": "i32", "width": "i32", "eps": "fp32",
-            "BLOCK": "constexpr"}, {"BLOCK": 2048}), target=target)
+            "BLOCK": "constexpr", "PDL": "constexpr"}, {"BLOCK": 2048, "PDL": True}),
+            target=target)
     compile(ASTSource(k._rotary_qkv_kernel, {"qkv_ptr": "*" + dtype, "pos_ptr": "*i64",
             "inv_freq_ptr": "*fp32", "q_ptr": "*" + dtype, "k_ptr": "*" + dtype,
             "v_ptr": "*" + dtype, "qkv_tok_stride": "i32", "num_heads": "i32",
-            "num_kv_heads": "i32", "half": "i32", "BLOCK": "constexpr"}, {"BLOCK": 64}),
-            target=target)
+            "num_kv_heads": "i32", "half": "i32", "BLOCK": "constexpr", "PDL": "constexpr"},
+            {"BLOCK": 64, "PDL": True}), target=target)
     print(dtype, "ok")
 from speccheck.speculator import sampling as s
 for gumbel, store in ((True, False), (False, True), (True, True)):  # as the callers launch it
@@ -446,8 +448,8 @@ for advance, splits in ((False, 16), (True, 32), (True, 2048)):
             "is_real_ptr": "*i1", "step_ptr": "*i64", "done_ptr": "*i32", "tokens_ptr": "*i64",
             "input_ids_ptr": "*i64", "tokens_row_stride": "i32", "splits": "i32",
             "max_model_len": "i32", "ADVANCE": "constexpr", "MOVE_ON": "constexpr",
-            "SPLITS": "constexpr"}, {"ADVANCE": advance, "MOVE_ON": True, "SPLITS": splits}),
-            target=target)
+            "SPLITS": "constexpr", "PDL": "constexpr"},
+            {"ADVANCE": advance, "MOVE_ON": True, "SPLITS": splits, "PDL": True}), target=target)
     print("decode step finish ok")
 from speccheck.speculator import projection_kernels as p
 tiling = p.tiling_for(128256, 2048)
@@ -459,7 +461,7 @@ for dtype in ("bf16", "fp16"):
                      "part_index_ptr": "*i64", "draft_logits_row_stride": "i32",
                      "draft_logits_step_stride": "i32"}
         constants = {"GUMBEL": gumbel, "ROWS": p.SKINNY_ROWS, "BLOCK_N": tiling.block_n,
-                     "BLOCK_K": tiling.block_k}
+                     "BLOCK_K": tiling.block_k, "PDL": True}
         signature.update(dict.fromkeys(constants, "constexpr"))
         compile(ASTSource(s._lm_head_argmax_kernel, signature, constants), target=target,
                 options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})

@@ -222,7 +222,8 @@ for dtype in ("bf16", "fp16"):
         signature = {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "rows": "i32", "n": "i32",
                      "k": "i32", "x_stride": "i32", "out_ptr": "*" + dtype,
                      "out_stride": "i32"}
-        constants = {"ROWS": p.SKINNY_ROWS, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k}
+        constants = {"ROWS": p.SKINNY_ROWS, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
+                     "PDL": True}
         signature.update(dict.fromkeys(constants, "constexpr"))
         compile(ASTSource(p._skinny_linear_kernel, signature, constants), target=target,
                 options={"num_warps": t.num_warps, "num_stages": t.num_stages})
@@ -235,7 +236,7 @@ for dtype in ("bf16", "fp16"):
             signature.update(dict.fromkeys(ints, "i32"))
             signature["eps"] = "fp32"
             constants = {"PROLOGUE": int(prologue), "ROWS": rows, "BLOCK_N": 4 // rows,
-                         "BLOCK_K": p.REDUCE_BLOCK_K}
+                         "BLOCK_K": p.REDUCE_BLOCK_K, "PDL": True}
             signature.update(dict.fromkeys(constants, "constexpr"))
             compile(ASTSource(p._fused_projection_kernel, signature, constants), target=target,
                     options={"num_warps": 4, "num_stages": 1})
@@ -247,7 +248,7 @@ for dtype in ("bf16", "fp16"):
                                         "num_kv_heads"), "i32"))
         signature["eps"] = "fp32"
         constants = {"PROLOGUE": int(prologue), "HALF": 64, "ROWS": 1, "BLOCK_P": 2,
-                     "BLOCK_K": p.REDUCE_BLOCK_K}
+                     "BLOCK_K": p.REDUCE_BLOCK_K, "PDL": True}
         signature.update(dict.fromkeys(constants, "constexpr"))
         compile(ASTSource(p._fused_qkv_kernel, signature, constants), target=target,
                 options={"num_warps": 4, "num_stages": 1})

@@ -291,11 +291,11 @@ _AOT_SCRIPT = textwrap.dedent(
                                  "query_start_loc_ptr", "arrivals_ptr")}
     for dtype, extra in [
         ("bf16", dict(NUM_HEADS=32, GROUP=4, GROUP_P=4, HEAD_SIZE=128, BLOCK_SIZE=16,
-                      BLOCK_M=1, NUM_SPLITS=8, CAUSAL=True, UPCAST=False, REDUCE=True)),
+                      BLOCK_M=1, NUM_SPLITS=8, CAUSAL=True, UPCAST=False, REDUCE=True, PDL=True)),
         ("fp16", dict(NUM_HEADS=6, GROUP=3, GROUP_P=4, HEAD_SIZE=256, BLOCK_SIZE=1,
-                      BLOCK_M=4, NUM_SPLITS=3, CAUSAL=False, UPCAST=False, REDUCE=True)),
+                      BLOCK_M=4, NUM_SPLITS=3, CAUSAL=False, UPCAST=False, REDUCE=True, PDL=True)),
         ("fp32", dict(NUM_HEADS=1, GROUP=1, GROUP_P=1, HEAD_SIZE=16, BLOCK_SIZE=5,
-                      BLOCK_M=2, NUM_SPLITS=1, CAUSAL=True, UPCAST=True, REDUCE=False,
+                      BLOCK_M=2, NUM_SPLITS=1, CAUSAL=True, UPCAST=True, REDUCE=False, PDL=False,
                       num_reqs=1)),
     ]:
         data = {n: "*" + dtype for n in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}

@@ -44,7 +44,6 @@ from typing import ClassVar
 import torch
 
 from speccheck.backends.availability import require_module
-from speccheck.backends.batch_layout import zero_padding_rows
 from speccheck.backends.kv_cache_write import write_kv_cache
 from speccheck.contract.builder import (
     AttentionImpl,
@@ -107,7 +106,8 @@ class FA3Metadata:
 class FA3AttentionImpl(AttentionImpl[FA3Metadata]):
     """Writes the new keys/values with :func:`write_kv_cache`, then one FA3 varlen call
     without ``k``/``v`` (nothing appended inside the kernel) over the per-request cache rows,
-    its result written straight into ``output``."""
+    its result written straight into ``output``. FA3 writes only the requests' rows, so
+    padding rows stay as the caller cleared them."""
 
     def forward(
         self,
@@ -122,11 +122,8 @@ class FA3AttentionImpl(AttentionImpl[FA3Metadata]):
         fa3 = fa3_interface()
         n = metadata.num_actual_tokens
         write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping)
-        if n == 0:
-            return
         if metadata.num_reqs == 0:
-            output[:n].zero_()
-            return
+            return  # every token is padding: its rows arrive zero
         dst = output[:n]
         # FA3 writes its result into ``dst`` (its main kernel, or the split combine), so no
         # copy of a returned tensor follows. ``flash_attn_with_kvcache`` has no ``out``
@@ -152,9 +149,6 @@ class FA3AttentionImpl(AttentionImpl[FA3Metadata]):
             metadata.scheduler_metadata, metadata.num_splits,
             None, 0,  # pack_gqa (FA3's heuristic), sm_margin
         )
-        # Rows past query_start_loc[-1] belong to no request (FULL-mode padding tokens);
-        # FA3 never writes them.
-        zero_padding_rows(dst, metadata.query_start_loc)
 
 
 class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):

@@ -79,7 +79,6 @@ import numpy as np
 import torch
 
 from speccheck.backends.availability import require_module
-from speccheck.backends.batch_layout import zero_padding_rows
 from speccheck.backends.flashinfer.page_indices import (
     PagedKVLengths,
     paged_kv_lengths,
@@ -303,16 +302,9 @@ class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
             )
         n = metadata.num_actual_tokens
         write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping)
-        if n == 0:
-            return
-        dst = output[:n]
-        if metadata.run is None:
-            dst.zero_()
-            return
-        metadata.run(query[:n], (key_cache, value_cache), out=dst)
-        # Rows past query_start_loc[-1] belong to no request (FULL-mode padding lanes, whose
-        # pages are empty).
-        zero_padding_rows(dst, metadata.query_start_loc)
+        if n == 0 or metadata.run is None:
+            return  # no request to attend: padding rows arrive zero
+        metadata.run(query[:n], (key_cache, value_cache), out=output[:n])
 
 
 def _same_scale(a: float, b: float) -> bool:

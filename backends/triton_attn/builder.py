@@ -40,6 +40,7 @@ from speccheck.contract.builder import (
     zeros_allocator,
 )
 from speccheck.contract.dcp import DcpRank
+from speccheck.contract.dependent_launch import dependent_launch
 from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 
@@ -247,6 +248,7 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                     f"{slots} program slots of {num_kv_heads} KV heads exceed the "
                     f"{arrivals.numel()} split counters"
                 )
+            pdl = dependent_launch(query)
             paged_attention_split_kernel[(slots, num_kv_heads, scratch.num_splits)](
                 query,
                 key_cache,
@@ -287,6 +289,8 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 CAUSAL=metadata.causal,
                 UPCAST=query.device.type != "cuda",
                 REDUCE=reduce,
+                PDL=pdl,
+                launch_pdl=pdl,
             )
         if reduce:
             return

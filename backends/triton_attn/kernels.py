@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from speccheck.backends.triton_shared import online_softmax_step
+from speccheck.contract.dependent_launch import await_predecessor, release_dependents
 
 LOG2E = 1.4426950408889634
 """``log2(e)``: scores are scaled by ``scale * LOG2E`` so the kernels can use ``exp2``."""
@@ -124,6 +125,7 @@ def paged_attention_split_kernel(
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
     REDUCE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Partial attention of one (query block, KV head, KV split); see the module docstring.
 
@@ -139,10 +141,16 @@ def paged_attention_split_kernel(
     stride_oh``, last dimension contiguous) receives the rows of the ``num_tokens = T``
     tokens, and ``arrivals`` (int32, one counter per (slot, KV head), zero before the
     launch) is left zero. Without it ``out_ptr`` and ``arrivals_ptr`` are never touched.
+
+    With ``PDL`` it is launched as a programmatic dependent
+    (:mod:`~speccheck.contract.dependent_launch`) and waits for the kernel ahead before
+    anything else.
     """
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    release_dependents(PDL)
+    await_predecessor(PDL)
 
     req = _owning_request(query_start_loc_ptr, slot, num_reqs, BLOCK_M)
     q_start = tl.load(query_start_loc_ptr + req)

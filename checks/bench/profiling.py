@@ -1,7 +1,7 @@
 """What the profilers say about repeated launches (CUDA only).
 
 - :func:`profile_calls`: ``torch.profiler`` over ``repeats`` launches: the device's busy
-  time (the sum of the kernels, copies and memsets it traced, not the span from first
+  time (the union of the kernels, copies and memsets it traced, not the span from first
   launch to last completion), its operator and kernel tables, and ``cProfile``'s table of
   the launching thread's Python functions (where host time goes; the profilers' own
   overhead inflates both, so host time itself is measured unprofiled, by the caller);
@@ -46,10 +46,19 @@ class ProfiledTimes:
 
 
 def device_us(events: Iterable[Any]) -> float:
-    """Microseconds of device activity summed over profiler ``events`` (``FunctionEvent``\\ s:
-    ``device_type``, ``time_range.elapsed_us()``)."""
-    return sum(event.time_range.elapsed_us() for event in events
-               if event.device_type == DeviceType.CUDA)
+    """Microseconds in which the device was busy, from profiler ``events``
+    (``FunctionEvent``\\ s: ``device_type``, ``time_range.start`` and ``.end``): the length
+    of the union of the device events' intervals. Kernels that overlap count once: a
+    kernel launched as a programmatic dependent is resident, waiting, while the kernel
+    ahead finishes, and a sum of durations would count that stretch twice."""
+    spans = sorted((event.time_range.start, event.time_range.end) for event in events
+                   if event.device_type == DeviceType.CUDA)
+    busy, covered = 0.0, float("-inf")
+    for start, end in spans:
+        if end > covered:
+            busy += end - max(start, covered)
+            covered = end
+    return busy
 
 
 def profile_calls(call: Callable[[], object], repeats: int) -> ProfiledTimes:
