@@ -286,12 +286,15 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
 def _decode_step_finish_kernel(
     part_best_ptr, part_index_ptr, positions_ptr, seq_lens_ptr, is_real_ptr, step_ptr,
     done_ptr, tokens_ptr, input_ids_ptr, tokens_row_stride, splits, max_model_len,
-    ADVANCE: tl.constexpr, MOVE_ON: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
+    ADVANCE: tl.constexpr, MOVE_ON: tl.constexpr, ONE_LANE: tl.constexpr, SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program ``row`` (grid ``(lanes,)``): the lane's token from its partials, stored and
     fed back, and its advance. With ``MOVE_ON``, every program counts itself done in
     ``done`` (acquire-release) after it has read the step; the last one stores ``step + 1``
-    and clears ``done``, so no program can read the step after it moved on."""
+    and clears ``done``, so no program can read the step after it moved on. A grid of
+    ``ONE_LANE`` has no other program to wait for: it stores ``step + 1`` itself, without
+    the count (an atomic's round trip less at batch 1)."""
     row = tl.program_id(0)
     release_dependents(PDL)
     await_predecessor(PDL)
@@ -306,9 +309,12 @@ def _decode_step_finish_kernel(
         seq_len = tl.load(seq_lens_ptr + row)
         tl.store(seq_lens_ptr + row, tl.minimum(seq_len + real.to(seq_len.dtype), max_model_len))
     if MOVE_ON:
-        last = tl.atomic_add(done_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1
-        tl.store(step_ptr, step + 1, mask=last)
-        tl.store(done_ptr, 0, mask=last)
+        if ONE_LANE:
+            tl.store(step_ptr, step + 1)
+        else:
+            last = tl.atomic_add(done_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1
+            tl.store(step_ptr, step + 1, mask=last)
+            tl.store(done_ptr, 0, mask=last)
 
 
 def finish_decode_step(
@@ -384,8 +390,8 @@ def finish_decode_step(
         _decode_step_finish_kernel[(n,)](
             part_best, part_index, positions, seq_lens, is_real, step, lanes_done, draft_tokens,
             input_ids, draft_tokens.stride(0), splits, max_model_len, ADVANCE=advance,
-            MOVE_ON=lanes_done is not None, SPLITS=triton.next_power_of_2(splits), PDL=pdl,
-            launch_pdl=pdl)
+            MOVE_ON=lanes_done is not None, ONE_LANE=n == 1,
+            SPLITS=triton.next_power_of_2(splits), PDL=pdl, launch_pdl=pdl)
 
 
 def sample_tokens(

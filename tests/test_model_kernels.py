@@ -168,12 +168,14 @@ def test_decode_step_epilogue_kernel_matches_torch(rows: int, vocab: int, steps:
         _assert_decode_step_forms_agree(logits, method, steps, step, advance, seed + 1)
 
 
-def test_the_step_moves_on_inside_the_kernel_only_when_asked() -> None:
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_the_step_moves_on_inside_the_kernel_only_when_asked(lanes: int) -> None:
     """Given the lane counter, every call moves the step on by one (as each replay of a
     captured step does: the tokens land in the next column each time) and leaves the
-    counter zero; without it the step stays for the caller to move."""
-    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
-    state = _decode_state(3, 4, 40, 50, 0)
+    counter zero; without it the step stays for the caller to move. One lane moves it
+    without counting, several through the count."""
+    logits = torch.randn(lanes, 40, generator=torch.Generator().manual_seed(0))
+    state = _decode_state(lanes, 4, 40, 50, 0)
     step, done = torch.tensor(0), torch.zeros((), dtype=torch.int32)
 
     def finish(lanes_done: torch.Tensor | None) -> None:
@@ -448,8 +450,10 @@ for advance, splits in ((False, 16), (True, 32), (True, 2048)):
             "is_real_ptr": "*i1", "step_ptr": "*i64", "done_ptr": "*i32", "tokens_ptr": "*i64",
             "input_ids_ptr": "*i64", "tokens_row_stride": "i32", "splits": "i32",
             "max_model_len": "i32", "ADVANCE": "constexpr", "MOVE_ON": "constexpr",
+            "ONE_LANE": "constexpr",
             "SPLITS": "constexpr", "PDL": "constexpr"},
-            {"ADVANCE": advance, "MOVE_ON": True, "SPLITS": splits, "PDL": True}), target=target)
+            {"ADVANCE": advance, "MOVE_ON": True, "ONE_LANE": splits == 16, "SPLITS": splits,
+             "PDL": True}), target=target)
     print("decode step finish ok")
 from speccheck.speculator import projection_kernels as p
 tiling = p.tiling_for(128256, 2048)
