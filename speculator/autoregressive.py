@@ -207,12 +207,12 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         # Real lanes advance one position (clamped); padding lanes (position and length 0)
         # stay.
         finish_decode_step(
-            self.model.unprojected_logits(self._residual_stream(n, group_metadata)),
+            self.model.unprojected_logits(self._run_model(n, group_metadata)),
             self.options.sampling, self.seeds[:n], b.positions[:n], b.seq_lens[:n],
             self.is_real_req[:n], self.current_step, self.draft_tokens[:n],
             self.draft_logits[:n], self.input_ids[:n],
             advance=self.config.advance_draft_positions, max_model_len=self.max_model_len,
-            done_count=self.done_count, kernel=self.kernel)
+            lanes_done=self.lanes_done, kernel=self.kernel)
         if not self._in_capture:
             self.counters.eager_step_calls += 1
         self._record("generate", step)

@@ -32,7 +32,6 @@ from speccheck.speculator.pass_inputs import (
     scatter_pass_inputs,
     stage_pass_inputs,
 )
-from speccheck.speculator.projection_kernels import UnnormalisedRows
 from speccheck.speculator.sampling import SamplingMethod
 from speccheck.speculator.staging import HostStaging
 
@@ -154,10 +153,9 @@ class DraftModelSpeculator:
             r, self.num_steps, self.vocab_size, dtype=torch.float32, device=device
         )
         self.current_step = torch.zeros((), dtype=torch.int64, device=device)
-        self.done_count = torch.zeros((), dtype=torch.int32, device=device)
-        """The count of a decode step's last kernel's programs done (zero between steps): the
-        last one moves ``current_step`` on
-        (:func:`~speccheck.speculator.sampling.finish_decode_step`)."""
+        self.lanes_done = torch.zeros((), dtype=torch.int32, device=device)
+        """The end-of-step kernel's count of lanes done (zero between steps): its last lane
+        moves ``current_step`` on (:func:`~speccheck.speculator.sampling.finish_decode_step`)."""
         b = self.buffers
         self.index_buffers = IndexBuffers(
             block_table=b.block_table, seeds=self.seeds, seq_lens=b.seq_lens,
@@ -211,15 +209,7 @@ class DraftModelSpeculator:
 
     def _run_model(self, num_tokens: int, group_metadata: Sequence[Any]) -> torch.Tensor:
         """Final hidden states of the first ``num_tokens`` lanes. Capture-safe."""
-        return self._residual_stream(num_tokens, group_metadata).normalise(
-            kernel=self.model.cfg.kernel_choice)
-
-    def _residual_stream(self, num_tokens: int,
-                         group_metadata: Sequence[Any]) -> UnnormalisedRows:
-        """The first ``num_tokens`` lanes' residual stream, the drafter's final norm still
-        to apply (:meth:`~speccheck.speculator.model.DraftModel.residual_stream`).
-        Capture-safe."""
-        return self.model.residual_stream(
+        return self.model(
             self.input_ids[:num_tokens], self.buffers.positions[:num_tokens], self.layer_impls,
             self._layer_metadata(group_metadata), self.kv_cache.layers,
         )

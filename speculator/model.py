@@ -29,7 +29,6 @@ from speccheck.speculator.model_kernels import (
 )
 from speccheck.speculator.projection_kernels import (
     EmbeddedTokens,
-    UnnormalisedRows,
     UnprojectedLogits,
     linear,
     norm_linear,
@@ -385,28 +384,13 @@ class DraftModel(nn.Module):
         layer_metadata: Sequence[Any],
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the ``T = len(input_ids)`` tokens: the
-        :meth:`residual_stream` normalised (one kernel on CUDA)."""
-        stream = self.residual_stream(input_ids, positions, impls, layer_metadata, kv_caches)
-        return stream.normalise(kernel=self.cfg.kernel_choice)
-
-    def residual_stream(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        impls: Sequence[AttentionImpl[Any]],
-        layer_metadata: Sequence[Any],
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    ) -> UnnormalisedRows:
-        """The last layer's residual stream and its MLP output, with the final norm still to
-        apply: :meth:`forward` without its last kernel, for a consumer that normalises the
-        rows itself (the LM head, :meth:`unprojected_logits`). Capture-safe."""
+        """Final hidden states ``[T, hidden]`` of the ``T = len(input_ids)`` tokens."""
         x: torch.Tensor | EmbeddedTokens = EmbeddedTokens(input_ids, self.embed.weight)
         delta: torch.Tensor | None = None
         for i, layer in enumerate(cast(list[DecoderLayer], list(self.layers))):
             x, delta = layer(x, delta, positions, impls[i], layer_metadata[i], kv_caches[i])
         rows = x.rows() if isinstance(x, EmbeddedTokens) else x
-        return UnnormalisedRows(rows, delta, self.final_norm.weight, self.final_norm.eps)
+        return self.final_norm.add_and_norm(rows, delta)[0]
 
     def decode_weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads: every parameter but the embedding
@@ -423,10 +407,9 @@ class DraftModel(nn.Module):
         logits = self.unprojected_logits(rows).project(kernel=self.cfg.kernel_choice)
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
-    def unprojected_logits(self, hidden: torch.Tensor | UnnormalisedRows) -> UnprojectedLogits:
-        """The logits of ``hidden`` (``[T, hidden]``, or the :meth:`residual_stream` still
-        to normalise), left to their consumer to project: the end of a decode step
-        (:func:`~speccheck.speculator.sampling.finish_decode_step`) normalises and samples
-        in the LM head's kernel. Projected with the drafter's kernel choice, the logits of
-        final hidden states are what :meth:`compute_logits` returns."""
+    def unprojected_logits(self, hidden: torch.Tensor) -> UnprojectedLogits:
+        """The logits of ``hidden`` (``[T, hidden]``), left to their consumer to project:
+        the end of a decode step (:func:`~speccheck.speculator.sampling.finish_decode_step`)
+        samples in the LM head's kernel. Projected with the drafter's kernel choice, they
+        are what :meth:`compute_logits` returns."""
         return UnprojectedLogits(hidden, self.lm_head.weight)

@@ -11,8 +11,7 @@ weight.T`` where ``op`` is what the layer does just before the projection:
 - :func:`norm_linear`: the residual add and RMSNorm of a pre-norm layer (or the norm
   alone), whose normalised rows feed the projection and whose sum is the next residual;
 - :func:`silu_linear`: the SwiGLU gate before the MLP's down projection;
-- :func:`linear`: nothing (the attention output projection), or the drafter's final norm
-  (the LM head over :class:`UnnormalisedRows`).
+- :func:`linear`: nothing (the attention output projection, the LM head).
 
 On CUDA, for half-precision rows, each is one Triton kernel: at most :data:`FUSED_ROWS`
 rows, a CUDA-core reduction over whole rows that recomputes the prologue per program from
@@ -74,36 +73,6 @@ class Prologue(enum.IntEnum):
     """RMSNorm of embedding-table rows picked by token ids (the QKV kernel only)."""
 
 
-class UnnormalisedRows(NamedTuple):
-    """Rows whose RMSNorm is still to apply: ``rms_norm(x + delta)`` scaled by ``weight``
-    (of ``x`` alone when ``delta`` is ``None``), the sum rounded to ``x``'s dtype first.
-    The drafter's last residual stream before its final norm: :func:`linear` over them
-    normalises each row in the projection's prologue (the LM head's tensor-core kernel, one
-    kernel less)."""
-
-    x: torch.Tensor
-    delta: torch.Tensor | None
-    weight: torch.Tensor
-    eps: float
-
-    @property
-    def prologue(self) -> Prologue:
-        return Prologue.RMS_NORM if self.delta is None else Prologue.ADD_RMS_NORM
-
-    def normalise(self, *, kernel: bool | None = None) -> torch.Tensor:
-        """The normalised rows, as a new tensor: :func:`add_rms_norm` (or ``rms_norm``)
-        with the ``kernel`` choice."""
-        if self.delta is None:
-            return rms_norm(self.x, self.weight, self.eps, kernel=kernel)
-        return add_rms_norm(self.x, self.delta, self.weight, self.eps, kernel=kernel)[0]
-
-
-def source_rows(x: torch.Tensor | UnnormalisedRows) -> torch.Tensor:
-    """The activation rows a projection of ``x`` reads: ``x``, or the residual rows of rows
-    still to normalise (their shape, dtype and device are the projection's input's)."""
-    return x.x if isinstance(x, UnnormalisedRows) else x
-
-
 @dataclass(frozen=True)
 class Tiling:
     """One launch configuration of :func:`_skinny_linear_kernel`."""
@@ -139,30 +108,17 @@ features, 8 by 1024)."""
 
 
 @triton.jit
-def skinny_tile(x_ptr, d_ptr, nw_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, d_stride, eps,
-                PROLOGUE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """The fp32 tile ``op(x[r]) @ w[cols].T`` (``[ROWS, BLOCK_N]``; zero where ``rmask`` or
+def skinny_tile(x_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, ROWS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 tile ``x[r] @ w[cols].T`` (``[ROWS, BLOCK_N]``; zero where ``rmask`` or
     ``nmask`` is off), reduced on tensor cores in ``BLOCK_K`` steps: the body of every
-    kernel :func:`launch_skinny` launches, so that they all compute the same numbers.
-    ``op`` is the identity (``NONE``), or the RMSNorm by the weights at ``nw`` of ``x``
-    (``RMS_NORM``) or of ``x + delta`` (``ADD_RMS_NORM``, ``delta`` at ``d``) as
-    :func:`norm_linear`'s kernel computes it, each program normalising the rows itself."""
+    kernel :func:`launch_skinny` launches, so that they all compute the same numbers."""
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    x_rows = r.to(tl.int64) * x_stride
-    rstd = tl.zeros((ROWS,), dtype=tl.float32)
-    if PROLOGUE != 0:
-        rstd = _inverse_rms(x_ptr, d_ptr, x_ptr, x_rows, r, rmask, k, d_stride, eps, False,
-                            PROLOGUE, ROWS, BLOCK_K)
     for start in range(0, k, BLOCK_K):
         kk = start + tl.arange(0, BLOCK_K)
         kmask = kk < k
-        if PROLOGUE == 0:
-            a = tl.load(x_ptr + r[:, None] * x_stride + kk[None, :],
-                        mask=rmask[:, None] & kmask[None, :], other=0.0)
-        else:
-            a = _prologue_block(x_ptr, d_ptr, nw_ptr, x_rows, r, rmask, kk, kmask, k, d_stride,
-                                rstd, PROLOGUE).to(x_ptr.dtype.element_ty)
+        a = tl.load(x_ptr + r[:, None] * x_stride + kk[None, :],
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * k + kk[None, :],
                     mask=nmask[:, None] & kmask[None, :], other=0.0)
         acc += tl.dot(a, tl.trans(w))
@@ -170,17 +126,16 @@ def skinny_tile(x_ptr, d_ptr, nw_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride,
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, rows, n, k, x_stride, d_stride, eps,
-                          out_ptr, out_stride, PROLOGUE: tl.constexpr, ROWS: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _skinny_linear_kernel(x_ptr, w_ptr, rows, n, k, x_stride, out_ptr, out_stride,
+                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
     release_dependents(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = cols < n
     r = tl.arange(0, ROWS)
     rmask = r < rows
     await_predecessor(PDL)
-    acc = skinny_tile(x_ptr, d_ptr, nw_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride,
-                      d_stride, eps, PROLOGUE, ROWS, BLOCK_N, BLOCK_K)
+    acc = skinny_tile(x_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, ROWS, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + r[:, None] * out_stride + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
@@ -394,52 +349,36 @@ def skinny_tiles(weight: torch.Tensor) -> int:
     return triton.cdiv(n, tiling_for(n, k).block_n)
 
 
-def launch_skinny(kernel: triton.JITFunction, x: torch.Tensor | UnnormalisedRows,
-                  weight: torch.Tensor, *args: object, **constants: object) -> None:
+def launch_skinny(kernel: triton.JITFunction, x: torch.Tensor, weight: torch.Tensor,
+                  *args: object, **constants: object) -> None:
     """Launch ``kernel``, built around :func:`skinny_tile`, over ``x`` (2-D, rows contiguous,
-    at most :data:`SKINNY_ROWS` rows, or such rows still to normalise) and a contiguous
-    ``weight`` (``[n, k]``): one program per ``BLOCK_N`` output features
-    (:func:`skinny_tiles`), tiled as :func:`tiling_for` says. Its parameters start
-    ``(x_ptr, d_ptr, nw_ptr, w_ptr, rows, n, k, x_stride, d_stride, eps)`` (the delta and
-    norm weight of :class:`UnnormalisedRows`, else stand-ins never read), then ``args``;
-    ``constants``, the tiling's ``ROWS``, ``BLOCK_N``, ``BLOCK_K``, ``PROLOGUE`` and ``PDL``
-    go by name: it launches as a programmatic dependent where ``PDL`` says so, so it must
-    keep :mod:`~speccheck.contract.dependent_launch`'s contract. What it writes is its own.
+    at most :data:`SKINNY_ROWS` rows) and a contiguous ``weight`` (``[n, k]``): one program
+    per ``BLOCK_N`` output features (:func:`skinny_tiles`), tiled as :func:`tiling_for`
+    says. Its parameters start ``(x_ptr, w_ptr, rows, n, k, x_stride)``, then ``args``;
+    ``constants``, the tiling's ``ROWS``, ``BLOCK_N``, ``BLOCK_K`` and ``PDL`` go by name:
+    it launches as a programmatic dependent where ``PDL`` says so, so it must keep
+    :mod:`~speccheck.contract.dependent_launch`'s contract. What it writes is its own.
     Nothing is launched for zero rows. Capture-safe: grid and tiling are functions of the
     shapes."""
-    rows_in = source_rows(x)
-    _check(rows_in, weight, rows_in.shape[1], SKINNY_ROWS)
-    rows, (n, k) = rows_in.shape[0], weight.shape
-    if not rows:
-        return
-    tiling = tiling_for(n, k)
-    pdl = dependent_launch(rows_in)
-    if isinstance(x, UnnormalisedRows):
-        delta = rows_in if x.delta is None else x.delta
-        norm_weight, eps, prologue = x.weight, x.eps, x.prologue
-    else:
-        delta, norm_weight, eps, prologue = rows_in, rows_in, 0.0, Prologue.NONE
-    kernel[(skinny_tiles(weight),)](
-        rows_in, delta, norm_weight, weight, rows, n, k, rows_in.stride(0), delta.stride(0),
-        eps, *args, **constants, PROLOGUE=int(prologue), ROWS=SKINNY_ROWS,
-        BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, PDL=pdl, num_warps=tiling.num_warps,
-        num_stages=tiling.num_stages, launch_pdl=pdl)
+    _check(x, weight, x.shape[1], SKINNY_ROWS)
+    rows, (n, k) = x.shape[0], weight.shape
+    if rows:
+        tiling = tiling_for(n, k)
+        pdl = dependent_launch(x)
+        kernel[(skinny_tiles(weight),)](
+            x, weight, rows, n, k, x.stride(0), *args, **constants, ROWS=SKINNY_ROWS,
+            BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, PDL=pdl,
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
 
 
-def linear(x: torch.Tensor | UnnormalisedRows, weight: torch.Tensor, *,
-           kernel: bool | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
     """``x @ weight.T`` for 2-D ``x`` (rows contiguous) and a contiguous ``weight``
     (``[n, k]``); ``kernel`` as for :func:`fused` (up to :data:`SKINNY_ROWS` rows): the
-    tensor-core kernel where :func:`runs_skinny` says so, else the CUDA-core one. Rows
-    still to normalise (:class:`UnnormalisedRows`) are normalised in the tensor-core
-    kernel's prologue, else by :func:`norm_linear`."""
-    rows = source_rows(x)
-    if runs_skinny(rows, weight, kernel):
-        out = torch.empty((rows.shape[0], weight.shape[0]), dtype=rows.dtype, device=rows.device)
+    tensor-core kernel where :func:`runs_skinny` says so, else the CUDA-core one."""
+    if runs_skinny(x, weight, kernel):
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
         launch_skinny(_skinny_linear_kernel, x, weight, out, out.stride(0))
         return out
-    if isinstance(x, UnnormalisedRows):
-        return norm_linear(x.x, x.delta, x.weight, x.eps, weight, kernel=kernel)[0]
     if fused(x, weight, kernel, SKINNY_ROWS):
         return _launch_fused(Prologue.NONE, x, weight, x.shape[1])
     return torch.nn.functional.linear(x, weight)
@@ -507,17 +446,13 @@ class EmbeddedTokens(NamedTuple):
 
 class UnprojectedLogits(NamedTuple):
     """Logits not computed yet: ``linear(rows, weight)``, the LM head over hidden ``rows``
-    (``[R, hidden]``, or such rows still to normalise). The end of a decode step
+    (``[R, hidden]``). The end of a decode step
     (:func:`~speccheck.speculator.sampling.finish_decode_step`) projects them itself,
-    sampling in the LM head's tensor-core kernel where :meth:`runs_skinny` says so (one
-    kernel less)."""
+    sampling in the epilogue of the LM head's tensor-core kernel where :func:`runs_skinny`
+    says so (one kernel less)."""
 
-    rows: torch.Tensor | UnnormalisedRows
+    rows: torch.Tensor
     weight: torch.Tensor
-
-    def runs_skinny(self, kernel: bool | None) -> bool:
-        """Whether the projection runs as the tensor-core kernel (:func:`runs_skinny`)."""
-        return runs_skinny(source_rows(self.rows), self.weight, kernel)
 
     def project(self, *, kernel: bool | None = None) -> torch.Tensor:
         """The logits, ``[R, vocab]`` in the rows' dtype: :func:`linear`."""

@@ -5,7 +5,7 @@ integer ops: deterministic, identical on every path (eager, per-step graph, fuse
 and capture-safe (no generator state advanced on the host). On CUDA, Gumbel-max
 (:func:`gumbel_argmax`: hash, noise, add and argmax per row) is two Triton kernels, and so
 is the whole end of a decode step (:func:`finish_decode_step`: sample, store, feed back,
-advance), or one where the LM head samples; elsewhere the same math in tensor ops.
+advance); elsewhere the same math in tensor ops.
 
 Both kernel pairs split each row's vocabulary: phase 1, a grid ``(rows, splits)``, scans
 one contiguous chunk per program (storing its fp32 logits, in the decode step) and writes
@@ -15,12 +15,11 @@ so the result is exactly ``torch.argmax``'s first maximum, and does the stores. 
 is a function of the vocabulary size alone (:func:`_split_plan`).
 
 At the end of a decode step whose LM head runs as the tensor-core kernel of
-:mod:`~speccheck.speculator.projection_kernels` (given its logits unprojected), both phases
-are that kernel: each program rounds its tile of logits to the model's dtype, as the LM
-head's own kernel stores them, stores them in fp32 and writes the tile's partials for every
-row; the last program to finish (counted acquire-release) does phase 2 for every row.
-``splits`` is then the kernel's tile count (500 at vocabulary 32000, 2004 at 128256), and
-tokens and logits are those of the separate kernels.
+:mod:`~speccheck.speculator.projection_kernels` (given its logits unprojected), phase 1 is
+that kernel's epilogue instead: each program rounds its tile of logits to the model's
+dtype, as the LM head's own kernel stores them, stores them in fp32 and writes the tile's
+partials for every row. ``splits`` is then the kernel's tile count (500 at vocabulary
+32000, 2004 at 128256), and tokens and logits are those of the separate kernels.
 
 No host values, no synchronisation; the scratch comes from the graph pool under capture.
 """
@@ -42,6 +41,7 @@ from speccheck.speculator.model_kernels import use_kernels
 from speccheck.speculator.projection_kernels import (
     UnprojectedLogits,
     launch_skinny,
+    runs_skinny,
     skinny_tile,
     skinny_tiles,
 )
@@ -165,89 +165,21 @@ def _chunk_argmax_kernel(
     tl.store(part_index_ptr + part, best_index)
 
 
-@triton.jit
-def _lanes_argmax(part_best_ptr, part_index_ptr, lanes, lmask, splits, BLOCK: tl.constexpr):
-    """Phase 2 for the vector of ``lanes`` (on where ``lmask`` is): each lane's first maximum
-    from its ``splits`` partials, read ``BLOCK`` at a time (a power of two). The partials
-    are in vocabulary order, so the first holding the greatest score, kept as
-    :func:`_running_argmax` keeps it, holds the lane's first maximum: the one
-    ``torch.argmax`` returns (a lane of ``-inf`` gets index 0, as there). The loads bypass
-    L1: the partials may be other programs' of the same kernel
-    (:func:`_lm_head_sample_kernel`)."""
-    best = tl.full(lanes.shape, -float("inf"), tl.float32)
-    best_index = tl.zeros(lanes.shape, tl.int64)
-    for start in range(0, splits, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = lmask[:, None] & (offs < splits)[None, :]
-        at = lanes[:, None] * splits + offs[None, :]
-        scores = tl.load(part_best_ptr + at, mask=m, other=-float("inf"), cache_modifier=".cg")
-        indices = tl.load(part_index_ptr + at, mask=m, other=0, cache_modifier=".cg")
-        block_best, split = _running_argmax(scores, start, -float("inf"), start, 1)
-        block_index = tl.sum(tl.where(offs[None, :] == split[:, None], indices, 0), axis=1)
-        better = block_best > best
-        best = tl.where(better, block_best, best)
-        best_index = tl.where(better, block_index, best_index)
-    return best_index
-
-
-def _partials_block(splits: int) -> int:
-    """``BLOCK`` of :func:`_lanes_argmax` for ``splits`` partials per lane: all at once up
-    to 128, else 128 at a time (the LM head's 2004 tiles at vocabulary 128256 by 16 lanes
-    would not fit in registers)."""
-    return min(triton.next_power_of_2(splits), 128)
-
-
-@triton.jit
-def _finish_lanes(part_best_ptr, part_index_ptr, lanes, lmask, splits, step, positions_ptr,
-                  seq_lens_ptr, is_real_ptr, tokens_ptr, input_ids_ptr, tokens_row_stride,
-                  max_model_len, ADVANCE: tl.constexpr, BLOCK: tl.constexpr):
-    """The end of a decode step for the vector of ``lanes`` (on where ``lmask`` is): each
-    lane's token from its partials, stored at column ``step`` of the tokens and fed back;
-    with ``ADVANCE``, real lanes move one position on (clamped), padding lanes stay."""
-    token = _lanes_argmax(part_best_ptr, part_index_ptr, lanes, lmask, splits, BLOCK)
-    tl.store(tokens_ptr + lanes * tokens_row_stride + step, token, mask=lmask)
-    tl.store(input_ids_ptr + lanes, token, mask=lmask)
-    if ADVANCE:
-        position = tl.load(positions_ptr + lanes, mask=lmask, other=0)
-        real = tl.load(is_real_ptr + lanes, mask=lmask, other=0).to(position.dtype)
-        tl.store(positions_ptr + lanes, tl.minimum(position + real, max_model_len - 1),
-                 mask=lmask)
-        seq_len = tl.load(seq_lens_ptr + lanes, mask=lmask, other=0)
-        tl.store(seq_lens_ptr + lanes,
-                 tl.minimum(seq_len + real.to(seq_len.dtype), max_model_len), mask=lmask)
-
-
-# Neither the row count nor the draft step count K (the strides of the tokens and logits)
-# specialises the LM head: a batch or a K of one would compile it anew (seconds, where the
-# verifier draws K and batches per example).
-@triton.jit(do_not_specialize=("rows", "draft_logits_row_stride", "tokens_row_stride",
-                               "max_model_len"))
-def _lm_head_sample_kernel(
-    x_ptr, d_ptr, nw_ptr, w_ptr, rows, n, k, x_stride, d_stride, eps, seeds_ptr,
-    positions_ptr, step_ptr, draft_logits_ptr, part_best_ptr, part_index_ptr,
-    draft_logits_row_stride, draft_logits_step_stride, seq_lens_ptr, is_real_ptr, done_ptr,
-    tokens_ptr, input_ids_ptr, tokens_row_stride, max_model_len, GUMBEL: tl.constexpr,
-    ADVANCE: tl.constexpr, MOVE_ON: tl.constexpr, PARTIALS_BLOCK: tl.constexpr,
-    PROLOGUE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+@triton.jit(do_not_specialize=("rows",))
+def _lm_head_argmax_kernel(
+    x_ptr, w_ptr, rows, n, k, x_stride, seeds_ptr, positions_ptr, step_ptr, draft_logits_ptr,
+    part_best_ptr, part_index_ptr, draft_logits_row_stride, draft_logits_step_stride,
+    GUMBEL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """The whole end of a decode step in the LM head's kernel, program ``tile`` of
-    :func:`~speccheck.speculator.projection_kernels.launch_skinny`'s grid.
-
-    Phase 1 in every program's epilogue: the logits of entries ``[tile * BLOCK_N, (tile +
-    1) * BLOCK_N)`` of every row (normalised in the prologue, as ``PROLOGUE`` says), rounded to the hidden rows' dtype as
-    :func:`~speccheck.speculator.projection_kernels.linear` stores them, are stored in fp32
-    at ``draft_logits[row, step]``; the tile's best score (the logits, plus the row's Gumbel
-    noise with ``GUMBEL``) and the index of its first maximum at ``[row, tile]`` of the
-    partials (``[rows, tiles]``, fp32 and int64): the same stores and scores as
-    :func:`_chunk_argmax_kernel`'s over the same logits.
-
-    Phase 2 in the last program to finish: each program counts itself done in ``done``
-    (acquire-release, after a barrier of its threads, so that its partials and its reads of
-    the step and the positions come before the count); the one that counts last reads
-    every partial, does :func:`_finish_lanes`, moves the step on with ``MOVE_ON`` and
-    clears ``done``. No program reads the step or the positions after they moved on, and
-    the kernel after the step waits for the whole grid."""
+    """Phase 1 in the LM head's epilogue, program ``tile`` of
+    :func:`~speccheck.speculator.projection_kernels.launch_skinny`'s grid: the logits of
+    entries ``[tile * BLOCK_N, (tile + 1) * BLOCK_N)`` of every row, rounded to the hidden
+    rows' dtype as :func:`~speccheck.speculator.projection_kernels.linear` stores them, are
+    stored in fp32 at ``draft_logits[row, step]``; the tile's best score (the logits, plus
+    the row's Gumbel noise with ``GUMBEL``) and the index of its first maximum at
+    ``[row, tile]`` of the partials (``[rows, tiles]``, fp32 and int64). The same stores
+    and scores as :func:`_chunk_argmax_kernel`'s over the same logits."""
     tile = tl.program_id(0)
     release_dependents(PDL)
     r = tl.arange(0, ROWS)
@@ -256,11 +188,9 @@ def _lm_head_sample_kernel(
     cols = start + tl.arange(0, BLOCK_N)
     nmask = cols < n
     await_predecessor(PDL)
-    acc = skinny_tile(x_ptr, d_ptr, nw_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, d_stride,
-                      eps, PROLOGUE, ROWS, BLOCK_N, BLOCK_K)
+    acc = skinny_tile(x_ptr, w_ptr, r, rmask, cols, nmask, k, x_stride, ROWS, BLOCK_N, BLOCK_K)
     x = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-    step = tl.load(step_ptr)
-    out_logits = draft_logits_ptr + step * draft_logits_step_stride
+    out_logits = draft_logits_ptr + tl.load(step_ptr) * draft_logits_step_stride
     tl.store(out_logits + r[:, None] * draft_logits_row_stride + cols[None, :], x,
              mask=rmask[:, None] & nmask[None, :])
     score = x
@@ -270,25 +200,31 @@ def _lm_head_sample_kernel(
         score = _gumbel_score(x, key[:, None], cols[None, :])
     score = tl.where(nmask[None, :], score, -float("inf"))
     best, best_index = _running_argmax(score, start, -float("inf"), start, 1)
-    tiles = tl.num_programs(0)
-    part = r * tiles + tile
+    part = r * tl.num_programs(0) + tile
     tl.store(part_best_ptr + part, best, mask=rmask)
     tl.store(part_index_ptr + part, best_index, mask=rmask)
-    tl.debug_barrier()
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel") == tiles - 1:
-        _finish_lanes(part_best_ptr, part_index_ptr, r, rmask, tiles, step, positions_ptr,
-                      seq_lens_ptr, is_real_ptr, tokens_ptr, input_ids_ptr, tokens_row_stride,
-                      max_model_len, ADVANCE, PARTIALS_BLOCK)
-        if MOVE_ON:
-            tl.store(step_ptr, step + 1)
-        tl.store(done_ptr, 0)
 
 
 @triton.jit
-def _store_argmax_kernel(part_best_ptr, part_index_ptr, out_ptr, splits, BLOCK: tl.constexpr):
-    lane = tl.program_id(0) + tl.arange(0, 1)
-    tl.store(out_ptr + lane,
-             _lanes_argmax(part_best_ptr, part_index_ptr, lane, lane >= 0, splits, BLOCK))
+def _partials_argmax(part_best_ptr, part_index_ptr, row, splits, SPLITS: tl.constexpr):
+    """Phase 2: the row's first maximum from its ``splits`` chunk partials (``SPLITS``, a
+    power of two, at least ``splits``). The chunks are in vocabulary order, so the first
+    chunk holding the greatest score, found as :func:`_running_argmax` finds it within a
+    block, holds the row's first maximum: the one ``torch.argmax`` returns. (A row of
+    ``-inf`` gives chunk 0's index, 0, as it does.)"""
+    offs = tl.arange(0, SPLITS)
+    mask = offs < splits
+    scores = tl.load(part_best_ptr + row * splits + offs, mask=mask, other=-float("inf"))
+    indices = tl.load(part_index_ptr + row * splits + offs, mask=mask, other=0)
+    _, split = _running_argmax(scores, 0, -float("inf"), 0, 0)
+    return tl.sum(tl.where(offs == split, indices, 0), axis=0)
+
+
+@triton.jit
+def _store_argmax_kernel(part_best_ptr, part_index_ptr, out_ptr, splits,
+                         SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    tl.store(out_ptr + row, _partials_argmax(part_best_ptr, part_index_ptr, row, splits, SPLITS))
 
 
 def _chunk_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *,
@@ -310,6 +246,23 @@ def _chunk_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     return part_best, part_index, splits
 
 
+def _lm_head_argmax(head: UnprojectedLogits, seeds: torch.Tensor, positions: torch.Tensor, *,
+                    gumbel: bool, step: torch.Tensor, draft_logits: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Launch the LM head with phase 1 in its epilogue over ``head`` (at least one row): the
+    partials, one per tensor-core tile of the vocabulary (new tensors, from the graph pool
+    under capture), and their count per row; the fp32 logits stored at
+    ``draft_logits[:, step]``."""
+    tiles = skinny_tiles(head.weight)
+    rows, device = head.rows.shape[0], head.rows.device
+    part_best = torch.empty(rows, tiles, dtype=torch.float32, device=device)
+    part_index = torch.empty(rows, tiles, dtype=torch.int64, device=device)
+    launch_skinny(_lm_head_argmax_kernel, head.rows, head.weight, seeds, positions, step,
+                  draft_logits, part_best, part_index, *draft_logits.stride()[:2],
+                  GUMBEL=gumbel)
+    return part_best, part_index, tiles
+
+
 def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *,
                   kernel: bool | None = None) -> torch.Tensor:
     """``argmax(logits + gumbel_noise(seeds, positions))`` per row (the first maximum),
@@ -325,7 +278,7 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
     if rows:
         part_best, part_index, splits = _chunk_argmax(logits, seeds, positions, gumbel=True)
         _store_argmax_kernel[(rows,)](part_best, part_index, out, splits,
-                                      BLOCK=_partials_block(splits))
+                                      SPLITS=triton.next_power_of_2(splits))
     return out
 
 
@@ -333,22 +286,28 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Te
 def _decode_step_finish_kernel(
     part_best_ptr, part_index_ptr, positions_ptr, seq_lens_ptr, is_real_ptr, step_ptr,
     done_ptr, tokens_ptr, input_ids_ptr, tokens_row_stride, splits, max_model_len,
-    ADVANCE: tl.constexpr, MOVE_ON: tl.constexpr, ONE_LANE: tl.constexpr,
-    PARTIALS_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ADVANCE: tl.constexpr, MOVE_ON: tl.constexpr, ONE_LANE: tl.constexpr, SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Phase 2 after :func:`_chunk_argmax_kernel`, program ``lane`` (grid ``(lanes,)``):
-    :func:`_finish_lanes` for its lane. With ``MOVE_ON``, every program counts itself done
-    in ``done`` (acquire-release) after it has read the step; the last one stores ``step +
-    1`` and clears ``done``, so no program can read the step after it moved on. A grid of
+    """Program ``row`` (grid ``(lanes,)``): the lane's token from its partials, stored and
+    fed back, and its advance. With ``MOVE_ON``, every program counts itself done in
+    ``done`` (acquire-release) after it has read the step; the last one stores ``step + 1``
+    and clears ``done``, so no program can read the step after it moved on. A grid of
     ``ONE_LANE`` has no other program to wait for: it stores ``step + 1`` itself, without
     the count (an atomic's round trip less at batch 1)."""
-    lane = tl.program_id(0) + tl.arange(0, 1)
+    row = tl.program_id(0)
     release_dependents(PDL)
     await_predecessor(PDL)
     step = tl.load(step_ptr)
-    _finish_lanes(part_best_ptr, part_index_ptr, lane, lane >= 0, splits, step, positions_ptr,
-                  seq_lens_ptr, is_real_ptr, tokens_ptr, input_ids_ptr, tokens_row_stride,
-                  max_model_len, ADVANCE, PARTIALS_BLOCK)
+    token = _partials_argmax(part_best_ptr, part_index_ptr, row, splits, SPLITS)
+    tl.store(tokens_ptr + row * tokens_row_stride + step, token)
+    tl.store(input_ids_ptr + row, token)
+    if ADVANCE:
+        position = tl.load(positions_ptr + row)
+        real = tl.load(is_real_ptr + row).to(position.dtype)
+        tl.store(positions_ptr + row, tl.minimum(position + real, max_model_len - 1))
+        seq_len = tl.load(seq_lens_ptr + row)
+        tl.store(seq_lens_ptr + row, tl.minimum(seq_len + real.to(seq_len.dtype), max_model_len))
     if MOVE_ON:
         if ONE_LANE:
             tl.store(step_ptr, step + 1)
@@ -372,7 +331,7 @@ def finish_decode_step(
     *,
     advance: bool,
     max_model_len: int,
-    done_count: torch.Tensor | None = None,
+    lanes_done: torch.Tensor | None = None,
     kernel: bool | None = None,
 ) -> None:
     """The end of a decode step over the ``R`` lanes, in place: sample each lane's token
@@ -382,27 +341,25 @@ def finish_decode_step(
     ``input_ids``. With ``advance``, real lanes (``is_real``) move one position on
     (``positions`` clamped at ``max_model_len - 1``, ``seq_lens`` at ``max_model_len``);
     padding lanes stay. Sampling reads the positions before they advance. Given
-    ``done_count`` (an int32 device scalar the caller owns, zero between calls, left zero:
-    the programs of the step's last kernel count themselves done in it), ``step`` moves on
-    by one at the end, inside the last kernel; otherwise it is left to the caller. Nothing
-    else is written.
+    ``lanes_done`` (an int32 device scalar the caller owns, zero between calls, left zero),
+    ``step`` moves on by one at the end, inside the last kernel; otherwise it is left to the
+    caller. Nothing else is written.
 
     ``logits`` may be :class:`~speccheck.speculator.projection_kernels.UnprojectedLogits`
-    (the LM head over ``R`` hidden rows, perhaps still to normalise), projected here with
-    the same ``kernel`` choice and the same numbers as its ``project``: where its
-    ``runs_skinny`` says so, the whole end of the step is the LM head's tensor-core kernel
-    (:func:`_lm_head_sample_kernel`: the rows normalised in each program's prologue,
-    sampling partials in its epilogue, the rest in the last program to finish; without
-    ``done_count`` it counts in a zeroed scalar of its own), else ``project`` runs first.
+    (the LM head over ``R`` hidden rows), projected here with the same ``kernel`` choice and
+    the same numbers as its ``project``: where
+    :func:`~speccheck.speculator.projection_kernels.runs_skinny` says so, by the LM head's
+    tensor-core kernel with phase 1 in its epilogue (one kernel less), else by ``project``
+    first.
 
-    Projected logits on CUDA (``kernel`` forces or avoids it) take two Triton kernels:
-    several programs per lane scan its vocabulary in chunks (sampling partials, fp32 logits
-    stored), then one program per lane picks the token and does the stores and the advance
-    (and the last one to finish moves the step on). ``logits`` rows and the vocabulary
-    dimension of ``draft_logits`` must be contiguous. Tensor ops elsewhere. Capture-safe:
-    no host values or synchronisation, the scratch partials from the graph pool under
-    capture, every write to the buffers in place."""
-    if isinstance(logits, UnprojectedLogits) and not logits.runs_skinny(kernel):
+    On CUDA (``kernel`` forces or avoids it) two Triton kernels: several programs per lane
+    scan its vocabulary in chunks or tiles (sampling partials, fp32 logits stored), then one
+    program per lane picks the token and does the stores and the advance (and the last
+    one to finish moves the step on). ``logits`` rows
+    and the vocabulary dimension of ``draft_logits`` must be contiguous. Tensor ops
+    elsewhere. Capture-safe: no host values or synchronisation, the scratch partials from
+    the graph pool under capture, every write to the buffers in place."""
+    if isinstance(logits, UnprojectedLogits) and not runs_skinny(*logits, kernel):
         logits = logits.project(kernel=kernel)
     # logits still unprojected take the kernels (runs_skinny said so)
     if isinstance(logits, torch.Tensor) and not (
@@ -415,35 +372,26 @@ def finish_decode_step(
         if advance:
             positions.add_(is_real).clamp_(max=max_model_len - 1)
             seq_lens.add_(is_real).clamp_(max=max_model_len)
-        if done_count is not None:
+        if lanes_done is not None:
             step.add_(1)
         return
     n = input_ids.shape[0]
-    if not n:
-        if done_count is not None:
-            step.add_(1)
-        return
-    gumbel = method == "gumbel"
-    if isinstance(logits, UnprojectedLogits):
-        tiles = skinny_tiles(logits.weight)
-        part_best = torch.empty(n, tiles, dtype=torch.float32, device=input_ids.device)
-        part_index = torch.empty(n, tiles, dtype=torch.int64, device=input_ids.device)
-        count = (torch.zeros((), dtype=torch.int32, device=input_ids.device)
-                 if done_count is None else done_count)
-        launch_skinny(_lm_head_sample_kernel, logits.rows, logits.weight, seeds, positions,
-                      step, draft_logits, part_best, part_index, *draft_logits.stride()[:2],
-                      seq_lens, is_real, count, draft_tokens, input_ids,
-                      draft_tokens.stride(0), max_model_len, GUMBEL=gumbel, ADVANCE=advance,
-                      MOVE_ON=done_count is not None, PARTIALS_BLOCK=_partials_block(tiles))
-        return
-    part_best, part_index, splits = _chunk_argmax(
-        logits, seeds, positions, gumbel=gumbel, step=step, draft_logits=draft_logits)
-    pdl = dependent_launch(input_ids)
-    _decode_step_finish_kernel[(n,)](
-        part_best, part_index, positions, seq_lens, is_real, step, done_count, draft_tokens, input_ids,
-        draft_tokens.stride(0), splits, max_model_len, ADVANCE=advance,
-        MOVE_ON=done_count is not None, ONE_LANE=n == 1,
-        PARTIALS_BLOCK=_partials_block(splits), PDL=pdl, launch_pdl=pdl)
+    if not n and lanes_done is not None:
+        step.add_(1)
+    if n:
+        gumbel = method == "gumbel"
+        part_best, part_index, splits = (
+            _chunk_argmax(logits, seeds, positions, gumbel=gumbel, step=step,
+                          draft_logits=draft_logits)
+            if isinstance(logits, torch.Tensor) else
+            _lm_head_argmax(logits, seeds, positions, gumbel=gumbel, step=step,
+                            draft_logits=draft_logits))
+        pdl = dependent_launch(input_ids)
+        _decode_step_finish_kernel[(n,)](
+            part_best, part_index, positions, seq_lens, is_real, step, lanes_done, draft_tokens,
+            input_ids, draft_tokens.stride(0), splits, max_model_len, ADVANCE=advance,
+            MOVE_ON=lanes_done is not None, ONE_LANE=n == 1,
+            SPLITS=triton.next_power_of_2(splits), PDL=pdl, launch_pdl=pdl)
 
 
 def sample_tokens(

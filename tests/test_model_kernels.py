@@ -27,11 +27,9 @@ from speccheck.speculator.model_kernels import (
 )
 from speccheck.speculator.projection_kernels import (
     SKINNY_ROWS,
-    Prologue,
     Tiling,
-    UnnormalisedRows,
     UnprojectedLogits,
-    source_rows,
+    runs_skinny,
 )
 from speccheck.speculator.sampling import (
     SamplingMethod,
@@ -127,18 +125,18 @@ def _finished(logits: torch.Tensor | UnprojectedLogits, method: SamplingMethod, 
               device: str = "cpu") -> dict[str, torch.Tensor]:
     """The buffers drawn from ``seed`` after :func:`finish_decode_step` over ``logits``."""
     rows, vocab = (logits.shape if isinstance(logits, torch.Tensor)
-                   else (source_rows(logits.rows).shape[0], logits.weight.shape[0]))
+                   else (logits.rows.shape[0], logits.weight.shape[0]))
     max_len = 50
     buffers = {name: t.to(device) for name, t in
                _decode_state(rows, steps, vocab, max_len, seed).items()}
     buffers["step"] = torch.tensor(step, device=device)
-    buffers["done_count"] = torch.zeros((), dtype=torch.int32, device=device)
+    buffers["lanes_done"] = torch.zeros((), dtype=torch.int32, device=device)
     finish_decode_step(logits, method, buffers["seeds"], buffers["positions"],
                        buffers["seq_lens"], buffers["is_real"], buffers["step"],
                        buffers["draft_tokens"], buffers["draft_logits"], buffers["input_ids"],
                        advance=advance, max_model_len=max_len,
-                       done_count=buffers["done_count"], kernel=kernel)
-    assert int(buffers["step"]) == step + 1 and int(buffers["done_count"]) == 0
+                       lanes_done=buffers["lanes_done"], kernel=kernel)
+    assert int(buffers["step"]) == step + 1 and int(buffers["lanes_done"]) == 0
     return buffers
 
 
@@ -170,36 +168,26 @@ def test_decode_step_epilogue_kernel_matches_torch(rows: int, vocab: int, steps:
         _assert_decode_step_forms_agree(logits, method, steps, step, advance, seed + 1)
 
 
-@pytest.mark.parametrize("in_lm_head", [False, True])
 @pytest.mark.parametrize("lanes", [1, 3])
-def test_the_step_moves_on_inside_the_kernel_only_when_asked(lanes: int,
-                                                             in_lm_head: bool) -> None:
-    """Given the count, every call moves the step on by one (as each replay of a captured
-    step does: the tokens land in the next column each time) and leaves the count zero;
-    without it the step stays for the caller to move. After projected logits one lane
-    moves it without counting, several through the count; in the LM head's kernel its
-    tiles count (here 3 of them)."""
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randint(-2, 3, (lanes, 8), generator=gen).float()
-    weight = torch.randint(-2, 3, (40, 8), generator=gen).float()
-    logits = hidden @ weight.T
+def test_the_step_moves_on_inside_the_kernel_only_when_asked(lanes: int) -> None:
+    """Given the lane counter, every call moves the step on by one (as each replay of a
+    captured step does: the tokens land in the next column each time) and leaves the
+    counter zero; without it the step stays for the caller to move. One lane moves it
+    without counting, several through the count."""
+    logits = torch.randn(lanes, 40, generator=torch.Generator().manual_seed(0))
     state = _decode_state(lanes, 4, 40, 50, 0)
     step, done = torch.tensor(0), torch.zeros((), dtype=torch.int32)
 
-    def finish(done_count: torch.Tensor | None) -> None:
-        finish_decode_step(UnprojectedLogits(hidden, weight) if in_lm_head else logits,
-                           "argmax", state["seeds"], state["positions"], state["seq_lens"],
-                           state["is_real"], step, state["draft_tokens"],
+    def finish(lanes_done: torch.Tensor | None) -> None:
+        finish_decode_step(logits, "argmax", state["seeds"], state["positions"],
+                           state["seq_lens"], state["is_real"], step, state["draft_tokens"],
                            state["draft_logits"], state["input_ids"], advance=False,
-                           max_model_len=50, done_count=done_count, kernel=True)
+                           max_model_len=50, lanes_done=lanes_done, kernel=True)
 
-    with _lm_head_tiles(16), mock.patch.object(
-            sampling, "_chunk_argmax" if in_lm_head else "launch_skinny",
-            side_effect=AssertionError("the other kernel")):
-        for expected in (1, 2, 3):
-            finish(done)
-            assert int(step) == expected and int(done) == 0
-        finish(None)
+    for expected in (1, 2, 3):
+        finish(done)
+        assert int(step) == expected and int(done) == 0
+    finish(None)
     assert int(step) == 3
     assert (state["draft_tokens"][:, :4] == logits.argmax(dim=1)[:, None]).all()
 
@@ -242,23 +230,19 @@ def _lm_head_tiles(block_n: int) -> contextlib.ExitStack:
     return stack
 
 
-def _assert_lm_head_epilogue_agrees(hidden: torch.Tensor | UnnormalisedRows,
-                                    weight: torch.Tensor, method: SamplingMethod, steps: int,
-                                    step: int, advance: bool, seed: int) -> torch.Tensor:
+def _assert_lm_head_epilogue_agrees(hidden: torch.Tensor, weight: torch.Tensor,
+                                    method: SamplingMethod, steps: int, step: int,
+                                    advance: bool, seed: int) -> torch.Tensor:
     """The end of a decode step from unprojected logits, sampling in the LM head's
     epilogue, against the LM head's own kernel followed by :func:`finish_decode_step`'s
-    kernels: every buffer equal; for hidden rows already normalised, against the tensor-op
-    forms too (a norm in the kernel's prologue rounds as its own kernel does, not as the
-    tensor ops). Returns the tokens."""
+    kernels, and against the tensor-op forms: every buffer equal. Returns the tokens."""
     head = UnprojectedLogits(hidden, weight)
-    assert head.runs_skinny(True)
+    assert runs_skinny(hidden, weight, True)
     args = (method, steps, step, advance, seed)
     with mock.patch.object(sampling, "_chunk_argmax", side_effect=AssertionError("unfused")):
         got = _finished(head, *args, kernel=True)
-    wants = [_finished(head.project(kernel=True), *args, kernel=True)]
-    if isinstance(hidden, torch.Tensor):
-        wants.append(_finished(head, *args, kernel=False))
-    for want in wants:
+    for want in (_finished(head.project(kernel=True), *args, kernel=True),
+                 _finished(head, *args, kernel=False)):
         for name in want:
             assert torch.equal(got[name], want[name]), name
     return got["input_ids"]
@@ -268,27 +252,20 @@ def _assert_lm_head_epilogue_agrees(hidden: torch.Tensor | UnnormalisedRows,
 @given(rows=st.integers(1, SKINNY_ROWS), vocab=st.integers(1, 90), k=st.integers(1, 40),
        block_n=st.sampled_from([16, 32]), steps=st.integers(1, 3),
        method=st.sampled_from(["argmax", "gumbel"]), advance=st.booleans(),
-       norm=st.sampled_from([None, Prologue.RMS_NORM, Prologue.ADD_RMS_NORM]),
        seed=st.integers(0, 99))
 def test_lm_head_epilogue_matches_the_separate_kernels(rows: int, vocab: int, k: int,
                                                        block_n: int, steps: int,
                                                        method: SamplingMethod, advance: bool,
-                                                       norm: Prologue | None,
                                                        seed: int) -> None:
     """Integer hidden rows and weights, so that the logits are exact and most rows have
     equal maxima (in different tiles, often); vocabularies over up to 6 tiles, most
-    ending in a partial one, hidden rows over up to 3 reduction steps. With ``norm``, the
-    rows are a residual stream (and delta) still to normalise, as a decode step gives."""
+    ending in a partial one, hidden rows over up to 3 reduction steps."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randint(-2, 3, (rows, k), generator=gen).float()
     weight = torch.randint(-2, 3, (vocab, k), generator=gen).float()
     step = int(torch.randint(0, steps, (1,), generator=gen))
-    rows_in: torch.Tensor | UnnormalisedRows = hidden
-    if norm is not None:
-        delta = torch.randn(rows, k, generator=gen) if norm == Prologue.ADD_RMS_NORM else None
-        rows_in = UnnormalisedRows(hidden, delta, 1 + 0.1 * torch.randn(k, generator=gen), 1e-6)
     with _lm_head_tiles(block_n):
-        _assert_lm_head_epilogue_agrees(rows_in, weight, method, steps, step, advance, seed + 1)
+        _assert_lm_head_epilogue_agrees(hidden, weight, method, steps, step, advance, seed + 1)
 
 
 def test_lm_head_epilogue_ties_take_the_lowest_index() -> None:
@@ -400,8 +377,7 @@ def test_cuda_kernels_match_torch(dtype: torch.dtype) -> None:
 def test_cuda_lm_head_epilogue_matches_the_separate_kernels(dtype: torch.dtype) -> None:
     """Sampling in the LM head's epilogue against the LM head's own kernel followed by
     :func:`finish_decode_step`'s kernels: every buffer bit-identical, both samplers, at one,
-    a few and ``SKINNY_ROWS`` lanes, vocabularies 32000 and 128256, hidden rows normalised
-    or still to normalise (in the LM head's prologue). Lane 0's logits are
+    a few and ``SKINNY_ROWS`` lanes, vocabularies 32000 and 128256. Lane 0's logits are
     greatest, and equal, at entries of three tiles (its hidden row copied into the weight
     there); the argmax is the first maximum of the stored logits."""
     if not torch.cuda.is_available():
@@ -411,18 +387,16 @@ def test_cuda_lm_head_epilogue_matches_the_separate_kernels(dtype: torch.dtype) 
         for rows in (1, 5, SKINNY_ROWS):
             hidden = _rows(2, rows, 2048, "cuda", dtype)
             weight[[63, 64, vocab - 1]] = hidden[0] / 64
-            pending = UnnormalisedRows(hidden, _rows(3, rows, 2048, "cuda", dtype),
-                                       1 + _rows(4, 1, 2048, "cuda", dtype)[0] / 10, 1e-6)
-            for head in (UnprojectedLogits(hidden, weight), UnprojectedLogits(pending, weight)):
-                assert head.runs_skinny(None)
-                for method in METHODS:
-                    got = _finished(head, method, 4, 2, True, 0, None, "cuda")
-                    want = _finished(head.project(), method, 4, 2, True, 0, None, "cuda")
-                    for name in want:
-                        assert torch.equal(got[name], want[name]), (vocab, rows, method, name)
-                    if method == "argmax":
-                        first = got["draft_logits"][:, 2].argmax(dim=-1)
-                        assert torch.equal(got["input_ids"], first), (vocab, rows)
+            head = UnprojectedLogits(hidden, weight)
+            assert runs_skinny(hidden, weight, None)
+            for method in METHODS:
+                got = _finished(head, method, 4, 2, True, 0, None, "cuda")
+                want = _finished(head.project(), method, 4, 2, True, 0, None, "cuda")
+                for name in want:
+                    assert torch.equal(got[name], want[name]), (vocab, rows, method, name)
+                if method == "argmax":
+                    first = got["draft_logits"][:, 2].argmax(dim=-1)
+                    assert torch.equal(got["input_ids"], first), (vocab, rows)
 
 
 _AOT_SCRIPT = """
@@ -466,43 +440,36 @@ for gumbel, store in ((True, False), (False, True), (True, True)):  # as the cal
             **({} if store else dict.fromkeys(pointer))}), target=target)
     print("chunk argmax ok")
 compile(ASTSource(s._store_argmax_kernel, {"part_best_ptr": "*fp32", "part_index_ptr": "*i64",
-        "out_ptr": "*i64", "splits": "i32", "BLOCK": "constexpr"}, {"BLOCK": 16}),
+        "out_ptr": "*i64", "splits": "i32", "SPLITS": "constexpr"}, {"SPLITS": 16}),
         target=target)
 print("store argmax ok")
-# split plans of vocabulary 32000 and 128256
-for advance, splits in ((False, 16), (True, 32)):
+# split plans of vocabulary 32000 and 128256, the LM head's tiles at 128256
+for advance, splits in ((False, 16), (True, 32), (True, 2048)):
     compile(ASTSource(s._decode_step_finish_kernel, {"part_best_ptr": "*fp32",
             "part_index_ptr": "*i64", "positions_ptr": "*i64", "seq_lens_ptr": "*i32",
             "is_real_ptr": "*i1", "step_ptr": "*i64", "done_ptr": "*i32", "tokens_ptr": "*i64",
             "input_ids_ptr": "*i64", "tokens_row_stride": "i32", "splits": "i32",
             "max_model_len": "i32", "ADVANCE": "constexpr", "MOVE_ON": "constexpr",
-            "ONE_LANE": "constexpr", "PARTIALS_BLOCK": "constexpr", "PDL": "constexpr"},
-            {"ADVANCE": advance, "MOVE_ON": True, "ONE_LANE": splits == 16,
-             "PARTIALS_BLOCK": splits, "PDL": True}), target=target)
+            "ONE_LANE": "constexpr",
+            "SPLITS": "constexpr", "PDL": "constexpr"},
+            {"ADVANCE": advance, "MOVE_ON": True, "ONE_LANE": splits == 16, "SPLITS": splits,
+             "PDL": True}), target=target)
     print("decode step finish ok")
 from speccheck.speculator import projection_kernels as p
 tiling = p.tiling_for(128256, 2048)
 for dtype in ("bf16", "fp16"):
     for gumbel in (False, True):
-        signature = {"x_ptr": "*" + dtype, "d_ptr": "*" + dtype, "nw_ptr": "*" + dtype,
-                     "w_ptr": "*" + dtype, "rows": "i32", "n": "i32", "k": "i32",
-                     "x_stride": "i32", "d_stride": "i32", "eps": "fp32",
-                     "seeds_ptr": "*i64", "positions_ptr": "*i64",
+        signature = {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "rows": "i32", "n": "i32",
+                     "k": "i32", "x_stride": "i32", "seeds_ptr": "*i64", "positions_ptr": "*i64",
                      "step_ptr": "*i64", "draft_logits_ptr": "*fp32", "part_best_ptr": "*fp32",
                      "part_index_ptr": "*i64", "draft_logits_row_stride": "i32",
-                     "draft_logits_step_stride": "i32", "seq_lens_ptr": "*i32",
-                     "is_real_ptr": "*i1", "done_ptr": "*i32", "tokens_ptr": "*i64",
-                     "input_ids_ptr": "*i64", "tokens_row_stride": "i32",
-                     "max_model_len": "i32"}
-        # the final norm in the prologue with the Gumbel sampler, none with the argmax
-        constants = {"GUMBEL": gumbel, "ADVANCE": gumbel, "MOVE_ON": True,
-                     "PARTIALS_BLOCK": 128, "PROLOGUE": int(p.Prologue.ADD_RMS_NORM) * gumbel,
-                     "ROWS": p.SKINNY_ROWS, "BLOCK_N": tiling.block_n,
+                     "draft_logits_step_stride": "i32"}
+        constants = {"GUMBEL": gumbel, "ROWS": p.SKINNY_ROWS, "BLOCK_N": tiling.block_n,
                      "BLOCK_K": tiling.block_k, "PDL": True}
         signature.update(dict.fromkeys(constants, "constexpr"))
-        compile(ASTSource(s._lm_head_sample_kernel, signature, constants), target=target,
+        compile(ASTSource(s._lm_head_argmax_kernel, signature, constants), target=target,
                 options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
-        print(dtype, "lm head sample ok")
+        print(dtype, "lm head argmax ok")
 """
 
 
@@ -511,7 +478,7 @@ def test_kernels_compile_for_sm90() -> None:
     epilogue too; a subprocess, because kernels decorated under ``TRITON_INTERPRET=1``
     cannot be compiled."""
     out = run_without_interpreter(_AOT_SCRIPT)
-    assert out.count(" ok") == 3 + 3 + 1 + 2 + 4, out
+    assert out.count(" ok") == 3 + 3 + 1 + 3 + 4, out
 
 
 @SMALL

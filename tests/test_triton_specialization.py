@@ -39,9 +39,11 @@ from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
 
 TILE_CONSTEXPRS = {"paged_attention_split_kernel": frozenset({"BLOCK_M"}),
-                   "_decode_step_finish_kernel": frozenset({"ONE_LANE"})}
-"""Constexprs chosen per batch on purpose: the query tile follows the longest query; whether
-one lane moves the decode step on alone."""
+                   "_decode_step_finish_kernel": frozenset({"SPLITS", "ONE_LANE"})}
+"""Constexprs chosen per batch on purpose: the query tile follows the longest query; the
+decode step's count of sampling partials, whether the LM head samples in its epilogue (on
+CUDA, up to ``SKINNY_ROWS`` lanes: one partial per tile) or not (one per chunk), and
+whether one lane moves the step on alone."""
 
 DRAFTER = DrafterConfig(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                         head_size=16, intermediate_size=64, seed=5)
