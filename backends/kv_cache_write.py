@@ -69,10 +69,9 @@ def write_kv_cache(
     if (use_kernel and num_tokens > 0 and _rows_contiguous(key) and _rows_contiguous(value)
             and key_cache.is_contiguous() and value_cache.is_contiguous()):
         width = kv_heads * head_size
-        pdl = dependent_launch(key)
         _write_kv_kernel[(num_tokens,)](
             key, value, key_cache, value_cache, slot_mapping, key.stride(0), value.stride(0),
-            WIDTH=width, BLOCK=triton.next_power_of_2(width), PDL=pdl, launch_pdl=pdl)
+            WIDTH=width, BLOCK=triton.next_power_of_2(width), **dependent_launch(key))
         return
     key_cache.view(-1, kv_heads, head_size).index_copy_(
         0, slot_mapping, key[:num_tokens].to(key_cache.dtype)

@@ -11,7 +11,7 @@ then block in :func:`await_predecessor` until the earlier kernel has completed a
 writes are visible.
 
 The contract, for every kernel launched with ``launch_pdl=True`` (:func:`dependent_launch`
-says when): each of its programs calls :func:`await_predecessor` before it reads anything a
+gives it): each of its programs calls :func:`await_predecessor` before it reads anything a
 kernel may have written (activations, token ids, positions, step counters, any buffer a
 replay updates) and before its first store. Waiting completes the kernel ahead, which in
 turn waited for its own predecessor, so the guarantee is transitive along the stream. A
@@ -36,14 +36,17 @@ def _device_runs_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= PDL_MIN_MAJOR
 
 
-def dependent_launch(x: torch.Tensor) -> bool:
-    """Whether a kernel over ``x`` launches as a programmatic dependent: ``x`` is on a CUDA
+def dependent_launch(x: torch.Tensor) -> dict[str, bool]:
+    """The launch keywords of a kernel over ``x`` that takes a ``PDL`` constexpr: ``PDL``
+    (its programs release and await, :func:`release_dependents`, :func:`await_predecessor`)
+    and Triton's ``launch_pdl`` (the launch attribute), both true where ``x`` is on a CUDA
     device of compute capability 9 or later (never under the Triton interpreter, whose
-    tensors are on the CPU)."""
-    if not x.is_cuda:
-        return False
+    tensors are on the CPU). One call gives both, so no kernel launches early without
+    waiting: ``kernel[grid](..., **dependent_launch(x))``."""
     index = x.device.index
-    return _device_runs_pdl(torch.cuda.current_device() if index is None else index)
+    runs = x.is_cuda and _device_runs_pdl(torch.cuda.current_device() if index is None
+                                          else index)
+    return {"PDL": runs, "launch_pdl": runs}
 
 
 @triton.jit

@@ -71,9 +71,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     rows, width = x.shape
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if rows:
-        pdl = dependent_launch(x)
         _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), width, eps,
-                                  BLOCK=triton.next_power_of_2(width), PDL=pdl, launch_pdl=pdl)
+                                  BLOCK=triton.next_power_of_2(width), **dependent_launch(x))
     return out
 
 
@@ -108,11 +107,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     summed = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     out = torch.empty((rows, width), dtype=x.dtype, device=x.device)
     if rows:
-        pdl = dependent_launch(x)
         _add_rms_norm_kernel[(rows,)](x, delta, weight, summed, out, x.stride(0),
                                       delta.stride(0), width, eps,
-                                      BLOCK=triton.next_power_of_2(width), PDL=pdl,
-                                      launch_pdl=pdl)
+                                      BLOCK=triton.next_power_of_2(width),
+                                      **dependent_launch(x))
     return out, summed
 
 
@@ -221,10 +219,9 @@ def rotary_qkv(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     v = torch.empty((t, num_kv_heads, head_size), dtype=qkv.dtype, device=qkv.device)
     if t:
         half = head_size // 2
-        pdl = dependent_launch(qkv)
         _rotary_qkv_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, positions, inv_freq, q, k, v, qkv.stride(0), num_heads, num_kv_heads, half,
-            BLOCK=triton.next_power_of_2(half), PDL=pdl, launch_pdl=pdl)
+            BLOCK=triton.next_power_of_2(half), **dependent_launch(qkv))
     return q, k, v
 
 
@@ -261,7 +258,6 @@ def silu_mul(gate_up: torch.Tensor, *, kernel: bool | None = None) -> torch.Tens
     out = torch.empty((rows, width), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         grid = (rows, triton.cdiv(width, _SILU_BLOCK))
-        pdl = dependent_launch(gate_up)
         _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), width, BLOCK=_SILU_BLOCK,
-                               PDL=pdl, launch_pdl=pdl)
+                               **dependent_launch(gate_up))
     return out

@@ -323,14 +323,13 @@ def _launch_fused(prologue: Prologue, x: torch.Tensor, weight: torch.Tensor, k: 
         row_tile = triton.next_power_of_2(rows)
         wide = n >= WIDE_OUTPUT
         block_n = max(1, (8 if wide else 4) // row_tile)
-        pdl = dependent_launch(x)
         _fused_projection_kernel[(triton.cdiv(n, block_n),)](
             x, x if delta is None else delta, x if norm_weight is None else norm_weight,
             x if summed is None else summed, weight, out, rows, n, k, x.stride(0),
             x.stride(0) if delta is None else delta.stride(0), out.stride(0), eps,
             PROLOGUE=int(prologue), ROWS=row_tile, BLOCK_N=block_n,
             BLOCK_K=min(REDUCE_BLOCK_K // (2 if wide else 1), triton.next_power_of_2(k)),
-            PDL=pdl, num_warps=4, num_stages=1, launch_pdl=pdl)
+            num_warps=4, num_stages=1, **dependent_launch(x))
     return out
 
 
@@ -364,11 +363,10 @@ def launch_skinny(kernel: triton.JITFunction, x: torch.Tensor, weight: torch.Ten
     rows, (n, k) = x.shape[0], weight.shape
     if rows:
         tiling = tiling_for(n, k)
-        pdl = dependent_launch(x)
         kernel[(skinny_tiles(weight),)](
             x, weight, rows, n, k, x.stride(0), *args, **constants, ROWS=SKINNY_ROWS,
-            BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, PDL=pdl,
-            num_warps=tiling.num_warps, num_stages=tiling.num_stages, launch_pdl=pdl)
+            BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
+            num_warps=tiling.num_warps, num_stages=tiling.num_stages, **dependent_launch(x))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, *, kernel: bool | None = None) -> torch.Tensor:
@@ -503,7 +501,6 @@ def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
     if t:
         row_tile = triton.next_power_of_2(t)
         block_p = max(1, 2 // row_tile)
-        pdl = dependent_launch(source)
         prologue = (Prologue.GATHER_RMS_NORM if gather else
                     Prologue.RMS_NORM if delta is None else Prologue.ADD_RMS_NORM)
         _fused_qkv_kernel[(triton.cdiv(weight.shape[0] // 2, block_p),)](
@@ -513,5 +510,5 @@ def norm_qkv(x: torch.Tensor | EmbeddedTokens, delta: torch.Tensor | None,
             num_heads, num_kv_heads, PROLOGUE=int(prologue), HALF=head_size // 2,
             ROWS=row_tile, BLOCK_P=block_p,
             BLOCK_K=min(REDUCE_BLOCK_K, triton.next_power_of_2(width)),
-            PDL=pdl, num_warps=4, num_stages=1, launch_pdl=pdl)
+            num_warps=4, num_stages=1, **dependent_launch(source))
     return ProjectedQKV(q, k, v, summed, out)

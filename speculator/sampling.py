@@ -386,12 +386,11 @@ def finish_decode_step(
             if isinstance(logits, torch.Tensor) else
             _lm_head_argmax(logits, seeds, positions, gumbel=gumbel, step=step,
                             draft_logits=draft_logits))
-        pdl = dependent_launch(input_ids)
         _decode_step_finish_kernel[(n,)](
             part_best, part_index, positions, seq_lens, is_real, step, lanes_done, draft_tokens,
             input_ids, draft_tokens.stride(0), splits, max_model_len, ADVANCE=advance,
             MOVE_ON=lanes_done is not None, ONE_LANE=n == 1,
-            SPLITS=triton.next_power_of_2(splits), PDL=pdl, launch_pdl=pdl)
+            SPLITS=triton.next_power_of_2(splits), **dependent_launch(input_ids))
 
 
 def sample_tokens(

@@ -248,7 +248,6 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                     f"{slots} program slots of {num_kv_heads} KV heads exceed the "
                     f"{arrivals.numel()} split counters"
                 )
-            pdl = dependent_launch(query)
             paged_attention_split_kernel[(slots, num_kv_heads, scratch.num_splits)](
                 query,
                 key_cache,
@@ -289,8 +288,7 @@ class TritonAttnImpl(AttentionImpl[TritonAttnMetadata]):
                 CAUSAL=metadata.causal,
                 UPCAST=query.device.type != "cuda",
                 REDUCE=reduce,
-                PDL=pdl,
-                launch_pdl=pdl,
+                **dependent_launch(query),
             )
         if reduce:
             return
