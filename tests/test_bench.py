@@ -240,6 +240,24 @@ def test_device_time_is_the_union_of_device_events() -> None:
     assert device_us([]) == 0.0
 
 
+def test_step_timeline_cuts_replays_between_spin_kernels() -> None:
+    """A replay is what runs between an opening spin kernel and the next (closing) one;
+    the rewinding copies between a closing and an opening spin are not part of it."""
+    from speccheck.checks.bench.step_timeline import StepTimeline, TimelineKernel, _replays
+
+    spin = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
+    events = [("Memcpy DtoD", 0.0, 1.0), (spin, 1.0, 100.0), ("qkv", 101.0, 105.0),
+              ("attention", 104.0, 110.0), (spin, 111.0, 112.0), ("Memcpy DtoD", 113.0, 114.0),
+              (spin, 115.0, 200.0), ("qkv", 200.5, 204.0), ("attention", 203.0, 209.0),
+              (spin, 210.0, 211.0)]
+    replays = _replays(events)
+    assert [[name for name, _, _ in r[1:]] for r in replays] == [["qkv", "attention"]] * 2
+    text = StepTimeline(1, 2, 8.75, (TimelineKernel("qkv", 3.75, 0.75),
+                                     TimelineKernel("attention", 6.0, -1.0))).text()
+    assert text.splitlines()[0].startswith("decode step timeline, batch 1: 2 kernels")
+    assert "gap   -1.00 us" in text
+
+
 def test_launch_queues_the_work_propose_tokens_returns() -> None:
     """``launch`` leaves in ``draft_tokens`` what ``propose_tokens`` hands back: the bench
     times the first as host time and the second as wall time."""
@@ -275,6 +293,11 @@ def test_gpu_replays_capture_cost_and_host_time() -> None:
     report = run.report
     for path in ("per_step", "fused"):
         assert f"=== reference: K=3, batch 2, path {path} " in run.profile_text()
+    timeline = run.step_timelines[(3, 2)]
+    assert "=== reference: K=3, batch 2, one decode step" in run.profile_text()
+    assert timeline.kernels and all(k.duration_us > 0 for k in timeline.kernels)
+    assert not any("spin_kernel" in k.name for k in timeline.kernels)
+    assert 0 < timeline.span_us < 1000
     by_path = {row.path: row for row in report.rows}
     assert set(by_path) == {DecodePath.PER_STEP, DecodePath.FUSED}
     assert by_path[DecodePath.PER_STEP].replays_per_propose == 2.0

@@ -29,6 +29,7 @@ from speccheck.checks.bench.errors import BenchInputError, DraftTokensDiffer
 from speccheck.checks.bench.profiling import launch_sync_sites, profile_calls
 from speccheck.checks.bench.records import BenchReport, BenchRow
 from speccheck.checks.bench.roofline import copy_bandwidth_gbps, decode_step_gpu_ms
+from speccheck.checks.bench.step_timeline import StepTimeline, decode_step_timeline
 from speccheck.checks.bench.workload import (
     NEW_TOKENS,
     NUM_LAYERS,
@@ -72,19 +73,25 @@ class BenchSettings:
 
 @dataclass(frozen=True)
 class BenchRun:
-    """The report, and the profiler's tables by (K, batch, path) (empty without CUDA)."""
+    """The report, the profiler's tables by (K, batch, path), and the decode step's
+    timeline by (K, batch) (both empty without CUDA)."""
 
     report: BenchReport
     profiles: dict[tuple[int, int, DecodePath], str] = field(default_factory=dict)
+    step_timelines: dict[tuple[int, int], StepTimeline] = field(default_factory=dict)
 
     def profile_text(self) -> str:
-        """Every case's and path's profiler tables under a heading naming them (what
-        ``speccheck bench --profile`` writes); a line saying there are none without CUDA."""
+        """Every case's decode-step timeline and every case's and path's profiler tables,
+        under headings naming them (what ``speccheck bench --profile`` writes); a line
+        saying there are none without CUDA."""
         if not self.profiles:
             return "no profiler tables: host and GPU time are measured on CUDA only\n"
-        parts = [f"=== {self.report.backend}: K={k}, batch {batch}, path {path.value} "
-                 f"(per call of propose_tokens, {self.report.repeats} calls profiled) ===\n"
-                 f"{tables}\n" for (k, batch, path), tables in self.profiles.items()]
+        backend = self.report.backend
+        parts = [f"=== {backend}: K={k}, batch {batch}, one decode step (single-step graph) "
+                 f"===\n{timeline.text()}" for (k, batch), timeline in self.step_timelines.items()]
+        parts += [f"=== {backend}: K={k}, batch {batch}, path {path.value} "
+                  f"(per call of propose_tokens, {self.report.repeats} calls profiled) ===\n"
+                  f"{tables}\n" for (k, batch, path), tables in self.profiles.items()]
         return "\n".join(parts)
 
 
@@ -99,13 +106,17 @@ def run_bench(settings: BenchSettings, device: torch.device, *, commit: str, com
     cases = [(k, batch) for k in settings.steps for batch in settings.batches]
     rows: list[BenchRow] = []
     profiles: dict[tuple[int, int, DecodePath], str] = {}
+    timelines: dict[tuple[int, int], StepTimeline] = {}
     weight_bytes: int | None = None
     for number, (k, batch) in enumerate(cases, start=1):
         if on_case is not None:
             on_case(k, batch, number, len(cases))
-        case_rows, case_profiles, weight_bytes = _measure_case(settings, k, batch, context, device)
-        rows += case_rows
-        profiles.update({(k, batch, path): tables for path, tables in case_profiles.items()})
+        case = _measure_case(settings, k, batch, context, device)
+        rows += case.rows
+        weight_bytes = case.weight_bytes
+        profiles.update({(k, batch, path): tables for path, tables in case.profiles.items()})
+        if case.step_timeline is not None:
+            timelines[(k, batch)] = case.step_timeline
         release_device_memory(device)
     report = BenchReport(
         backend=settings.backend, device=device_name(device), torch_version=torch.__version__,
@@ -116,7 +127,7 @@ def run_bench(settings: BenchSettings, device: torch.device, *, commit: str, com
         repeats=settings.repeats, warmup_rounds=settings.warmup_rounds, rows=tuple(rows),
         weight_bytes=weight_bytes,
         bandwidth_gbps=copy_bandwidth_gbps(device) if device.type == "cuda" else None)
-    return BenchRun(report, profiles)
+    return BenchRun(report, profiles, timelines)
 
 
 def _chosen_paths(settings: BenchSettings, spec: AutoregressiveSpeculator,
@@ -132,10 +143,20 @@ def _chosen_paths(settings: BenchSettings, spec: AutoregressiveSpeculator,
     return settings.paths
 
 
+@dataclass(frozen=True)
+class _CaseResult:
+    """One case's rows, its profiler tables by path, its decode step's timeline (``None``
+    without CUDA or at K = 1), and the bytes of weights a decode step of its drafter
+    reads."""
+
+    rows: list[BenchRow]
+    profiles: dict[DecodePath, str]
+    step_timeline: StepTimeline | None
+    weight_bytes: int
+
+
 def _measure_case(settings: BenchSettings, k: int, batch: int, context: int,
-                  device: torch.device) -> tuple[list[BenchRow], dict[DecodePath, str], int]:
-    """The case's rows, its profiler tables by path, and the bytes of weights a decode
-    step of its drafter reads."""
+                  device: torch.device) -> _CaseResult:
     config = settings.config.model_copy(update={"num_speculative_steps": k})
     spec = build_speculator(settings.backend, config, batch, context,
                             settings.matrices.matrix, device)
@@ -145,6 +166,7 @@ def _measure_case(settings: BenchSettings, k: int, batch: int, context: int,
     timed = _timed_rounds(settings, spec, work, paths, k)
     gpu = device.type == "cuda"
     step_ms = decode_step_gpu_ms(spec, batch, settings.repeats) if gpu and k > 1 else None
+    timeline = decode_step_timeline(spec, batch, settings.repeats) if gpu and k > 1 else None
     rows, profiles = [], {}
     for path in paths:
         host_ms = gpu_ms = None
@@ -159,7 +181,7 @@ def _measure_case(settings: BenchSettings, k: int, batch: int, context: int,
                              host_ms, gpu_ms, statistics.fmean(timed.replays[path]),
                              cost.seconds, cost.allocated_bytes, cost.reserved_bytes, step_ms,
                              sync_sites))
-    return rows, profiles, spec.model.decode_weight_bytes()
+    return _CaseResult(rows, profiles, timeline, spec.model.decode_weight_bytes())
 
 
 @dataclass(frozen=True)

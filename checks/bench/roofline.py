@@ -11,7 +11,9 @@ when the first event fires (:func:`decode_step_gpu_ms`). Both need CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -48,34 +50,55 @@ def copy_bandwidth_gbps(device: torch.device, rounds: int = 5, copies: int = 4) 
     return 2 * COPY_BYTES * copies / (fastest_ms / 1e3) / 1e9
 
 
+@contextlib.contextmanager
+def rewound_step(spec: AutoregressiveSpeculator) -> Iterator[Callable[[], None]]:
+    """A function that puts back the inputs a decode step advances (positions, lengths,
+    token ids, step counter) as the last propose left them, so that every replay of the
+    single-step graph after it is the same step 1; on exit they are put back once more.
+    Device copies on the current stream, outside any graph."""
+    advanced = (spec.buffers.positions, spec.buffers.seq_lens, spec.input_ids)
+    saved = [tensor.clone() for tensor in advanced]
+
+    def rewind() -> None:
+        for tensor, value in zip(advanced, saved, strict=True):
+            tensor.copy_(value)
+        spec.current_step.fill_(1)
+
+    try:
+        yield rewind
+    finally:
+        for tensor, value in zip(advanced, saved, strict=True):
+            tensor.copy_(value)
+
+
+def step_graph_key(spec: AutoregressiveSpeculator, batch: int) -> tuple[str, int] | None:
+    """The key of the single-step graph for ``batch`` requests, ``None`` without one."""
+    key = ("step", spec.bucket_for(batch))
+    return key if spec.graphs is not None and key in spec.graphs else None
+
+
 def decode_step_gpu_ms(spec: AutoregressiveSpeculator, batch: int, repeats: int) -> float | None:
     """Median GPU time of the single-step graph for ``batch`` requests, replayed alone
-    from the state the last propose left: the inputs a step advances (positions, lengths,
-    token ids, step counter) are restored before every replay, outside the timed span, so
-    each replay is the same step 1. ``None`` without that graph.
+    from the state the last propose left (:func:`rewound_step`, outside the timed span).
+    ``None`` without that graph.
 
     The timed span holds the step's kernels only. Before the start event a spin kernel
     (:data:`HOLD_CYCLES`) keeps the GPU busy while the host launches the replay: started
     on an idle GPU, the span would also hold the host's graph launch (the event fires at
     once, the first kernel only when the launch call has submitted the graph), which is
     host time, and which a fused propose's steps, back to back in one graph, never pay."""
-    key = ("step", spec.bucket_for(batch))
-    if spec.graphs is None or key not in spec.graphs:
+    key = step_graph_key(spec, batch)
+    if key is None or spec.graphs is None:
         return None
-    advanced = (spec.buffers.positions, spec.buffers.seq_lens, spec.input_ids)
-    saved = [tensor.clone() for tensor in advanced]
     times = []
-    for _ in range(repeats):
-        for tensor, value in zip(advanced, saved, strict=True):
-            tensor.copy_(value)
-        spec.current_step.fill_(1)
-        torch.cuda._sleep(HOLD_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        spec.graphs.replay(key)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    for tensor, value in zip(advanced, saved, strict=True):
-        tensor.copy_(value)
+    with rewound_step(spec) as rewind:
+        for _ in range(repeats):
+            rewind()
+            torch.cuda._sleep(HOLD_CYCLES)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            spec.graphs.replay(key)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
     return statistics.median(times)
