@@ -21,7 +21,6 @@ from torch import nn
 from speccheck.contract.builder import AttentionImpl, AttentionLayerSpec
 from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.speculator.l2_prefetch import weights_warmed_during
 from speccheck.speculator.model_kernels import (
     add_rms_norm,
     rms_norm,
@@ -193,22 +192,16 @@ class GQAAttention(nn.Module):
         impl: AttentionImpl[Any],
         metadata: Any,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        read_next: Sequence[torch.Tensor] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(attention output, x + delta)``: the residual add (or the embedding gather),
         ``norm``, rotary and the clearing of the attention output run in the QKV
         projection's kernel at decode batch sizes
-        (:func:`~speccheck.speculator.projection_kernels.norm_qkv`). While the backend's
-        attention runs, the output projection's weight and then ``read_next`` (the weights
-        the layer reads after it) are prefetched into L2
-        (:func:`~speccheck.speculator.l2_prefetch.weights_warmed_during`)."""
+        (:func:`~speccheck.speculator.projection_kernels.norm_qkv`)."""
         cfg = self.cfg
         qkv = norm_qkv(x, delta, norm.weight, norm.eps, self.qkv_proj.weight, positions,
                        self.inv_freq, cfg.num_heads, cfg.num_kv_heads, cfg.head_size,
                        kernel=cfg.kernel_choice)
-        with weights_warmed_during(qkv.q, (self.o_proj.weight, *read_next),
-                                   enabled=cfg.kernel_choice is not False):
-            impl.forward(qkv.q, qkv.k, qkv.v, kv_cache[0], kv_cache[1], metadata, qkv.out)
+        impl.forward(qkv.q, qkv.k, qkv.v, kv_cache[0], kv_cache[1], metadata, qkv.out)
         rows = qkv.residual.shape[0]
         return (linear(qkv.out.reshape(rows, -1), self.o_proj.weight, kernel=cfg.kernel_choice),
                 qkv.residual)
@@ -280,12 +273,11 @@ class MLAAttention(nn.Module):
         impl: AttentionImpl[Any],
         metadata: Any,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        read_next: Sequence[torch.Tensor] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(attention output, x + delta)``: :meth:`attend` to ``norm(x + delta)``."""
         rows = x.rows() if isinstance(x, EmbeddedTokens) else x
         normed, summed = norm.add_and_norm(rows, delta)
-        return self.attend(normed, positions, impl, metadata, kv_cache, read_next), summed
+        return self.attend(normed, positions, impl, metadata, kv_cache), summed
 
     def attend(
         self,
@@ -294,11 +286,8 @@ class MLAAttention(nn.Module):
         impl: AttentionImpl[Any],
         metadata: Any,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        read_next: Sequence[torch.Tensor] = (),
     ) -> torch.Tensor:
-        """The attention output for the normalised rows ``x``; the output projection's
-        weight and then ``read_next`` are prefetched into L2 while the backend's attention
-        runs, as :class:`GQAAttention` does."""
+        """The attention output for the normalised rows ``x``."""
         cfg = self.cfg
         t, rank = x.shape[0], cfg.kv_lora_rank
         q_nope, q_pe, kv_c, k_pe = self.project(x, positions)
@@ -306,10 +295,7 @@ class MLAAttention(nn.Module):
         query = torch.cat([q_latent.to(x.dtype), q_pe], dim=-1)
         latent = torch.cat([kv_c.unsqueeze(1), k_pe], dim=-1)
         attn = x.new_zeros(t, cfg.num_heads, rank)
-        with weights_warmed_during(x, (self.o_proj.weight, *read_next),
-                                   enabled=cfg.kernel_choice is not False):
-            impl.forward(query, latent, latent[..., :rank], kv_cache[0], kv_cache[1], metadata,
-                         attn)
+        impl.forward(query, latent, latent[..., :rank], kv_cache[0], kv_cache[1], metadata, attn)
         out = torch.einsum("thr,hdr->thd", attn.float(), self.w_uv().float()).to(x.dtype)
         return self.o_proj(out.reshape(t, -1))
 
@@ -346,8 +332,7 @@ class DecoderLayer(nn.Module):
         after it: the norm, and at decode batch sizes the projection after the norm
         (:mod:`~speccheck.speculator.projection_kernels`); the SwiGLU gate runs in the down
         projection's kernel."""
-        attn, summed = self.attn(x, delta, self.input_norm, positions, impl, metadata, kv_cache,
-                                 (self.gate_up_proj.weight,))
+        attn, summed = self.attn(x, delta, self.input_norm, positions, impl, metadata, kv_cache)
         gate_up, summed = self.post_norm.then_project(summed, attn, self.gate_up_proj.weight)
         return summed, silu_linear(gate_up, self.down_proj.weight, kernel=self.cfg.kernel_choice)
 
