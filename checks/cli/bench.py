@@ -86,7 +86,7 @@ def bench_command(
     repeats: Annotated[int, typer.Option("--repeats", help=f"Timed rounds per case (1..{MAX_REPEATS}); each path runs once per round, after 3 warm-up rounds.")] = 30,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.", dir_okay=False)] = None,  # noqa: UP045
     plots: Annotated[Optional[Path], typer.Option("--plots", help="Write PNG plots into this directory (needs matplotlib: pip install 'speccheck\\[bench]').", file_okay=False)] = None,  # noqa: UP045
-    profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Write the profiler's tables (operators by host time, kernels by GPU time, the launching thread's Python functions) of every case and path here (CUDA only).", dir_okay=False)] = None,  # noqa: UP045
+    profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Write each case's decode-step timeline (kernels in start order, durations, gaps) and the profiler's tables (operators by host time, kernels by GPU time, the launching thread's Python functions) of every case and path here (CUDA only).", dir_okay=False)] = None,  # noqa: UP045
     matrix_path: MatrixPathOption = None,
     *,
     runtime: RuntimeOverrides,
