@@ -22,6 +22,7 @@ from speccheck.speculator.model_kernels import (
 )
 from speccheck.speculator.projection_kernels import (
     FUSED_ROWS,
+    REDUCE_BLOCK_K,
     SKINNY_ROWS,
     WIDE_OUTPUT,
     EmbeddedTokens,
@@ -31,6 +32,7 @@ from speccheck.speculator.projection_kernels import (
     linear,
     norm_linear,
     norm_qkv,
+    reduce_block_k,
     runs_skinny,
     silu_linear,
     tiling_for,
@@ -178,6 +180,15 @@ def test_tilings_cover_the_drafters_projections() -> None:
     assert tiling_for(2048, 2048).block_n == tiling_for(2048, 4096).block_n == 16
 
 
+def test_reduction_tiles_of_the_drafters_fused_projections() -> None:
+    """Behind the SwiGLU gate the whole 4096-wide intermediate row is one tile; wide outputs
+    reduce in half tiles; a short row is one tile of its power-of-two length."""
+    assert reduce_block_k(Prologue.SILU_MUL, 2048, 4096) == 2 * REDUCE_BLOCK_K == 4096
+    assert reduce_block_k(Prologue.ADD_RMS_NORM, WIDE_OUTPUT, 2048) == REDUCE_BLOCK_K // 2
+    assert reduce_block_k(Prologue.NONE, 2048, 2048) == REDUCE_BLOCK_K
+    assert reduce_block_k(Prologue.SILU_MUL, 8, 40) == 64
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, FUSED_ROWS, 5, SKINNY_ROWS])
@@ -236,7 +247,7 @@ for dtype in ("bf16", "fp16"):
             signature.update(dict.fromkeys(ints, "i32"))
             signature["eps"] = "fp32"
             constants = {"PROLOGUE": int(prologue), "ROWS": rows, "BLOCK_N": 4 // rows,
-                         "BLOCK_K": p.REDUCE_BLOCK_K, "PDL": True}
+                         "BLOCK_K": p.reduce_block_k(prologue, 2048, 4096), "PDL": True}
             signature.update(dict.fromkeys(constants, "constexpr"))
             compile(ASTSource(p._fused_projection_kernel, signature, constants), target=target,
                     options={"num_warps": 4, "num_stages": 1})
