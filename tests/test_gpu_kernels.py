@@ -348,6 +348,28 @@ def test_fa3_refresh_writes_persistent_buffer_in_place(fa3: ModuleType) -> None:
     torch.testing.assert_close(view, _fresh_scheduler_metadata(fa3, layer, md), rtol=0, atol=0)
 
 
+def test_fa3_refresh_zeroes_the_padding_entries_of_each_vector(fa3: ModuleType) -> None:
+    """Three requests: FA3's per-request vectors have four entries each and FA3 leaves the
+    fourth unwritten. Build and refresh store FA3's entries and zero the fourth of each
+    vector (poisoned before the refresh), whatever FA3's allocation held there."""
+    layer = fa3_layer()
+    builder = fa3_builder(layer)
+    case = make_case(layer, query_lens=[1] * 3, seq_lens=[5, 60, 200])
+    md = builder.build(case.common)
+    view = md.scheduler_metadata
+    assert view is not None
+    n = view.numel()
+    padding = torch.zeros(n, dtype=torch.bool, device="cuda")
+    padding[3:n - n % 4:4] = True
+    view.fill_(-7)
+    case.buffers.seq_lens[:3] += torch.tensor([300, 1, 400], dtype=torch.int32, device="cuda")
+    builder.update_draft_decode_metadata(md)
+    fresh = _fresh_scheduler_metadata(fa3, layer, md)
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(view[padding]) == 0
+    torch.testing.assert_close(view[~padding], fresh[~padding], rtol=0, atol=0)
+
+
 def test_fa3_refresh_without_aot_metadata_does_nothing(fa3: ModuleType) -> None:
     layer = fa3_layer()
     builder = fa3_builder(layer)

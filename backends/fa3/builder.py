@@ -184,6 +184,8 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
         self._scheduler_metadata_buffer = self.allocate_persistent(
             "scheduler_metadata", (self._scheduler_metadata_capacity(),), torch.int32
         )
+        self._kept_entries_by_shape: dict[tuple[int, int], torch.Tensor] = {}
+        """:meth:`_kept_entries` by ``(num_reqs, n)``."""
 
     # -- scheduler metadata -------------------------------------------------------------
 
@@ -236,17 +238,32 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
             num_splits=num_splits,
         )
 
-    def _store_scheduler_metadata(self, fresh: torch.Tensor, num_reqs: int) -> torch.Tensor:
-        """Copy ``fresh`` into the head of the persistent buffer, zero the tail (stale
-        entries there could be read by thread blocks of a larger captured schedule), and
-        return the ``[:n]`` view. In place: the buffer's address never changes.
+    def _kept_entries(self, num_reqs: int, n: int) -> torch.Tensor:
+        """``[n]`` int32: 0 at the padding entries of an ``n``-entry schedule for
+        ``num_reqs`` requests, 1 elsewhere. FA3 lays the schedule out as per-request vectors
+        of ``round_up(num_reqs, 4)`` entries (then the tile semaphore) but allocates it
+        uninitialised and writes only the first ``num_reqs`` entries of each vector.
 
-        FA3 lays the schedule out as per-request vectors of ``round_up(num_reqs, 4)``
-        entries (then the tile semaphore) but allocates it uninitialised and writes only the
-        first ``num_reqs`` entries of each vector. Those padding entries are zeroed here, so
-        the stored schedule is a function of the batch alone and a fresh build can be
-        compared with a refreshed one entry for entry. Capture-safe: the mask comes from
-        device ``arange`` and host ints fixed at build time."""
+        Made once per shape, by :meth:`build` (outside any graph), and kept: a refresh
+        under capture only reads it."""
+        key = (num_reqs, n)
+        kept = self._kept_entries_by_shape.get(key)
+        if kept is None:
+            rounded = -(-num_reqs // 4) * 4
+            index = torch.arange(n, device=self.device)
+            padding = (index % rounded >= num_reqs) & (index < n // rounded * rounded)
+            kept = (~padding).to(torch.int32)
+            self._kept_entries_by_shape[key] = kept
+        return kept
+
+    def _store_scheduler_metadata(self, fresh: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """Write ``fresh`` into the head of the persistent buffer with its padding entries
+        zeroed (``kept``: :meth:`_kept_entries`), zero the tail (stale entries there could
+        be read by thread blocks of a larger captured schedule), and return the ``[:n]``
+        view. In place: the buffer's address never changes. With the padding zeroed the
+        stored schedule is a function of the batch alone, so a fresh build can be compared
+        with a refreshed one entry for entry. Capture-safe: two kernels over tensors that
+        outlive the graph."""
         buffer = self._scheduler_metadata_buffer
         n = int(fresh.numel())
         if n > buffer.numel():
@@ -255,12 +272,8 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
                 f"{buffer.numel()}; raise BuilderLimits.max_num_reqs (now "
                 f"{self.limits.max_num_reqs}) or FA3MetadataBuilder.scheduler_metadata_margin"
             )
-        buffer[:n].copy_(fresh.view(-1))
+        torch.mul(fresh.view(-1), kept, out=buffer[:n])
         buffer[n:].zero_()
-        rounded = -(-num_reqs // 4) * 4
-        index = torch.arange(n, device=buffer.device)
-        padding = (index % rounded >= num_reqs) & (index < n // rounded * rounded)
-        buffer[:n].masked_fill_(padding, 0)
         return buffer[:n]
 
     # -- protocol -----------------------------------------------------------------------
@@ -283,7 +296,8 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
                 causal=common.causal,
                 num_splits=self.num_splits,
             )
-            scheduler_metadata = self._store_scheduler_metadata(fresh, common.num_reqs)
+            kept = self._kept_entries(common.num_reqs, int(fresh.numel()))
+            scheduler_metadata = self._store_scheduler_metadata(fresh, kept)
         return FA3Metadata(
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
@@ -332,7 +346,13 @@ class FA3MetadataBuilder(AttentionMetadataBuilder[FA3Metadata]):
                 f"the captured view {current.numel()}; the batch shape changed between build "
                 "and refresh"
             )
-        self._store_scheduler_metadata(fresh, metadata.num_reqs)
+        kept = self._kept_entries_by_shape.get((metadata.num_reqs, current.numel()))
+        if kept is None:
+            raise RuntimeError(
+                "fa3 refresh: no padding mask for this batch shape; the metadata was not "
+                "built by this builder's build()"
+            )
+        self._store_scheduler_metadata(fresh, kept)
 
     def persistent_buffer_extents(self, metadata: FA3Metadata) -> dict[str, int]:
         if metadata.scheduler_metadata is None:
