@@ -39,7 +39,7 @@ from speccheck.contract.resolution import (
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import at_later_draft_step, build_uniform_attention_metadata
 from speccheck.speculator.base import DraftModelSpeculator, SpeculatorOptions
-from speccheck.speculator.batch import DraftBatch, DraftResult
+from speccheck.speculator.batch import DraftBatch, DraftResult, RequestArrays
 from speccheck.speculator.decode_inputs import DecodeLaneBuffers, prepare_decode_lanes
 from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.model import DraftModel
@@ -458,14 +458,14 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     def _draft(self, batch: DraftBatch, path: DecodePath, use_graphs: bool) -> int:
         """Run the prefill pass and the chosen decode loop; the results are left in
         :attr:`draft_tokens` and :attr:`draft_logits`. Returns the number of requests."""
-        self._validate(batch, extra_positions=self.num_steps - 1)
+        arrays = self._validate(batch, extra_positions=self.num_steps - 1)
         path = DecodePath(path)
         chosen = self.auto_path if path is DecodePath.AUTO else path
         r = batch.num_reqs
         replay = use_graphs and self.graphs is not None
-        if chosen is DecodePath.FUSED and replay and self._replay_fused_propose(batch):
+        if chosen is DecodePath.FUSED and replay and self._replay_fused_propose(batch, arrays):
             return r
-        base = batch.seq_lens_after_prefill()
+        base = arrays.context_lens + arrays.query_lens
         desc = self.decode_descriptor(r)
         early: list[Any] | None = None
         if (self.num_steps > 1 and chosen is DecodePath.FUSED and not replay
@@ -474,7 +474,8 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             # as a replay's was built for capture: step 1 sees only what its refresh
             # recomputes from the lanes.
             early = self._build_decode_metadata(desc, r, base, 1)
-        self._prefill(batch, base, use_graphs, desc.num_tokens, emulate=early is not None)
+        self._prefill(batch, arrays, base, use_graphs, desc.num_tokens,
+                      emulate=early is not None)
         if self.num_steps > 1:
             if chosen is DecodePath.FUSED:
                 self._fused_multi_step_decode(desc, r, base, replay, early)
@@ -484,7 +485,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 self._multi_step_decode(desc, r, base, replay)
         return r
 
-    def _replay_fused_propose(self, batch: DraftBatch) -> bool:
+    def _replay_fused_propose(self, batch: DraftBatch, arrays: RequestArrays) -> bool:
         """The whole fused propose as one replay, where one was captured for ``batch``'s
         bucket and first-pass width: the host stages the pass's inputs (and scatters them,
         unless the graph does: :attr:`scatters_in_graph`) and launches one graph. Returns
@@ -493,7 +494,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         key = (FUSED_PROPOSE, self.bucket_for(batch.num_reqs), q)
         if q is None or self.graphs is None or key not in self.graphs:
             return False
-        self._write_pass_inputs(batch, batch.new_tokens, uniform_width=q,
+        self._write_pass_inputs(arrays, batch.new_tokens, uniform_width=q,
                                 scatter=not self.scatters_in_graph)
         self.graphs.replay(key)
         self.counters.first_pass_replays += 1
@@ -511,8 +512,8 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         (q,) = widths
         return q if q in self.first_pass_query_lens else None
 
-    def _prefill(self, batch: DraftBatch, base: np.ndarray, use_graphs: bool, lanes: int,
-                 emulate: bool = False) -> None:
+    def _prefill(self, batch: DraftBatch, arrays: RequestArrays, base: np.ndarray,
+                 use_graphs: bool, lanes: int, emulate: bool = False) -> None:
         """Draft token 0: one pass over each request's new tokens: padded over the bucket
         when :meth:`first_pass_width` says so (a graph replay where one was captured), else
         eagerly over the real tokens; then, with decode steps to come, the ``lanes``
@@ -530,7 +531,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             replay = use_graphs and self.graphs is not None and key in self.graphs
             rebuild = self.refresh_rebuilds_in_graph and (replay or emulate)
             md = self._first_pass_metadata(r, n, q, base) if rebuild and not replay else []
-            self._write_pass_inputs(batch, batch.new_tokens, uniform_width=q)
+            self._write_pass_inputs(arrays, batch.new_tokens, uniform_width=q)
             if not rebuild:
                 md = self._first_pass_metadata(r, n, q, base)
             if replay:
@@ -543,7 +544,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 self._first_pass_body(n, q, md, rebuild)
             return
         last_host = np.cumsum([len(row) for row in batch.new_tokens]) - 1
-        hidden, _, (last,) = self._eager_pass(batch, batch.new_tokens, [last_host])
+        hidden, _, (last,) = self._eager_pass(arrays, batch.new_tokens, [last_host])
         self._store_draft_zero(hidden[last], self.buffers.positions[last])
         if self.num_steps > 1:
             self._prepare_decode_inputs(lanes)

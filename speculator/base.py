@@ -22,7 +22,7 @@ from speccheck.contract.metadata import AttentionInputBuffers
 from speccheck.contract.resolution import graph_capture_shortfall
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_attention_metadata
-from speccheck.speculator.batch import DraftBatch, flattened, row_lengths
+from speccheck.speculator.batch import DraftBatch, RequestArrays, flattened, row_lengths
 from speccheck.speculator.cudagraph_manager import CudaGraphManager, require_graph_support
 from speccheck.speculator.kv_cache import PagedKVCache, compute_slot_mapping
 from speccheck.speculator.model import DraftModel
@@ -239,11 +239,6 @@ class DraftModelSpeculator:
         """Zero every index buffer, so no stale index can point out of bounds."""
         self.index_buffers.reset()
 
-    @staticmethod
-    def _request_arrays(batch: DraftBatch) -> list[np.ndarray]:
-        """Host block-table rows (``[R, longest row]``, zero past each row) and seeds."""
-        return [batch.block_table_array(), np.asarray(batch.seeds, dtype=np.int64)]
-
     def _copy_request_inputs(self, table: torch.Tensor, seeds: torch.Tensor) -> None:
         """Block-table rows and seeds from staged device views; every other entry stays
         the sink / zero (call after :meth:`_reset_index_buffers`)."""
@@ -251,15 +246,16 @@ class DraftModelSpeculator:
         self.buffers.block_table[:r, :width].copy_(table)
         self.seeds[:r].copy_(seeds)
 
-    def _write_request_inputs(self, batch: DraftBatch) -> None:
+    def _write_request_inputs(self, arrays: RequestArrays) -> None:
         """Block-table rows and seeds of the batch, in one host-to-device copy."""
-        self._copy_request_inputs(*self.staging.stage(self._request_arrays(batch)))
+        self._copy_request_inputs(*self.staging.stage([arrays.block_table, arrays.seeds]))
 
     def _write_pass_inputs(
-        self, batch: DraftBatch, rows: Sequence[Sequence[int]], extra: Sequence[np.ndarray] = (),
-        uniform_width: int = 0, scatter: bool = True,
+        self, arrays: RequestArrays, rows: Sequence[Sequence[int]],
+        extra: Sequence[np.ndarray] = (), uniform_width: int = 0, scatter: bool = True,
     ) -> tuple[np.ndarray, list[torch.Tensor]]:
-        """Inputs of a pass over ``rows[r]`` (tokens following request ``r``'s context):
+        """Inputs of a pass over ``rows[r]`` (tokens following request ``r``'s context;
+        ``arrays``: the call's validated batch):
         every index buffer reset, then the real tokens' lanes, lengths, block-table rows
         and seeds written, all crossing to the device in one :class:`HostStaging` copy with
         ``extra`` (host arrays the caller needs next) and scattered by one kernel on CUDA
@@ -271,7 +267,7 @@ class DraftModelSpeculator:
         begins with the scatter (:func:`~speccheck.speculator.pass_inputs.
         scatter_staged_pass_inputs`). Returns the query offsets and device views of
         ``extra``. Host work."""
-        r = batch.num_reqs
+        r = arrays.context_lens.shape[0]
         q = row_lengths(rows)
         t = int(q.sum())
         if t > self.max_num_tokens:
@@ -279,35 +275,37 @@ class DraftModelSpeculator:
         qsl = np.zeros(r + 1, dtype=np.int64)
         qsl[1:] = np.cumsum(q)
         req_of_token = np.repeat(np.arange(r), q)
-        ctx = np.array(batch.context_lens, dtype=np.int64)
+        ctx = arrays.context_lens
         positions = ctx[req_of_token] + (np.arange(t) - qsl[req_of_token])
         ids = flattened(rows, q)
-        table, seeds = self._request_arrays(batch)
-        staged = stage_pass_inputs(self.staging, table, seeds, ctx + q, positions, ids,
-                                   req_of_token, uniform_width, extra)
+        staged = stage_pass_inputs(self.staging, arrays.block_table, arrays.seeds, ctx + q,
+                                   positions, ids, req_of_token, uniform_width, extra)
         if scatter:
             scatter_pass_inputs(self.index_buffers, staged, self.block_size, kernel=self.kernel)
         self._record("slots", 0)
         return qsl, staged.extra()
 
     def _eager_pass(
-        self, batch: DraftBatch, rows: Sequence[Sequence[int]], extra: Sequence[np.ndarray] = ()
+        self, arrays: RequestArrays, rows: Sequence[Sequence[int]],
+        extra: Sequence[np.ndarray] = (),
     ) -> tuple[torch.Tensor, np.ndarray, list[torch.Tensor]]:
         """Run ``rows`` (see :meth:`_write_pass_inputs`) through the model eagerly, writing
         their KV; returns the hidden states, the query offsets and the staged ``extra``.
         The metadata covers exactly the real tokens."""
-        qsl, staged_extra = self._write_pass_inputs(batch, rows, extra)
+        qsl, staged_extra = self._write_pass_inputs(arrays, rows, extra)
         t = int(qsl[-1])
-        ctx = np.array(batch.context_lens, dtype=np.int64)
+        ctx = arrays.context_lens
         common = build_attention_metadata(
             buffers=self.buffers, batch_desc=BatchExecutionDescriptor(CUDAGraphMode.NONE, t),
-            num_reqs=batch.num_reqs, query_start_loc_np=qsl, base_seq_lens_np=ctx + np.diff(qsl),
+            num_reqs=ctx.shape[0], query_start_loc_np=qsl, base_seq_lens_np=ctx + np.diff(qsl),
             step=0, max_model_len=self.max_model_len,
         )
         return self._run_model(t, [g.build(common) for g in self.groups]), qsl, staged_extra
 
-    def _validate(self, batch: DraftBatch, extra_positions: int) -> None:
-        batch.validate(
+    def _validate(self, batch: DraftBatch, extra_positions: int) -> RequestArrays:
+        """The batch's host arrays for this call, or ``ValueError`` (see
+        :meth:`~speccheck.speculator.batch.DraftBatch.validate`)."""
+        return batch.validate(
             max_model_len=self.max_model_len, block_size=self.block_size,
             num_blocks=self.kv_cache.num_blocks, extra_positions=extra_positions,
             max_num_reqs=self.max_num_reqs,

@@ -32,20 +32,6 @@ class DraftBatch:
     def num_reqs(self) -> int:
         return len(self.context_lens)
 
-    def query_lens(self) -> np.ndarray:
-        return row_lengths(self.new_tokens)
-
-    def seq_lens_after_prefill(self) -> np.ndarray:
-        return np.array(self.context_lens, dtype=np.int64) + self.query_lens()
-
-    def block_table_array(self) -> np.ndarray:
-        """``[R, longest row]`` int64: each request's block-table row, zero past its end."""
-        lengths = row_lengths(self.block_table)
-        width = int(lengths.max(initial=0))
-        table = np.zeros((self.num_reqs, width), dtype=np.int64)
-        table[np.arange(width) < lengths[:, None]] = flattened(self.block_table, lengths)
-        return table
-
     def validate(
         self,
         *,
@@ -54,8 +40,9 @@ class DraftBatch:
         num_blocks: int,
         extra_positions: int,
         max_num_reqs: int,
-    ) -> None:
-        """Raise ``ValueError`` naming the request and field that cannot be served.
+    ) -> RequestArrays:
+        """The batch's :class:`RequestArrays`, or ``ValueError`` naming the request and
+        field that cannot be served.
 
         ``extra_positions``: positions the drafter writes past the new tokens (K - 1 decode
         steps for an autoregressive drafter, K for a DFlash block); the block-table rows
@@ -63,17 +50,19 @@ class DraftBatch:
 
         Every propose call pays for this on the host: the whole batch is checked with a
         few array operations, and only a batch that fails them is walked request by
-        request for the message."""
+        request for the message; the arrays it builds for the checks are the ones the
+        call stages."""
         n = self.num_reqs
         if not 1 <= n <= max_num_reqs:
             raise ValueError(f"batch has {n} requests; this speculator serves 1..{max_num_reqs}")
         for name in ("new_tokens", "block_table", "seeds"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} rows, expected {n}")
-        q, ctx = self.query_lens(), np.array(self.context_lens, dtype=np.int64)
+        q, ctx = row_lengths(self.new_tokens), np.array(self.context_lens, dtype=np.int64)
         lengths = row_lengths(self.block_table)
         needed = np.minimum(ctx + q - 1 + extra_positions, max_model_len - 1) // block_size + 1
-        blocks = np.sort(flattened(self.block_table, lengths))
+        flat = flattened(self.block_table, lengths)
+        blocks = np.sort(flat)
         if (q.min() < 1 or ctx.min() < 0 or (ctx + q).max() > max_model_len
                 or lengths.max() > blocks_for(max_model_len, block_size)
                 or (lengths < needed).any()
@@ -81,6 +70,10 @@ class DraftBatch:
             self._raise_first_problem(max_model_len, block_size, num_blocks, extra_positions)
         if (blocks[1:] == blocks[:-1]).any():
             raise ValueError("block_table rows share physical blocks")
+        width = int(lengths.max())
+        table = np.zeros((n, width), dtype=np.int64)
+        table[np.arange(width) < lengths[:, None]] = flat
+        return RequestArrays(ctx, q, table, np.asarray(self.seeds, dtype=np.int64))
 
     def _raise_first_problem(self, max_model_len: int, block_size: int, num_blocks: int,
                              extra_positions: int) -> None:
@@ -103,6 +96,22 @@ class DraftBatch:
                 )
             if min(row) < 1 or max(row) >= num_blocks:
                 raise ValueError(f"request {r}: block ids must lie in 1..{num_blocks - 1}")
+
+
+@dataclass(frozen=True)
+class RequestArrays:
+    """A validated batch's per-request host arrays, built once per call by
+    :meth:`DraftBatch.validate` and staged from there (every propose pays for them on the
+    host)."""
+
+    context_lens: np.ndarray
+    """``[R]`` int64."""
+    query_lens: np.ndarray
+    """``[R]`` int64: new tokens per request."""
+    block_table: np.ndarray
+    """``[R, longest row]`` int64: each request's block-table row, zero past its end."""
+    seeds: np.ndarray
+    """``[R]`` int64."""
 
 
 def row_lengths(rows: Sequence[Sequence[int]]) -> np.ndarray:

@@ -21,7 +21,7 @@ from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import build_uniform_attention_metadata
 from speccheck.speculator.base import DraftModelSpeculator, SpeculatorOptions
-from speccheck.speculator.batch import DraftBatch, DraftResult
+from speccheck.speculator.batch import DraftBatch, DraftResult, RequestArrays
 from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.model import DraftModel
 from speccheck.speculator.sampling import sample_tokens
@@ -124,7 +124,7 @@ class DFlashSpeculator(DraftModelSpeculator):
     ) -> DraftResult:
         """Draft K tokens per request. ``batch_desc`` overrides this rank's own descriptor
         (data parallelism: every rank pads its model input to the agreed token count)."""
-        self._validate(batch, extra_positions=self.num_steps)
+        arrays = self._validate(batch, extra_positions=self.num_steps)
         r, q = batch.num_reqs, self.query_per_req
         for i in range(r):
             if batch.context_lens[i] + len(batch.new_tokens[i]) + self.num_steps > self.max_model_len:
@@ -140,10 +140,10 @@ class DFlashSpeculator(DraftModelSpeculator):
             raise ValueError(f"descriptor num_tokens {desc.num_tokens} cannot hold {r} blocks of {q}")
         context_rows = [row[:-1] for row in batch.new_tokens]
         if any(context_rows):
-            self._eager_pass(batch, context_rows)
+            self._eager_pass(arrays, context_rows)
         n_tokens = desc.num_tokens
-        start = batch.seq_lens_after_prefill() - 1
-        self._write_block_inputs(batch, n_tokens, start)
+        start = arrays.context_lens + arrays.query_lens - 1
+        self._write_block_inputs(batch, arrays, n_tokens, start)
         # Slots before the build: a builder may read ``common.slot_mapping`` in build().
         self._compute_slot_mappings(n_tokens, 0)
         md = self._build_block_metadata(desc, r, start + q)
@@ -157,12 +157,13 @@ class DFlashSpeculator(DraftModelSpeculator):
             logits=self.draft_logits[:r].cpu().clone(),
         )
 
-    def _write_block_inputs(self, batch: DraftBatch, num_tokens: int, start: np.ndarray) -> None:
+    def _write_block_inputs(self, batch: DraftBatch, arrays: RequestArrays, num_tokens: int,
+                            start: np.ndarray) -> None:
         """Lanes of request ``i``: ``i*q .. i*q+q-1``; the last accepted token then masks at
         positions ``start[i] ..``; lanes past the real blocks are padding (sink slots)."""
         r, q = batch.num_reqs, self.query_per_req
         self._reset_index_buffers()
-        self._write_request_inputs(batch)
+        self._write_request_inputs(arrays)
         b = self.buffers
         ids = np.full(num_tokens, self.mask_token_id, dtype=np.int64)
         ids[: r * q : q] = [row[-1] for row in batch.new_tokens]

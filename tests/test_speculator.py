@@ -459,8 +459,8 @@ def test_padded_first_pass_equals_the_eager_one(data, k: int, q: int) -> None:
     eager, padded = _speculator(k), _padded_first_pass_speculator(k, "none")
     assert padded.first_pass_width(batch) == q and eager.first_pass_width(batch) is None
     try:
-        batch.validate(max_model_len=40, block_size=4, num_blocks=48, extra_positions=k - 1,
-                       max_num_reqs=4)
+        arrays = batch.validate(max_model_len=40, block_size=4, num_blocks=48,
+                                extra_positions=k - 1, max_num_reqs=4)
     except ValueError:
         return  # lengthening the new tokens pushed a request past its block-table row
     for spec in (eager, padded):
@@ -491,8 +491,8 @@ def test_the_whole_fused_propose_body_on_capture_metadata_drafts_what_the_oracle
     batch = DraftBatch(batch.context_lens, tuple(row[:1] * q for row in batch.new_tokens),
                        batch.block_table, batch.seeds)
     try:
-        batch.validate(max_model_len=40, block_size=4, num_blocks=48, extra_positions=k - 1,
-                       max_num_reqs=4)
+        arrays = batch.validate(max_model_len=40, block_size=4, num_blocks=48,
+                                extra_positions=k - 1, max_num_reqs=4)
     except ValueError:
         return  # lengthening the new tokens pushed a request past its block-table row
     n, r = spec.bucket_for(batch.num_reqs), batch.num_reqs
@@ -500,7 +500,7 @@ def test_the_whole_fused_propose_body_on_capture_metadata_drafts_what_the_oracle
     first = spec._first_pass_capture_metadata(n, q)
     spec.kv_cache.fill_random_(5)
     start = spec.kv_cache.snapshot()
-    spec._write_pass_inputs(batch, batch.new_tokens, uniform_width=q)
+    spec._write_pass_inputs(arrays, batch.new_tokens, uniform_width=q)
     spec._first_pass_body(n, q, first, refresh=True)
     spec._generate_fused_drafts(n, decode)
     tokens, logits = spec.draft_tokens[:r].clone(), spec.draft_logits[:r].clone()

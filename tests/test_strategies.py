@@ -25,8 +25,17 @@ LIMITS = BatchLimits(max_num_reqs=4, block_size=4, max_model_len=40, num_blocks=
 @settings(max_examples=200)
 @given(batch=draft_batches(LIMITS))
 def test_every_batch_is_servable(batch) -> None:
-    batch.validate(max_model_len=40, block_size=4, num_blocks=48, extra_positions=3, max_num_reqs=4)
+    """Every drawn batch passes validation, whose arrays hold the batch as given: the
+    block-table rows zero-padded to the longest."""
+    arrays = batch.validate(max_model_len=40, block_size=4, num_blocks=48, extra_positions=3,
+                            max_num_reqs=4)
     assert all(0 <= t < 64 for row in batch.new_tokens for t in row)
+    width = max(map(len, batch.block_table))
+    assert arrays.block_table.tolist() == [list(row) + [0] * (width - len(row))
+                                           for row in batch.block_table]
+    assert arrays.context_lens.tolist() == list(batch.context_lens)
+    assert arrays.query_lens.tolist() == [len(row) for row in batch.new_tokens]
+    assert arrays.seeds.tolist() == list(batch.seeds)
 
 
 def test_draws_cross_block_boundaries_during_the_draft_steps() -> None:
