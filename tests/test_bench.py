@@ -288,7 +288,8 @@ def test_gpu_replays_capture_cost_and_host_time() -> None:
     config = RuntimeConfig(platform="cuda", cudagraph_mode="full", dtype="bfloat16",
                            head_size=64, num_heads=4, num_kv_heads=2, block_size=16,
                            max_model_len=512)
-    settings = BenchSettings("reference", config, MatrixContext.load(None), (3,), (2,), 2)
+    settings = BenchSettings("reference", config, MatrixContext.load(None), (3,), (2,), 2,
+                             step_timelines=True)
     run = run_bench(settings, torch.device("cuda"), commit="test", command="test")
     report = run.report
     for path in ("per_step", "fused"):

@@ -59,7 +59,9 @@ class BenchSettings:
     """What to measure: ``backend`` under ``config`` (its ``num_speculative_steps`` is
     replaced by each K of ``steps``) at each batch size of ``batches``, ``repeats`` timed
     rounds per case. ``paths``: the paths to time, or ``None`` for every path the backend
-    allows (:func:`~speccheck.checks.bench.workload.decode_paths`)."""
+    allows (:func:`~speccheck.checks.bench.workload.decode_paths`). ``step_timelines``:
+    also profile each case's decode step for its timeline (CUDA only; it feeds no figure
+    of the report, only :meth:`BenchRun.profile_text`)."""
 
     backend: str
     config: RuntimeConfig
@@ -69,6 +71,7 @@ class BenchSettings:
     repeats: int
     paths: tuple[DecodePath, ...] | None = None
     warmup_rounds: int = WARMUP_ROUNDS
+    step_timelines: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ def _chosen_paths(settings: BenchSettings, spec: AutoregressiveSpeculator,
 @dataclass(frozen=True)
 class _CaseResult:
     """One case's rows, its profiler tables by path, its decode step's timeline (``None``
-    without CUDA or at K = 1), and the bytes of weights a decode step of its drafter
+    without CUDA, at K = 1 or unasked), and the bytes of weights a decode step of its drafter
     reads."""
 
     rows: list[BenchRow]
@@ -166,7 +169,8 @@ def _measure_case(settings: BenchSettings, k: int, batch: int, context: int,
     timed = _timed_rounds(settings, spec, work, paths, k)
     gpu = device.type == "cuda"
     step_ms = decode_step_gpu_ms(spec, batch, settings.repeats) if gpu and k > 1 else None
-    timeline = decode_step_timeline(spec, batch, settings.repeats) if gpu and k > 1 else None
+    timeline = (decode_step_timeline(spec, batch, settings.repeats)
+                if gpu and k > 1 and settings.step_timelines else None)
     rows, profiles = [], {}
     for path in paths:
         host_ms = gpu_ms = None

@@ -110,7 +110,8 @@ def bench_command(
         config = plan_verification(backend, config=runtime, matrix=matrix_path).config_for(backend)
     except VerifyInputError as exc:
         raise _exit(EXIT_BAD_INPUT, str(exc)) from None
-    run = _measure(backend, config, matrices, ks, sizes, repeats)
+    run = _measure(backend, config, matrices, ks, sizes, repeats,
+                   step_timelines=profile_path is not None)
     report = run.report
     _print_report(report)
     if profile_path is not None:
@@ -160,7 +161,8 @@ def _matrices(path: Path | None) -> MatrixContext:
 
 
 def _measure(backend: str, config: RuntimeConfig, matrices: MatrixContext,
-             ks: tuple[int, ...], sizes: tuple[int, ...], repeats: int) -> BenchRun:
+             ks: tuple[int, ...], sizes: tuple[int, ...], repeats: int,
+             step_timelines: bool) -> BenchRun:
     """Run the benchmark, with a progress line per case on stderr; map its errors to exit
     statuses."""
     import torch
@@ -172,7 +174,8 @@ def _measure(backend: str, config: RuntimeConfig, matrices: MatrixContext,
     from speccheck.checks.bench.measure import BenchSettings, run_bench
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    settings = BenchSettings(backend, config, matrices, ks, sizes, repeats)
+    settings = BenchSettings(backend, config, matrices, ks, sizes, repeats,
+                             step_timelines=step_timelines)
     stderr = _stderr()
 
     def on_case(k: int, batch: int, number: int, total: int) -> None:
