@@ -85,7 +85,7 @@ def test_different_draft_tokens_exit_1_naming_the_request(monkeypatch: pytest.Mo
     result = _bench("--backend", "reference", "--steps", "2", "--batches", "2",
                     "--repeats", "1", *TINY)
     assert result.exit_code == 1, result.output
-    line = _one_line(result.stderr.replace("bench reference: case 1/1: K=2, batch 2\n", ""))
+    line = _one_line(result.stderr.replace("bench reference: timing case 1/1: K=2, batch 2\n", ""))
     assert line.startswith("reference: draft tokens differ at K=2, batch 2: request 1 drafted ")
     assert "on eager per_step and " in line and line.endswith(" on fused")
 
@@ -283,14 +283,18 @@ def test_rows_name_where_a_launch_synchronises() -> None:
 
 @pytest.mark.cuda
 def test_gpu_replays_capture_cost_and_host_time() -> None:
-    from speccheck.checks.bench.measure import BenchSettings, run_bench
+    from speccheck.checks.bench.measure import BenchPhase, BenchSettings, run_bench
 
     config = RuntimeConfig(platform="cuda", cudagraph_mode="full", dtype="bfloat16",
                            head_size=64, num_heads=4, num_kv_heads=2, block_size=16,
                            max_model_len=512)
     settings = BenchSettings("reference", config, MatrixContext.load(None), (3,), (2,), 2,
                              step_timelines=True)
-    run = run_bench(settings, torch.device("cuda"), commit="test", command="test")
+    phases: list[tuple[BenchPhase, int, int]] = []
+    run = run_bench(settings, torch.device("cuda"), commit="test", command="test",
+                    on_case=lambda phase, k, batch, number, total: phases.append((phase, k, batch)))
+    # every case timed before the profiler first runs (its CUPTI callbacks outlive it)
+    assert phases == [(BenchPhase.TIMING, 3, 2), (BenchPhase.PROFILING, 3, 2)]
     report = run.report
     for path in ("per_step", "fused"):
         assert f"=== reference: K=3, batch 2, path {path} " in run.profile_text()
@@ -305,6 +309,7 @@ def test_gpu_replays_capture_cost_and_host_time() -> None:
     assert by_path[DecodePath.FUSED].replays_per_propose == 1.0
     for row in report.rows:
         assert row.host_ms is not None and row.graph_reserved_bytes is not None
+        assert row.gpu_ms is not None and row.gpu_ms > 0
         assert row.capture_s > 0
         # the spin kernel queued before the start event (over a millisecond at any clock an
         # H200 runs) is outside the timed span: this small drafter's step takes far less

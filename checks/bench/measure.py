@@ -1,18 +1,27 @@
 """The timing loop: every path of one case side by side on one speculator, and a run over
 every K and batch size.
 
-Per case (K, batch): build and capture a speculator (its graphs serve every path), then
-``warmup_rounds + repeats`` rounds in each of which every path runs ``propose_tokens``
-once; the order rotates from round to round, so drift and order effects fall on all paths
-alike. Wall time is the median of the timed rounds (launch and the copy of the tokens back);
-host time, with CUDA, the median time the launching thread spends queueing the work
-(:meth:`~speccheck.speculator.autoregressive.AutoregressiveSpeculator.launch`), unprofiled;
-decode-graph replays are counted per call. Every call's draft tokens must equal those of one
-eager per-step run (no graphs), else
+A run has two phases, every case in each. **Timing** (first, with no profiler yet in the
+process): per case (K, batch), build and capture a speculator (its graphs serve every
+path), then ``warmup_rounds + repeats`` rounds in each of which every path runs
+``propose_tokens`` once; the order rotates from round to round, so drift and order effects
+fall on all paths alike. Wall time is the median of the timed rounds (launch and the copy of
+the tokens back); host time, with CUDA, the median time the launching thread spends
+queueing the work (:meth:`~speccheck.speculator.autoregressive.AutoregressiveSpeculator.
+launch`); decode-graph replays are counted per call. Every call's draft tokens must equal
+those of one eager per-step run (no graphs), else
 :class:`~speccheck.checks.bench.errors.DraftTokensDiffer`. With CUDA each path then launches
 once under a host-synchronisation recorder (a launch that may wait for the device would
-count that wait as host time: its sites are reported) and runs ``repeats`` more calls under the
-profiler for GPU time and the profile tables.
+count that wait as host time: its sites are reported), and the decode step's GPU time is
+timed with CUDA events. **Profiling** (CUDA only, after every case was timed): per case, a
+speculator built and captured again runs ``repeats`` calls of each path under the profiler
+for GPU time and the profile tables (and the decode step's timeline, where asked).
+
+Why two phases: once ``torch.profiler`` has traced CUDA activity in a process, its CUPTI
+callbacks stay behind and every later CUDA call of that process costs the host more (on the
+H200, a fused propose's launch about 100 us more, a per-step one about 200 us:
+``docs/verification/profiler-residue``). Host time measured after a profiled case would
+be the profiler's as much as the speculator's, and a serving process never pays it.
 """
 
 from __future__ import annotations
@@ -20,19 +29,21 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import Enum
 from functools import partial
 
 import torch
 
 from speccheck.checks.bench.errors import BenchInputError, DraftTokensDiffer
-from speccheck.checks.bench.profiling import launch_sync_sites, profile_calls
+from speccheck.checks.bench.profiling import ProfiledTimes, launch_sync_sites, profile_calls
 from speccheck.checks.bench.records import BenchReport, BenchRow
 from speccheck.checks.bench.roofline import copy_bandwidth_gbps, decode_step_gpu_ms
 from speccheck.checks.bench.step_timeline import StepTimeline, decode_step_timeline
 from speccheck.checks.bench.workload import (
     NEW_TOKENS,
     NUM_LAYERS,
+    CaptureCost,
     bench_batch,
     build_speculator,
     capture,
@@ -50,8 +61,16 @@ from speccheck.speculator.batch import DraftBatch
 
 WARMUP_ROUNDS = 3
 
-CaseObserver = Callable[[int, int, int, int], None]
-"""Called with (K, batch, case number from 1, number of cases) before a case runs."""
+class BenchPhase(Enum):
+    """The two passes of a run over its cases (see the module docstring)."""
+
+    TIMING = "timing"
+    PROFILING = "profiling"
+
+
+CaseObserver = Callable[[BenchPhase, int, int, int, int], None]
+"""Called with (phase, K, batch, case number from 1, number of cases) before a case runs in
+that phase."""
 
 
 @dataclass(frozen=True)
@@ -108,19 +127,30 @@ def run_bench(settings: BenchSettings, device: torch.device, *, commit: str, com
     context = context_for(settings.config, max(settings.steps))
     cases = [(k, batch) for k in settings.steps for batch in settings.batches]
     rows: list[BenchRow] = []
-    profiles: dict[tuple[int, int, DecodePath], str] = {}
-    timelines: dict[tuple[int, int], StepTimeline] = {}
     weight_bytes: int | None = None
     for number, (k, batch) in enumerate(cases, start=1):
         if on_case is not None:
-            on_case(k, batch, number, len(cases))
-        case = _measure_case(settings, k, batch, context, device)
-        rows += case.rows
-        weight_bytes = case.weight_bytes
-        profiles.update({(k, batch, path): tables for path, tables in case.profiles.items()})
-        if case.step_timeline is not None:
-            timelines[(k, batch)] = case.step_timeline
+            on_case(BenchPhase.TIMING, k, batch, number, len(cases))
+        timed = _time_case(settings, k, batch, context, device)
+        rows += timed.rows
+        weight_bytes = timed.weight_bytes
         release_device_memory(device)
+    profiles: dict[tuple[int, int, DecodePath], str] = {}
+    timelines: dict[tuple[int, int], StepTimeline] = {}
+    if device.type == "cuda":
+        gpu_ms: dict[tuple[int, int, DecodePath], float | None] = {}
+        for number, (k, batch) in enumerate(cases, start=1):
+            if on_case is not None:
+                on_case(BenchPhase.PROFILING, k, batch, number, len(cases))
+            paths = tuple(row.path for row in rows if (row.k, row.batch) == (k, batch))
+            profiled = _profile_case(settings, k, batch, context, device, paths)
+            for path, times in profiled.times.items():
+                gpu_ms[(k, batch, path)] = times.gpu_ms
+                profiles[(k, batch, path)] = times.tables
+            if profiled.step_timeline is not None:
+                timelines[(k, batch)] = profiled.step_timeline
+            release_device_memory(device)
+        rows = [replace(row, gpu_ms=gpu_ms[(row.k, row.batch, row.path)]) for row in rows]
     report = BenchReport(
         backend=settings.backend, device=device_name(device), torch_version=torch.__version__,
         commit=commit, command=command,
@@ -147,45 +177,65 @@ def _chosen_paths(settings: BenchSettings, spec: AutoregressiveSpeculator,
 
 
 @dataclass(frozen=True)
-class _CaseResult:
-    """One case's rows, its profiler tables by path, its decode step's timeline (``None``
-    without CUDA, at K = 1 or unasked), and the bytes of weights a decode step of its drafter
-    reads."""
+class _TimedCase:
+    """One case's rows from the timing phase (no GPU time yet: the profiling phase adds
+    it) and the bytes of weights a decode step of its drafter reads."""
 
     rows: list[BenchRow]
-    profiles: dict[DecodePath, str]
-    step_timeline: StepTimeline | None
     weight_bytes: int
 
 
-def _measure_case(settings: BenchSettings, k: int, batch: int, context: int,
-                  device: torch.device) -> _CaseResult:
+@dataclass(frozen=True)
+class _ProfiledCase:
+    """One case's profiler figures and tables by path, and its decode step's timeline
+    (``None`` at K = 1 or unasked)."""
+
+    times: dict[DecodePath, ProfiledTimes]
+    step_timeline: StepTimeline | None
+
+
+def _built(settings: BenchSettings, k: int, batch: int, context: int, device: torch.device
+           ) -> tuple[AutoregressiveSpeculator, CaptureCost, DraftBatch]:
+    """The case's speculator, captured, the cost of its capture, and its batch."""
     config = settings.config.model_copy(update={"num_speculative_steps": k})
     spec = build_speculator(settings.backend, config, batch, context,
                             settings.matrices.matrix, device)
-    cost = capture(spec)
-    work = bench_batch(config, batch, context)
+    return spec, capture(spec), bench_batch(config, batch, context)
+
+
+def _time_case(settings: BenchSettings, k: int, batch: int, context: int,
+               device: torch.device) -> _TimedCase:
+    spec, cost, work = _built(settings, k, batch, context, device)
     paths = _chosen_paths(settings, spec, k)
     timed = _timed_rounds(settings, spec, work, paths, k)
     gpu = device.type == "cuda"
     step_ms = decode_step_gpu_ms(spec, batch, settings.repeats) if gpu and k > 1 else None
-    timeline = (decode_step_timeline(spec, batch, settings.repeats)
-                if gpu and k > 1 and settings.step_timelines else None)
-    rows, profiles = [], {}
+    rows = []
     for path in paths:
-        host_ms = gpu_ms = None
-        sync_sites: tuple[str, ...] = ()
-        if gpu:
-            launch = partial(spec.launch, work, path)
-            host_ms = statistics.median(timed.hosts[path]) * 1e3
-            sync_sites = launch_sync_sites(launch)
-            times = profile_calls(launch, settings.repeats)
-            gpu_ms, profiles[path] = times.gpu_ms, times.tables
+        host_ms = statistics.median(timed.hosts[path]) * 1e3 if gpu else None
+        sync_sites = launch_sync_sites(partial(spec.launch, work, path)) if gpu else ()
         rows.append(BenchRow(path, k, batch, statistics.median(timed.walls[path]) * 1e3,
-                             host_ms, gpu_ms, statistics.fmean(timed.replays[path]),
+                             host_ms, None, statistics.fmean(timed.replays[path]),
                              cost.seconds, cost.allocated_bytes, cost.reserved_bytes, step_ms,
                              sync_sites))
-    return _CaseResult(rows, profiles, timeline, spec.model.decode_weight_bytes())
+    return _TimedCase(rows, spec.model.decode_weight_bytes())
+
+
+def _profile_case(settings: BenchSettings, k: int, batch: int, context: int,
+                  device: torch.device, paths: Sequence[DecodePath]) -> _ProfiledCase:
+    """``repeats`` calls of each of ``paths`` under the profiler, after ``warmup_rounds``
+    unprofiled ones (a graph's first replays upload it), on a speculator built and captured
+    again. CUDA only."""
+    spec, _, work = _built(settings, k, batch, context, device)
+    times = {}
+    for path in paths:
+        launch = partial(spec.launch, work, path)
+        for _ in range(settings.warmup_rounds):
+            launch()
+        times[path] = profile_calls(launch, settings.repeats)
+    timeline = (decode_step_timeline(spec, batch, settings.repeats)
+                if k > 1 and settings.step_timelines else None)
+    return _ProfiledCase(times, timeline)
 
 
 @dataclass(frozen=True)

@@ -171,15 +171,16 @@ def _measure(backend: str, config: RuntimeConfig, matrices: MatrixContext,
 
     interpret_triton_without_cuda()
     from speccheck.checks.bench.errors import BackendCannotRun, BenchInputError, DraftTokensDiffer
-    from speccheck.checks.bench.measure import BenchSettings, run_bench
+    from speccheck.checks.bench.measure import BenchPhase, BenchSettings, run_bench
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     settings = BenchSettings(backend, config, matrices, ks, sizes, repeats,
                              step_timelines=step_timelines)
     stderr = _stderr()
 
-    def on_case(k: int, batch: int, number: int, total: int) -> None:
-        stderr.print(f"bench {backend}: case {number}/{total}: K={k}, batch {batch}", markup=False)
+    def on_case(phase: BenchPhase, k: int, batch: int, number: int, total: int) -> None:
+        stderr.print(f"bench {backend}: {phase.value} case {number}/{total}: K={k}, batch {batch}",
+                     markup=False)
 
     try:
         return run_bench(settings, device, commit=commit_under_test(), on_case=on_case,
