@@ -93,7 +93,9 @@ def bench_command(
 ) -> None:
     """Time propose_tokens on every draft-decode path the backend allows (per_step, fused,
     preplanned) at each K and batch size: wall, host and GPU time, graph replays, capture
-    time and graph memory; the paths must draft identical tokens."""
+    time and graph memory; the paths must draft identical tokens. Every case is timed
+    before any is profiled (the profiler's CUDA callbacks outlive it and would tax the
+    later launches' host time)."""
     _check_outputs(json_path, plots)
     if profile_path is not None and (problem := output_path_problem(profile_path)) is not None:
         raise _exit(EXIT_BAD_INPUT, f"--profile: {problem}")
