@@ -1,5 +1,6 @@
 """Render docs/verification/README.md from the raw evidence files beside it (never edit the
-README by hand): ``python scripts/render_evidence.py``.
+README by hand): ``python scripts/render_evidence.py``; ``--check`` writes nothing and exits 1
+when the README differs from what it would write (the test suite runs it).
 
 Each subfolder is one run: ``about.txt`` (hand-written: what ran, and anything odd about the
 files), ``device*.txt`` (machine and commit, written on the machine), ``*.json`` reports of
@@ -8,7 +9,9 @@ files), ``device*.txt`` (machine and commit, written on the machine), ``*.json``
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +88,8 @@ def _run_section(folder: Path) -> list[str]:
     return lines
 
 
-def main() -> None:
+def render() -> str:
+    """The README's text, from the evidence folders as they are."""
     lines = [
         "# Verification evidence",
         "",
@@ -97,8 +101,25 @@ def main() -> None:
     ]
     for folder in sorted(p for p in EVIDENCE.iterdir() if p.is_dir()):
         lines += _run_section(folder)
-    (EVIDENCE / "README.md").write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Render docs/verification/README.md.")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 if the README is not up to date")
+    args = parser.parse_args(argv)
+    readme = EVIDENCE / "README.md"
+    text = render()
+    if args.check:
+        if not readme.exists() or readme.read_text() != text:
+            print(f"{readme.relative_to(ROOT)} is out of date: run python scripts/render_evidence.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    readme.write_text(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
