@@ -543,7 +543,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             else:
                 self._first_pass_body(n, q, md, rebuild)
             return
-        last_host = np.cumsum([len(row) for row in batch.new_tokens]) - 1
+        last_host = np.cumsum(arrays.query_lens) - 1
         hidden, _, (last,) = self._eager_pass(arrays, batch.new_tokens, [last_host])
         self._store_draft_zero(hidden[last], self.buffers.positions[last])
         if self.num_steps > 1:
