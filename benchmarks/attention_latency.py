@@ -2,8 +2,13 @@
 
     python benchmarks/attention_latency.py [--json PATH] [--batches 1 16 128] [--seq-lens 512 4096 32768]
     python benchmarks/attention_latency.py --latent [--json PATH]
+    python benchmarks/attention_latency.py --flashinfer [--json PATH]
 
 GQA (default): triton_attn, fa3 and reference; 16 query / 4 KV heads of size 128.
+``--flashinfer``: the two FlashInfer adapters on the GQA layer, split KV (``flashinfer``,
+CUDA-core decode) against none (``flashinfer_fixed_plan``, tensor-core decode, whose plan
+ignores the lengths); each forward is captured in a CUDA graph and its replays are timed
+(``triton.testing.do_bench_cudagraph``), so the wrappers' Python does not hide the kernels.
 ``--latent``: triton_mla and sparse_swa (window 128, its ``verify_defaults``) against the
 reference backend on the same latent cache (full, and with the same window); 16 heads,
 ``kv_lora_rank`` 512 + rope 64, batches 1/32/128, contexts 1k/8k/32k by default.
@@ -17,6 +22,7 @@ gathered fp32 K/V would not fit.
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import math
 from pathlib import Path
@@ -43,10 +49,20 @@ WINDOW = 128
 REFERENCE_MEMORY_BUDGET = 48 * 2**30
 
 
+class Mode(enum.Enum):
+    """Which backends a run compares."""
+
+    GQA = "gqa"
+    LATENT = "latent"
+    FLASHINFER = "flashinfer"
+
+
 def bench(backend: str, batch: int, seq_len: int, *, latent: bool = False,
-          window: int = 0, device: torch.device = torch.device("cuda")) -> float | str:
+          window: int = 0, replay: bool = False,
+          device: torch.device = torch.device("cuda")) -> float | str:
     """Median milliseconds of one forward, or why it was not measured. ``latent``: an MLA
-    layer (one latent entry per token); ``window``: its sliding window (0: none)."""
+    layer (one latent entry per token); ``window``: its sliding window (0: none);
+    ``replay``: time replays of the forward captured in a CUDA graph."""
     paged = backend != "fa3"
     block_size = BLOCK_SIZE if paged else seq_len
     if backend == "reference" and not latent:
@@ -96,49 +112,65 @@ def bench(backend: str, batch: int, seq_len: int, *, latent: bool = False,
     def run() -> None:
         impl.forward(q, k, v, key_cache, value_cache, metadata, out)
 
+    if replay:
+        return float(triton.testing.do_bench_cudagraph(run, rep=100))
     return float(triton.testing.do_bench(run, warmup=25, rep=100))
 
 
 COLUMNS = {
-    False: (("triton_attn", "triton_attn", 0), ("fa3", "fa3", 0), ("reference", "reference", 0)),
-    True: (("triton_mla", "triton_mla", 0), ("reference", "reference", 0),
-           (f"sparse_swa W={WINDOW}", "sparse_swa", WINDOW),
-           (f"reference W={WINDOW}", "reference", WINDOW)),
+    Mode.GQA: (("triton_attn", "triton_attn", 0), ("fa3", "fa3", 0),
+               ("reference", "reference", 0)),
+    Mode.LATENT: (("triton_mla", "triton_mla", 0), ("reference", "reference", 0),
+                  (f"sparse_swa W={WINDOW}", "sparse_swa", WINDOW),
+                  (f"reference W={WINDOW}", "reference", WINDOW)),
+    Mode.FLASHINFER: (("flashinfer", "flashinfer", 0),
+                      ("flashinfer_fixed_plan", "flashinfer_fixed_plan", 0)),
 }
 """Per mode: (column, backend, window)."""
 RATIOS = {
-    False: (("triton_attn / fa3", "triton_attn", "fa3"), ("reference / fa3", "reference", "fa3")),
-    True: (("triton_mla / reference", "triton_mla", "reference"),
-           ("sparse_swa / reference W", f"sparse_swa W={WINDOW}", f"reference W={WINDOW}")),
+    Mode.GQA: (("triton_attn / fa3", "triton_attn", "fa3"),
+               ("reference / fa3", "reference", "fa3")),
+    Mode.LATENT: (("triton_mla / reference", "triton_mla", "reference"),
+                  ("sparse_swa / reference W", f"sparse_swa W={WINDOW}", f"reference W={WINDOW}")),
+    Mode.FLASHINFER: (("fixed_plan / flashinfer", "flashinfer_fixed_plan", "flashinfer"),),
+}
+TITLES = {
+    Mode.GQA: "decode attention latency",
+    Mode.LATENT: "MLA decode attention latency",
+    Mode.FLASHINFER: "FlashInfer decode attention latency, graph replays",
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--latent", action="store_true",
-                        help="MLA backends (triton_mla, sparse_swa) against the reference")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--latent", action="store_true",
+                       help="MLA backends (triton_mla, sparse_swa) against the reference")
+    modes.add_argument("--flashinfer", action="store_true",
+                       help="FlashInfer with split KV against flashinfer_fixed_plan")
     parser.add_argument("--batches", type=int, nargs="+")
     parser.add_argument("--seq-lens", type=int, nargs="+")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention_latency.py needs a CUDA device")
-    latent = args.latent
+    mode = Mode.LATENT if args.latent else Mode.FLASHINFER if args.flashinfer else Mode.GQA
+    latent = mode is Mode.LATENT
     batches = args.batches or ([1, 32, 128] if latent else [1, 16, 128])
     seq_lens = args.seq_lens or ([1024, 8192, 32768] if latent else [512, 4096, 32768])
-    columns = COLUMNS[latent]
+    columns = COLUMNS[mode]
     results = []
     for batch in batches:
         for seq_len in seq_lens:
             row: dict[str, object] = {"batch": batch, "seq_len": seq_len}
             for column, backend, window in columns:
-                row[column] = bench(backend, batch, seq_len, latent=latent, window=window)
+                row[column] = bench(backend, batch, seq_len, latent=latent, window=window,
+                                    replay=mode is Mode.FLASHINFER)
                 torch.cuda.empty_cache()
             results.append(row)
             print(json.dumps(row), flush=True)
-    title = "MLA decode attention latency" if latent else "decode attention latency"
-    table = Table(title=f"{title}, ms ({torch.cuda.get_device_name()})")
-    ratios = RATIOS[latent]
+    table = Table(title=f"{TITLES[mode]}, ms ({torch.cuda.get_device_name()})")
+    ratios = RATIOS[mode]
     for column in ("batch", "seq_len", *(c for c, _, _ in columns), *(r for r, _, _ in ratios)):
         table.add_column(column, justify="right")
     for row in results:
@@ -151,7 +183,7 @@ def main() -> None:
     Console(width=200).print(table)
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                         "torch": torch.__version__, "mode": "latent" if latent else "gqa",
+                                         "torch": torch.__version__, "mode": mode.value,
                                          "results": results}, indent=2))
 
 

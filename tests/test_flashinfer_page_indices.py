@@ -32,6 +32,7 @@ from speccheck.backends.flashinfer.page_indices import (
     paged_kv_lengths,
     stage_paged_kv_lengths,
     write_paged_kv_indices,
+    write_paged_kv_table,
 )
 from speccheck.backends.kv_cache_write import write_kv_cache
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
@@ -128,6 +129,84 @@ def test_one_launch_fills_the_tables_of_several_steps(
         assert (got[step, capacity:] == STALE).all()
 
 
+def check_device_table(
+    seq_lens: np.ndarray, table: torch.Tensor, page_size: int, buffers: dict[str, torch.Tensor]
+) -> None:
+    """Build the whole table on the device from device lengths (with stale lanes past the
+    batch) and compare it with the host reference; entries past the batch stay as they
+    were."""
+    n = len(seq_lens)
+    lens = torch.full((n + 2,), 99999, dtype=torch.int32)
+    lens[:n] = torch.from_numpy(seq_lens.astype(np.int32))
+    indptr, last, indices = buffers["indptr"], buffers["last"], buffers["indices"]
+    indptr_tail = indptr[n + 1 :].clone()
+    last_tail = last[n:].clone()
+    write_paged_kv_table(lens.to(DEVICE), table, page_size, indptr=indptr, last_page_len=last,
+                         indices=indices, num_reqs=n)
+    layout = paged_kv_layout(seq_lens, table.cpu().numpy(), page_size)
+    assert torch.equal(indptr[: n + 1].cpu(), layout.indptr), (indptr, layout.indptr)
+    assert torch.equal(last[:n].cpu(), layout.last_page_len), (last, layout.last_page_len)
+    used = layout.num_pages
+    got = indices.cpu()
+    assert torch.equal(got[:used], layout.indices), (got[:used], layout.indices)
+    assert torch.count_nonzero(got[used:]) == 0, got[used:]
+    assert torch.equal(indptr[n + 1 :], indptr_tail)
+    assert torch.equal(last[n:], last_tail)
+
+
+@settings(max_examples=40)
+@given(case=page_tables(), more=st.lists(st.integers(0, 2**32 - 1), max_size=2))
+def test_device_table_matches_host_layout(case: tuple[int, np.ndarray, torch.Tensor, int],
+                                          more: list[int]) -> None:
+    """The table from device lengths, in stale buffers, then again for up to two more
+    batches of the same lanes: indptr, last-page lengths and indices are the reference's,
+    the indices' tail zero."""
+    page_size, seq_lens, table, capacity = case
+    n = len(seq_lens)
+    buffers = {
+        "indptr": torch.full((n + 3,), STALE, dtype=torch.int32, device=DEVICE),
+        "last": torch.full((n + 2,), STALE, dtype=torch.int32, device=DEVICE),
+        "indices": torch.full((capacity,), STALE, dtype=torch.int32, device=DEVICE),
+    }
+    check_device_table(seq_lens, table, page_size, buffers)
+    full = page_size * table.shape[1]
+    for seed in more:
+        lens = np.random.default_rng(seed).integers(0, full + 1, size=n)
+        check_device_table(lens, table, page_size, buffers)
+
+
+def test_device_table_cuts_what_the_block_table_cannot_hold() -> None:
+    """Negative lengths count as empty, lengths past the table's width take its last page
+    full; nothing is written past the indices' capacity."""
+    table = torch.arange(1, 7, dtype=torch.int32, device=DEVICE).view(2, 3)
+    indptr = torch.full((3,), STALE, dtype=torch.int32, device=DEVICE)
+    last = torch.full((2,), STALE, dtype=torch.int32, device=DEVICE)
+    backing = torch.full((8,), STALE, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([-5, 40], dtype=torch.int32, device=DEVICE)
+    write_paged_kv_table(lens, table, 4, indptr=indptr, last_page_len=last,
+                         indices=backing[:5], num_reqs=2)
+    assert indptr.tolist() == [0, 0, 3]
+    assert last.tolist() == [0, 4]
+    assert backing.tolist() == [4, 5, 6, 0, 0, STALE, STALE, STALE]
+
+
+def test_device_table_rejects_what_it_cannot_write_safely() -> None:
+    table = torch.zeros((2, 3), dtype=torch.int32, device=DEVICE)
+    ok = {"indptr": torch.zeros(3, dtype=torch.int32, device=DEVICE),
+          "last_page_len": torch.zeros(2, dtype=torch.int32, device=DEVICE),
+          "indices": torch.zeros(6, dtype=torch.int32, device=DEVICE)}
+    lens = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        write_paged_kv_table(lens.long(), table, 4, num_reqs=2, **ok)
+    with pytest.raises(ValueError, match="indptr of shape"):
+        write_paged_kv_table(lens, table, 4, num_reqs=2, **{**ok, "indptr": ok["indptr"][:2]})
+    with pytest.raises(ValueError, match="block_table of shape"):
+        write_paged_kv_table(lens, table[:1], 4, num_reqs=2, **ok)
+    with pytest.raises(ValueError, match="one contiguous row"):
+        write_paged_kv_table(lens, table, 4, num_reqs=2,
+                             **{**ok, "indices": ok["indices"].view(2, 3)})
+
+
 def test_smaller_batch_after_a_full_one_leaves_no_stale_block_id() -> None:
     """Every column of every row used, then lengths at and one past page boundaries with
     padding lanes at the end: everything past the new last page is zero."""
@@ -215,14 +294,16 @@ _AOT_SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from speccheck.backends.flashinfer.page_indices import INDEX_BLOCK, paged_kv_indices_kernel
+    from speccheck.backends.flashinfer.page_indices import (
+        INDEX_BLOCK, REQ_BLOCK, paged_kv_indices_kernel, paged_kv_table_kernel,
+    )
     from tests.fixtures.sm90_compile import signature
 
-    fn = paged_kv_indices_kernel
-    constexprs = {"BLOCK": INDEX_BLOCK}
-    src = ASTSource(fn, signature(fn, constexprs, {}, "*i32"), constexprs)
-    assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-    print(fn.__name__, "ok", flush=True)
+    for fn, constexprs in ((paged_kv_indices_kernel, {"BLOCK": INDEX_BLOCK}),
+                           (paged_kv_table_kernel, {"BLOCK": INDEX_BLOCK, "REQ_BLOCK": REQ_BLOCK})):
+        src = ASTSource(fn, signature(fn, constexprs, {}, "*i32"), constexprs)
+        assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+        print(fn.__name__, "ok", flush=True)
     """
 )
 
@@ -232,6 +313,7 @@ def test_kernel_compiles_for_sm90() -> None:
     decorated under ``TRITON_INTERPRET=1`` cannot be compiled."""
     out = run_without_interpreter(_AOT_SCRIPT)
     assert "paged_kv_indices_kernel ok" in out, out
+    assert "paged_kv_table_kernel ok" in out, out
 
 
 @pytest.mark.cuda

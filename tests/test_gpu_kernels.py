@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+from speccheck.backends.flashinfer.page_indices import paged_kv_layout
 from speccheck.backends.kv_cache_write import write_kv_cache
 from speccheck.backends.reference.attention import paged_attention_reference
 from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
@@ -682,6 +683,119 @@ def test_flashinfer_plan_draft_steps_in_one_graph(
         ref = reference_output(case, kc_ref, vc_ref, query=q[step], seq_lens=lens[step])
         torch.testing.assert_close(outs[step].float(), ref.float(), atol=ATOL, rtol=RTOL)
     assert torch.equal(kc[1:], kc_ref[1:]) and torch.equal(vc[1:], vc_ref[1:])
+
+
+def fi_fixed_plan_builder(layer: AttentionLayerSpec) -> Any:
+    from speccheck.backends.flashinfer.fixed_plan import FlashInferFixedPlanMetadataBuilder
+
+    return FlashInferFixedPlanMetadataBuilder(
+        layer, RuntimeConfig(cudagraph_mode="full"), torch.device("cuda"), LIMITS,
+        supports_draft_decode_metadata_update=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "causal"),
+    [([1] * 6, [1, 16, 17, 100, 255, 256], True), ([3, 1, 6, 2], [3, 20, 200, 33], True),
+     ([3, 1, 6, 2], [3, 20, 200, 33], False)],
+    ids=["decode", "prefill_causal", "prefill_noncausal"],
+)
+def test_flashinfer_fixed_plan_matches_reference(
+    flashinfer: ModuleType, query_lens: list[int], seq_lens: list[int], causal: bool
+) -> None:
+    """Eager builds of the fixed-plan builder: the page table its device kernel wrote is
+    the host reference's, and the output is the reference attention's."""
+    layer = fi_layer()
+    builder = fi_fixed_plan_builder(layer)
+    case = make_case(layer, query_lens=query_lens, seq_lens=seq_lens, causal=causal)
+    md, _ = run_and_compare(builder, case)
+    layout = paged_kv_layout(case.seq_lens, case.table[: len(seq_lens)], layer.block_size)
+    assert md.paged_kv_indptr.cpu().tolist() == layout.indptr.tolist()
+    assert md.paged_kv_last_page_len.cpu().tolist() == layout.last_page_len.tolist()
+    assert torch.equal(md.paged_kv_indices[: layout.num_pages].cpu(), layout.indices)
+    assert md.use_decode is (max(query_lens) == 1)
+
+
+def _count_plans(monkeypatch: pytest.MonkeyPatch, wrapper: Any) -> list[int]:
+    """Calls of ``wrapper.plan`` from now on, one entry each."""
+    calls: list[int] = []
+    plan = wrapper.plan
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(wrapper, "plan", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("query_len", "first", "then"),
+    [(1, [3, 40, 17, 200, 129], [256, 1, 33, 16, 100, 7, 64]),
+     (2, [3, 40, 17], [256, 2, 33, 16, 100, 65])],
+    ids=["decode", "uniform_prefill"],
+)
+def test_flashinfer_fixed_plan_refresh_replays_other_lengths(
+    flashinfer: ModuleType, monkeypatch: pytest.MonkeyPatch, query_len: int,
+    first: list[int], then: list[int],
+) -> None:
+    """The in-graph refresh: capture refresh + attention over 8 padded lanes once, then
+    write another batch (other lengths, other real-lane count, other block-table rows) into
+    the persistent buffers and replay: the output is the new batch's reference, padding
+    rows stay zero; and a build of the new batch makes no host plan (the plan ignores the
+    lengths)."""
+    layer = fi_layer()
+    builder = fi_fixed_plan_builder(layer)
+    case = make_case(layer, query_lens=[query_len] * len(first), seq_lens=first,
+                     num_reqs_padded=8)
+    impl = builder.make_impl(case.scale)
+    md = builder.build(case.common)
+    assert md.num_reqs == 8 and md.use_decode is (query_len == 1)
+    out = torch.zeros_like(case.query)
+    kc, vc = case.key_cache, case.value_cache
+
+    def body() -> None:
+        builder.update_draft_decode_metadata(md)
+        impl.forward(case.query, case.key, case.value, kc, vc, md, out)
+
+    graph = capture(body)
+    plans = _count_plans(monkeypatch, md.wrapper)
+
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    seq_lens = np.array(then, dtype=np.int32)
+    n = len(then)
+    bufs = case.buffers
+    blocks = np.random.default_rng(11).permutation(np.arange(1, case.key_cache.shape[0]))
+    rows = torch.from_numpy(blocks.astype(np.int32).reshape(bufs.block_table.shape))
+    bufs.block_table.copy_(rows)
+    bufs.seq_lens.zero_()
+    bufs.seq_lens[:n].copy_(torch.from_numpy(seq_lens))
+    slots = _slots(rows.numpy(), layer.block_size, then, [query_len] * n, 8 * query_len)
+    bufs.slot_mapping[: 8 * query_len].copy_(torch.from_numpy(slots))
+    for t in (case.query, case.key, case.value):
+        t.copy_(torch.randn(*t.shape, generator=gen).to("cuda", layer.dtype))
+    common = build_attention_metadata(
+        buffers=bufs,
+        batch_desc=BatchExecutionDescriptor(CUDAGraphMode.FULL, 8 * query_len, 8, query_len),
+        num_reqs=n,
+        query_start_loc_np=np.arange(n + 1, dtype=np.int32) * query_len,
+        base_seq_lens_np=seq_lens,
+        step=0,
+        max_model_len=layer.max_model_len,
+    )
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_kv_cache(case.key, case.value, kc_ref, vc_ref, common.slot_mapping)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    real = n * query_len
+    ref = reference_output(dataclasses.replace(case, common=common), kc_ref, vc_ref)
+    torch.testing.assert_close(out[:real].float(), ref[:real].float(), atol=ATOL, rtol=RTOL)
+    if query_len == 1:
+        assert torch.count_nonzero(out[real:]) == 0
+    rebuilt = builder.build(common)
+    assert rebuilt.wrapper is md.wrapper and plans == []
+    assert torch.equal(rebuilt.paged_kv_indptr, md.paged_kv_indptr)
 
 
 def test_flashinfer_in_graph_refresh_is_unsupported(flashinfer: ModuleType) -> None:

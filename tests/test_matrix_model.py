@@ -28,6 +28,7 @@ SHIPPED_BACKENDS = (
     "triton_attn",
     "fa3",
     "flashinfer",
+    "flashinfer_fixed_plan",
     "triton_mla",
     "sparse_swa",
     "rocm_sparse_swa",
@@ -66,7 +67,7 @@ def violations(exc: ValidationError) -> list[tuple[tuple[Any, ...], str]]:
     return found
 
 
-def test_shipped_matrix_declares_the_seven_backends() -> None:
+def test_shipped_matrix_declares_the_eight_backends() -> None:
     matrix = load_matrix()
     assert matrix.names == SHIPPED_BACKENDS
     assert matrix.backend("fa3").draft_decode.supported == "dcp_world_size == 1"
@@ -74,6 +75,10 @@ def test_shipped_matrix_declares_the_seven_backends() -> None:
     assert matrix.backend("flashinfer").draft_decode.refresh_strategy is (
         RefreshStrategy.HOST_PREPLANNED
     )
+    fixed_plan = matrix.backend("flashinfer_fixed_plan")
+    assert fixed_plan.variant_of == "flashinfer"
+    assert fixed_plan.draft_decode.supported is True
+    assert fixed_plan.draft_decode.refresh_rebuilds
     sparse = matrix.backend("sparse_swa").draft_decode
     assert sparse.refreshed_fields == (
         "swa_indices", "swa_lens", "tile_scheduler_metadata", "split_offsets")

@@ -265,6 +265,9 @@ class FlashInferMetadata:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    """View of the speculator's persistent block table (``[num_reqs, max_blocks]``): what
+    the page indices are gathered from."""
     num_actual_tokens: int
     num_reqs: int
     causal: bool
@@ -349,6 +352,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     workspace_bytes: ClassVar[int] = WORKSPACE_BYTES
     kv_layout: ClassVar[str] = "NHD"
+    split_kv: ClassVar[bool] = True
+    """Whether FlashInfer's scheduler may split a request's KV over several CTAs (its
+    default, chosen per plan from the lengths); every plan passes
+    ``disable_split_kv=not split_kv``."""
 
     def setup(self) -> None:
         layer, device = self.layer, self.device
@@ -380,7 +387,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         """A graph-mode wrapper over index buffers of its own, allocated as persistent
         buffers (named ``KIND[bs=N].FIELD``), with pinned host buffers to stage its plans
         in."""
-        fi = self._flashinfer
         prefix = f"{kind}[bs={batch_size}]"
         logger.debug("flashinfer: new graph-mode wrapper %s", prefix)
 
@@ -405,15 +411,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             )
         qo_indptr = buffer("qo_indptr", batch_size + 1)
         staged["qo_indptr"] = pinned(batch_size + 1)
-        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace,
-            kv_layout=self.kv_layout,
-            use_cuda_graph=True,
-            qo_indptr_buf=qo_indptr,
-            paged_kv_indptr_buf=indptr,
-            paged_kv_indices_buf=indices,
-            paged_kv_last_page_len_buf=last_page_len,
-        )
+        wrapper = self._prefill_wrapper(qo_indptr, indptr, indices, last_page_len)
         created = _GraphWrapper(
             kind, wrapper, indptr, indices, last_page_len, qo_indptr, staged, torch.cuda.Event()
         )
@@ -437,6 +435,25 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             paged_kv_indptr_buffer=indptr,
             paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last_page_len,
+        )
+
+    def _prefill_wrapper(
+        self,
+        qo_indptr: torch.Tensor,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+    ) -> Any:
+        """A graph-mode paged prefill wrapper over the given fixed buffers (FlashInfer
+        picks its kernel family)."""
+        return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace,
+            kv_layout=self.kv_layout,
+            use_cuda_graph=True,
+            qo_indptr_buf=qo_indptr,
+            paged_kv_indptr_buf=indptr,
+            paged_kv_indices_buf=indices,
+            paged_kv_last_page_len_buf=last_page_len,
         )
 
     def _draft_step_wrappers(self, batch_size: int, steps: int) -> _DraftStepWrappers:
@@ -523,6 +540,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 kv_data_type=layer.dtype,
                 sm_scale=self.sm_scale,
                 seq_lens=staged["seq_lens"],
+                disable_split_kv=not self.split_kv,
             )
         else:
             if qo_indptr is None:
@@ -539,6 +557,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 q_data_type=layer.dtype,
                 kv_data_type=layer.dtype,
                 seq_lens=staged["seq_lens"],
+                disable_split_kv=not self.split_kv,
             )
         graph_wrapper.uploaded.record()
 
@@ -686,6 +705,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 q_data_type=layer.dtype,
                 kv_data_type=layer.dtype,
                 sm_scale=self.sm_scale,
+                disable_split_kv=not self.split_kv,
             )
         if not group.planned:
             group.planned = True
@@ -722,6 +742,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
             slot_mapping=common.slot_mapping,
+            block_table=common.block_table,
             num_actual_tokens=common.num_actual_tokens,
             num_reqs=common.num_reqs,
             causal=common.causal,

@@ -11,8 +11,12 @@ table is the same): a preplanned replay's tables cost one call and one launch, a
 :func:`stage_paged_kv_lengths` writes their lengths straight into the pinned rows they are
 copied to the device from.
 
+:func:`write_paged_kv_table` builds the whole table on the device from the device KV
+lengths, in one launch: what a builder whose plans do not depend on the lengths
+(:mod:`~speccheck.backends.flashinfer.fixed_plan`) refreshes inside a captured graph.
+
 :func:`paged_kv_layout` is the whole table built on the host from a host block table: the
-reference the kernel is tested against. The builder never calls it.
+reference the kernels are tested against. The builders never call it.
 """
 
 from __future__ import annotations
@@ -247,5 +251,138 @@ def write_paged_kv_indices(
         tables.stride(0),
         offsets.stride(0),
         BLOCK=INDEX_BLOCK,
+        num_warps=1,
+    )
+
+
+REQ_BLOCK = 128
+"""Requests one program of :func:`paged_kv_table_kernel` sums the page counts of per
+iteration."""
+
+
+@triton.jit(do_not_specialize=("num_reqs", "tail_per_program"))
+def paged_kv_table_kernel(
+    indices_ptr,
+    indptr_ptr,
+    last_page_len_ptr,
+    seq_lens_ptr,
+    block_table_ptr,
+    num_reqs,
+    page_size,
+    max_blocks,
+    capacity,
+    tail_per_program,
+    stride_bt,
+    BLOCK: tl.constexpr,
+    REQ_BLOCK: tl.constexpr,
+):
+    """Program ``r`` (grid ``(num_reqs,)``) writes request ``r``'s entries of the CSR page
+    table of the KV lengths ``seq_lens[:num_reqs]``: ``indptr[r + 1]`` (and program 0
+    ``indptr[0] = 0``), ``last_page_len[r]``, its page indices from block-table row ``r``,
+    and one share of the indices' zero tail (as :func:`paged_kv_indices_kernel`).
+
+    Each program sums the page counts of the requests before it (and of all of them, for
+    the tail) itself, so no program waits for another: ``num_reqs`` is at most the
+    builder's request limit, and the sums are a few hundred loads. A negative length counts
+    as 0; a length past the block table's ``max_blocks`` pages is cut to them (the host
+    path raises; a device kernel cannot, and writes nothing outside the table)."""
+    req = tl.program_id(0)
+    lanes = tl.arange(0, REQ_BLOCK)
+    before = tl.zeros([REQ_BLOCK], tl.int32)
+    every = tl.zeros([REQ_BLOCK], tl.int32)
+    for first in range(0, num_reqs, REQ_BLOCK):
+        idx = first + lanes
+        lens = tl.maximum(tl.load(seq_lens_ptr + idx, mask=idx < num_reqs, other=0), 0)
+        pages = tl.minimum((lens + page_size - 1) // page_size, max_blocks)
+        before += tl.where(idx < req, pages, 0)
+        every += pages
+    start = tl.sum(before, axis=0)
+    used = tl.sum(every, axis=0)
+    own_len = tl.maximum(tl.load(seq_lens_ptr + req), 0)
+    own_pages = tl.minimum((own_len + page_size - 1) // page_size, max_blocks)
+    last = tl.where(own_pages > 0, tl.minimum(own_len - (own_pages - 1) * page_size, page_size), 0)
+    tl.store(last_page_len_ptr + req, last)
+    tl.store(indptr_ptr + req + 1, start + own_pages)
+    if req == 0:
+        tl.store(indptr_ptr, 0)
+    cols = tl.arange(0, BLOCK)
+    row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for first in range(0, own_pages, BLOCK):
+        col = first + cols
+        dst = start + col
+        live = (col < own_pages) & (dst < capacity)
+        tl.store(indices_ptr + dst, tl.load(row + col, mask=live, other=0), mask=live)
+    tail = used + req * tail_per_program
+    for first in range(0, tail_per_program, BLOCK):
+        part = first + cols
+        dst = tail + part
+        stale = (part < tail_per_program) & (dst < capacity)
+        tl.store(indices_ptr + dst, tl.zeros([BLOCK], tl.int32), mask=stale)
+
+
+def write_paged_kv_table(
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    page_size: int,
+    *,
+    indptr: torch.Tensor,
+    last_page_len: torch.Tensor,
+    indices: torch.Tensor,
+    num_reqs: int,
+) -> None:
+    """The whole CSR page table of the first ``num_reqs`` requests, on the device, from
+    their device KV lengths ``seq_lens`` (``[>= num_reqs]`` int32) and ``block_table``
+    (``[>= num_reqs, max_blocks]`` int32, rows contiguous): ``indptr[:num_reqs + 1]``,
+    ``last_page_len[:num_reqs]`` and ``indices`` (``[capacity]``), whose tail past the
+    used pages is zeroed. Afterwards the three hold what :func:`paged_kv_layout` computes
+    on the host for lengths within the table (the entries past ``num_reqs`` are left as
+    they are).
+
+    Capture-safe: one kernel launch whose grid depends only on ``num_reqs`` and the
+    buffers' shapes, no host synchronisation, no allocation; everything is written in
+    place, so a replay rebuilds the table from whatever lengths and block table the
+    buffers hold then."""
+    tensors = (("seq_lens", seq_lens), ("block_table", block_table), ("indptr", indptr),
+               ("last_page_len", last_page_len), ("indices", indices))
+    for name, t in tensors:
+        if t.dtype != torch.int32:
+            raise ValueError(f"write_paged_kv_table: {name} must be int32, got {t.dtype}")
+        if t.device != indices.device:
+            raise ValueError(
+                f"write_paged_kv_table: {name} is on {t.device}, indices on {indices.device}"
+            )
+    for name, t, size in (("seq_lens", seq_lens, num_reqs), ("indptr", indptr, num_reqs + 1),
+                          ("last_page_len", last_page_len, num_reqs)):
+        if t.dim() != 1 or t.shape[0] < size or (size and t.stride(0) != 1):
+            raise ValueError(
+                f"write_paged_kv_table: {name} of shape {tuple(t.shape)} does not hold "
+                f"{size} contiguous entries"
+            )
+    if indices.dim() != 1 or indices.stride(0) != 1:
+        raise ValueError("write_paged_kv_table: indices must be one contiguous row")
+    if block_table.dim() != 2 or block_table.shape[0] < num_reqs or block_table.stride(1) != 1:
+        raise ValueError(
+            f"write_paged_kv_table: block_table of shape {tuple(block_table.shape)} does "
+            f"not hold {num_reqs} contiguous rows"
+        )
+    if num_reqs == 0:
+        indptr[:1].zero_()
+        indices.zero_()
+        return
+    capacity = indices.shape[0]
+    paged_kv_table_kernel[(num_reqs,)](
+        indices,
+        indptr,
+        last_page_len,
+        seq_lens,
+        block_table,
+        num_reqs,
+        page_size,
+        block_table.shape[1],
+        capacity,
+        triton.cdiv(capacity, num_reqs),
+        block_table.stride(0),
+        BLOCK=INDEX_BLOCK,
+        REQ_BLOCK=REQ_BLOCK,
         num_warps=1,
     )
