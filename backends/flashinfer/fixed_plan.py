@@ -41,7 +41,7 @@ FlashInfer's FA2 kernels: its SM90 (FA3) scheduler balances by KV length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -167,6 +167,16 @@ class FlashInferFixedPlanMetadataBuilder(FlashInferMetadataBuilder):
             indices=metadata.paged_kv_indices,
             num_reqs=num_reqs,
         )
+
+    def persistent_buffer_extents(self, metadata: FlashInferMetadata) -> Mapping[str, int]:
+        """The used head of the metadata's wrapper's indices buffer, whose tail the refresh
+        zeroes. Reads ``indptr[num_reqs]`` back from the device: for checks after a run,
+        never inside one."""
+        if metadata.run is None:
+            return {}
+        kind = "decode" if metadata.use_decode else "prefill"
+        used = int(metadata.paged_kv_indptr[metadata.num_reqs])
+        return {f"{kind}[bs={metadata.num_reqs}].paged_kv_indices": used}
 
     def plan_draft_steps(
         self, common_per_step: Sequence[CommonAttentionMetadata]
