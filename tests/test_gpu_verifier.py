@@ -1,7 +1,10 @@
-"""The verifier on real CUDA graphs with FlashAttention-3 (GPU machine only).
+"""The verifier on real CUDA graphs with FlashAttention-3 and FlashInfer (GPU machine only).
 
 A missing FA3 scheduler-metadata refresh does not change attention outputs (measured on the
-H200), so only the step-dependent-metadata check can catch it.
+H200), so only the step-dependent-metadata check can catch it. The FlashInfer fixed-plan
+builder's known-bad variants: its refresh removed (the fused graph replays step 1's page
+table), and its design with split KV left on (a plan that depends on the lengths, kept
+from the capture).
 """
 
 from __future__ import annotations
@@ -77,3 +80,46 @@ def test_fa3_under_decode_context_parallelism_is_verified_per_step_only() -> Non
     assert not verifier.fused_allowed
     assert [c.name for c in verifier.candidates()] == ["per_step_graph"]
     assert report.status == "passed", report.failures
+
+
+def _fixed_plan_mutants() -> dict[str, type]:
+    """Known-bad ``flashinfer_fixed_plan`` builders, by name."""
+    from speccheck.backends.flashinfer.builder import FlashInferMetadata
+    from speccheck.backends.flashinfer.fixed_plan import FlashInferFixedPlanMetadataBuilder
+
+    class WithoutRefresh(FlashInferFixedPlanMetadataBuilder):
+        def update_draft_decode_metadata(self, metadata: FlashInferMetadata) -> None:
+            """The refresh, removed: builds still write the page table."""
+
+    class SplitKV(FlashInferFixedPlanMetadataBuilder):
+        """Plans once per query layout, as the shipped builder does, but leaves split KV
+        on: the plan depends on the lengths it was made for."""
+
+        split_kv = True
+
+    return {"without_refresh": WithoutRefresh, "split_kv": SplitKV}
+
+
+@pytest.mark.parametrize("mutant", ["without_refresh", "split_kv"])
+def test_flashinfer_fixed_plan_mutants_are_caught_at_default_settings(mutant: str) -> None:
+    """``speccheck verify --backend flashinfer_fixed_plan``'s default settings (every
+    worker's share of the default examples, default seed) with a known-bad builder swapped
+    in: the run fails. Without the refresh, ``step_metadata`` names the stale page table;
+    with split KV, the outputs are wrong (eager and graphs alike: the fp32 reference)."""
+    pytest.importorskip("flashinfer")
+    builder = _fixed_plan_mutants()[mutant]
+    failures = []
+    for worker in plan_verification("flashinfer_fixed_plan").shard_settings(
+            "flashinfer_fixed_plan"):
+        settings = dataclasses.replace(
+            worker, shrink_seconds=0.0,
+            builder_overrides=(("flashinfer_fixed_plan", builder),))
+        verifier, report = _run(settings)
+        del verifier
+        release_device_memory(torch.device("cuda"))
+        failures += [(f.check, f.field, f.diagnosis[:160]) for f in report.failures]
+    print(f"{mutant}: {failures[:4]}")
+    assert failures, f"{mutant} passed verify at default settings"
+    if mutant == "without_refresh":
+        assert any(check == "step_metadata" and "paged_kv" in (field or "")
+                   for check, field, _ in failures), failures

@@ -144,15 +144,19 @@ class FlashInferFixedPlanMetadataBuilder(FlashInferMetadataBuilder):
             qo_indptr=graph_wrapper.qo_indptr,
             draft_step=None,
         )
-        self.update_draft_decode_metadata(metadata)
+        self._write_page_table(metadata)
         return metadata
 
     def update_draft_decode_metadata(self, metadata: FlashInferMetadata) -> None:
+        """The device half of :meth:`build` (:meth:`_write_page_table`); the plan stays: it
+        does not depend on what changed."""
+        self._write_page_table(metadata)
+
+    def _write_page_table(self, metadata: FlashInferMetadata) -> None:
         """Rebuild the wrapper's page table from ``metadata.seq_lens`` and its block table
         (the whole indices buffer, its tail zeroed), and the prefill wrapper's ``qo_indptr``
         from ``metadata.query_start_loc``: device work only, in place, into the fixed
-        buffers the wrapper's captured kernels read; two launches at most. The plan stays:
-        it does not depend on what changed."""
+        buffers the wrapper's captured kernels read; two launches at most. Capture-safe."""
         if metadata.run is None:
             return
         num_reqs = metadata.num_reqs
