@@ -10,9 +10,15 @@ from the capture).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from speccheck.checks.api import plan_verification
 from speccheck.checks.device_memory import release_device_memory
@@ -22,6 +28,7 @@ from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.runtime_config import RuntimeConfig
 
 MATRICES = MatrixContext.load(None)
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.cuda
 
@@ -82,44 +89,34 @@ def test_fa3_under_decode_context_parallelism_is_verified_per_step_only() -> Non
     assert report.status == "passed", report.failures
 
 
-def _fixed_plan_mutants() -> dict[str, type]:
-    """Known-bad ``flashinfer_fixed_plan`` builders, by name."""
-    from speccheck.backends.flashinfer.builder import FlashInferMetadata
-    from speccheck.backends.flashinfer.fixed_plan import FlashInferFixedPlanMetadataBuilder
-
-    class WithoutRefresh(FlashInferFixedPlanMetadataBuilder):
-        def update_draft_decode_metadata(self, metadata: FlashInferMetadata) -> None:
-            """The refresh, removed: builds still write the page table."""
-
-    class SplitKV(FlashInferFixedPlanMetadataBuilder):
-        """Plans once per query layout, as the shipped builder does, but leaves split KV
-        on: the plan depends on the lengths it was made for."""
-
-        split_kv = True
-
-    return {"without_refresh": WithoutRefresh, "split_kv": SplitKV}
-
 
 @pytest.mark.parametrize("mutant", ["without_refresh", "split_kv"])
-def test_flashinfer_fixed_plan_mutants_are_caught_at_default_settings(mutant: str) -> None:
-    """``speccheck verify --backend flashinfer_fixed_plan``'s default settings (every
-    worker's share of the default examples, default seed) with a known-bad builder swapped
-    in: the run fails. Without the refresh, ``step_metadata`` names the stale page table;
-    with split KV, the outputs are wrong (eager and graphs alike: the fp32 reference)."""
+def test_flashinfer_fixed_plan_mutants_do_not_pass_verify(mutant: str, tmp_path: Path) -> None:
+    """``speccheck verify --backend flashinfer_fixed_plan`` at its defaults, as a real
+    command with its worker processes, under the shipped matrix naming a known-bad builder:
+    it exits non-zero and reports the backend failed or crashed (a stale split-KV plan can
+    fault the device: a crashed worker is the verdict then, not a crash of the command).
+    Without the refresh, ``step_metadata`` names the stale page table."""
     pytest.importorskip("flashinfer")
-    builder = _fixed_plan_mutants()[mutant]
-    failures = []
-    for worker in plan_verification("flashinfer_fixed_plan").shard_settings(
-            "flashinfer_fixed_plan"):
-        settings = dataclasses.replace(
-            worker, shrink_seconds=0.0,
-            builder_overrides=(("flashinfer_fixed_plan", builder),))
-        verifier, report = _run(settings)
-        del verifier
-        release_device_memory(torch.device("cuda"))
-        failures += [(f.check, f.field, f.diagnosis[:160]) for f in report.failures]
-    print(f"{mutant}: {failures[:4]}")
-    assert failures, f"{mutant} passed verify at default settings"
+    from speccheck.checks.selftest.flashinfer_mutants import BACKEND, MUTANTS, naming_matrix
+    from speccheck.contract.matrix_loader import load_matrix
+
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text(yaml.safe_dump(
+        naming_matrix(load_matrix(None), MUTANTS[mutant]).model_dump(mode="json",
+                                                                     exclude_none=True),
+        sort_keys=False))
+    out = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from speccheck.checks.cli.app import main; main()", "verify",
+         "--backend", BACKEND, "--matrix", str(matrix), "--json", str(out)],
+        capture_output=True, text=True, timeout=480, cwd=ROOT, env=env)
+    print(proc.stdout[-3000:], proc.stderr[-2000:])
+    assert proc.returncode != 0, proc.stdout
+    (backend,) = json.loads(out.read_text())["backends"]
+    assert backend["status"] in ("failed", "crashed"), backend["status"]
     if mutant == "without_refresh":
-        assert any(check == "step_metadata" and "paged_kv" in (field or "")
-                   for check, field, _ in failures), failures
+        fields = [f.get("field") or "" for f in backend["failures"]
+                  if f["check"] == "step_metadata"]
+        assert any("paged_kv" in field for field in fields), backend["failures"]
