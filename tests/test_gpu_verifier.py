@@ -107,13 +107,15 @@ def test_flashinfer_fixed_plan_mutants_do_not_pass_verify(mutant: str, tmp_path:
                                                                      exclude_none=True),
         sort_keys=False))
     out = tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "COLUMNS": "200"}
     proc = subprocess.run(
         [sys.executable, "-c", "from speccheck.checks.cli.app import main; main()", "verify",
          "--backend", BACKEND, "--matrix", str(matrix), "--json", str(out)],
         capture_output=True, text=True, timeout=480, cwd=ROOT, env=env)
     print(proc.stdout[-3000:], proc.stderr[-2000:])
     assert proc.returncode != 0, proc.stdout
+    assert out.exists(), proc.stdout + proc.stderr
     (backend,) = json.loads(out.read_text())["backends"]
     assert backend["status"] in ("failed", "crashed"), backend["status"]
     if mutant == "without_refresh":
