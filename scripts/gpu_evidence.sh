@@ -10,6 +10,13 @@
 #       scripts/slim_flashinfer_wheel.py); an optional .gpu-wheels/fi-jit/cache.tar.gz from
 #       an earlier run skips FlashInfer's JIT compile. FlashInfer kernel and DP tests, verify
 #       with per-step and preplanned graphs, verify --dp-size 2, the propose-latency benchmark
+#   scripts/gpu_evidence.sh OUTDIR fi-fixed-plan
+#       wheels in .gpu-wheels/fi (+ fi-jit): the FlashInfer GPU tests of both builders and
+#       the device page table, the fixed-plan backend's known-bad builders through real
+#       verify commands (tests/test_gpu_verifier.py), verify of flashinfer_fixed_plan at its
+#       defaults, speccheck bench for flashinfer_fixed_plan (K=4 and 8) and flashinfer (K=4),
+#       batches 1, 8, 64, in one call, and benchmarks/attention_latency.py --flashinfer
+#       (split KV against none)
 #   scripts/gpu_evidence.sh OUTDIR serving
 #       wheels in .gpu-wheels/core: verify at the GPU tier's serving-scale defaults (no flags
 #       but the example count) for reference, triton_attn and fa3, FA3 without its refresh
@@ -82,7 +89,7 @@
 #       --dcp-world-size 2 for reference and triton_attn (DCP2_LIMIT, DCP2_EXAMPLES), one after
 #       the other (each run uses both GPUs), each into a console file of its own.
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|serving|latent|concurrent|lean|lean-fi|lean-core|lean-host|lean-trust|verify-jobs|verify-jobs-fi|verify-speed|verify-overlap|verify-overlap-fi|audit-core|audit-flashinfer|two-gpu [--no-bench]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer|fi-fixed-plan|serving|latent|concurrent|lean|lean-fi|lean-core|lean-host|lean-trust|verify-jobs|verify-jobs-fi|verify-speed|verify-overlap|verify-overlap-fi|audit-core|audit-flashinfer|two-gpu [--no-bench]"
 out=${1:?$usage}
 suite=${2:?$usage}
 bench=${3:-}
@@ -95,7 +102,7 @@ mkdir -p /tmp/site && ln -sfn /tmp/site /tmp/site-packages
 export PYTHONPATH=/tmp/site-packages PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
   core|audit-core|serving|latent|concurrent|lean-core|verify-jobs|lean-host|lean-trust|verify-overlap) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
-  flashinfer|audit-flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi|verify-speed|verify-overlap-fi)
+  flashinfer|fi-fixed-plan|audit-flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi|verify-speed|verify-overlap-fi)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
     python3 -m zipfile -e .gpu-wheels/fi/flashinfer-slim.zip /tmp/site
     # Ninja rebuilds an output when any input is newer than the output's mtime in its
@@ -117,7 +124,7 @@ export SPECCHECK_COMMIT=$commit
 {
   echo "commit: $commit"; echo "suite: $suite"; date -u; nvidia-smi -L
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  case $suite in *flashinfer|lean|lean-fi|two-gpu|verify-jobs-fi|verify-speed|verify-overlap-fi) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
+  case $suite in *flashinfer|fi-fixed-plan|lean|lean-fi|two-gpu|verify-jobs-fi|verify-speed|verify-overlap-fi) python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" ;; esac
   [ "$suite" = two-gpu ] && python3 -c "import torch, torch.distributed as d; print('GPUs', torch.cuda.device_count(), 'nccl', d.is_nccl_available() and torch.cuda.nccl.version())"
 } > "$out/device-$suite.txt" 2>&1
 
@@ -155,6 +162,27 @@ if [ "$suite" = two-gpu ]; then
   done
   mkdir -p "$out/fi-jit"
   tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
+  exit 0
+fi
+if [ "$suite" = fi-fixed-plan ]; then
+  timeout "${FI_PYTEST_LIMIT:-480}" python3 -m pytest -rA -q -s -m cuda tests/test_gpu_verifier.py \
+    tests/test_flashinfer_page_indices.py tests/test_gpu_kernels.py -k flashinfer \
+    > "$out/pytest-cuda-fi-fixed-plan.txt" 2>&1
+  echo "pytest exit $?" >> "$out/pytest-cuda-fi-fixed-plan.txt"
+  mkdir -p "$out/fi-jit"
+  tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
+  run flashinfer_fixed_plan "${VERIFY_LIMIT:-170}" --backend flashinfer_fixed_plan
+  [ "$bench" = --no-bench ] && exit 0
+  for backend in flashinfer_fixed_plan flashinfer; do
+    steps=4,8; [ "$backend" = flashinfer ] && steps=4
+    { timeout "${BENCH_LIMIT:-150}" speccheck bench --backend "$backend" --steps "$steps" \
+        --batches 1,8,64 --repeats "${REPEATS:-20}" --json "$out/bench-$backend.json"
+      echo "exit $?"; } > "$out/bench-$backend.txt" 2>&1
+  done
+  timeout 120 python3 benchmarks/attention_latency.py --flashinfer --batches 1 16 128 \
+    --seq-lens 512 4096 32768 --json "$out/attention-flashinfer.json" \
+    > "$out/attention-flashinfer.txt" 2>&1
+  echo "benchmark exit $?" >> "$out/attention-flashinfer.txt"
   exit 0
 fi
 if [ "$suite" = lean ]; then

@@ -356,6 +356,12 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     """Whether FlashInfer's scheduler may split a request's KV over several CTAs (its
     default, chosen per plan from the lengths); every plan passes
     ``disable_split_kv=not split_kv``."""
+    decode_tensor_cores: ClassVar[bool] = False
+    """The decode wrapper's ``use_tensor_cores``: FlashInfer's FA2 prefill kernels with one
+    query row per lane, instead of its CUDA-core decode kernels."""
+    kernel_backend: ClassVar[str] = "auto"
+    """The wrappers' ``backend``: ``"auto"`` lets FlashInfer pick (FA3 kernels for prefill
+    on sm90)."""
 
     def setup(self) -> None:
         layer, device = self.layer, self.device
@@ -425,16 +431,17 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     def _decode_wrapper(
         self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor
     ) -> Any:
-        """A graph-mode decode wrapper over the given fixed buffers (CUDA cores: one query
-        token per request)."""
+        """A graph-mode decode wrapper over the given fixed buffers (one query token per
+        request; :attr:`decode_tensor_cores`, :attr:`kernel_backend`)."""
         return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace,
             kv_layout=self.kv_layout,
             use_cuda_graph=True,
-            use_tensor_cores=False,
+            use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=indptr,
             paged_kv_indices_buffer=indices,
             paged_kv_last_page_len_buffer=last_page_len,
+            backend=self.kernel_backend,
         )
 
     def _prefill_wrapper(
@@ -444,8 +451,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         indices: torch.Tensor,
         last_page_len: torch.Tensor,
     ) -> Any:
-        """A graph-mode paged prefill wrapper over the given fixed buffers (FlashInfer
-        picks its kernel family)."""
+        """A graph-mode paged prefill wrapper over the given fixed buffers, on
+        :attr:`kernel_backend`."""
         return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace,
             kv_layout=self.kv_layout,
@@ -454,6 +461,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             paged_kv_indptr_buf=indptr,
             paged_kv_indices_buf=indices,
             paged_kv_last_page_len_buf=last_page_len,
+            backend=self.kernel_backend,
         )
 
     def _draft_step_wrappers(self, batch_size: int, steps: int) -> _DraftStepWrappers:

@@ -42,7 +42,7 @@ FlashInfer's FA2 kernels: its SM90 (FA3) scheduler balances by KV length.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -67,46 +67,15 @@ class FlashInferFixedPlanMetadataBuilder(FlashInferMetadataBuilder):
 
     backend_name = "flashinfer_fixed_plan"
     split_kv: ClassVar[bool] = False
+    decode_tensor_cores: ClassVar[bool] = True
+    """Tensor cores: the CUDA-core decode plan depends on the lengths even without split
+    KV (run 46)."""
+    kernel_backend: ClassVar[str] = "fa2"
+    """FA2 for both wrappers: the SM90 (FA3) prefill scheduler balances by KV length."""
 
     def setup(self) -> None:
         super().setup()
         self._plan_keys: dict[tuple[str, int], PlanKey] = {}
-
-    def _decode_wrapper(
-        self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor
-    ) -> Any:
-        """A graph-mode decode wrapper on tensor cores (FlashInfer's FA2 prefill kernels
-        with one query row per lane), whose plan without split KV ignores the lengths; the
-        CUDA-core decode plan does not."""
-        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace,
-            kv_layout=self.kv_layout,
-            use_cuda_graph=True,
-            use_tensor_cores=True,
-            paged_kv_indptr_buffer=indptr,
-            paged_kv_indices_buffer=indices,
-            paged_kv_last_page_len_buffer=last_page_len,
-            backend="fa2",
-        )
-
-    def _prefill_wrapper(
-        self,
-        qo_indptr: torch.Tensor,
-        indptr: torch.Tensor,
-        indices: torch.Tensor,
-        last_page_len: torch.Tensor,
-    ) -> Any:
-        """A graph-mode paged prefill wrapper pinned to FA2 (see the module docstring)."""
-        return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace,
-            kv_layout=self.kv_layout,
-            use_cuda_graph=True,
-            qo_indptr_buf=qo_indptr,
-            paged_kv_indptr_buf=indptr,
-            paged_kv_indices_buf=indices,
-            paged_kv_last_page_len_buf=last_page_len,
-            backend="fa2",
-        )
 
     def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         """Plan the wrapper on the host where its query layout, scale or mask changed since
