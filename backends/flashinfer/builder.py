@@ -310,6 +310,12 @@ class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
         metadata.run(query[:n], (key_cache, value_cache), out=output[:n])
 
 
+def wrapper_buffer_name(kind: str, batch_size: int, field: str) -> str:
+    """The persistent-buffer name of a graph-mode wrapper's fixed buffer ``field``
+    (``KIND[bs=N].FIELD``)."""
+    return f"{kind}[bs={batch_size}].{field}"
+
+
 def _same_scale(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-6 * max(abs(a), abs(b))
 
@@ -391,13 +397,13 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     def _new_wrapper(self, kind: str, batch_size: int) -> _GraphWrapper:
         """A graph-mode wrapper over index buffers of its own, allocated as persistent
-        buffers (named ``KIND[bs=N].FIELD``), with pinned host buffers to stage its plans
-        in."""
-        prefix = f"{kind}[bs={batch_size}]"
-        logger.debug("flashinfer: new graph-mode wrapper %s", prefix)
+        buffers (named by :func:`wrapper_buffer_name`), with pinned host buffers to stage its
+        plans in."""
+        logger.debug("flashinfer: new graph-mode wrapper %s[bs=%d]", kind, batch_size)
 
         def buffer(field: str, size: int) -> torch.Tensor:
-            return self.allocate_persistent(f"{prefix}.{field}", (size,), torch.int32)
+            return self.allocate_persistent(
+                wrapper_buffer_name(kind, batch_size, field), (size,), torch.int32)
 
         def pinned(size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=torch.int32, pin_memory=True)

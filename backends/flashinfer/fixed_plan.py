@@ -51,6 +51,7 @@ from speccheck.backends.flashinfer.builder import (
     FlashInferMetadata,
     FlashInferMetadataBuilder,
     _is_decode,
+    wrapper_buffer_name,
 )
 from speccheck.backends.flashinfer.page_indices import paged_kv_lengths, write_paged_kv_table
 from speccheck.contract.metadata import CommonAttentionMetadata
@@ -149,7 +150,7 @@ class FlashInferFixedPlanMetadataBuilder(FlashInferMetadataBuilder):
             return {}
         kind = "decode" if metadata.use_decode else "prefill"
         used = int(metadata.paged_kv_indptr[metadata.num_reqs])
-        return {f"{kind}[bs={metadata.num_reqs}].paged_kv_indices": used}
+        return {wrapper_buffer_name(kind, metadata.num_reqs, "paged_kv_indices"): used}
 
     def plan_draft_steps(
         self, common_per_step: Sequence[CommonAttentionMetadata]

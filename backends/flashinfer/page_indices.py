@@ -21,6 +21,7 @@ reference the kernels are tested against. The builders never call it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,6 +138,26 @@ def paged_kv_layout(
     )
 
 
+@triton.jit
+def _write_pages_and_tail(indices_ptr, row, start, pages, used, req, tail_per_program,
+                          capacity, BLOCK: tl.constexpr):
+    """One program's stores into an indices row: ``indices[start + j] = row[j]`` for ``j <
+    pages``, then zeros over ``tail_per_program`` entries from ``used + req *
+    tail_per_program``; nothing outside ``indices[0:capacity]``."""
+    cols = tl.arange(0, BLOCK)
+    for first in range(0, pages, BLOCK):
+        col = first + cols
+        dst = start + col
+        live = (col < pages) & (dst >= 0) & (dst < capacity)
+        tl.store(indices_ptr + dst, tl.load(row + col, mask=live, other=0), mask=live)
+    tail = used + req * tail_per_program
+    for first in range(0, tail_per_program, BLOCK):
+        part = first + cols
+        dst = tail + part
+        stale = (part < tail_per_program) & (dst >= 0) & (dst < capacity)
+        tl.store(indices_ptr + dst, tl.zeros([BLOCK], tl.int32), mask=stale)
+
+
 @triton.jit(do_not_specialize=("num_reqs", "tail_per_program"))
 def paged_kv_indices_kernel(
     indices_ptr,
@@ -167,21 +188,30 @@ def paged_kv_indices_kernel(
     table = tl.program_id(1).to(tl.int64)
     indices_ptr += table * stride_indices
     indptr_ptr += table * stride_indptr
-    cols = tl.arange(0, BLOCK)
     start = tl.load(indptr_ptr + req)
     pages = tl.minimum(tl.load(indptr_ptr + req + 1) - start, max_blocks)
     row = block_table_ptr + req.to(tl.int64) * stride_bt
-    for first in range(0, pages, BLOCK):
-        col = first + cols
-        dst = start + col
-        live = (col < pages) & (dst >= 0) & (dst < capacity)
-        tl.store(indices_ptr + dst, tl.load(row + col, mask=live, other=0), mask=live)
-    tail = tl.load(indptr_ptr + num_reqs) + req * tail_per_program
-    for first in range(0, tail_per_program, BLOCK):
-        part = first + cols
-        dst = tail + part
-        stale = (part < tail_per_program) & (dst >= 0) & (dst < capacity)
-        tl.store(indices_ptr + dst, tl.zeros([BLOCK], tl.int32), mask=stale)
+    _write_pages_and_tail(indices_ptr, row, start, pages, tl.load(indptr_ptr + num_reqs), req,
+                          tail_per_program, capacity, BLOCK)
+
+
+def _check_int32_beside(caller: str, indices: torch.Tensor,
+                        tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Raise unless every named tensor is int32 on ``indices``' device."""
+    for name, t in tensors:
+        if t.dtype != torch.int32:
+            raise ValueError(f"{caller}: {name} must be int32, got {t.dtype}")
+        if t.device != indices.device:
+            raise ValueError(f"{caller}: {name} is on {t.device}, indices on {indices.device}")
+
+
+def _check_block_table(caller: str, block_table: torch.Tensor, num_reqs: int) -> None:
+    """Raise unless ``block_table`` holds ``num_reqs`` rows with contiguous columns."""
+    if block_table.dim() != 2 or block_table.shape[0] < num_reqs or block_table.stride(1) != 1:
+        raise ValueError(
+            f"{caller}: block_table of shape {tuple(block_table.shape)} does not hold "
+            f"{num_reqs} contiguous rows"
+        )
 
 
 def write_paged_kv_indices(
@@ -204,13 +234,8 @@ def write_paged_kv_indices(
     buffers' shapes, no host synchronisation, no allocation; ``indices`` is written in
     place.
     """
-    for name, t in (("indices", indices), ("block_table", block_table), ("indptr", indptr)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"write_paged_kv_indices: {name} must be int32, got {t.dtype}")
-        if t.device != indices.device:
-            raise ValueError(
-                f"write_paged_kv_indices: {name} is on {t.device}, indices on {indices.device}"
-            )
+    _check_int32_beside("write_paged_kv_indices", indices,
+                        (("indices", indices), ("block_table", block_table), ("indptr", indptr)))
     tables = indices.unsqueeze(0) if indices.dim() == 1 else indices
     offsets = indptr.unsqueeze(0) if indptr.dim() == 1 else indptr
     if tables.dim() != 2 or tables.stride(1) != 1 or indices.dim() != indptr.dim():
@@ -218,11 +243,7 @@ def write_paged_kv_indices(
             "write_paged_kv_indices: indices must be one contiguous row, or rows of them with "
             "one indptr row each"
         )
-    if block_table.dim() != 2 or block_table.shape[0] < num_reqs or block_table.stride(1) != 1:
-        raise ValueError(
-            f"write_paged_kv_indices: block_table of shape {tuple(block_table.shape)} does "
-            f"not hold {num_reqs} contiguous rows"
-        )
+    _check_block_table("write_paged_kv_indices", block_table, num_reqs)
     if (
         offsets.dim() != 2
         or offsets.shape[0] != tables.shape[0]
@@ -305,19 +326,9 @@ def paged_kv_table_kernel(
     tl.store(indptr_ptr + req + 1, start + own_pages)
     if req == 0:
         tl.store(indptr_ptr, 0)
-    cols = tl.arange(0, BLOCK)
     row = block_table_ptr + req.to(tl.int64) * stride_bt
-    for first in range(0, own_pages, BLOCK):
-        col = first + cols
-        dst = start + col
-        live = (col < own_pages) & (dst < capacity)
-        tl.store(indices_ptr + dst, tl.load(row + col, mask=live, other=0), mask=live)
-    tail = used + req * tail_per_program
-    for first in range(0, tail_per_program, BLOCK):
-        part = first + cols
-        dst = tail + part
-        stale = (part < tail_per_program) & (dst < capacity)
-        tl.store(indices_ptr + dst, tl.zeros([BLOCK], tl.int32), mask=stale)
+    _write_pages_and_tail(indices_ptr, row, start, own_pages, used, req, tail_per_program,
+                          capacity, BLOCK)
 
 
 def write_paged_kv_table(
@@ -342,15 +353,9 @@ def write_paged_kv_table(
     buffers' shapes, no host synchronisation, no allocation; everything is written in
     place, so a replay rebuilds the table from whatever lengths and block table the
     buffers hold then."""
-    tensors = (("seq_lens", seq_lens), ("block_table", block_table), ("indptr", indptr),
-               ("last_page_len", last_page_len), ("indices", indices))
-    for name, t in tensors:
-        if t.dtype != torch.int32:
-            raise ValueError(f"write_paged_kv_table: {name} must be int32, got {t.dtype}")
-        if t.device != indices.device:
-            raise ValueError(
-                f"write_paged_kv_table: {name} is on {t.device}, indices on {indices.device}"
-            )
+    _check_int32_beside("write_paged_kv_table", indices,
+                        (("seq_lens", seq_lens), ("block_table", block_table), ("indptr", indptr),
+                         ("last_page_len", last_page_len), ("indices", indices)))
     for name, t, size in (("seq_lens", seq_lens, num_reqs), ("indptr", indptr, num_reqs + 1),
                           ("last_page_len", last_page_len, num_reqs)):
         if t.dim() != 1 or t.shape[0] < size or (size and t.stride(0) != 1):
@@ -360,11 +365,7 @@ def write_paged_kv_table(
             )
     if indices.dim() != 1 or indices.stride(0) != 1:
         raise ValueError("write_paged_kv_table: indices must be one contiguous row")
-    if block_table.dim() != 2 or block_table.shape[0] < num_reqs or block_table.stride(1) != 1:
-        raise ValueError(
-            f"write_paged_kv_table: block_table of shape {tuple(block_table.shape)} does "
-            f"not hold {num_reqs} contiguous rows"
-        )
+    _check_block_table("write_paged_kv_table", block_table, num_reqs)
     if num_reqs == 0:
         indptr[:1].zero_()
         indices.zero_()
