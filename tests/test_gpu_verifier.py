@@ -10,25 +10,20 @@ from the capture).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from speccheck.checks.api import plan_verification
 from speccheck.checks.device_memory import release_device_memory
+from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS, ProcessMutant
+from speccheck.checks.selftest.run import Outcome, verify_process_mutant
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.runtime_config import RuntimeConfig
 
 MATRICES = MatrixContext.load(None)
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.cuda
 
@@ -50,18 +45,14 @@ def test_fa3_without_its_refresh_is_caught_at_default_settings() -> None:
     discovery must aim the draft steps across FA3's own schedule thresholds. Shrinking is
     cut: catching is the point here."""
     pytest.importorskip("fa3_fwd_interface")
-    from speccheck.backends.fa3.builder import FA3MetadataBuilder
-
-    class WithoutRefresh(FA3MetadataBuilder):
-        def update_draft_decode_metadata(self, metadata) -> None:
-            """The refresh, removed: the fused graph replays step 1's schedule."""
+    from speccheck.checks.selftest.fa3_mutants import SCHEDULE_FIELD, WithoutScheduleRefresh
 
     caught: list[int] = []
     for seed in range(10):
         workers_caught = []
         for worker in plan_verification("fa3", seed=seed).shard_settings("fa3"):
             settings = dataclasses.replace(worker, shrink_seconds=0.0,
-                                           builder_overrides=(("fa3", WithoutRefresh),))
+                                           builder_overrides=(("fa3", WithoutScheduleRefresh),))
             verifier, report = _run(settings)
             # Each worker's verifier holds a serving-scale KV cache and graph pools: free
             # them before the next one, as the worker process of `speccheck verify` does.
@@ -72,7 +63,7 @@ def test_fa3_without_its_refresh_is_caught_at_default_settings() -> None:
                   f"{[(f.check, f.field) for f in report.failures]}")
             stale = [f for f in report.failures if f.check == "step_metadata"]
             workers_caught.append(bool(stale)
-                                  and stale[0].field == "fa3.metadata.scheduler_metadata")
+                                  and stale[0].field == SCHEDULE_FIELD)
             assert not [f for f in report.failures if f.check == "draft_tokens"]
         if any(workers_caught):
             caught.append(seed)
@@ -90,37 +81,19 @@ def test_fa3_under_decode_context_parallelism_is_verified_per_step_only() -> Non
 
 
 
-@pytest.mark.parametrize("mutant", ["without_refresh", "split_kv"])
-def test_flashinfer_fixed_plan_mutants_do_not_pass_verify(mutant: str, tmp_path: Path) -> None:
-    """``speccheck verify --backend flashinfer_fixed_plan`` at its defaults, as a real
-    command with its worker processes, under the shipped matrix naming a known-bad builder:
-    it exits non-zero and reports the backend failed or crashed (a stale split-KV plan can
-    fault the device: a crashed worker is the verdict then, not a crash of the command).
-    Without the refresh the graphs read the page tables the verifier poisoned before the
-    example (on the H200 the worker then faults: crashed); a failure must name them in
-    ``step_metadata``. With split KV the fp32 reference catches the attention output."""
-    pytest.importorskip("flashinfer")
-    from speccheck.checks.selftest.flashinfer_mutants import BACKEND, MUTANTS, naming_matrix
-    from speccheck.contract.matrix_loader import load_matrix
+KERNEL_MODULES = {"fa3": "fa3_fwd_interface", "flashinfer_fixed_plan": "flashinfer"}
+"""The kernel package each CUDA-only mutant's backend imports."""
 
-    matrix = tmp_path / "matrix.yaml"
-    matrix.write_text(yaml.safe_dump(
-        naming_matrix(load_matrix(None), MUTANTS[mutant]).model_dump(mode="json",
-                                                                     exclude_none=True),
-        sort_keys=False))
-    out = tmp_path / "report.json"
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "COLUMNS": "200"}
-    proc = subprocess.run(
-        [sys.executable, "-c", "from speccheck.checks.cli.app import main; main()", "verify",
-         "--backend", BACKEND, "--matrix", str(matrix), "--json", str(out)],
-        capture_output=True, text=True, timeout=480, cwd=ROOT, env=env)
-    print(proc.stdout[-3000:], proc.stderr[-2000:])
-    assert proc.returncode != 0, proc.stdout
-    assert out.exists(), proc.stdout + proc.stderr
-    (backend,) = json.loads(out.read_text())["backends"]
-    assert backend["status"] in ("failed", "crashed"), backend["status"]
-    if mutant == "without_refresh" and backend["status"] == "failed":
-        fields = [f.get("field") or "" for f in backend["failures"]
-                  if f["check"] == "step_metadata"]
-        assert any("paged_kv" in field for field in fields), backend["failures"]
+
+@pytest.mark.parametrize("mutant", PROCESS_MUTANTS, ids=lambda m: m.name)
+def test_the_selftest_catches_each_cuda_only_mutant(mutant: ProcessMutant) -> None:
+    """``speccheck selftest``'s run of each CUDA-only known-bad builder: verify at its
+    defaults, in worker processes, under the shipped matrix naming it, must fail it with
+    its check, or, where stale metadata addresses memory, crash a worker. (Without the
+    fixed-plan refresh, the graphs read the page tables the verifier poisoned before the
+    example: on the H200 the worker then faults. With split KV, the fp32 reference catches
+    the attention output.)"""
+    pytest.importorskip(KERNEL_MODULES[mutant.backend])
+    result = verify_process_mutant(mutant, shrink_seconds=10.0)
+    print(f"{mutant.name}: {result.outcome}: {result.detail}")
+    assert result.outcome is Outcome.CAUGHT, result.detail

@@ -13,9 +13,12 @@ from typer.testing import CliRunner
 
 from speccheck.checks.cli.app import app
 from speccheck.checks.selftest.mutants import MUTANTS, DerivedBuilder, Mutant, StaleRefresh
+from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS, naming_matrix
 from speccheck.checks.selftest.run import verify_builder
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.examples import decode_example, encode_example, example_from_json
+from speccheck.contract.adapter_status import implementation_path
+from speccheck.contract.matrix_loader import load_matrix
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -86,8 +89,28 @@ def test_selftest_command_reports_every_mutant_caught(tmp_path) -> None:
     rows = json.loads(out.read_text())
     assert [r["name"] for r in rows[1:]] == [
         *(m.name for m in MUTANTS), *(m.name for m in SWA_MUTANTS), "mla_stale_dcp_local_lens",
-        "reference_stale_dcp_local_lens", "triton_attn_stale_dcp_local_lens"]
-    assert all(r["caught"] for r in rows)
+        "reference_stale_dcp_local_lens", "triton_attn_stale_dcp_local_lens",
+        *(m.name for m in PROCESS_MUTANTS)]
+    cpu_rows = rows[: len(rows) - len(PROCESS_MUTANTS)]
+    assert all(r["outcome"] == "caught" for r in cpu_rows), cpu_rows
+    # The CUDA-only backends' mutants are listed, skipped, each with the reason.
+    for row in rows[len(cpu_rows):]:
+        assert row["outcome"] == "skipped" and "CUDA" in row["detail"], row
+        assert f"skipped {row['name']}: " in result.output
+
+
+def test_a_process_mutant_runs_under_the_shipped_matrix_naming_it() -> None:
+    """Each CUDA-only mutant's matrix is the shipped one with only its entry's
+    implementation changed, to the mutant: what its author would ship."""
+    shipped = load_matrix(None)
+    for mutant in PROCESS_MUTANTS:
+        matrix = naming_matrix(shipped, mutant.builder)
+        entry = matrix.backend(mutant.backend)
+        assert entry.implementation == implementation_path(mutant.builder)
+        assert entry.model_copy(update={"implementation": None}) == \
+            shipped.backend(mutant.backend).model_copy(update={"implementation": None})
+        assert [matrix.backend(n) for n in matrix.names if n != mutant.backend] == \
+            [shipped.backend(n) for n in shipped.names if n != mutant.backend]
 
 
 def test_a_spent_shrink_budget_keeps_the_failure_found() -> None:

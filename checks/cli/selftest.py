@@ -21,7 +21,8 @@ def selftest_command(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results here.")] = None,  # noqa: UP045
     shrink_seconds: Annotated[float, typer.Option("--shrink-seconds", min=0, help="Seconds each run may spend shrinking its failure to a smaller example; whether a mutant is caught does not depend on it.")] = DEFAULT_SHRINK_SECONDS,
 ) -> None:
-    """Prove the verifier catches every known-bad builder (exit 1 if one slips through)."""
+    """Prove the verifier catches every known-bad builder (exit 1 if one slips through;
+    those of backends this machine cannot run are listed as skipped, with the reason)."""
     if not shrink_seconds >= 0:  # also NaN, which the option's range lets through
         raise typer.BadParameter(f"{shrink_seconds} is not 0 or more",
                                  param_hint="'--shrink-seconds'")
@@ -30,7 +31,7 @@ def selftest_command(
     from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
 
     interpret_triton_without_cuda()
-    from speccheck.checks.selftest.run import run_selftest
+    from speccheck.checks.selftest.run import Outcome, run_selftest
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     console = Console(highlight=False, emoji=False)
@@ -39,13 +40,14 @@ def selftest_command(
     table = Table(title=f"speccheck selftest ({tier})")
     for column in ("mutant", "must be caught by", "result", "re-creates"):
         table.add_column(column)
+    shown = {Outcome.CAUGHT: "ok", Outcome.MISSED: "MISSED", Outcome.SKIPPED: "skipped"}
     for r in results:
-        table.add_row(r.name, r.expected_check, "ok" if r.caught else "MISSED", r.recreates)
+        table.add_row(r.name, r.expected_check, shown[r.outcome], r.recreates)
     console.print(table)
     for r in results:
-        if not r.caught:
-            console.print(f"MISSED {r.name}: {r.detail}", markup=False)
+        if r.outcome is not Outcome.CAUGHT:
+            console.print(f"{shown[r.outcome]} {r.name}: {r.detail}", markup=False)
     if json_path:
         json_path.write_text(json.dumps([asdict(r) for r in results], indent=2))
-    if not all(r.caught for r in results):
+    if any(r.outcome is Outcome.MISSED for r in results):
         raise typer.Exit(1)

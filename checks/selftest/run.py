@@ -4,13 +4,18 @@ and must pass the correct control builder."""
 from __future__ import annotations
 
 import dataclasses
+import enum
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 import torch
 
-from speccheck.checks.api import backend_runtime_config
+from speccheck.checks.api import backend_runtime_config, verify
 from speccheck.checks.device_memory import release_device_memory
 from speccheck.checks.selftest import dcp_mutants
 from speccheck.checks.selftest.latent_mutants import (
@@ -24,6 +29,7 @@ from speccheck.checks.selftest.mutants import (
     DerivedBuilder,
     declaring_matrix,
 )
+from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS, ProcessMutant, naming_matrix
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.dcp_ranks import verify_dcp
@@ -34,13 +40,25 @@ from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import Matrix
+from speccheck.speculator.attention_setup import machine_platform, unrunnable_reason
+
+
+class Outcome(enum.StrEnum):
+    """What the self-test found for one builder."""
+
+    CAUGHT = "caught"
+    """A mutant failed the check meant for it (the control: it passed)."""
+    MISSED = "missed"
+    """A mutant got through, or was caught by another check (the control: it failed)."""
+    SKIPPED = "skipped"
+    """This machine cannot run the mutant's backend (no CUDA, no kernel package)."""
 
 
 @dataclass
 class SelftestResult:
     name: str
     expected_check: str
-    caught: bool
+    outcome: Outcome
     detail: str
     recreates: str
 
@@ -134,7 +152,36 @@ def _result(name: str, check: str, recreates: str, report: BackendReport,
     detail = hits[0].diagnosis if hits else (
         "not caught" if not report.failures else
         f"caught by {report.failures[0].check} instead: {report.failures[0].diagnosis}")
-    return SelftestResult(name, check, bool(hits), detail, recreates)
+    return SelftestResult(name, check, Outcome.CAUGHT if hits else Outcome.MISSED, detail,
+                          recreates)
+
+
+def verify_process_mutant(mutant: ProcessMutant,
+                          shrink_seconds: float = DEFAULT_SHRINK_SECONDS) -> SelftestResult:
+    """Verify ``mutant`` as ``speccheck verify --backend B --matrix M`` does by default,
+    under the shipped matrix naming it (written to a temporary file), in worker processes:
+    caught when its check fails naming :attr:`~ProcessMutant.names`, or where
+    :attr:`~ProcessMutant.crash_catches`, when a worker crashes; skipped, with the reason,
+    where this machine cannot run the backend."""
+    shipped = load_matrix(None)
+    reason = unrunnable_reason(mutant.backend, machine_platform(), shipped)
+    if reason is None:
+        with tempfile.TemporaryDirectory(prefix="speccheck-selftest-") as folder:
+            path = Path(folder) / "matrix.yaml"
+            matrix = naming_matrix(shipped, mutant.builder)
+            path.write_text(yaml.safe_dump(matrix.model_dump(mode="json", exclude_none=True),
+                                           sort_keys=False))
+            report = verify(mutant.builder, matrix=path,
+                            shrink_seconds=shrink_seconds).backend(mutant.backend)
+        if report.status is Status.SKIPPED:
+            reason = report.detail
+        elif report.status is Status.CRASHED:
+            outcome = Outcome.CAUGHT if mutant.crash_catches else Outcome.MISSED
+            return SelftestResult(mutant.name, mutant.check, outcome,
+                                  f"crashed: {report.detail}", mutant.recreates)
+        else:
+            return _result(mutant.name, mutant.check, mutant.recreates, report, mutant.names)
+    return SelftestResult(mutant.name, mutant.check, Outcome.SKIPPED, reason, mutant.recreates)
 
 
 def run_selftest(
@@ -145,13 +192,16 @@ def run_selftest(
     builder that keeps the DCP-local lengths of step 1 (under the matrix its author would
     ship, at DCP 2, one process), and the reference and triton_attn builders that keep
     them on two real DCP ranks (:data:`~speccheck.checks.selftest.dcp_mutants.
-    STALE_DCP_BUILDERS`, under the matrix their author would ship). ``shrink_seconds``:
-    each run's budget for shrinking its failure (whether it is caught does not depend on
-    it)."""
+    STALE_DCP_BUILDERS`, under the matrix their author would ship); then the CUDA-only
+    kernel backends' (:data:`~speccheck.checks.selftest.process_mutants.PROCESS_MUTANTS`,
+    in verify's worker processes; skipped where the machine cannot run them).
+    ``shrink_seconds``: each run's budget for shrinking its failure (whether it is caught
+    does not depend on it)."""
     gpu = device.type == "cuda"
     control = verify_builder(DerivedBuilder, device, shrink_seconds=shrink_seconds)
     results = [SelftestResult(
-        "control (correct builder)", "-", control.status is Status.PASSED,
+        "control (correct builder)", "-",
+        Outcome.CAUGHT if control.status is Status.PASSED else Outcome.MISSED,
         "passed" if control.status is Status.PASSED else f"{control.failures[0].check}: {control.failures[0].diagnosis}",
         "none: must pass",
     )]
@@ -182,4 +232,5 @@ def run_selftest(
             "DCP-local lengths not advanced between fused draft steps while the local slots "
             "are (vLLM's Triton MLA refresh under DCP), on two real DCP ranks", report,
             f"{backend}.metadata.{dcp_mutants.DCP_LOCAL_FIELD}"))
+    results += [verify_process_mutant(mutant, shrink_seconds) for mutant in PROCESS_MUTANTS]
     return results
