@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 import torch
+import yaml
 
 from speccheck.checks.api import backend_runtime_config, verify
 from speccheck.checks.device_memory import release_device_memory
