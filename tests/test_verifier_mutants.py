@@ -151,3 +151,16 @@ def test_a_verifier_that_caught_a_mutant_is_freed_between_runs() -> None:
         assert held() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_process_mutant_the_worker_cannot_run_is_skipped(monkeypatch) -> None:
+    """Past the self-test's own platform check, verify's worker decides: on a machine
+    that cannot build the backend it reports it skipped, and the self-test lists the
+    mutant skipped with the worker's reason rather than missed or caught."""
+    import speccheck.checks.selftest.run as selftest_run
+
+    monkeypatch.setattr(selftest_run, "unrunnable_reason", lambda *args: None)
+    result = selftest_run.verify_process_mutant(PROCESS_MUTANTS[0])
+    assert result.outcome == "skipped", result
+    assert "CUDA" in result.detail or "cuda" in result.detail, result.detail
