@@ -12,8 +12,14 @@ import torch
 from typer.testing import CliRunner
 
 from speccheck.checks.cli.app import app
-from speccheck.checks.selftest.mutants import MUTANTS, DerivedBuilder, Mutant, StaleRefresh
-from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS, naming_matrix
+from speccheck.checks.selftest.mutants import (
+    MUTANTS,
+    DerivedBuilder,
+    Mutant,
+    StaleRefresh,
+    naming_matrix,
+)
+from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS
 from speccheck.checks.selftest.run import verify_builder
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.examples import decode_example, encode_example, example_from_json

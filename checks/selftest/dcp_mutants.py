@@ -18,8 +18,7 @@ from typing import Any
 from speccheck.backends.dcp import DcpLocalShare
 from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
 from speccheck.backends.triton_attn.builder import TritonAttnMetadata, TritonAttnMetadataBuilder
-from speccheck.checks.selftest.mutants import declaring_matrix
-from speccheck.contract.adapter_status import implementation_path
+from speccheck.checks.selftest.mutants import declaring_matrix, naming_matrix
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_model import Matrix
 
@@ -56,6 +55,4 @@ def claiming_matrix(shipped: Matrix, backend: str) -> Matrix:
     """``shipped`` with a ``backend`` entry that names the backend's stale builder and
     claims fused draft decode at every DCP size, refreshing :data:`DCP_REFRESHED_FIELDS`."""
     declared = declaring_matrix(shipped, DCP_REFRESHED_FIELDS, backend=backend)
-    entry = declared.backend(backend).model_copy(
-        update={"implementation": implementation_path(STALE_DCP_BUILDERS[backend])})
-    return declared.replacing(entry)
+    return naming_matrix(declared, STALE_DCP_BUILDERS[backend])

@@ -13,8 +13,7 @@ name ``dcp_local_seq_lens``.
 from __future__ import annotations
 
 from speccheck.backends.triton_mla.builder import TritonMLAMetadata, TritonMLAMetadataBuilder
-from speccheck.checks.selftest.mutants import declaring_matrix
-from speccheck.contract.adapter_status import implementation_path
+from speccheck.checks.selftest.mutants import declaring_matrix, naming_matrix
 from speccheck.contract.matrix_model import Matrix
 
 DCP_LOCAL_FIELD = "dcp_local_seq_lens"
@@ -31,6 +30,4 @@ def claiming_matrix(shipped: Matrix) -> Matrix:
     """``shipped`` with a ``triton_mla`` entry that names :class:`StaleDcpLocalLens` and
     claims fused draft decode at every DCP size, refreshing ``dcp_local_seq_lens``."""
     declared = declaring_matrix(shipped, (DCP_LOCAL_FIELD,), backend="triton_mla")
-    entry = declared.backend("triton_mla").model_copy(
-        update={"implementation": implementation_path(StaleDcpLocalLens)})
-    return declared.replacing(entry)
+    return naming_matrix(declared, StaleDcpLocalLens)

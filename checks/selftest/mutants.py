@@ -24,6 +24,7 @@ from speccheck.backends.reference.builder import (
 )
 from speccheck.checks.verify.vocabulary import Check
 from speccheck.contract.adapter_status import implementation_path
+from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_model import DraftDecode, Matrix, RefreshStrategy
 from speccheck.contract.metadata import CommonAttentionMetadata
 
@@ -315,6 +316,16 @@ def declaring_matrix(shipped: Matrix, fields: tuple[str, ...], backend: str = "r
     draft = DraftDecode(supported=True, refresh_strategy=strategy, refreshed_fields=fields,
                         refresh_rebuilds=rebuilds)
     return shipped.replacing(shipped.backend(backend).model_copy(update={"draft_decode": draft}))
+
+
+def naming_matrix(shipped: Matrix,
+                  builder: type[AttentionMetadataBuilder]) -> Matrix:  # type: ignore[type-arg]
+    """``shipped`` with the entry of ``builder.backend_name`` naming ``builder`` as its
+    implementation (everything it claims unchanged), as the author of that builder would
+    ship it."""
+    entry = shipped.backend(builder.backend_name).model_copy(
+        update={"implementation": implementation_path(builder)})
+    return shipped.replacing(entry)
 
 
 def mutants_matrix(shipped: Matrix) -> Matrix:

@@ -4,7 +4,7 @@ those of the CUDA-only kernel backends, whose stale plans can fault the device (
 that dies is a ``crashed`` verdict, not a crash of the self-test).
 
 Each runs under the shipped matrix with its entry's ``implementation`` pointed at it
-(:func:`naming_matrix`), as the author of such an adapter would ship it, at the settings
+(:func:`~speccheck.checks.selftest.mutants.naming_matrix`), as the author of such an adapter would ship it, at the settings
 the command uses by default. Where the machine cannot run the backend (no CUDA, no kernel
 package) the self-test reports the mutant skipped, with the reason.
 """
@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from speccheck.checks.selftest.fa3_mutants import SCHEDULE_FIELD, WithoutScheduleRefresh
 from speccheck.checks.selftest.flashinfer_mutants import SplitKVFixedPlan, WithoutRefresh
 from speccheck.checks.verify.vocabulary import Check
-from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.builder import AttentionMetadataBuilder
-from speccheck.contract.matrix_model import Matrix
 
 
 @dataclass(frozen=True)
@@ -59,11 +57,3 @@ PROCESS_MUTANTS: tuple[ProcessMutant, ...] = (
         "capture's", crash_catches=True),
 )
 
-
-def naming_matrix(shipped: Matrix,
-                  builder: type[AttentionMetadataBuilder]) -> Matrix:  # type: ignore[type-arg]
-    """``shipped`` with the entry of ``builder.backend_name`` naming ``builder`` as its
-    implementation (everything it claims unchanged)."""
-    entry = shipped.backend(builder.backend_name).model_copy(
-        update={"implementation": implementation_path(builder)})
-    return shipped.replacing(entry)

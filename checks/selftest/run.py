@@ -27,8 +27,9 @@ from speccheck.checks.selftest.mutants import (
     MUTANTS,
     DerivedBuilder,
     declaring_matrix,
+    naming_matrix,
 )
-from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS, ProcessMutant, naming_matrix
+from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS, ProcessMutant
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.dcp_ranks import verify_dcp
