@@ -365,9 +365,15 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     decode_tensor_cores: ClassVar[bool] = False
     """The decode wrapper's ``use_tensor_cores``: FlashInfer's FA2 prefill kernels with one
     query row per lane, instead of its CUDA-core decode kernels."""
-    kernel_backend: ClassVar[str] = "auto"
-    """The wrappers' ``backend``: ``"auto"`` lets FlashInfer pick (FA3 kernels for prefill
-    on sm90)."""
+    kernel_backend: ClassVar[str] = "fa2"
+    """The wrappers' ``backend``: FlashInfer's FA2 kernels on every GPU. What goes through
+    the prefill wrapper here is a drafter's first pass (or a DFlash block): a few query
+    rows per request. FlashInfer's ``"auto"`` picks its SM90 (FA3) prefill on Hopper,
+    which gives every request and query head a 128-row tile of its own, and whose host
+    scheduler, a heap over the SMs fed one work item per request and head, is most of a
+    plan's host time at larger batches (run 59, batch 64: FA3's first pass 293 us of GPU
+    time and 488 us to plan, FA2's 226 us and 355 us; the draft tokens identical); FA2
+    packs the query heads of a KV head into one tile."""
 
     def setup(self) -> None:
         layer, device = self.layer, self.device

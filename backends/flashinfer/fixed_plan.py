@@ -72,7 +72,9 @@ class FlashInferFixedPlanMetadataBuilder(FlashInferMetadataBuilder):
     """Tensor cores: the CUDA-core decode plan depends on the lengths even without split
     KV (run 46)."""
     kernel_backend: ClassVar[str] = "fa2"
-    """FA2 for both wrappers: the SM90 (FA3) prefill scheduler balances by KV length."""
+    """FA2 for both wrappers, as the base builder has it, but here a requirement, not a
+    speed-up: the SM90 (FA3) prefill scheduler balances by KV length, so its plan would
+    not outlive a change of lengths."""
 
     def setup(self) -> None:
         super().setup()
