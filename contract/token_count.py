@@ -85,6 +85,7 @@ def build_attention_metadata(
     max_model_len: int,
     causal: bool = True,
     uniform_query_len: int | None = None,
+    offsets_on_device: bool = False,
 ) -> CommonAttentionMetadata:
     """Common metadata for one attention call, following the token-count rule.
 
@@ -93,8 +94,13 @@ def build_attention_metadata(
     the attention request and token counts. ``buffers.seq_lens``, ``positions``,
     ``slot_mapping`` and ``block_table`` are owned by the caller and only viewed here.
     ``uniform_query_len``: every request brings that many tokens (``query_start_loc_np``
-    is ``0, q, 2q, ...``), so the offsets are computed on the device instead of copied.
+    is ``0, q, 2q, ...``), so the offsets are computed on the device instead of copied;
+    with ``offsets_on_device`` too, the caller's device work has already written those
+    uniform offsets (a decode step's lanes) and nothing is launched.
     """
+    if offsets_on_device and uniform_query_len is None:
+        raise ValueError("offsets_on_device needs uniform_query_len: only uniform offsets "
+                         "are computed on the device")
     num_reqs_attn = attention_request_count(batch_desc, num_reqs)
     num_tokens_attn = attention_token_count(batch_desc, query_start_loc_np)
     real_tokens = int(query_start_loc_np[num_reqs])
@@ -108,10 +114,10 @@ def build_attention_metadata(
     )
     views = buffers.views(num_reqs_attn, num_tokens_attn)
     qsl_cpu = torch.from_numpy(qsl)
-    if uniform_query_len is not None:
-        _write_uniform_query_start_loc(views, num_reqs, uniform_query_len)
-    else:
+    if uniform_query_len is None:
         _copy_query_start_loc(views.query_start_loc, qsl_cpu)
+    elif not offsets_on_device:
+        _write_uniform_query_start_loc(views, num_reqs, uniform_query_len)
     if batch_desc.uniform_token_count is not None:
         max_query_len = batch_desc.uniform_token_count
     elif uniform_query_len is not None:
@@ -167,9 +173,11 @@ def build_uniform_attention_metadata(
     step: int,
     max_model_len: int,
     causal: bool = True,
+    offsets_on_device: bool = False,
 ) -> CommonAttentionMetadata:
     """:func:`build_attention_metadata` for a uniform layout (decode steps, DFlash blocks,
-    padded first passes); the offsets are computed on the device."""
+    padded first passes); the offsets are computed on the device, unless
+    ``offsets_on_device`` says they are there already."""
     return build_attention_metadata(
         buffers=buffers,
         batch_desc=batch_desc,
@@ -180,6 +188,7 @@ def build_uniform_attention_metadata(
         max_model_len=max_model_len,
         causal=causal,
         uniform_query_len=num_query_per_req,
+        offsets_on_device=offsets_on_device,
     )
 
 

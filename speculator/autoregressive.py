@@ -266,10 +266,14 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     ) -> list[list[Any]]:
         """``[step - 1][group]`` metadata: planned per step for ``host_preplanned`` groups,
         built once (step 1) and refreshed in-graph for the others. Host work: one build,
-        the later steps' common metadata derived from it."""
+        the later steps' common metadata derived from it. The build launches nothing: the
+        query offsets are the decode lanes' (:meth:`_prepare_decode_inputs` wrote them),
+        which the per-step path, rebuilding everything as the verifier's oracle, writes
+        again before every step."""
         first = build_uniform_attention_metadata(
             buffers=self.buffers, batch_desc=desc, num_reqs=num_reqs, num_query_per_req=1,
             base_seq_lens_np=base_seq_lens, step=1, max_model_len=self.max_model_len,
+            offsets_on_device=True,
         )
         commons = [first] + [
             at_later_draft_step(first, base_seq_lens, step) for step in range(2, self.num_steps)

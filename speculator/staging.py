@@ -26,6 +26,8 @@ from typing import overload
 import numpy as np
 import torch
 
+from speccheck.contract.stream_events import cuda_device_index, record_on_current_stream
+
 
 class StagedArrays(Sequence[torch.Tensor]):
     """The arrays one :meth:`HostStaging.stage` sent, in order: int64 values in
@@ -72,6 +74,7 @@ class HostStaging:
         self._copied = torch.cuda.Event() if pinned else None
         """Recorded after each copy (CUDA only); waited on before the pinned buffer is
         rewritten."""
+        self._device_index = cuda_device_index(device) if pinned else -1
 
     def stage(self, arrays: Sequence[np.ndarray]) -> StagedArrays:
         """Copy ``arrays`` (integers, any shapes) to the device in one transfer, one after
@@ -90,7 +93,7 @@ class HostStaging:
         device, host = self._span(total)
         device.copy_(host, non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            record_on_current_stream(self._copied, self._device_index)
         return StagedArrays(self.device_buffer, offsets, [a.shape for a in arrays])
 
     def _span(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:

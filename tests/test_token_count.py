@@ -123,6 +123,26 @@ def test_uniform_offsets_on_the_device_equal_the_host_copy(reqs: int, pad: int, 
     assert buffers.query_start_loc[padded + 1:].tolist() == [99 if dirty else 0] * (16 - padded)
 
 
+def test_offsets_on_device_leave_the_buffer_to_the_caller() -> None:
+    """``offsets_on_device``: the build takes the offsets the caller's device work wrote
+    (a decode step's lanes) and writes nothing; the host copy is the same as ever. Only
+    uniform offsets can be there already."""
+    buffers = _buffers()
+    buffers.query_start_loc.fill_(99)
+    desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, 4, 4, 1)
+    md = build_uniform_attention_metadata(
+        buffers=buffers, batch_desc=desc, num_reqs=3, num_query_per_req=1,
+        base_seq_lens_np=np.full(3, 5), step=1, max_model_len=64, offsets_on_device=True,
+    )
+    assert md.query_start_loc_cpu.tolist() == [0, 1, 2, 3, 3]
+    assert buffers.query_start_loc.tolist() == [99] * 17
+    with pytest.raises(ValueError, match="offsets_on_device needs uniform_query_len"):
+        build_attention_metadata(
+            buffers=buffers, batch_desc=BatchExecutionDescriptor(CUDAGraphMode.NONE, 3),
+            num_reqs=2, query_start_loc_np=np.array([0, 1, 3]),
+            base_seq_lens_np=np.full(2, 5), step=0, max_model_len=64, offsets_on_device=True)
+
+
 def test_builds_of_one_size_share_their_views() -> None:
     """Views of the persistent buffers are made once per size: every build of that size
     hands out the same tensors (same storage, as before: only the slicing is saved)."""

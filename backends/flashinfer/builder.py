@@ -91,6 +91,7 @@ from speccheck.contract.builder import (
     AttentionMetadataBuilder,
 )
 from speccheck.contract.metadata import CommonAttentionMetadata
+from speccheck.contract.stream_events import cuda_device_index, record_on_current_stream
 
 FLASHINFER_IMPORT_NAME = "flashinfer"
 FLASHINFER_PACKAGE = "flashinfer-python"
@@ -382,6 +383,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             raise ValueError(f"flashinfer backend runs on CUDA devices only, got device={device}")
         self.sm_scale: float = layer.head_size**-0.5
         """Softmax scale planned into every wrapper; :meth:`make_impl` records the layer's."""
+        self._device_index = cuda_device_index(device)
         # "Must be initialized to 0 for its first use" (FlashInfer); shared by all wrappers.
         self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
         self._wrappers: dict[tuple[str, int], _GraphWrapper] = {}
@@ -579,7 +581,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 seq_lens=staged["seq_lens"],
                 disable_split_kv=not self.split_kv,
             )
-        graph_wrapper.uploaded.record()
+        record_on_current_stream(graph_wrapper.uploaded, self._device_index)
 
     # -- protocol -----------------------------------------------------------------------
 
@@ -660,7 +662,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                     f"step {step} has max_query_len={common.max_query_len} over "
                     f"{common.num_actual_tokens} tokens for {num_reqs} requests"
                 )
-            if not _same_view(common.block_table, block_table):
+            if common.block_table is not block_table and not _same_view(
+                common.block_table, block_table
+            ):
                 raise ValueError(
                     f"plan_draft_steps: step {step} reads another block table than step 0 "
                     "(the draft steps of one replay share one)"
@@ -681,7 +685,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 schedule(step_indptr, num_reqs)
         else:
             self._plan_draft_steps_in_full(group, pages)
-        group.uploaded.record()
+        record_on_current_stream(group.uploaded, self._device_index)
         return [
             self._metadata(
                 common,

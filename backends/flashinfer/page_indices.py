@@ -103,16 +103,20 @@ def _fill_lengths(
 ) -> None:
     """Check ``seq`` (int64, ``[..., num_reqs]``) and write its ``indptr[..., 1:]`` (the
     caller zeroes ``indptr[..., 0]``) and ``last_page_len``."""
-    if (seq < 0).any():
-        raise ValueError(f"negative sequence length in {seq.tolist()}")
-    pages = (seq + page_size - 1) // page_size
-    if seq.size and int(pages.max()) > max_blocks:
-        raise ValueError(
-            f"a sequence of length {int(seq.max())} needs {int(pages.max())} pages of "
-            f"{page_size} but the block table has {max_blocks} columns"
-        )
+    if seq.size:
+        if int(seq.min()) < 0:
+            raise ValueError(f"negative sequence length in {seq.tolist()}")
+        longest = int(seq.max())
+        if longest > max_blocks * page_size:
+            raise ValueError(
+                f"a sequence of length {longest} needs {-(-longest // page_size)} pages of "
+                f"{page_size} but the block table has {max_blocks} columns"
+            )
+    pages = seq + (page_size - 1)
+    pages //= page_size
     np.cumsum(pages, axis=-1, out=indptr[..., 1:], dtype=np.int32)
-    np.copyto(last, np.where(pages > 0, seq - (pages - 1) * page_size, 0), casting="unsafe")
+    # Entries in the last page; a request without pages has none (max keeps it at 0).
+    np.subtract(seq, np.maximum(pages - 1, 0) * page_size, out=last, casting="unsafe")
 
 
 def paged_kv_layout(
