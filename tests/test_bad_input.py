@@ -443,6 +443,7 @@ def test_bad_output_paths_are_one_line_errors_before_any_work(args: list[str]) -
     (["verify", "--shrink-seconds", "-1"], "--shrink-seconds"),
     (["selftest", "--shrink-seconds", "-1"], "--shrink-seconds"),
     (["selftest", "--shrink-seconds", "nan"], "--shrink-seconds"),
+    (["selftest", "--only", "no_such_mutant"], "--only"),
     (["verify", "--shrink-seconds", "nan"], "--shrink-seconds"),
 ])
 def test_options_the_parser_rejects_are_one_line_and_exit_2(args: list[str], option: str) -> None:

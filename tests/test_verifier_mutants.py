@@ -105,6 +105,19 @@ def test_selftest_command_reports_every_mutant_caught(tmp_path) -> None:
         assert f"skipped {row['name']}: " in result.output
 
 
+def test_selftest_only_runs_the_named_rows_in_table_order(tmp_path) -> None:
+    """``--only`` runs the rows it names and no other (the control included only when
+    named), in the table's order whatever the order of the options."""
+    out = tmp_path / "selftest.json"
+    last, first = PROCESS_MUTANTS[0].name, MUTANTS[0].name
+    result = CliRunner().invoke(app, ["selftest", "--only", last, "--only", first,
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    assert [r["name"] for r in rows] == [first, last]
+    assert rows[0]["outcome"] == "caught" and rows[1]["outcome"] != "missed", rows
+
+
 def test_a_process_mutant_runs_under_the_shipped_matrix_naming_it() -> None:
     """Each CUDA-only mutant's matrix is the shipped one with only its entry's
     implementation changed, to the mutant: what its author would ship."""

@@ -20,6 +20,7 @@ from speccheck.checks.verify.scale import DEFAULT_SHRINK_SECONDS
 def selftest_command(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results here.")] = None,  # noqa: UP045
     shrink_seconds: Annotated[float, typer.Option("--shrink-seconds", min=0, help="Seconds each run may spend shrinking its failure to a smaller example; whether a mutant is caught does not depend on it.")] = DEFAULT_SHRINK_SECONDS,
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="Run only this row (the table's mutant name, or 'control'); repeat for more.")] = None,  # noqa: UP045
 ) -> None:
     """Prove the verifier catches every known-bad builder (exit 1 if one slips through;
     those of backends this machine cannot run are listed as skipped, with the reason)."""
@@ -31,11 +32,14 @@ def selftest_command(
     from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
 
     interpret_triton_without_cuda()
-    from speccheck.checks.selftest.run import Outcome, run_selftest
+    from speccheck.checks.selftest.run import Outcome, UnknownSelftestRow, run_selftest
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     console = Console(highlight=False, emoji=False)
-    results = run_selftest(device, shrink_seconds)
+    try:
+        results = run_selftest(device, shrink_seconds, only or ())
+    except UnknownSelftestRow as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--only'") from None
     tier = "GPU, real graphs" if device.type == "cuda" else "CPU tier"
     table = Table(title=f"speccheck selftest ({tier})")
     for column in ("mutant", "must be caught by", "result", "re-creates"):

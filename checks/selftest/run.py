@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,12 @@ from speccheck.checks.selftest.mutants import (
     DERIVED_FIELD,
     MUTANTS,
     DerivedBuilder,
+    Mutant,
     declaring_matrix,
     naming_matrix,
 )
 from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS, ProcessMutant
-from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
+from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS, SWAMutant
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.dcp_ranks import verify_dcp
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
@@ -184,53 +186,104 @@ def verify_process_mutant(mutant: ProcessMutant,
     return SelftestResult(mutant.name, mutant.check, Outcome.SKIPPED, reason, mutant.recreates)
 
 
-def run_selftest(
-    device: torch.device, shrink_seconds: float = DEFAULT_SHRINK_SECONDS
-) -> list[SelftestResult]:
-    """The control must pass; every known-bad builder must be caught by its check: the
-    reference-based mutants, the sparse_swa ones (under the shipped entry), the triton_mla
-    builder that keeps the DCP-local lengths of step 1 (under the matrix its author would
-    ship, at DCP 2, one process), and the reference and triton_attn builders that keep
-    them on two real DCP ranks (:data:`~speccheck.checks.selftest.dcp_mutants.
-    STALE_DCP_BUILDERS`, under the matrix their author would ship); then the CUDA-only
-    kernel backends' (:data:`~speccheck.checks.selftest.process_mutants.PROCESS_MUTANTS`,
-    in verify's worker processes; skipped where the machine cannot run them).
-    ``shrink_seconds``: each run's budget for shrinking its failure (whether it is caught
-    does not depend on it)."""
+CONTROL = "control"
+"""The control row's name in :func:`selftest_rows` (its result is named in full)."""
+
+
+@dataclass(frozen=True)
+class SelftestRow:
+    """One row of the self-test: the name ``speccheck selftest --only`` selects it by (the
+    name its result carries, but for the control's) and the verification that makes its
+    result."""
+
+    name: str
+    run: Callable[[], SelftestResult]
+
+
+class UnknownSelftestRow(ValueError):
+    """``--only`` named no row; ``str()`` is one line listing the rows."""
+
+
+def selftest_rows(device: torch.device,
+                  shrink_seconds: float = DEFAULT_SHRINK_SECONDS) -> list[SelftestRow]:
+    """The self-test's rows in order: the control, which must pass; every known-bad builder,
+    which must be caught by its check: the reference-based mutants, the sparse_swa ones
+    (under the shipped entry), the triton_mla builder that keeps the DCP-local lengths of
+    step 1 (under the matrix its author would ship, at DCP 2, one process), and the
+    reference and triton_attn builders that keep them on two real DCP ranks
+    (:data:`~speccheck.checks.selftest.dcp_mutants.STALE_DCP_BUILDERS`, under the matrix
+    their author would ship); then the CUDA-only kernel backends'
+    (:data:`~speccheck.checks.selftest.process_mutants.PROCESS_MUTANTS`, in verify's
+    worker processes; skipped where the machine cannot run them). Nothing runs until a
+    row's ``run`` is called. ``shrink_seconds``: each run's budget for shrinking its
+    failure (whether it is caught does not depend on it)."""
     gpu = device.type == "cuda"
-    control = verify_builder(DerivedBuilder, device, shrink_seconds=shrink_seconds)
-    results = [SelftestResult(
-        "control (correct builder)", "-",
-        Outcome.CAUGHT if control.status is Status.PASSED else Outcome.MISSED,
-        "passed" if control.status is Status.PASSED else f"{control.failures[0].check}: {control.failures[0].diagnosis}",
-        "none: must pass",
-    )]
-    for mutant in MUTANTS:
+    shipped = load_matrix(None)
+
+    def control() -> SelftestResult:
+        report = verify_builder(DerivedBuilder, device, shrink_seconds=shrink_seconds)
+        passed = report.status is Status.PASSED
+        return SelftestResult(
+            "control (correct builder)", "-", Outcome.CAUGHT if passed else Outcome.MISSED,
+            "passed" if passed else
+            f"{report.failures[0].check}: {report.failures[0].diagnosis}",
+            "none: must pass")
+
+    def reference_mutant(mutant: Mutant) -> SelftestResult:
         check, phrase = mutant.expected(gpu)
         report = verify_builder(mutant.builder, device, declares=mutant.declares,
                                 rebuilds=mutant.rebuilds, shrink_seconds=shrink_seconds)
-        results.append(_result(mutant.name, check, mutant.recreates, report, phrase))
-    shipped = load_matrix(None)
-    for swa in SWA_MUTANTS:
+        return _result(mutant.name, check, mutant.recreates, report, phrase)
+
+    def swa_mutant(swa: SWAMutant) -> SelftestResult:
         report = verify_at_defaults("sparse_swa", swa.builder, device, shipped,
                                     shrink_seconds=shrink_seconds)
-        results.append(_result(swa.name, swa.check, swa.recreates, report, swa.names))
-    report = verify_at_defaults("triton_mla", StaleDcpLocalLens, device, claiming_matrix(shipped),
-                                config_changes={"dcp_world_size": 2},
-                                shrink_seconds=shrink_seconds)
-    results.append(_result(
-        "mla_stale_dcp_local_lens", Check.STEP_METADATA,
-        "DCP-local lengths derived at build and not advanced between fused draft steps "
-        "(vLLM's Triton MLA refresh under DCP)", report,
-        f"triton_mla.metadata.{DCP_LOCAL_FIELD}"))
-    for backend, stale in dcp_mutants.STALE_DCP_BUILDERS.items():
-        report = verify_dcp_at_defaults(backend, stale, device,
-                                        dcp_mutants.claiming_matrix(shipped, backend),
+        return _result(swa.name, swa.check, swa.recreates, report, swa.names)
+
+    def mla_stale_dcp_local_lens() -> SelftestResult:
+        report = verify_at_defaults("triton_mla", StaleDcpLocalLens, device,
+                                    claiming_matrix(shipped),
+                                    config_changes={"dcp_world_size": 2},
+                                    shrink_seconds=shrink_seconds)
+        return _result(
+            "mla_stale_dcp_local_lens", Check.STEP_METADATA,
+            "DCP-local lengths derived at build and not advanced between fused draft steps "
+            "(vLLM's Triton MLA refresh under DCP)", report,
+            f"triton_mla.metadata.{DCP_LOCAL_FIELD}")
+
+    def stale_dcp_local_lens(backend: str) -> SelftestResult:
+        report = verify_dcp_at_defaults(backend, dcp_mutants.STALE_DCP_BUILDERS[backend],
+                                        device, dcp_mutants.claiming_matrix(shipped, backend),
                                         shrink_seconds=shrink_seconds)
-        results.append(_result(
+        return _result(
             f"{backend}_stale_dcp_local_lens", Check.STEP_METADATA,
             "DCP-local lengths not advanced between fused draft steps while the local slots "
             "are (vLLM's Triton MLA refresh under DCP), on two real DCP ranks", report,
-            f"{backend}.metadata.{dcp_mutants.DCP_LOCAL_FIELD}"))
-    results += [verify_process_mutant(mutant, shrink_seconds) for mutant in PROCESS_MUTANTS]
-    return results
+            f"{backend}.metadata.{dcp_mutants.DCP_LOCAL_FIELD}")
+
+    return [
+        SelftestRow(CONTROL, control),
+        *(SelftestRow(m.name, partial(reference_mutant, m)) for m in MUTANTS),
+        *(SelftestRow(m.name, partial(swa_mutant, m)) for m in SWA_MUTANTS),
+        SelftestRow("mla_stale_dcp_local_lens", mla_stale_dcp_local_lens),
+        *(SelftestRow(f"{backend}_stale_dcp_local_lens", partial(stale_dcp_local_lens, backend))
+          for backend in dcp_mutants.STALE_DCP_BUILDERS),
+        *(SelftestRow(m.name, partial(verify_process_mutant, m, shrink_seconds))
+          for m in PROCESS_MUTANTS),
+    ]
+
+
+def run_selftest(
+    device: torch.device, shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
+    only: Sequence[str] = (),
+) -> list[SelftestResult]:
+    """The results of :func:`selftest_rows`, in order; of the rows named in ``only`` alone
+    when it names any. Raises :class:`UnknownSelftestRow`, before anything runs, for a name
+    that is no row's."""
+    rows = selftest_rows(device, shrink_seconds)
+    names = [row.name for row in rows]
+    for name in only:
+        if name not in names:
+            raise UnknownSelftestRow(f"no self-test row is named {name!r}; the rows are: "
+                                     f"{', '.join(names)}")
+    return [row.run() for row in rows if not only or row.name in only]
