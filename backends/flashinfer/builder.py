@@ -69,6 +69,7 @@ KV layout ``NHD``; the cache is passed as the pair ``(key_cache, value_cache)``,
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -111,13 +112,22 @@ def flashinfer_module() -> ModuleType:
     return require_module(FLASHINFER_IMPORT_NAME, FLASHINFER_PACKAGE, FLASHINFER_INSTALL_HINT)
 
 
+class WrapperKind(enum.StrEnum):
+    """Which FlashInfer wrapper serves a batch (:func:`wrapper_kind`); its value names the
+    wrapper's persistent buffers (:func:`wrapper_buffer_name`)."""
+
+    DECODE = "decode"
+    """``BatchDecodeWithPagedKVCacheWrapper``: one query token per request."""
+    PREFILL = "prefill"
+    """``BatchPrefillWithPagedKVCacheWrapper``: every other layout."""
+
+
 @dataclass
 class _GraphWrapper:
     """One CUDA-graph-mode wrapper, the fixed device buffers it was constructed with, and
     the pinned host buffers its plans are staged in."""
 
-    kind: str
-    """``"decode"`` or ``"prefill"``."""
+    kind: WrapperKind
     wrapper: Any
     paged_kv_indptr: torch.Tensor
     paged_kv_indices: torch.Tensor
@@ -311,7 +321,7 @@ class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
         metadata.run(query[:n], (key_cache, value_cache), out=output[:n])
 
 
-def wrapper_buffer_name(kind: str, batch_size: int, field: str) -> str:
+def wrapper_buffer_name(kind: WrapperKind, batch_size: int, field: str) -> str:
     """The persistent-buffer name of a graph-mode wrapper's fixed buffer ``field``
     (``KIND[bs=N].FIELD``)."""
     return f"{kind}[bs={batch_size}].{field}"
@@ -324,6 +334,11 @@ def _same_scale(a: float, b: float) -> bool:
 def _is_decode(common: CommonAttentionMetadata) -> bool:
     """Whether the decode wrapper serves the batch: one query token per request."""
     return common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs
+
+
+def wrapper_kind(use_decode: bool) -> WrapperKind:
+    """The wrapper of a batch the decode wrapper does (``use_decode``) or does not serve."""
+    return WrapperKind.DECODE if use_decode else WrapperKind.PREFILL
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -386,7 +401,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         self._device_index = cuda_device_index(device)
         # "Must be initialized to 0 for its first use" (FlashInfer); shared by all wrappers.
         self._workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
-        self._wrappers: dict[tuple[str, int], _GraphWrapper] = {}
+        self._wrappers: dict[tuple[WrapperKind, int], _GraphWrapper] = {}
         self._draft_steps: dict[tuple[int, int], _DraftStepWrappers] = {}
 
     def make_impl(self, scale: float) -> AttentionImpl[FlashInferMetadata]:
@@ -395,7 +410,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
     # -- wrappers -----------------------------------------------------------------------
 
-    def _wrapper(self, kind: str, batch_size: int) -> _GraphWrapper:
+    def _wrapper(self, kind: WrapperKind, batch_size: int) -> _GraphWrapper:
         key = (kind, batch_size)
         cached = self._wrappers.get(key)
         if cached is None:
@@ -403,7 +418,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             self._wrappers[key] = cached
         return cached
 
-    def _new_wrapper(self, kind: str, batch_size: int) -> _GraphWrapper:
+    def _new_wrapper(self, kind: WrapperKind, batch_size: int) -> _GraphWrapper:
         """A graph-mode wrapper over index buffers of its own, allocated as persistent
         buffers (named by :func:`wrapper_buffer_name`), with pinned host buffers to stage its
         plans in."""
@@ -424,7 +439,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             "paged_kv_last_page_len": pinned(batch_size),
             "seq_lens": pinned(batch_size),
         }
-        if kind == "decode":
+        if kind is WrapperKind.DECODE:
             wrapper = self._decode_wrapper(indptr, indices, last_page_len)
             return _GraphWrapper(
                 kind, wrapper, indptr, indices, last_page_len, None, staged, torch.cuda.Event()
@@ -552,7 +567,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         indices = graph_wrapper.paged_kv_indices[:num_pages]
         layer = self.layer
         shape = (layer.num_heads, layer.num_kv_heads, layer.head_size, layer.block_size)
-        if graph_wrapper.kind == "decode":
+        if graph_wrapper.kind is WrapperKind.DECODE:
             graph_wrapper.wrapper.plan(
                 staged["paged_kv_indptr"],
                 indices,
@@ -594,13 +609,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         seq_lens = common.seq_lens_cpu_upper_bound[:num_reqs]
         lengths = paged_kv_lengths(seq_lens, self.layer.block_size, common.block_table.shape[1])
         use_decode = _is_decode(common)
-        if use_decode:
-            graph_wrapper = self._wrapper("decode", num_reqs)
-            self._upload_plan(graph_wrapper, seq_lens, lengths, None, causal=common.causal)
-        else:
-            graph_wrapper = self._wrapper("prefill", num_reqs)
-            qo_indptr = common.query_start_loc_cpu[: num_reqs + 1]
-            self._upload_plan(graph_wrapper, seq_lens, lengths, qo_indptr, causal=common.causal)
+        graph_wrapper = self._wrapper(wrapper_kind(use_decode), num_reqs)
+        qo_indptr = None if use_decode else common.query_start_loc_cpu[: num_reqs + 1]
+        self._upload_plan(graph_wrapper, seq_lens, lengths, qo_indptr, causal=common.causal)
         # The plan has queued the copy of indptr into the fixed buffer the kernel reads.
         write_paged_kv_indices(
             graph_wrapper.paged_kv_indices,

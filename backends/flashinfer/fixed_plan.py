@@ -50,8 +50,10 @@ import torch
 from speccheck.backends.flashinfer.builder import (
     FlashInferMetadata,
     FlashInferMetadataBuilder,
+    WrapperKind,
     _is_decode,
     wrapper_buffer_name,
+    wrapper_kind,
 )
 from speccheck.backends.flashinfer.page_indices import paged_kv_lengths, write_paged_kv_table
 from speccheck.contract.metadata import CommonAttentionMetadata
@@ -78,7 +80,7 @@ class FlashInferFixedPlanMetadataBuilder(FlashInferMetadataBuilder):
 
     def setup(self) -> None:
         super().setup()
-        self._plan_keys: dict[tuple[str, int], PlanKey] = {}
+        self._plan_keys: dict[tuple[WrapperKind, int], PlanKey] = {}
 
     def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         """Plan the wrapper on the host where its query layout, scale or mask changed since
@@ -89,7 +91,7 @@ class FlashInferFixedPlanMetadataBuilder(FlashInferMetadataBuilder):
         if num_reqs == 0:
             return self._empty_metadata(common, draft_step=None)
         use_decode = _is_decode(common)
-        kind = "decode" if use_decode else "prefill"
+        kind = wrapper_kind(use_decode)
         graph_wrapper = self._wrapper(kind, num_reqs)
         qo_indptr = None if use_decode else _planned_query_offsets(common)
         key: PlanKey = (
@@ -150,7 +152,7 @@ class FlashInferFixedPlanMetadataBuilder(FlashInferMetadataBuilder):
         never inside one."""
         if metadata.run is None:
             return {}
-        kind = "decode" if metadata.use_decode else "prefill"
+        kind = wrapper_kind(metadata.use_decode)
         used = int(metadata.paged_kv_indptr[metadata.num_reqs])
         return {wrapper_buffer_name(kind, metadata.num_reqs, "paged_kv_indices"): used}
 
