@@ -5,8 +5,9 @@ that dies is a ``crashed`` verdict, not a crash of the self-test).
 
 Each runs under the shipped matrix with its entry's ``implementation`` pointed at it
 (:func:`~speccheck.checks.selftest.mutants.naming_matrix`), as the author of such an
-adapter would ship it, at the settings the command uses by default. Where the machine cannot run the backend (no CUDA, no kernel
-package) the self-test reports the mutant skipped, with the reason.
+adapter would ship it, at the settings the command uses by default. Where the machine
+cannot run the backend (no CUDA, no kernel package) the self-test reports the mutant
+skipped, with the reason.
 """
 
 from __future__ import annotations

@@ -188,6 +188,14 @@ def verify_process_mutant(mutant: ProcessMutant,
 
 CONTROL = "control"
 """The control row's name in :func:`selftest_rows` (its result is named in full)."""
+MLA_STALE_DCP_LOCAL_LENS = "mla_stale_dcp_local_lens"
+"""The row (and result) of the triton_mla builder that keeps step 1's DCP-local lengths."""
+
+
+def stale_dcp_local_lens_name(backend: str) -> str:
+    """The row (and result) of ``backend``'s builder that keeps the DCP-local lengths on two
+    real DCP ranks."""
+    return f"{backend}_stale_dcp_local_lens"
 
 
 @dataclass(frozen=True)
@@ -246,7 +254,7 @@ def selftest_rows(device: torch.device,
                                     config_changes={"dcp_world_size": 2},
                                     shrink_seconds=shrink_seconds)
         return _result(
-            "mla_stale_dcp_local_lens", Check.STEP_METADATA,
+            MLA_STALE_DCP_LOCAL_LENS, Check.STEP_METADATA,
             "DCP-local lengths derived at build and not advanced between fused draft steps "
             "(vLLM's Triton MLA refresh under DCP)", report,
             f"triton_mla.metadata.{DCP_LOCAL_FIELD}")
@@ -256,7 +264,7 @@ def selftest_rows(device: torch.device,
                                         device, dcp_mutants.claiming_matrix(shipped, backend),
                                         shrink_seconds=shrink_seconds)
         return _result(
-            f"{backend}_stale_dcp_local_lens", Check.STEP_METADATA,
+            stale_dcp_local_lens_name(backend), Check.STEP_METADATA,
             "DCP-local lengths not advanced between fused draft steps while the local slots "
             "are (vLLM's Triton MLA refresh under DCP), on two real DCP ranks", report,
             f"{backend}.metadata.{dcp_mutants.DCP_LOCAL_FIELD}")
@@ -265,8 +273,8 @@ def selftest_rows(device: torch.device,
         SelftestRow(CONTROL, control),
         *(SelftestRow(m.name, partial(reference_mutant, m)) for m in MUTANTS),
         *(SelftestRow(m.name, partial(swa_mutant, m)) for m in SWA_MUTANTS),
-        SelftestRow("mla_stale_dcp_local_lens", mla_stale_dcp_local_lens),
-        *(SelftestRow(f"{backend}_stale_dcp_local_lens", partial(stale_dcp_local_lens, backend))
+        SelftestRow(MLA_STALE_DCP_LOCAL_LENS, mla_stale_dcp_local_lens),
+        *(SelftestRow(stale_dcp_local_lens_name(backend), partial(stale_dcp_local_lens, backend))
           for backend in dcp_mutants.STALE_DCP_BUILDERS),
         *(SelftestRow(m.name, partial(verify_process_mutant, m, shrink_seconds))
           for m in PROCESS_MUTANTS),
