@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from speccheck.contract.matrix_model import KvLayout
@@ -253,6 +254,26 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         """
         raise NotImplementedError(
             f"{type(self).__name__} has no host_preplanned strategy (plan_draft_steps)"
+        )
+
+    def replan_draft_steps(
+        self, metadata_per_step: Sequence[M], seq_lens_per_step: np.ndarray
+    ) -> None:
+        """The host half of :meth:`plan_draft_steps` again, for a replay of the preplanned
+        body captured with ``metadata_per_step`` (what :meth:`plan_draft_steps` returned at
+        capture): the same steps of the same padded batch and block table, now with host
+        KV length upper bounds ``seq_lens_per_step`` (``[steps, num_reqs]`` int32, row
+        ``i`` for step ``i + 1``, zero in padding lanes; the ``seq_lens_cpu_upper_bound``
+        of :meth:`plan_draft_steps`'s ``commons``).
+
+        Host work, never captured. Writes exactly what :meth:`plan_draft_steps` would for
+        those lengths, into the storage ``metadata_per_step`` views, and makes no metadata:
+        a replay runs the captured objects, so building new ones is host time spent on
+        nothing. The verifier's ``preplanned_graph`` candidate runs through this, its
+        ``preplanned_eager`` one through :meth:`plan_draft_steps`. Default: unsupported.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no host_preplanned strategy (replan_draft_steps)"
         )
 
     def finish_draft_step_plans(self, metadata_per_step: Sequence[M]) -> None:

@@ -70,8 +70,33 @@ def draft_seq_lens_upper_bound(
     tail, so padding lanes attend to nothing.
     """
     out = np.zeros(num_reqs_padded, dtype=np.int32)
-    out[:num_reqs] = np.minimum(base_seq_lens_np[:num_reqs].astype(np.int64) + step, max_model_len)
+    _write_seq_lens_upper_bound(out, base_seq_lens_np, num_reqs, step, max_model_len)
     return out
+
+
+def draft_steps_seq_lens_upper_bound(
+    base_seq_lens_np: np.ndarray,
+    num_reqs: int,
+    num_reqs_padded: int,
+    first_step: int,
+    num_steps: int,
+    max_model_len: int,
+) -> np.ndarray:
+    """``[num_steps, num_reqs_padded]`` int32: row ``i`` is
+    :func:`draft_seq_lens_upper_bound` at draft step ``first_step + i``, every row in one
+    NumPy pass (what a preplanned replay re-plans from)."""
+    out = np.zeros((num_steps, num_reqs_padded), dtype=np.int32)
+    steps = np.arange(first_step, first_step + num_steps, dtype=np.int64)[:, None]
+    _write_seq_lens_upper_bound(out, base_seq_lens_np, num_reqs, steps, max_model_len)
+    return out
+
+
+def _write_seq_lens_upper_bound(out: np.ndarray, base_seq_lens_np: np.ndarray, num_reqs: int,
+                                step: int | np.ndarray, max_model_len: int) -> None:
+    """``out[..., :num_reqs] = min(base + step, max_model_len)``; the tail is the caller's
+    zeros."""
+    np.minimum(base_seq_lens_np[:num_reqs].astype(np.int64) + step, max_model_len,
+               out=out[..., :num_reqs], casting="unsafe")
 
 
 def build_attention_metadata(

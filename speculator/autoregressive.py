@@ -37,7 +37,13 @@ from speccheck.contract.resolution import (
     graph_capture_shortfall,
 )
 from speccheck.contract.runtime_config import RuntimeConfig
-from speccheck.contract.token_count import at_later_draft_step, build_uniform_attention_metadata
+from speccheck.contract.metadata import CommonAttentionMetadata
+from speccheck.contract.token_count import (
+    at_later_draft_step,
+    attention_request_count,
+    build_uniform_attention_metadata,
+    draft_steps_seq_lens_upper_bound,
+)
 from speccheck.speculator.base import DraftModelSpeculator, SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch, DraftResult, RequestArrays
 from speccheck.speculator.decode_inputs import DecodeLaneBuffers, prepare_decode_lanes
@@ -270,11 +276,7 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         query offsets are the decode lanes' (:meth:`_prepare_decode_inputs` wrote them),
         which the per-step path, rebuilding everything as the verifier's oracle, writes
         again before every step."""
-        first = build_uniform_attention_metadata(
-            buffers=self.buffers, batch_desc=desc, num_reqs=num_reqs, num_query_per_req=1,
-            base_seq_lens_np=base_seq_lens, step=1, max_model_len=self.max_model_len,
-            offsets_on_device=True,
-        )
+        first = self._preplanned_step_one(desc, num_reqs, base_seq_lens)
         commons = [first] + [
             at_later_draft_step(first, base_seq_lens, step) for step in range(2, self.num_steps)
         ]
@@ -286,6 +288,17 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 build = group.build_for_cudagraph_capture if for_capture else group.build
                 per_group.append([build(commons[0])] * len(commons))
         return [list(step_md) for step_md in zip(*per_group, strict=True)]
+
+    def _preplanned_step_one(
+        self, desc: BatchExecutionDescriptor, num_reqs: int, base_seq_lens: np.ndarray
+    ) -> CommonAttentionMetadata:
+        """Step 1's common metadata on the preplanned path; launches nothing (see
+        :meth:`_build_preplanned_metadata`)."""
+        return build_uniform_attention_metadata(
+            buffers=self.buffers, batch_desc=desc, num_reqs=num_reqs, num_query_per_req=1,
+            base_seq_lens_np=base_seq_lens, step=1, max_model_len=self.max_model_len,
+            offsets_on_device=True,
+        )
 
     # --------------------------------------------------------------- capture
     def capture(self) -> None:
@@ -641,12 +654,35 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
     ) -> None:
         """Preplanned path: plan every step on the host (this writes each step's persistent
         buffers; step 1's slots are :meth:`_prepare_decode_inputs`'s), then one replay of
-        the preplanned graph, or the same body eagerly."""
+        the preplanned graph (:meth:`_replan_preplanned`), or the same body eagerly."""
         n = desc.num_tokens
-        per_step = self._build_preplanned_metadata(desc, r, base)
         if not replay:
-            self._generate_preplanned_drafts(n, per_step)
+            self._generate_preplanned_drafts(n, self._build_preplanned_metadata(desc, r, base))
             return
         assert self.graphs is not None
+        self._replan_preplanned(desc, r, base)
         self.graphs.replay((DecodePath.PREPLANNED, n))
         self.counters.graph_replays += 1
+
+    def _replan_preplanned(
+        self, desc: BatchExecutionDescriptor, num_reqs: int, base_seq_lens: np.ndarray
+    ) -> None:
+        """What a replay of the preplanned graph needs from the host, and nothing more:
+        each ``host_preplanned`` group re-plans the metadata the graph was captured with
+        from the steps' host lengths alone (``replan_draft_steps``), and any other group
+        builds step 1 (its build writes the persistent buffers the graph reads; the
+        graph's refresh does the rest). No metadata object is made for the captured body,
+        which would not read it."""
+        captured = self._captured_metadata[(DecodePath.PREPLANNED, desc.num_tokens)]
+        lengths = draft_steps_seq_lens_upper_bound(
+            base_seq_lens, num_reqs, attention_request_count(desc, num_reqs), 1,
+            self.num_steps - 1, self.max_model_len)
+        first: CommonAttentionMetadata | None = None
+        for index, group in enumerate(self.groups):
+            if group.plans_on_host:
+                group.builder.replan_draft_steps([step_md[index] for step_md in captured],
+                                                 lengths)
+                continue
+            if first is None:
+                first = self._preplanned_step_one(desc, num_reqs, base_seq_lens)
+            group.build(first)

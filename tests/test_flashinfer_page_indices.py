@@ -436,6 +436,59 @@ def test_plan_makes_no_synchronising_call(flashinfer: ModuleType) -> None:
 
 
 @pytest.mark.cuda
+def test_replan_plans_what_plan_draft_steps_plans(flashinfer: ModuleType) -> None:
+    """``replan_draft_steps`` on metadata planned for one batch, given another batch's host
+    lengths, leaves every draft step's device page table, page indices, FlashInfer plan
+    info and staged schedule as ``plan_draft_steps`` on that batch does, and synchronises
+    with nothing; on metadata that was never planned it is a one-line error."""
+    from tests.test_gpu_kernels import fi_builder, fi_layer, make_case
+
+    layer = fi_layer()
+    builder = fi_builder(layer)
+    builder.make_impl(layer.head_size**-0.5)
+    case = make_case(layer, query_lens=[1] * 5, seq_lens=[3, 40, 17, 200, 129],
+                     num_reqs_padded=8)
+
+    def commons(lengths: list[int]) -> list[Any]:
+        return [_decode_common(case, [n + s for n in lengths], 8) for s in range(3)]
+
+    def plans(mds: list[Any]) -> list[Any]:
+        builder.finish_draft_step_plans(mds)
+        torch.cuda.synchronize()
+        state = []
+        for md in mds:
+            wrapper = md.run.__self__
+            state.append((md.paged_kv_indptr.clone(), md.paged_kv_last_page_len.clone(),
+                          _full_indices(builder, md).clone(), list(wrapper._plan_info),
+                          wrapper._pin_memory_int_workspace_buffer.clone()))
+        return state
+
+    live = [1, 300, 16, 47]
+    captured = builder.plan_draft_steps(commons([5, 6]))
+    builder.finish_draft_step_plans(captured)
+    torch.cuda.synchronize()
+    wanted = plans(builder.plan_draft_steps(commons(live)))
+    builder.plan_draft_steps(commons([5, 6]))
+    torch.cuda.synchronize()
+    lengths = np.stack([c.seq_lens_cpu_upper_bound.numpy() for c in commons(live)])
+    with sync_debug_error():
+        builder.replan_draft_steps(captured, lengths)
+    for got, want in zip(plans(captured), wanted, strict=True):
+        for g, w in zip(got, want, strict=True):
+            assert (g == w) if isinstance(g, list) else torch.equal(g, w)
+
+    other = make_case(layer, query_lens=[1] * 2, seq_lens=[3, 4], num_reqs_padded=2)
+    with pytest.raises(ValueError, match="plan_draft_steps has not planned"):
+        builder.replan_draft_steps(_unplanned(builder, other), lengths[:, :2])
+
+
+def _unplanned(builder: Any, case: Any) -> list[Any]:
+    """Metadata of two draft steps over ``case``'s two lanes, made without a plan."""
+    md = builder._empty_metadata(case.common, draft_step=0)
+    return [md, md]
+
+
+@pytest.mark.cuda
 def test_device_indices_decode_matches_host_built_layout(flashinfer: ModuleType) -> None:
     """A padded decode batch (page boundaries, a full row, padding lanes) run on the
     device-built indices equals the same wrapper planned the old way, from the page table

@@ -6,6 +6,7 @@ in under the name ``flashinfer`` so the matrix's ``host_preplanned`` strategy ap
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -77,6 +78,14 @@ class PlannedBuilder(ReferenceMetadataBuilder):
     def plan_draft_steps(self, commons):
         return [self._plan(common, step, plus=0) for step, common in enumerate(commons, start=1)]
 
+    def replan_draft_steps(self, metadata_per_step, seq_lens_per_step):
+        for row, lengths in enumerate(self._replanned_rows(seq_lens_per_step), start=1):
+            self.planned[row].zero_()
+            self.planned[row][: lengths.shape[0]].copy_(torch.from_numpy(lengths))
+
+    def _replanned_rows(self, seq_lens_per_step):
+        return seq_lens_per_step
+
     def finish_draft_step_plans(self, metadata_per_step):
         for md in metadata_per_step:
             md.kv_lens_plus_one.add_(1)
@@ -86,6 +95,15 @@ class StalePlan(PlannedBuilder):
     def plan_draft_steps(self, commons):
         """Plans every step with the first step's lengths."""
         return [self._plan(commons[0], step, plus=0) for step in range(1, len(commons) + 1)]
+
+    def _replanned_rows(self, seq_lens_per_step):
+        return [seq_lens_per_step[0]] * len(seq_lens_per_step)
+
+
+class StaleReplan(PlannedBuilder):
+    def replan_draft_steps(self, metadata_per_step, seq_lens_per_step):
+        """Leaves the plans the preplanned graph was captured with: only replays go wrong,
+        the eager preplanned body (``plan_draft_steps``) is right."""
 
 
 class UnfinishedPlan(PlannedBuilder):
@@ -182,6 +200,27 @@ def test_preplanned_full_graph_is_one_replay() -> None:
     spec.capture()
     spec.propose(BATCH, "preplanned")
     assert (spec.counters.eager_step_calls, spec.counters.graph_replays) == (0, 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("builder", [PlannedBuilder, StaleReplan])
+def test_the_graph_candidate_checks_the_replan(builder: type) -> None:
+    """On the GPU the preplanned graph candidate replays, re-planning through
+    ``replan_draft_steps``: a replan that leaves the capture's plans is caught there, at the
+    verifier's default example count and draft step counts, though the eager candidate,
+    planned by ``plan_draft_steps``, passes."""
+    config = CONFIG.model_copy(update={"platform": "cuda", "cudagraph_mode": "full",
+                                       "head_size": 16})
+    settings_ = dataclasses.replace(_settings(builder), config=config)
+    verifier = BackendVerifier(settings_, torch.device("cuda"))
+    report = BackendReport("flashinfer", "cuda", "passed")
+    verifier.run(report, lambda i, e: None)
+    if builder is PlannedBuilder:
+        assert report.status == "passed", report.failures
+        return
+    stale = [f for f in report.failures if f.check == "step_metadata"]
+    assert stale and stale[0].candidate == "preplanned_graph", report.failures
+    assert stale[0].field == "flashinfer.metadata.kv_lens_plus_one", report.failures
 
 
 def test_gpu_candidates_run_the_per_step_graphs_first() -> None:

@@ -16,6 +16,7 @@ from speccheck.contract.token_count import (
     build_attention_metadata,
     build_uniform_attention_metadata,
     draft_seq_lens_upper_bound,
+    draft_steps_seq_lens_upper_bound,
     padded_query_start_loc,
 )
 
@@ -80,6 +81,26 @@ def test_upper_bound_adds_step_clamps_and_zeroes_tail(base, pad, step, max_model
     n = len(base)
     out = draft_seq_lens_upper_bound(np.array(base), n, n + pad, step, max_model_len)
     assert out.tolist() == [min(b + step, max_model_len) for b in base] + [0] * pad
+
+
+@given(
+    base=st.lists(st.integers(0, 40), min_size=0, max_size=8),
+    pad=st.integers(0, 4),
+    first=st.integers(0, 4),
+    steps=st.integers(1, 7),
+    max_model_len=st.integers(1, 48),
+)
+def test_every_step_bound_at_once_equals_the_bounds_one_by_one(
+    base, pad, first, steps, max_model_len
+) -> None:
+    n = len(base)
+    rows = draft_steps_seq_lens_upper_bound(np.array(base, dtype=np.int64), n, n + pad, first,
+                                            steps, max_model_len)
+    assert rows.dtype == np.int32 and rows.shape == (steps, n + pad)
+    for i, row in enumerate(rows):
+        one = draft_seq_lens_upper_bound(np.array(base, dtype=np.int64), n, n + pad, first + i,
+                                         max_model_len)
+        assert row.tolist() == one.tolist()
 
 
 @given(lens=st.lists(st.integers(0, 5), min_size=1, max_size=6), pad=st.integers(0, 3))

@@ -15,7 +15,9 @@ How the wrappers behave, and what this adapter does about it:
   launch for their page indices (inside the preplanned graph:
   :meth:`FlashInferMetadataBuilder.finish_draft_step_plans`), and FlashInfer's decode
   scheduler alone (the C++ call that its ``fast_decode_plan``, the re-plan for multi-step
-  drafting, ends in) for every plan after a wrapper's first.
+  drafting, ends in) for every plan after a wrapper's first. A replay re-plans through
+  :meth:`FlashInferMetadataBuilder.replan_draft_steps`: the same plans from the host
+  lengths alone, with no metadata made for the captured body that will not read it.
 - A plan makes no device-to-host copy and no stream synchronisation, so planning ahead can
   overlap the GPU's work. FlashInfer reads ``indptr`` and ``last_page_len`` on the host
   (it calls ``.to("cpu")`` on them), so they are computed there, from the host-tracked
@@ -641,8 +643,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         all). Step ``i`` gets its own wrapper and fixed buffers (cached per batch size and
         step count), so planning step ``i + 1`` never overwrites what step ``i``'s captured
         kernels read. Capture the preplanned body (:meth:`finish_draft_step_plans` first,
-        then the steps) with the metadata this returns, and call it again with the live
-        batch before every replay.
+        then the steps) with the metadata this returns; before every replay, plan the live
+        batch's lengths with :meth:`replan_draft_steps`, the same plans without metadata.
 
         The steps are planned together, which is cheaper on the host than as many builds:
         their page tables are computed in one host call and copied to the device in one
@@ -681,22 +683,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                     "(the draft steps of one replay share one)"
                 )
         group = self._draft_step_wrappers(num_reqs, len(common_per_step))
-        seq_lens = np.stack(
-            [c.seq_lens_cpu_upper_bound.numpy()[:num_reqs] for c in common_per_step]
-        )
-        _wait_for_upload(group.uploaded)
-        pages = stage_paged_kv_lengths(
-            seq_lens, self.layer.block_size, block_table.shape[1], group.staged_rows
-        )
-        _check_capacity(max(pages), group.indices.shape[1])
-        group.lengths.copy_(group.staged, non_blocking=True)
         group.block_table = block_table
-        if group.schedulers is not None:
-            for schedule, step_indptr in zip(group.schedulers, group.staged_indptr, strict=True):
-                schedule(step_indptr, num_reqs)
-        else:
-            self._plan_draft_steps_in_full(group, pages)
-        record_on_current_stream(group.uploaded, self._device_index)
+        pages = self._plan_step_lengths(group, block_table, np.stack(
+            [c.seq_lens_cpu_upper_bound.numpy()[:num_reqs] for c in common_per_step]
+        ))
         return [
             self._metadata(
                 common,
@@ -711,6 +701,46 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             for step, (common, num_pages) in enumerate(zip(common_per_step, pages, strict=True))
         ]
 
+    def replan_draft_steps(
+        self, metadata_per_step: Sequence[FlashInferMetadata], seq_lens_per_step: np.ndarray
+    ) -> None:
+        """:meth:`plan_draft_steps`'s plans again for new host lengths, for a replay of the
+        body captured with ``metadata_per_step``: the staging, the one lengths copy and the
+        schedulers, nothing else (the protocol's contract)."""
+        if not metadata_per_step or metadata_per_step[0].num_reqs == 0:
+            return
+        self._plan_step_lengths(*self._planned_draft_steps(metadata_per_step), seq_lens_per_step)
+
+    def _plan_step_lengths(
+        self, group: _DraftStepWrappers, block_table: torch.Tensor, seq_lens: np.ndarray
+    ) -> list[int]:
+        """Plan ``group``'s wrappers for the host lengths ``seq_lens`` (``[steps,
+        batch_size]``) over ``block_table``: stage their page tables, queue the one copy
+        into the fixed buffers, re-plan each wrapper. Returns each step's page count."""
+        _wait_for_upload(group.uploaded)
+        pages = stage_paged_kv_lengths(
+            seq_lens, self.layer.block_size, block_table.shape[1], group.staged_rows
+        )
+        _check_capacity(max(pages), group.indices.shape[1])
+        group.lengths.copy_(group.staged, non_blocking=True)
+        if group.schedulers is not None:
+            for schedule, step_indptr in zip(group.schedulers, group.staged_indptr, strict=True):
+                schedule(step_indptr, group.batch_size)
+        else:
+            self._plan_draft_steps_in_full(group, pages)
+        record_on_current_stream(group.uploaded, self._device_index)
+        return pages
+
+    def _planned_draft_steps(
+        self, metadata_per_step: Sequence[FlashInferMetadata]
+    ) -> tuple[_DraftStepWrappers, torch.Tensor]:
+        """The wrappers :meth:`plan_draft_steps` planned ``metadata_per_step`` on, and the
+        block table it planned them over."""
+        group = self._draft_steps.get((metadata_per_step[0].num_reqs, len(metadata_per_step)))
+        if group is None or group.block_table is None:
+            raise ValueError("flashinfer: plan_draft_steps has not planned these draft steps")
+        return group, group.block_table
+
     def finish_draft_step_plans(self, metadata_per_step: Sequence[FlashInferMetadata]) -> None:
         """Gather every draft step's page indices into its wrapper's indices buffer, in one
         launch, from the block table and the ``indptr`` rows :meth:`plan_draft_steps`
@@ -719,11 +749,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         it (the host spends no launch on it)."""
         if not metadata_per_step or metadata_per_step[0].num_reqs == 0:
             return
-        num_reqs = metadata_per_step[0].num_reqs
-        group = self._draft_steps[(num_reqs, len(metadata_per_step))]
-        if group.block_table is None:
-            raise ValueError("finish_draft_step_plans: plan_draft_steps has not planned them")
-        write_paged_kv_indices(group.indices, group.block_table, group.indptr_rows, num_reqs)
+        group, block_table = self._planned_draft_steps(metadata_per_step)
+        write_paged_kv_indices(group.indices, block_table, group.indptr_rows, group.batch_size)
 
     def _plan_draft_steps_in_full(self, group: _DraftStepWrappers, pages: Sequence[int]) -> None:
         """Plan every draft step's wrapper through ``plan()`` from the lengths staged in
