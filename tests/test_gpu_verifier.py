@@ -81,7 +81,8 @@ def test_fa3_under_decode_context_parallelism_is_verified_per_step_only() -> Non
 
 
 
-KERNEL_MODULES = {"fa3": "fa3_fwd_interface", "flashinfer_fixed_plan": "flashinfer"}
+KERNEL_MODULES = {"fa3": "fa3_fwd_interface", "flashinfer_fixed_plan": "flashinfer",
+                  "flashinfer": "flashinfer"}
 """The kernel package each CUDA-only mutant's backend imports."""
 
 

@@ -1,12 +1,17 @@
-"""Known-bad builders of the ``flashinfer_fixed_plan`` backend: each breaks one premise of
-its in-graph refresh, and ``speccheck verify`` at its default settings must not pass it.
+"""Known-bad builders of the FlashInfer backends: each breaks one premise of a draft-step
+plan (the ``flashinfer_fixed_plan`` in-graph refresh, the ``flashinfer`` re-plan before a
+preplanned replay), and ``speccheck verify`` at its default settings must not pass it.
 CUDA and FlashInfer only: :mod:`~speccheck.checks.selftest.process_mutants` runs them
 through verify's worker processes, since they can fault the device.
 """
 
 from __future__ import annotations
 
-from speccheck.backends.flashinfer.builder import FlashInferMetadata
+from collections.abc import Sequence
+
+import numpy as np
+
+from speccheck.backends.flashinfer.builder import FlashInferMetadata, FlashInferMetadataBuilder
 from speccheck.backends.flashinfer.fixed_plan import FlashInferFixedPlanMetadataBuilder
 
 
@@ -26,3 +31,14 @@ class SplitKVFixedPlan(FlashInferFixedPlanMetadataBuilder):
     FlashInfer analogue of FA3's missing schedule refresh)."""
 
     split_kv = True
+
+
+class WithoutReplan(FlashInferMetadataBuilder):
+    """Plans every draft step ahead for capture and for eager runs, but re-plans nothing
+    before a replay of the preplanned graph: every replay's draft steps attend with the
+    page tables and schedules of whichever batch was planned last."""
+
+    def replan_draft_steps(
+        self, metadata_per_step: Sequence[FlashInferMetadata], seq_lens_per_step: np.ndarray
+    ) -> None:
+        """The re-plan, removed."""

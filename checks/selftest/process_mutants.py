@@ -15,7 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from speccheck.checks.selftest.fa3_mutants import SCHEDULE_FIELD, WithoutScheduleRefresh
-from speccheck.checks.selftest.flashinfer_mutants import SplitKVFixedPlan, WithoutRefresh
+from speccheck.checks.selftest.flashinfer_mutants import (
+    SplitKVFixedPlan,
+    WithoutReplan,
+    WithoutRefresh,
+)
 from speccheck.checks.verify.vocabulary import Check
 from speccheck.contract.builder import AttentionMetadataBuilder
 
@@ -56,5 +60,9 @@ PROCESS_MUTANTS: tuple[ProcessMutant, ...] = (
         "flashinfer_fixed_plan_split_kv", SplitKVFixedPlan, Check.VS_FP32_REFERENCE, "",
         "a FlashInfer plan made once with split KV on: its KV chunking stays the "
         "capture's", crash_catches=True),
+    ProcessMutant(
+        "flashinfer_without_replan", WithoutReplan, Check.STEP_METADATA, "paged_kv",
+        "FlashInfer's re-plan before each preplanned replay removed: the draft steps attend "
+        "with the page tables planned for an earlier batch", crash_catches=True),
 )
 
