@@ -68,9 +68,13 @@ class PlannedBuilder(ReferenceMetadataBuilder):
 
     def _plan(self, common: CommonAttentionMetadata, row: int, plus: int) -> PlannedMetadata:
         n = common.num_reqs
-        self.planned[row].zero_()
-        self.planned[row][:n].copy_(common.seq_lens_cpu_upper_bound[:n] + plus)
+        self._write_planned(row, common.seq_lens_cpu_upper_bound[:n] + plus)
         return PlannedMetadata(**vars(super().build(common)), kv_lens_plus_one=self.planned[row][:n])
+
+    def _write_planned(self, row: int, lengths: torch.Tensor) -> None:
+        """``planned[row]`` holds ``lengths`` and zeros after them."""
+        self.planned[row].zero_()
+        self.planned[row][: lengths.shape[0]].copy_(lengths)
 
     def build(self, common: CommonAttentionMetadata) -> PlannedMetadata:
         return self._plan(common, 0, plus=1)
@@ -80,8 +84,7 @@ class PlannedBuilder(ReferenceMetadataBuilder):
 
     def replan_draft_steps(self, metadata_per_step, seq_lens_per_step):
         for row, lengths in enumerate(self._replanned_rows(seq_lens_per_step), start=1):
-            self.planned[row].zero_()
-            self.planned[row][: lengths.shape[0]].copy_(torch.from_numpy(lengths))
+            self._write_planned(row, torch.from_numpy(lengths))
 
     def _replanned_rows(self, seq_lens_per_step):
         return seq_lens_per_step
