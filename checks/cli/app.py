@@ -29,9 +29,11 @@ from speccheck.checks.cli.runtime_options import (
     with_runtime_options,
 )
 from speccheck.checks.cli.selftest import selftest_command
+from speccheck.checks.cli.status import DEFAULT_STATUS_DIR, status_command
 from speccheck.checks.cli.verify import verify_command
 from speccheck.checks.docgen.capabilities import render_capability_docs
 from speccheck.checks.docgen.checks import render_check_docs
+from speccheck.checks.status.record import StatusFileError, read_statuses
 from speccheck.contract.matrix_loader import MatrixError
 from speccheck.contract.matrix_model import Matrix, render_matrix_json_schema
 from speccheck.contract.plugins import load_matrix_with_plugins
@@ -188,15 +190,26 @@ def docs_command(
                      "or docs/checks.md.", dir_okay=False, show_default=False),
     ] = None,
     matrix: MatrixPathOption = None,
+    status: Annotated[
+        Path, typer.Option("--status", help="The status folder the \"last verified\" column "
+                           "reads (written by `speccheck status`); a backend without a file "
+                           "there reads \"not verified\".", file_okay=False)
+    ] = DEFAULT_STATUS_DIR,
 ) -> None:
-    """Generate the capability docs from the matrix, or the check table from the check
-    registry."""
+    """Generate the capability docs from the matrix and the backends' status, or the check
+    table from the check registry."""
     if output is not None and not check:
         _exit_on_bad_output("--output", output, create_parents=True)
     if checks:
         text, default = render_check_docs(), DEFAULT_CHECKS_DOCS_PATH
     else:
-        text, default = render_capability_docs(_load_or_exit(matrix)), DEFAULT_DOCS_PATH
+        try:
+            verified = read_statuses(status)
+        except StatusFileError as exc:
+            _stderr().print(f"--status: {exc}", markup=False)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+        text = render_capability_docs(_load_or_exit(matrix), verified)
+        default = DEFAULT_DOCS_PATH
     if check:
         _check_file(output or default, text, "speccheck docs" + (" --checks" if checks else ""))
         return
@@ -245,6 +258,7 @@ def schema_command(
 app.command("verify")(verify_command)
 app.command("selftest")(selftest_command)
 app.command("bench")(bench_command)
+app.command("status")(status_command)
 
 
 def main() -> None:

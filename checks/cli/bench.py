@@ -38,7 +38,8 @@ from speccheck.checks.cli.runtime_options import (
     build_runtime_config,
     with_runtime_options,
 )
-from speccheck.checks.cli.verify import commit_under_test, shown_tier_default
+from speccheck.checks.cli.verify import shown_tier_default
+from speccheck.checks.provenance import commit_under_test
 
 if TYPE_CHECKING:
     from speccheck.checks.bench.measure import BenchRun

@@ -12,9 +12,7 @@ Importing this module does not import torch, so ``speccheck matrix``, ``docs`` a
 
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +39,7 @@ from speccheck.checks.cli.runtime_options import (
     build_runtime_config,
     with_runtime_options,
 )
+from speccheck.checks.provenance import commit_under_test
 from speccheck.checks.verify.scale import (
     AUTO_JOBS,
     DEFAULT_SHRINK_SECONDS,
@@ -87,19 +86,6 @@ def _stderr() -> Console:
 def _bad_input(message: str) -> typer.Exit:
     _stderr().print(message, markup=False)
     return typer.Exit(EXIT_BAD_INPUT)
-
-
-def commit_under_test() -> str:
-    """The commit under verification: ``$SPECCHECK_COMMIT`` when set (copies of the tree
-    whose ``.git`` is missing or stale, as on the GPU machine), else ``git rev-parse HEAD``,
-    else ``unknown``."""
-    if os.environ.get("SPECCHECK_COMMIT"):
-        return os.environ["SPECCHECK_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 @with_runtime_options(VERIFY_FIELDS, {field: shown_tier_default(field) for field in VERIFY_FIELDS})

@@ -205,6 +205,9 @@ class SelftestRow:
     result."""
 
     name: str
+    backend: str
+    """The backend whose builder the row's known-bad builder (or the control) derives from:
+    the status of that backend lists the row."""
     run: Callable[[], SelftestResult]
 
 
@@ -270,13 +273,14 @@ def selftest_rows(device: torch.device,
             f"{backend}.metadata.{dcp_mutants.DCP_LOCAL_FIELD}")
 
     return [
-        SelftestRow(CONTROL, control),
-        *(SelftestRow(m.name, partial(reference_mutant, m)) for m in MUTANTS),
-        *(SelftestRow(m.name, partial(swa_mutant, m)) for m in SWA_MUTANTS),
-        SelftestRow(MLA_STALE_DCP_LOCAL_LENS, mla_stale_dcp_local_lens),
-        *(SelftestRow(stale_dcp_local_lens_name(backend), partial(stale_dcp_local_lens, backend))
+        SelftestRow(CONTROL, "reference", control),
+        *(SelftestRow(m.name, "reference", partial(reference_mutant, m)) for m in MUTANTS),
+        *(SelftestRow(m.name, "sparse_swa", partial(swa_mutant, m)) for m in SWA_MUTANTS),
+        SelftestRow(MLA_STALE_DCP_LOCAL_LENS, "triton_mla", mla_stale_dcp_local_lens),
+        *(SelftestRow(stale_dcp_local_lens_name(backend), backend,
+                      partial(stale_dcp_local_lens, backend))
           for backend in dcp_mutants.STALE_DCP_BUILDERS),
-        *(SelftestRow(m.name, partial(verify_process_mutant, m, shrink_seconds))
+        *(SelftestRow(m.name, m.backend, partial(verify_process_mutant, m, shrink_seconds))
           for m in PROCESS_MUTANTS),
     ]
 

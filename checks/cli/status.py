@@ -1,0 +1,158 @@
+"""``speccheck status``: run each backend's evidence on this machine and overwrite its
+status (:mod:`speccheck.checks.status`), or re-render / check the generated pages.
+
+Exit statuses: 0 every backend run passed and every self-test row was caught (or, with
+``--render`` / ``--check``, the pages are written / up to date); 1 a verdict failed or
+crashed, a self-test row was missed, or a page is stale; 2 bad input.
+
+Importing this module does not import torch; running backends does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from speccheck.checks.status.record import (
+    STATUS_README,
+    BackendStatus,
+    StatusFileError,
+    Verdict,
+    read_statuses,
+    write_tier_status,
+)
+from speccheck.checks.status.render import MissingMarkers, render_status_readme, with_bench_table
+from speccheck.contract.adapter_status import AdapterStatus, adapter_status
+from speccheck.contract.matrix_loader import load_matrix
+
+EXIT_STALE = 1
+EXIT_BAD_INPUT = 2
+DEFAULT_STATUS_DIR = Path("docs/status")
+DEFAULT_BENCH_PAGE = Path("docs/benchmarks/README.md")
+
+
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False, emoji=False, soft_wrap=True)
+
+
+def _fail(status: int, message: str) -> typer.Exit:
+    _stderr().print(message, markup=False)
+    return typer.Exit(status)
+
+
+def status_command(
+    backend: Annotated[str, typer.Option("--backend", help="A backend of the shipped matrix with an adapter, or 'all'.")] = "all",
+    out: Annotated[Path, typer.Option("--out", help="The status folder: <backend>.json and README.md.", file_okay=False)] = DEFAULT_STATUS_DIR,
+    bench_page: Annotated[Path, typer.Option("--bench-page", help="The benchmarks page whose generated table is rewritten.", dir_okay=False)] = DEFAULT_BENCH_PAGE,
+    examples: Annotated[int, typer.Option("--examples", min=1, max=100_000, help="Examples of each verify run.")] = 50,
+    selftest: Annotated[bool, typer.Option("--selftest/--no-selftest", help="Run the backend's self-test rows.")] = True,
+    bench: Annotated[bool, typer.Option("--bench/--no-bench", help="Run the bench (CUDA only).")] = True,
+    render: Annotated[bool, typer.Option("--render", help="Only re-render the pages from the status files.")] = False,
+    check: Annotated[bool, typer.Option("--check", help="Exit 1 if a page differs from what the status files render to.")] = False,
+) -> None:
+    """Run verify at the defaults, the self-test rows and (CUDA) the bench of each backend,
+    overwrite this tier's record in the status folder, and render the status table."""
+    if render or check:
+        _render(out, bench_page, check=check)
+        return
+    shipped = load_matrix(None)
+    with_adapter = [entry.name for entry in shipped.backends
+                    if adapter_status(entry) is AdapterStatus.FOUND]
+    if backend != "all" and backend not in with_adapter:
+        raise _fail(EXIT_BAD_INPUT, f"--backend: {backend!r} is not a shipped backend with "
+                    f"an adapter; valid: {', '.join(with_adapter)}, all")
+    names = with_adapter if backend == "all" else [backend]
+    _pages(out, bench_page)  # a corrupt status or page is bad input before any run
+    from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
+
+    interpret_triton_without_cuda()  # before anything imports Triton
+    from speccheck.checks.status.collect import StatusPlan, collect_tier_status
+    from speccheck.checks.verify.context import MatrixContext
+
+    matrices = MatrixContext.load(None)
+    plan = StatusPlan(examples=examples, selftest=selftest, bench=bench)
+    stderr = _stderr()
+    bad = False
+    for name in names:
+        record = collect_tier_status(name, matrices, plan,
+                                     lambda line: stderr.print(f"status: {line}", markup=False))
+        write_tier_status(out, name, record)
+        caught, run = record.selftest_caught
+        stderr.print(f"status: {name}: {record.verdict.value}, self-test {caught}/{run}; "
+                     f"wrote {out / (name + '.json')}", markup=False)
+        bad |= record.verdict in (Verdict.FAILED, Verdict.CRASHED) or caught < run
+    _render(out, bench_page, check=False)
+    if bad:
+        raise typer.Exit(1)
+
+
+def _existing(out: Path) -> dict[str, BackendStatus]:
+    try:
+        return read_statuses(out)
+    except StatusFileError as exc:
+        raise _fail(EXIT_BAD_INPUT, str(exc)) from None
+
+
+def _pages(out: Path, bench_page: Path) -> tuple[dict[str, BackendStatus], dict[Path, str]]:
+    """The status records and what each generated page should hold (the benchmarks page
+    only where it exists); exit 2 on a corrupt record or a page without its markers."""
+    statuses = _existing(out)
+    wanted = {out / STATUS_README: render_status_readme(statuses)}
+    if bench_page.exists():
+        try:
+            wanted[bench_page] = with_bench_table(bench_page.read_text(encoding="utf-8"),
+                                                  statuses)
+        except MissingMarkers as exc:
+            raise _fail(EXIT_BAD_INPUT, f"{bench_page}: {exc}") from None
+    return statuses, wanted
+
+
+def _render(out: Path, bench_page: Path, *, check: bool) -> None:
+    """Write (or check) the status README and the benchmarks page's table, then print the
+    table."""
+    statuses, wanted = _pages(out, bench_page)
+    stderr = _stderr()
+    for path, text in wanted.items():
+        current = path.read_text(encoding="utf-8") if path.exists() else None
+        if check:
+            if current != text:
+                raise _fail(EXIT_STALE, f"{path} is stale: it does not match what the status "
+                            "files render to; run `speccheck status --render` and commit it.")
+            stderr.print(f"{path} is up to date.", markup=False)
+        elif current != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            stderr.print(f"wrote {path}", markup=False)
+    if not check:
+        _print_table(statuses)
+
+
+def _print_table(statuses: dict[str, BackendStatus]) -> None:
+    """The current status on stdout: a table on a terminal, plain lines in logs."""
+    console = Console(highlight=False, emoji=False)
+    rows = [(name, tier, record) for name, status in sorted(statuses.items())
+            for tier, record in status.tiers.items()]
+    if not console.is_terminal:
+        for name, tier, record in rows:
+            caught, run = record.selftest_caught
+            sys.stdout.write(json.dumps({"backend": name, "tier": tier,
+                                         "verdict": record.verdict.value,
+                                         "examples": record.examples,
+                                         "selftest": f"{caught}/{run}",
+                                         "commit": record.provenance.commit[:10],
+                                         "device": record.provenance.device}) + "\n")
+        return
+    table = Table(title="speccheck status")
+    for column in ("backend", "tier", "verdict", "examples", "self-test", "commit", "device"):
+        table.add_column(column)
+    for name, tier, record in rows:
+        caught, run = record.selftest_caught
+        table.add_row(name, tier, record.verdict.value, str(record.examples), f"{caught}/{run}",
+                      record.provenance.commit[:10], record.provenance.device)
+    console.print(table)

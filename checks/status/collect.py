@@ -1,0 +1,150 @@
+"""Collect one tier's evidence for one backend: ``verify`` at the defaults (in its worker
+processes, as the command runs it), the backend's self-test rows (in this process, as
+``speccheck selftest`` runs them) and, on CUDA, ``bench``.
+
+Only the example count may differ from what a user gets by default (``examples``); every
+other setting is the default, so a status says what ``speccheck verify --backend NAME``
+says on that machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from speccheck.checks.api import verify
+from speccheck.checks.bench.errors import BackendCannotRun
+from speccheck.checks.bench.measure import BenchSettings, run_bench
+from speccheck.checks.bench.records import BASELINE_PATH, BenchReport
+from speccheck.checks.provenance import (
+    commit_index,
+    commit_under_test,
+    library_versions,
+    tree_dirty,
+)
+from speccheck.checks.selftest.run import SelftestResult, selftest_rows
+from speccheck.checks.status.record import (
+    BenchRatio,
+    CheckResult,
+    FailureRecord,
+    Provenance,
+    SelftestRecord,
+    TierStatus,
+    Verdict,
+)
+from speccheck.checks.verify.context import MatrixContext
+from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.vocabulary import Status, Tier
+
+logger = logging.getLogger(__name__)
+
+BENCH_STEPS = (4,)
+BENCH_BATCHES = (1, 8, 64)
+BENCH_REPEATS = 20
+"""The bench a status runs on CUDA: K = 4 at batches 1, 8 and 64, 20 timed rounds per case
+(the figures the project's targets are stated at)."""
+
+
+@dataclass(frozen=True)
+class StatusPlan:
+    """What a status run collects for each backend."""
+
+    examples: int = 50
+    """Examples of the verify run (``speccheck verify``'s default)."""
+    selftest: bool = True
+    bench: bool = True
+    """Run the bench where the tier has CUDA (it has no figures without)."""
+
+
+Observer = Callable[[str], None]
+"""Told one line per phase started (for the command's progress lines)."""
+
+
+def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
+                        on_phase: Observer) -> TierStatus:
+    """Run ``name``'s evidence on this machine and return its tier's record."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tier = Tier.GPU if device.type == "cuda" else Tier.CPU
+    on_phase(f"{name}: verify, {plan.examples} examples ({tier.value} tier)")
+    report = verify(name, examples=plan.examples).backend(name)
+    selftest: list[SelftestResult] = []
+    if plan.selftest:
+        rows = [row for row in selftest_rows(device) if row.backend == name]
+        for number, row in enumerate(rows, start=1):
+            on_phase(f"{name}: self-test row {number}/{len(rows)}: {row.name}")
+            selftest.append(row.run())
+    bench = None
+    if plan.bench and tier is Tier.GPU and report.status is not Status.SKIPPED:
+        on_phase(f"{name}: bench, K={BENCH_STEPS}, batches {BENCH_BATCHES}")
+        bench = _bench(name, matrices, report, device)
+    return TierStatus(
+        tier=tier.value,
+        verdict=Verdict(report.status.value),
+        detail=report.detail,
+        provenance=_provenance(report, matrices.matrix.backend(name).package.distribution),
+        verify_command=f"speccheck verify --backend {name} --examples {plan.examples}",
+        examples=report.examples,
+        examples_asked=plan.examples,
+        fused_allowed=report.fused_allowed,
+        fused_reason=report.fused_reason,
+        candidates=list(report.candidates),
+        runtime_config=dict(report.runtime_config),
+        checks=[CheckResult(check=check.value, passed=tally.passed, failed=tally.failed,
+                            indeterminate=tally.indeterminate)
+                for check, tally in report.checks.items()],
+        failures=[FailureRecord(check=f.check.value, diagnosis=f.diagnosis, step=f.step,
+                                field=f.field) for f in report.failures],
+        breakpoints=report.breakpoints,
+        selftest=[SelftestRecord(name=r.name, expected_check=r.expected_check,
+                                 outcome=r.outcome.value, detail=r.detail) for r in selftest],
+        bench=bench,
+        bench_command=(None if bench is None else
+                       f"speccheck bench --backend {name} --steps "
+                       f"{','.join(map(str, BENCH_STEPS))} --batches "
+                       f"{','.join(map(str, BENCH_BATCHES))} --repeats {BENCH_REPEATS}"),
+    )
+
+
+def _provenance(report: BackendReport, distribution: str) -> Provenance:
+    return Provenance(commit=commit_under_test(), commit_index=commit_index(),
+                      tree_dirty=tree_dirty(),
+                      date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+                      device=report.device or "CPU",
+                      versions=library_versions(distribution))
+
+
+def _bench(name: str, matrices: MatrixContext, report: BackendReport,
+           device: torch.device) -> list[BenchRatio] | None:
+    """The bench's ratios to the per-step path, or ``None`` where the backend cannot run."""
+    from speccheck.contract.runtime_config import RuntimeConfig
+
+    config = RuntimeConfig.model_validate(report.runtime_config)
+    settings = BenchSettings(name, config, matrices, BENCH_STEPS, BENCH_BATCHES, BENCH_REPEATS)
+    try:
+        run = run_bench(settings, device, commit=commit_under_test(),
+                        command=f"speccheck status --backend {name}")
+    except BackendCannotRun as exc:
+        logger.warning("%s: bench skipped: %s", name, exc)
+        return None
+    return bench_ratios(run.report)
+
+
+def bench_ratios(report: BenchReport) -> list[BenchRatio]:
+    """Every non-baseline row of ``report`` as its ratios to the per-step row."""
+    baseline = {(row.k, row.batch): row for row in report.rows if row.path is BASELINE_PATH}
+    ratios: Sequence[BenchRatio] = [
+        BenchRatio(path=row.path.value, k=row.k, batch=row.batch,
+                   wall=_rounded(report.ratios(row).wall), host=_rounded(report.ratios(row).host),
+                   gpu=_rounded(report.ratios(row).gpu),
+                   per_step_wall_ms=round(baseline[(row.k, row.batch)].wall_ms, 4))
+        for row in report.rows
+        if row.path is not BASELINE_PATH and (row.k, row.batch) in baseline]
+    return list(ratios)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)

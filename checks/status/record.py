@@ -1,0 +1,174 @@
+"""The status of one backend, as committed under ``docs/status/<backend>.json``.
+
+A :class:`BackendStatus` holds at most one :class:`TierStatus` per machine tier (the CPU
+tier's eager checks, the GPU tier's real graphs): a status run overwrites the record of
+the tier it ran on and keeps the other, so a CPU run never erases GPU evidence. Every
+record names what it was measured at: commit (and its position in history, so that
+records can be compared without git), device, library versions, date.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+STATUS_SCHEMA_VERSION = 1
+STATUS_README = "README.md"
+
+
+class Verdict(enum.StrEnum):
+    """What a tier's verification of the backend ended in."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    CRASHED = "crashed"
+    SKIPPED = "skipped"
+    """The machine could not run the backend (the record says why)."""
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class CheckResult(_Record):
+    """One check, summed over the verify run."""
+
+    check: str
+    passed: int
+    failed: int
+    indeterminate: int
+
+
+class FailureRecord(_Record):
+    """One failure of the verify run, on its minimal example."""
+
+    check: str
+    diagnosis: str
+    step: int | None = None
+    field: str | None = None
+
+
+class SelftestRecord(_Record):
+    """One self-test row of the backend: a known-bad builder (caught by the check meant for
+    it) or the control (which must pass)."""
+
+    name: str
+    expected_check: str
+    outcome: str
+    detail: str
+
+
+class BenchRatio(_Record):
+    """One decode path's propose time over the per-step path's, at one K and batch size,
+    measured side by side in one process."""
+
+    path: str
+    k: int
+    batch: int
+    wall: float | None
+    host: float | None
+    gpu: float | None
+    per_step_wall_ms: float
+
+
+class Provenance(_Record):
+    """Where and on what a record was measured."""
+
+    commit: str
+    commit_index: int | None = Field(
+        None, description="Commits in the history up to and including `commit` "
+        "(`git rev-list --count`): how records compare without git.")
+    tree_dirty: bool | None = Field(
+        None, description="Whether the working tree differed from `commit` outside "
+        "docs/ (None: unknown, e.g. a copy without .git).")
+    date: str
+    device: str
+    versions: dict[str, str]
+
+
+class TierStatus(_Record):
+    """The evidence of one tier: the verify run at the defaults, the self-test rows, the
+    bench ratios (GPU only; ``None`` where not measured)."""
+
+    tier: str
+    verdict: Verdict
+    detail: str = ""
+    provenance: Provenance
+    verify_command: str
+    examples: int
+    examples_asked: int
+    fused_allowed: bool
+    fused_reason: str
+    candidates: list[str]
+    runtime_config: dict[str, object]
+    checks: list[CheckResult]
+    failures: list[FailureRecord]
+    breakpoints: dict[str, object] | None = None
+    selftest: list[SelftestRecord]
+    bench: list[BenchRatio] | None = None
+    bench_command: str | None = None
+
+    @property
+    def selftest_caught(self) -> tuple[int, int]:
+        """(rows whose outcome is as required, rows run): skipped rows are not counted."""
+        run = [row for row in self.selftest if row.outcome != "skipped"]
+        return sum(row.outcome == "caught" for row in run), len(run)
+
+
+class BackendStatus(_Record):
+    """Everything committed about one backend: one record per tier that has run it."""
+
+    schema_version: int = STATUS_SCHEMA_VERSION
+    backend: str
+    tiers: dict[str, TierStatus]
+
+
+class StatusFileError(ValueError):
+    """A status file that cannot be read; ``str()`` is one line naming the file."""
+
+
+def status_path(folder: Path, backend: str) -> Path:
+    return folder / f"{backend}.json"
+
+
+def read_status(path: Path) -> BackendStatus:
+    """The status in ``path``. Raises :class:`StatusFileError`."""
+    try:
+        return BackendStatus.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        raise StatusFileError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise StatusFileError(f"{path}: not a status file: {where}: {first['msg']}") from None
+
+
+def read_statuses(folder: Path) -> dict[str, BackendStatus]:
+    """Every status in ``folder`` by backend (empty when the folder does not exist). Raises
+    :class:`StatusFileError` for a file that is not a status or names another backend."""
+    statuses = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        status = read_status(path)
+        if status.backend != path.stem:
+            raise StatusFileError(f"{path}: holds the status of {status.backend!r}, "
+                                  f"not of {path.stem!r}")
+        statuses[status.backend] = status
+    return statuses
+
+
+def write_tier_status(folder: Path, backend: str, record: TierStatus) -> BackendStatus:
+    """Overwrite ``record.tier``'s record in ``backend``'s status file, keeping the other
+    tiers' records; returns what was written."""
+    path = status_path(folder, backend)
+    tiers: dict[str, TierStatus] = {}
+    if path.exists():
+        tiers = dict(read_status(path).tiers)
+    tiers[record.tier] = record
+    status = BackendStatus(backend=backend, tiers=dict(sorted(tiers.items())))
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(status.model_dump(mode="json"), indent=2) + "\n",
+                    encoding="utf-8")
+    return status

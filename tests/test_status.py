@@ -1,0 +1,163 @@
+"""``speccheck status``: records per tier that overwrite only their own tier, pages rendered
+from the records alone, a real status run of a backend on the CPU tier, and the committed
+``docs/status/`` in step with the pages generated from it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from speccheck.checks.cli.app import app
+from speccheck.checks.docgen.capabilities import render_capability_docs
+from speccheck.checks.status.record import (
+    BackendStatus,
+    BenchRatio,
+    Provenance,
+    StatusFileError,
+    TierStatus,
+    Verdict,
+    read_statuses,
+    write_tier_status,
+)
+from speccheck.checks.status.render import (
+    BENCH_BEGIN,
+    BENCH_END,
+    MissingMarkers,
+    last_verified,
+    render_status_readme,
+    with_bench_table,
+)
+from speccheck.contract.matrix_loader import load_matrix
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _record(tier: str, verdict: Verdict = Verdict.PASSED, index: int | None = 10,
+            bench: list[BenchRatio] | None = None) -> TierStatus:
+    return TierStatus(
+        tier=tier, verdict=verdict,
+        provenance=Provenance(commit="abcdef1234567", commit_index=index, tree_dirty=False,
+                              date="2026-12-05", device="NVIDIA H200" if tier == "gpu" else "CPU",
+                              versions={"torch": "2.11.0"}),
+        verify_command="speccheck verify --backend reference --examples 3", examples=3,
+        examples_asked=3, fused_allowed=True, fused_reason="", candidates=["fused_eager"],
+        runtime_config={}, checks=[], failures=[], selftest=[], bench=bench)
+
+
+def test_a_tier_overwrites_only_its_own_record(tmp_path: Path) -> None:
+    write_tier_status(tmp_path, "reference", _record("gpu"))
+    write_tier_status(tmp_path, "reference", _record("cpu", Verdict.FAILED))
+    write_tier_status(tmp_path, "reference", _record("cpu"))
+    status = read_statuses(tmp_path)["reference"]
+    assert set(status.tiers) == {"cpu", "gpu"}
+    assert status.tiers["cpu"].verdict is Verdict.PASSED
+    assert status.tiers["gpu"].provenance.device == "NVIDIA H200"
+
+
+def test_a_file_that_is_no_status_is_one_line_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "fa3.json").write_text('{"backend": "fa3", "tiers": {"cpu": 1}}')
+    with pytest.raises(StatusFileError, match=r"fa3\.json: not a status file: tiers\.cpu"):
+        read_statuses(tmp_path)
+    (tmp_path / "fa3.json").write_text(
+        BackendStatus(backend="triton_attn", tiers={}).model_dump_json())
+    with pytest.raises(StatusFileError, match="holds the status of 'triton_attn'"):
+        read_statuses(tmp_path)
+
+
+def test_lag_is_counted_from_the_records_alone() -> None:
+    newest = BackendStatus(backend="a", tiers={"gpu": _record("gpu", index=12)})
+    older = BackendStatus(backend="b", tiers={"cpu": _record("cpu", index=9)})
+    text = render_status_readme({"a": newest, "b": older})
+    assert "3 commits behind the newest status" in text
+    assert "at the newest status" in text
+    assert last_verified(None, 12) == "not verified"
+    unknown = BackendStatus(backend="c", tiers={"cpu": _record("cpu", index=None)})
+    assert "commit distance unknown" in last_verified(unknown, 12)
+
+
+def test_the_bench_table_replaces_only_its_region() -> None:
+    ratio = BenchRatio(path="fused", k=4, batch=64, wall=0.5, host=0.25, gpu=1.0,
+                       per_step_wall_ms=2.0)
+    statuses = {"fa3": BackendStatus(backend="fa3", tiers={"gpu": _record("gpu", bench=[ratio])})}
+    page = f"# Method\n\n{BENCH_BEGIN}\nold\n{BENCH_END}\n\nafter\n"
+    rendered = with_bench_table(page, statuses)
+    assert rendered.startswith("# Method\n\n") and rendered.endswith("\n\nafter\n")
+    assert "old" not in rendered
+    assert "| `fa3` | fused | 4 | 64 | 2.000 | 0.50 | 0.25 | 1.00 |" in rendered
+    assert with_bench_table(rendered, statuses) == rendered
+    with pytest.raises(MissingMarkers):
+        with_bench_table("# no markers\n", statuses)
+
+
+def test_capability_docs_say_not_verified_without_a_status() -> None:
+    matrix = load_matrix(None)
+    statuses = {"reference": BackendStatus(backend="reference", tiers={"cpu": _record("cpu")})}
+    text = render_capability_docs(matrix, statuses)
+    row = next(line for line in text.splitlines() if line.startswith("| [`reference`]"))
+    assert "cpu: passed at `abcdef1234`" in row
+    rocm = next(line for line in text.splitlines() if line.startswith("| [`rocm_sparse_swa`]"))
+    assert rocm.endswith("| not verified |")
+
+
+def test_render_and_check(tmp_path: Path) -> None:
+    write_tier_status(tmp_path, "reference", _record("cpu"))
+    page = tmp_path / "bench.md"
+    page.write_text(f"{BENCH_BEGIN}\n{BENCH_END}\n")
+    runner = CliRunner()
+    args = ["status", "--out", str(tmp_path), "--bench-page", str(page)]
+    stale = runner.invoke(app, [*args, "--check"])
+    assert stale.exit_code == 1 and "is stale" in stale.output
+    assert runner.invoke(app, [*args, "--render"]).exit_code == 0
+    assert runner.invoke(app, [*args, "--check"]).exit_code == 0
+    assert "| `reference` | cpu | passed |" in (tmp_path / "README.md").read_text()
+
+
+def test_bad_input_is_exit_2_before_any_run(tmp_path: Path) -> None:
+    runner = CliRunner()
+    unknown = runner.invoke(app, ["status", "--backend", "no_such", "--out", str(tmp_path)])
+    assert unknown.exit_code == 2 and "not a shipped backend with an adapter" in unknown.output
+    (tmp_path / "reference.json").write_text("{")
+    corrupt = runner.invoke(app, ["status", "--backend", "reference", "--out", str(tmp_path)])
+    assert corrupt.exit_code == 2 and "reference.json: not a status file" in corrupt.output
+    (tmp_path / "reference.json").unlink()
+    page = tmp_path / "bench.md"
+    page.write_text("# no markers\n")
+    unmarked = runner.invoke(app, ["status", "--backend", "reference", "--out", str(tmp_path),
+                                   "--bench-page", str(page)])
+    assert unmarked.exit_code == 2 and "bench.md: the page has no" in unmarked.output
+    assert not (tmp_path / "reference.json").exists()
+
+
+def test_a_status_run_records_what_verify_found(tmp_path: Path) -> None:
+    """A real run of the command (workers and all) on the CPU tier: the record names the
+    verdict, the examples, every check and the machine."""
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("speccheck")), "status", "--backend", "reference",
+         "--examples", "2", "--no-selftest", "--out", str(tmp_path),
+         "--bench-page", str(tmp_path / "absent.md")],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = read_statuses(tmp_path)["reference"].tiers["cpu"]
+    assert record.verdict is Verdict.PASSED and record.examples == 2
+    assert {check.check for check in record.checks} >= {"draft_tokens", "step_metadata"}
+    assert record.provenance.versions["torch"]
+    assert json.loads(proc.stdout.splitlines()[-1])["backend"] == "reference"
+
+
+def test_the_committed_status_is_rendered_in_step() -> None:
+    """``docs/status/README.md`` and the benchmarks page's table are what the committed
+    records render to (``speccheck status --check``), and every shipped backend with an
+    adapter has a record."""
+    result = CliRunner().invoke(app, ["status", "--check", "--out", str(ROOT / "docs/status"),
+                                      "--bench-page", str(ROOT / "docs/benchmarks/README.md")])
+    assert result.exit_code == 0, result.output
+    from speccheck.contract.adapter_status import AdapterStatus, adapter_status
+
+    shipped = {entry.name for entry in load_matrix(None).backends
+               if adapter_status(entry) is AdapterStatus.FOUND}
+    assert shipped <= set(read_statuses(ROOT / "docs/status"))
