@@ -9,8 +9,8 @@ inputs rewritten between replays). CUDA only.
     python benchmarks/graph_launch.py --backend triton_attn [--steps 4,8] [--batches 1,64]
         [--rounds 50] [--json OUT]
 
-``cudaGraphLaunch``'s host cost grows with the nodes it launches, and memset and memcpy
-nodes cost more than kernel nodes; the fused path's host time is mostly this one call.
+Measured on an H200, a launch of these graphs (kernel nodes only, 32 to 390 of them) cost
+the host 4 to 22 us whatever the node count (docs/notes/fused-launch-host-time.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Render a markdown section for ``docs/benchmarks/`` from ``speccheck bench --json``
-reports: a table per backend (path, K, batch, wall, host and GPU ms, replays per propose,
-capture time, graph memory, ratios to per-step).
+"""Render ``speccheck bench --json`` reports as markdown: a table per report.
+Columns: path, K, batch, wall, host and GPU ms, replays per propose, capture time, graph
+memory, ratios to per-step.
 
     python scripts/render_bench_docs.py BENCH.json [MORE.json ...] [--output FILE] [--plots DIR]
 

@@ -85,7 +85,7 @@ class Tiling:
 
 def tiling_for(n: int, k: int) -> Tiling:
     """The tensor-core tiling for a ``[n, k]`` weight: the best of a graph-replayed sweep on
-    an H200 (``docs/verification/decode-step-tiles/``) for the drafter's projection of the
+    an H200 (``docs/notes/decode-step-kernels.md``) for the drafter's projection of the
     nearest shape: wide outputs stream in short reduction tiles, narrow ones in long tiles
     so that enough programs run."""
     if n >= 8192:
@@ -115,7 +115,7 @@ def reduce_block_k(prologue: Prologue, n: int, k: int) -> int:
     runs. Behind the SwiGLU gate (the down projection, whose input row is the drafter's
     4096-wide intermediate) the tile is ``2 * REDUCE_BLOCK_K``: on an H200 the decode step
     at batch 1 took 2.7 % less GPU time than with the 2048 tile
-    (``docs/verification/reduce-tile/``); lengthening the wide projection's tile too gained
+    (``docs/notes/decode-step-kernels.md``); lengthening the wide projection's tile too gained
     less, with or without eight warps."""
     if prologue is Prologue.SILU_MUL:
         tile = 2 * REDUCE_BLOCK_K

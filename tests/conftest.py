@@ -54,7 +54,7 @@ def release_device_memory_after_cuda_tests(request: pytest.FixtureRequest) -> It
     """After a CUDA test, what its verifiers held (serving-scale KV caches, graph pools:
     gigabytes) goes back to the driver before the next test. On the H200 the FA3
     ten-seed test followed by the ten real-graph mutant tests in one process ran out of
-    memory (docs/verification/verify-speed/about.txt); each of the two tests that failed
+    memory (docs/notes/device-memory-between-tests.md); each of the two tests that failed
     passed in a fresh process."""
     yield
     if "cuda" in request.keywords and torch.cuda.is_available():

@@ -6,7 +6,7 @@ KV over several CTAs. With ``disable_split_kv=True`` every request is one KV chu
 plan (the work-tile lists in the wrapper's int workspace and the plan info baked into the
 launches) is a function of the batch size, the query layout and the wrapper's frozen row
 bound alone; the kernels take the lengths and pages from the fixed page-table buffers when
-they run. Evidence run 46 (docs/verification/fi-fixed-plan/) checked it on the H200: plans
+they run. Evidence run 46 (docs/notes/flashinfer-fixed-plan.md) checked it on the H200: plans
 for KV lengths of 1 to 3000 at batch 64 are byte-identical, and one plan run on another
 length set's page tables gives the fresh plan's outputs bit for bit; with split KV, or the
 CUDA-core decode, it does not.

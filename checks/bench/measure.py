@@ -20,7 +20,7 @@ for GPU time and the profile tables (and the decode step's timeline, where asked
 Why two phases: once ``torch.profiler`` has traced CUDA activity in a process, its CUPTI
 callbacks stay behind and every later CUDA call of that process costs the host more (on the
 H200, a fused propose's launch about 100 us more, a per-step one about 200 us:
-``docs/verification/profiler-residue``). Host time measured after a profiled case would
+``docs/notes/profiler-residue.md``). Host time measured after a profiled case would
 be the profiler's as much as the speculator's, and a serving process never pays it.
 """
 

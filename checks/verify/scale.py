@@ -61,7 +61,7 @@ A worker is one busy host thread feeding a mostly idle GPU, so a second one over
 host work with the first's; from the third on, the processes contend for the one device
 (time-sliced between their contexts) more than they overlap. Measured on an H200,
 ``verify --backend triton_attn --examples 200``: 36.0 s with one worker, 28.8 s with two,
-32.9 s with four (docs/verification/verify-jobs-2)."""
+32.9 s with four (docs/notes/verify-jobs.md)."""
 
 EXAMPLES_PER_JOB = 50
 """Fewest examples a worker of an automatic ``--jobs`` gets: below this, a worker's fixed
