@@ -132,9 +132,11 @@ def resolve_backend(
     if failures:
         verdict, reason = FusedVerdict.NO, "; ".join(failures)
     elif adapter is not AdapterStatus.FOUND:
-        what = ("no adapter is shipped (implementation: null)"
-                if adapter is AdapterStatus.NOT_SHIPPED
-                else f"its implementation module ({entry.implementation}) is not found")
+        what = {AdapterStatus.NOT_SHIPPED: "no adapter is shipped (implementation: null)",
+                AdapterStatus.NOT_FOUND:
+                    f"its implementation module ({entry.implementation}) is not found",
+                AdapterStatus.CLASS_NOT_FOUND:
+                    f"its implementation class ({entry.implementation}) is not found"}[adapter]
         verdict = FusedVerdict.DECLARED_UNVERIFIED
         reason = f"declared fused-capable, but {what}: nothing has verified the claim"
     elif isinstance(entry.draft_decode.supported, str):

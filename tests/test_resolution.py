@@ -285,3 +285,25 @@ def test_results_are_frozen() -> None:
     with pytest.raises(AttributeError):
         decision.enabled = False  # type: ignore[misc]
     assert isinstance(MATRIX, Matrix)
+
+
+def test_entry_whose_class_is_a_typo_is_declared_unverified_with_a_suggestion() -> None:
+    """A typo in the class part of ``module:Class`` is found from the module's source alone:
+    ``speccheck matrix`` and ``docs`` never say "yes" for it."""
+    import sys
+
+    from speccheck.contract.adapter_status import missing_class
+
+    typo = "speccheck.backends.reference.builder:ReferenceMetadataBuildr"
+    before = set(sys.modules)
+    resolution = resolve_backend(_entry(implementation=typo), RuntimeConfig())
+    assert resolution.adapter is AdapterStatus.CLASS_NOT_FOUND
+    assert resolution.verdict is FusedVerdict.DECLARED_UNVERIFIED
+    assert "implementation class" in resolution.reason
+    assert "torch" not in set(sys.modules) - before
+    why = missing_class(typo)
+    assert why is not None and "did you mean 'ReferenceMetadataBuilder'?" in why
+    correct = typo.removesuffix("Buildr") + "Builder"
+    assert missing_class(correct) is None
+    assert resolve_backend(_entry(implementation=correct),
+                           RuntimeConfig(platform="cpu")).adapter is AdapterStatus.FOUND

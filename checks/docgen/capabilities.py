@@ -138,7 +138,7 @@ def _backend_section(entry: BackendEntry, status: AdapterStatus) -> list[str]:
     lines = [f"## {entry.name}", "", f"**{entry.display_name}.** {entry.description}", ""]
     if status is AdapterStatus.FOUND:
         lines.append(f"- Implementation: `{entry.implementation}`")
-    elif status is AdapterStatus.NOT_FOUND:
+    elif status in (AdapterStatus.NOT_FOUND, AdapterStatus.CLASS_NOT_FOUND):
         lines.append(f"- Implementation: `{entry.implementation}`, which is not found: the "
                      "claims below are declared, unverified.")
     else:
