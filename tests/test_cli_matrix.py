@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -219,3 +220,32 @@ def test_torch_free_commands_start_without_importing_torch(command: list[str]) -
     assert proc.returncode == 0, proc.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "triton" not in imported
+
+
+def test_matrix_table_shows_every_reason_in_full_at_80_columns(tmp_path: Path) -> None:
+    """In an 80-column log (no terminal), a "declared, unverified" row squeezes nothing:
+    each reason is printed whole, on a line of its own, under the table."""
+    shipped = load_matrix()
+    typo = shipped.replacing(shipped.backend("sparse_swa").model_copy(update={
+        "implementation": "speccheck.backends.sparse_swa.builder:SparseSWABuildr"}))
+    import yaml
+
+    path = tmp_path / "matrix.yaml"
+    path.write_text(yaml.safe_dump(typo.model_dump(mode="json", exclude_none=True),
+                                   sort_keys=False))
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("speccheck")), "matrix", "--matrix", str(path),
+         "--sliding-window", "8"],
+        capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"},
+        check=False)
+    assert proc.returncode == 0, proc.stderr
+    from speccheck.contract.resolution import resolve_matrix
+    from speccheck.contract.runtime_config import RuntimeConfig
+
+    lines = proc.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines if line.startswith(("┃", "│", "┏", "└")))
+    for resolution in resolve_matrix(typo, RuntimeConfig(sliding_window=8)):
+        assert f"{resolution.name}: {resolution.reason}" in lines
+    assert any("declared, unverified" in line for line in lines)
+    row = next(line for line in lines if line.startswith("│ sparse_swa "))
+    assert "declared," in row and " yes " not in row

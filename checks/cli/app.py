@@ -109,6 +109,10 @@ def _config_summary(config: RuntimeConfig) -> str:
     return ", ".join(f"{name}={value}" for name, value in config.model_dump().items())
 
 
+WIDE_TABLE_COLUMNS = 120
+"""Below this console width ``speccheck matrix`` prints each reason in full under the table
+instead of in a column squeezed to a few characters."""
+
 VERDICT_STYLE = {
     FusedVerdict.YES: "[green]yes[/green]",
     FusedVerdict.NO: "[red]no[/red]",
@@ -135,23 +139,27 @@ def matrix_command(
         payload = [resolution.to_json() for resolution in resolutions]
         sys.stdout.write(json.dumps(payload, indent=2) + "\n")
         return
+    console = _stdout()
+    reasons_below = console.width < WIDE_TABLE_COLUMNS
     table = Table(
         title="Fused multi-step draft decode per backend",
         caption=_config_summary(config),
-        show_lines=True,
+        show_lines=not reasons_below,
     )
     table.add_column("Backend", style="bold", no_wrap=True)
-    table.add_column("Fused", no_wrap=True)
+    table.add_column("Fused")
     table.add_column("Refresh", no_wrap=True)
-    table.add_column("Reason")
+    if not reasons_below:
+        table.add_column("Reason")
     for resolution in resolutions:
-        table.add_row(
-            resolution.name,
-            VERDICT_STYLE[resolution.verdict],
-            resolution.refresh_strategy.value,
-            resolution.reason,
-        )
-    _stdout().print(table)
+        cells = [resolution.name, VERDICT_STYLE[resolution.verdict],
+                 resolution.refresh_strategy.value]
+        table.add_row(*cells, *([] if reasons_below else [resolution.reason]))
+    console.print(table)
+    if reasons_below:
+        for resolution in resolutions:
+            console.print(f"{resolution.name}: {resolution.reason}", markup=False,
+                          soft_wrap=True)
 
 
 def _check_file(path: Path, expected: str, regenerate: str) -> None:
