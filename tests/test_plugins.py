@@ -168,3 +168,18 @@ def test_matrix_and_docs_commands_see_plugins_and_reject_bad_ones(site: Path) ->
         f"{clash}:3: backend 'plug_j', field 'name': 'plug_j' is already declared by "
         f"{site / 'plug_j' / 'matrix.yaml'}:3; backend names must be unique across the "
         "matrix and its plug-ins"]
+
+
+def test_docs_check_compares_the_shipped_matrix_unless_told_otherwise(site: Path) -> None:
+    """An adapter installed into speccheck's own environment does not make the committed
+    docs stale: ``docs --check`` reads the shipped matrix alone; ``--plugins`` adds the
+    installed fragments (and then the committed file, which lacks them, is stale)."""
+    install(site, "plug_m", "m = plug_m:matrix.yaml",
+            fragment=FRAGMENT.format(name="plug_m", package="plug_m"))
+    committed = str(ROOT / "docs" / "capabilities.md")
+    status = str(ROOT / "docs" / "status")
+    alone = _speccheck(site, "docs", "--check", "--output", committed, "--status", status)
+    assert alone.returncode == 0, alone.stderr
+    with_plugins = _speccheck(site, "docs", "--check", "--plugins", "--output", committed,
+                              "--status", status)
+    assert with_plugins.returncode == 1 and "is stale" in with_plugins.stderr

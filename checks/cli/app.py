@@ -47,6 +47,7 @@ EXIT_BAD_INPUT = 2
 DEFAULT_DOCS_PATH = Path("docs/capabilities.md")
 DEFAULT_CHECKS_DOCS_PATH = Path("docs/checks.md")
 SCHEMA_RESOURCE = "matrix.schema.json"
+SHIPPED_MATRIX = Path(str(importlib.resources.files("speccheck") / "matrix.yaml"))
 
 app = typer.Typer(
     name="speccheck",
@@ -198,6 +199,11 @@ def docs_command(
                      "or docs/checks.md.", dir_okay=False, show_default=False),
     ] = None,
     matrix: MatrixPathOption = None,
+    plugins: Annotated[
+        bool, typer.Option("--plugins", help="With --check: include the installed plug-ins' "
+                           "fragments (by default --check compares the shipped matrix.yaml "
+                           "alone, which is what the committed file is generated from).")
+    ] = False,
     status: Annotated[
         Path, typer.Option("--status", help="The status folder the \"last verified\" column "
                            "reads (written by `speccheck status`); a backend without a file "
@@ -216,7 +222,9 @@ def docs_command(
         except StatusFileError as exc:
             _stderr().print(f"--status: {exc}", markup=False)
             raise typer.Exit(EXIT_BAD_INPUT) from None
-        text = render_capability_docs(_load_or_exit(matrix), verified)
+        shipped_alone = check and matrix is None and not plugins
+        source = _load_or_exit(SHIPPED_MATRIX if shipped_alone else matrix)
+        text = render_capability_docs(source, verified)
         default = DEFAULT_DOCS_PATH
     if check:
         _check_file(output or default, text, "speccheck docs" + (" --checks" if checks else ""))
