@@ -118,7 +118,7 @@ SECTIONS = (
     ("write_pass_inputs", "speccheck.speculator.base", "DraftModelSpeculator._write_pass_inputs"),
     ("slot_mappings", "speccheck.speculator.base", "DraftModelSpeculator._compute_slot_mappings"),
     ("decode_metadata", "speccheck.speculator.autoregressive",
-     "AutoregressiveSpeculator._build_decode_metadata"),
+     "AutoregressiveSpeculator.build_decode_metadata"),
     ("replay", "speccheck.speculator.cudagraph_manager", "CudaGraphManager.replay"),
 )
 """Parts of a launch timed on their own: (name, module, attribute path)."""

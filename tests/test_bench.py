@@ -258,12 +258,12 @@ def test_step_timeline_cuts_replays_between_spin_kernels() -> None:
     assert "gap   -1.00 us" in text
 
 
-def test_launch_queues_the_work_propose_tokens_returns() -> None:
-    """``launch`` leaves in ``draft_tokens`` what ``propose_tokens`` hands back: the bench
-    times the first as host time and the second as wall time."""
+def test_launch_queues_the_work_propose_returns() -> None:
+    """``launch`` leaves in ``draft_tokens`` the tokens ``propose`` hands back: the bench
+    times the launch as host time and the launch with the tokens' copy back as wall time."""
     spec = _reference_speculator()
     work = _work()
-    want = spec.propose_tokens(work, DecodePath.FUSED)
+    want = spec.propose(work, DecodePath.FUSED).draft_tokens
     r = spec.launch(work, DecodePath.PER_STEP)
     assert r == work.num_reqs and torch.equal(spec.draft_tokens[:r].cpu(), want)
 

@@ -21,7 +21,7 @@ BASELINE_PATH = DecodePath.PER_STEP
 
 @dataclass(frozen=True)
 class BenchRow:
-    """One path at one K and batch size; times per ``propose_tokens`` call in ms.
+    """One path at one K and batch size; times per ``launch`` and the copy of its tokens back in ms.
 
     ``host_ms`` (the launching thread's time to queue the work, unprofiled: the launch
     without the copy of the tokens back) and ``gpu_ms`` (device busy time) are ``None``

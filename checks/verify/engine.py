@@ -156,7 +156,7 @@ class GuardedAllocator(GuardedBufferSet):
 def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
     """The candidates of one example, in the order they run after the oracle.
 
-    ``multi_step`` is ``FUSED`` when the speculator fuses, ``PREPLANNED`` when the
+    ``multi_step`` is ``FUSED`` when the speculator fuses, ``HOST_PREPLANNED`` when the
     host_preplanned strategy applies, else ``None``. The multi-step body runs as a graph
     replay on the GPU and eagerly everywhere. On the GPU, when fused decoding is not
     allowed, the per-step graph replays the speculator falls back to are a candidate too,
@@ -322,7 +322,7 @@ class BackendVerifier:
         spec = self.harness(k).spec
         if spec.use_fused_multi_step_decode:
             return candidates_for(DecodePath.FUSED, self.graphs)
-        return candidates_for(DecodePath.PREPLANNED if spec.preplanned_capable else None,
+        return candidates_for(DecodePath.HOST_PREPLANNED if spec.host_preplanned_applies else None,
                               self.graphs)
 
     def example_problem(self, example: Example) -> str | None:
@@ -509,7 +509,7 @@ class BackendVerifier:
             outcomes += kv_matches(agreed, oracle_kv, kv, self.tol, name)
             outcomes += compare_steps(
                 oracle_steps, steps, name,
-                metadata_only=candidate.path is DecodePath.PREPLANNED,
+                metadata_only=candidate.path is DecodePath.HOST_PREPLANNED,
             )
             outcomes += self._zero_tails(spec, h.recorder, name)
         outcomes += self._declared_fields(spec, oracle_steps, oracle_storage)
