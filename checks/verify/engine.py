@@ -161,7 +161,7 @@ def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
     replay on the GPU and eagerly everywhere. On the GPU, when fused decoding is not
     allowed, the per-step graph replays the speculator falls back to are a candidate too,
     and they run first: their step comparison covers every persistent buffer, and a
-    preplanned candidate rewrites its per-step buffers, which the oracle saw holding the
+    host_preplanned candidate rewrites its per-step buffers, which the oracle saw holding the
     previous example's plans.
     """
     fallback = ([Candidate(DecodePath.PER_STEP, graphs=True)]
@@ -538,7 +538,7 @@ class BackendVerifier:
         speculator advances them), and a persistent buffer behind a declared field is
         covered by that declaration. ``storage_of`` maps paths to storage addresses as the
         oracle run saw them: a candidate may bind the same field to another buffer (one
-        per preplanned step)."""
+        per host_preplanned step)."""
         if len(oracle) < 2:
             return [Outcome(Check.DECLARED_FIELDS, Result.SKIPPED, "fewer than two draft steps")]
         snapshots = [oracle[s] for s in sorted(oracle)]
