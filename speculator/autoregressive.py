@@ -261,10 +261,10 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         key = (FUSED_PROPOSE, self.bucket_for(batch.num_reqs), query_len)
         if query_len is None or self.graphs is None or key not in self.graphs:
             return False
-        self._write_pass_inputs(arrays, batch.new_tokens, uniform_width=query_len,
+        self.write_pass_inputs(arrays, batch.new_tokens, uniform_width=query_len,
                                 scatter=not self.scatters_in_graph)
         self.graphs.replay(key)
         self.counters.first_pass_replays += 1
         self.counters.graph_replays += 1
-        self._record("slots", 1)
+        self.record("slots", 1)
         return True

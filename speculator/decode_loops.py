@@ -36,7 +36,7 @@ class DecodeLoops:
         for step in range(1, spec.num_steps):
             if step == 1 or spec.config.advance_draft_positions:
                 if step > 1:
-                    spec._compute_slot_mappings(num_lanes, step)
+                    spec.compute_slot_mappings(num_lanes, step)
                 group_metadata = spec.build_decode_metadata(desc, num_reqs, base_seq_lens, step)
             if not replay:
                 spec.decode_steps.one_step(num_lanes, group_metadata, step)

@@ -38,7 +38,7 @@ class DecodeSteps:
                 group.update_draft_decode_metadata(metadata)
             else:
                 spec.refresh_hook(group, metadata)
-            spec._record("refresh", id(metadata))
+            spec.record("refresh", id(metadata))
 
     def one_step(
         self, num_lanes: int, group_metadata: Sequence[Any], step: int, observe: bool = True
@@ -53,15 +53,15 @@ class DecodeSteps:
         # Real lanes advance one position (clamped); padding lanes (position and length 0)
         # stay.
         finish_decode_step(
-            spec.model.unprojected_logits(spec._run_model(num_lanes, group_metadata)),
+            spec.model.unprojected_logits(spec.run_model(num_lanes, group_metadata)),
             spec.options.sampling, spec.seeds[:num_lanes], buffers.positions[:num_lanes],
             buffers.seq_lens[:num_lanes], spec.is_real_req[:num_lanes], spec.current_step,
             spec.draft_tokens[:num_lanes], spec.draft_logits[:num_lanes],
             spec.input_ids[:num_lanes], advance=spec.config.advance_draft_positions,
             max_model_len=spec.max_model_len, lanes_done=spec.lanes_done, kernel=spec.kernel)
-        if not spec._in_capture:
+        if not spec.in_capture:
             spec.counters.eager_step_calls += 1
-        spec._record("generate", step)
+        spec.record("generate", step)
 
     def fused(self, num_lanes: int, group_metadata: Sequence[Any]) -> None:
         """Every decode step in one body, with ``group_metadata`` refreshed in place between
@@ -73,7 +73,7 @@ class DecodeSteps:
         advance = spec.config.advance_draft_positions
         for step in range(1, spec.num_steps):
             if step > 1 and advance:
-                spec._compute_slot_mappings(num_lanes, step)
+                spec.compute_slot_mappings(num_lanes, step)
             if (step == 1 and refresh_before_step_one) or (step > 1 and advance):
                 self.refresh(group_metadata)
             self.one_step(num_lanes, group_metadata, step)
@@ -93,5 +93,5 @@ class DecodeSteps:
             self.one_step(num_lanes, group_metadata, step)
             if step == spec.num_steps - 1:
                 continue
-            spec._compute_slot_mappings(num_lanes, step + 1)
+            spec.compute_slot_mappings(num_lanes, step + 1)
             self.refresh(group_metadata, in_graph_only=True)

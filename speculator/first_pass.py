@@ -59,7 +59,7 @@ class FirstPass:
         query_len = self.width(batch)
         if query_len is None:
             last_host = np.cumsum(arrays.query_lens) - 1
-            hidden, _, (last,) = spec._eager_pass(arrays, batch.new_tokens, [last_host])
+            hidden, _, (last,) = spec.eager_pass(arrays, batch.new_tokens, [last_host])
             self.store_draft_zero(hidden[last], spec.buffers.positions[last])
             if spec.num_steps > 1:
                 self.prepare_decode_lanes(decode_lanes)
@@ -71,7 +71,7 @@ class FirstPass:
         group_metadata: list[Any] = []
         if rebuild and not replay:
             group_metadata = self.metadata(num_reqs, bucket, query_len, base_seq_lens)
-        spec._write_pass_inputs(arrays, batch.new_tokens, uniform_width=query_len)
+        spec.write_pass_inputs(arrays, batch.new_tokens, uniform_width=query_len)
         if not rebuild:
             group_metadata = self.metadata(num_reqs, bucket, query_len, base_seq_lens)
         if not replay:
@@ -81,7 +81,7 @@ class FirstPass:
         spec.graphs.replay(key)
         spec.counters.first_pass_replays += 1
         if spec.num_steps > 1:
-            spec._record("slots", 1)
+            spec.record("slots", 1)
 
     def metadata(self, num_reqs: int, bucket: int, query_len: int, base_seq_lens: np.ndarray,
                  for_capture: bool = False) -> list[Any]:
@@ -115,7 +115,7 @@ class FirstPass:
             spec.decode_steps.refresh(group_metadata)
         if spec.first_pass_observer is not None:
             spec.first_pass_observer(num_tokens, 0, group_metadata, None)
-        hidden = spec._run_model(num_tokens, group_metadata).view(bucket, query_len, -1)[:, -1]
+        hidden = spec.run_model(num_tokens, group_metadata).view(bucket, query_len, -1)[:, -1]
         positions = spec.buffers.positions[:num_tokens].view(bucket, query_len)[:, -1]
         self.store_draft_zero(hidden, positions)
         if spec.num_steps > 1:
@@ -151,4 +151,4 @@ class FirstPass:
             block_table=buffers.block_table, draft_tokens=spec.draft_tokens[:num_lanes],
             current_step=spec.current_step, num_reqs=spec.index_buffers.num_reqs)
         prepare_decode_lanes(lanes, spec.max_model_len, spec.block_size, kernel=spec.kernel)
-        spec._record("slots", 1)
+        spec.record("slots", 1)

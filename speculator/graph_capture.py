@@ -51,7 +51,7 @@ class GraphCapture:
             return
         spec.graphs.reset()
         steps = spec.decode_steps
-        spec._in_capture = True
+        spec.in_capture = True
         try:
             for bucket in spec.graphs.capture_sizes:
                 for query_len in spec.first_pass_query_lens:
@@ -67,8 +67,8 @@ class GraphCapture:
                     self._decode_body((DecodePath.HOST_PREPLANNED, bucket),
                                       partial(steps.host_preplanned, bucket))
         finally:
-            spec._in_capture = False
-            spec._reset_index_buffers()
+            spec.in_capture = False
+            spec.reset_index_buffers()
 
     def _decode_body(self, key: tuple[str, int], body: Callable[[Any], None]) -> None:
         """Dummy inputs for ``bucket`` lanes, all live at position 0 (length 1), every
@@ -93,7 +93,7 @@ class GraphCapture:
         """Step 1's lanes of ``bucket`` requests of length 0 after a pass, on reset
         buffers."""
         spec = self._spec
-        spec._reset_index_buffers()
+        spec.reset_index_buffers()
         spec.index_buffers.num_reqs.fill_(bucket)
         spec.first_pass.prepare_decode_lanes(bucket)
 

@@ -465,7 +465,7 @@ def test_the_whole_fused_propose_body_on_capture_metadata_drafts_what_the_oracle
     first = spec.graph_capture.first_pass_metadata(bucket, q)
     spec.kv_cache.fill_random_(5)
     start = spec.kv_cache.snapshot()
-    spec._write_pass_inputs(arrays, batch.new_tokens, uniform_width=q)
+    spec.write_pass_inputs(arrays, batch.new_tokens, uniform_width=q)
     spec.first_pass.body(bucket, q, first, refresh=True)
     spec.decode_steps.fused(bucket, decode)
     tokens, logits = spec.draft_tokens[:num_reqs].clone(), spec.draft_logits[:num_reqs].clone()
