@@ -184,6 +184,12 @@ def test_reports_written_before_the_weight_read_bound_still_load() -> None:
     assert BenchReport.from_json(_report().to_json()) == _report()
 
 
+def test_reports_written_before_the_host_preplanned_rename_still_load() -> None:
+    data = _report().to_json()
+    data["rows"][0]["path"] = "preplanned"
+    assert BenchReport.from_json(data).rows[0].path is DecodePath.HOST_PREPLANNED
+
+
 def test_decode_weight_bytes_leave_out_the_embedding() -> None:
     from speccheck.speculator.model import DrafterConfig, DraftModel
 
