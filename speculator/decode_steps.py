@@ -4,8 +4,8 @@ one place where a draft step's metadata is refreshed.
 Every body here runs eagerly or inside a captured graph alike: one decode step, every step
 fused with in-graph refreshes between them, and every step on metadata planned ahead on
 the host (the ``host_preplanned`` strategy). Each refresh goes through :meth:`DecodeSteps.
-refresh`, which calls the speculator's ``refresh_hook`` where one is set: the verifier sees
-every refresh on every path.
+refresh`, which calls the speculator's ``refresh_hook`` (:func:`refresh_directly` where none
+is set): the verifier sees every refresh on every path.
 """
 
 from __future__ import annotations
@@ -13,10 +13,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from speccheck.contract.groups import AttentionGroup
 from speccheck.speculator.sampling import finish_decode_step
 
 if TYPE_CHECKING:
     from speccheck.speculator.autoregressive import AutoregressiveSpeculator
+
+
+def refresh_directly(group: AttentionGroup, metadata: Any) -> None:
+    """The refresh hook in force where the speculator has none set: the group's own
+    refresh."""
+    group.update_draft_decode_metadata(metadata)
 
 
 class DecodeSteps:
@@ -27,17 +34,16 @@ class DecodeSteps:
 
     def refresh(self, group_metadata: Sequence[Any], in_graph_only: bool = False) -> None:
         """Each group's in-graph refresh of its metadata (``group_metadata[i]`` is group
-        ``i``'s), through the speculator's ``refresh_hook`` where one is set: the only call
-        of ``update_draft_decode_metadata``. ``in_graph_only`` skips the ``host_preplanned``
-        groups, whose steps were planned ahead. Capture-safe as the refreshes are."""
+        ``i``'s), through the speculator's ``refresh_hook``, or :func:`refresh_directly`
+        where none is set: the only call site of a refresh. ``in_graph_only`` skips the
+        ``host_preplanned`` groups, whose steps were planned ahead. Capture-safe as the
+        refreshes are."""
         spec = self._spec
+        hook = spec.refresh_hook or refresh_directly
         for group, metadata in zip(spec.groups, group_metadata, strict=True):
             if in_graph_only and group.host_preplanned:
                 continue
-            if spec.refresh_hook is None:
-                group.update_draft_decode_metadata(metadata)
-            else:
-                spec.refresh_hook(group, metadata)
+            hook(group, metadata)
             spec.record("refresh", id(metadata))
 
     def one_step(
