@@ -6,8 +6,9 @@ fixed drafter (``speccheck bench`` measures the same at the verifier's config).
 
 The measurement is :mod:`speccheck.checks.bench` (see :mod:`speccheck.checks.bench.measure`
 for the loop): for each path, K and batch size, wall time (median, unprofiled), host time
-and GPU time (from a ``torch.profiler`` run, CUDA only) per ``launch`` call and copy of its tokens back (prefill
-pass, K-1 decode steps, draft tokens back on the host; the logits stay on the device), the
+and GPU time (from a ``torch.profiler`` run, CUDA only) per ``launch`` call and the copy of
+its tokens back (prefill pass, K-1 decode steps, draft tokens back on the host; the logits
+stay on the device), the
 graph replays per call, and the capture time and graph memory; the paths must draft the
 same tokens. Ratios are against the per-step path. ``--breakdown`` writes the profiler's
 tables per configuration (operators by host time, kernels by device time). With CUDA the
