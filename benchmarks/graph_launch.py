@@ -115,10 +115,10 @@ SECTIONS = (
     ("validate", "speccheck.speculator.batch", "DraftBatch.validate"),
     ("stage", "speccheck.speculator.staging", "HostStaging.stage"),
     ("scatter", "speccheck.speculator.base", "scatter_pass_inputs"),
-    ("write_pass_inputs", "speccheck.speculator.base", "DraftModelSpeculator._write_pass_inputs"),
-    ("slot_mappings", "speccheck.speculator.base", "DraftModelSpeculator._compute_slot_mappings"),
+    ("write_pass_inputs", "speccheck.speculator.base", "DraftModelSpeculator.write_pass_inputs"),
+    ("slot_mappings", "speccheck.speculator.base", "DraftModelSpeculator.compute_slot_mappings"),
     ("decode_metadata", "speccheck.speculator.autoregressive",
-     "AutoregressiveSpeculator._build_decode_metadata"),
+     "AutoregressiveSpeculator.build_decode_metadata"),
     ("replay", "speccheck.speculator.cudagraph_manager", "CudaGraphManager.replay"),
 )
 """Parts of a launch timed on their own: (name, module, attribute path)."""

@@ -1,13 +1,14 @@
 """Propose latency of the draft-decode paths, side by side in one run, at this script's
 fixed drafter (``speccheck bench`` measures the same at the verifier's config).
 
-    python benchmarks/propose_latency.py --backend flashinfer [--paths per_step preplanned]
+    python benchmarks/propose_latency.py --backend flashinfer [--paths per_step host_preplanned]
         [--steps 2 4 8] [--batches 1 64] [--repeats 30] [--json PATH] [--breakdown PATH]
 
 The measurement is :mod:`speccheck.checks.bench` (see :mod:`speccheck.checks.bench.measure`
 for the loop): for each path, K and batch size, wall time (median, unprofiled), host time
-and GPU time (from a ``torch.profiler`` run, CUDA only) per ``propose_tokens`` call (prefill
-pass, K-1 decode steps, draft tokens back on the host; the logits stay on the device), the
+and GPU time (from a ``torch.profiler`` run, CUDA only) per ``launch`` call and the copy of
+its tokens back (prefill pass, K-1 decode steps, draft tokens back on the host; the logits
+stay on the device), the
 graph replays per call, and the capture time and graph memory; the paths must draft the
 same tokens. Ratios are against the per-step path. ``--breakdown`` writes the profiler's
 tables per configuration (operators by host time, kernels by device time). With CUDA the
@@ -49,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="flashinfer")
     parser.add_argument("--paths", type=DecodePath, nargs="+",
-                        default=[DecodePath.PER_STEP, DecodePath.PREPLANNED])
+                        default=[DecodePath.PER_STEP, DecodePath.HOST_PREPLANNED])
     parser.add_argument("--steps", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--repeats", type=int, default=30)

@@ -167,7 +167,7 @@ class VerifyReport:
         for r in self.backends:
             if not r.fused_allowed and r.status in (Status.PASSED, Status.FAILED):
                 how = ("host_preplanned path verified against the per-step oracle"
-                       if any(c.startswith("preplanned") for c in r.candidates)
+                       if any(c.startswith("host_preplanned") for c in r.candidates)
                        else "verified on the per-step path only")
                 lines.append(f"{r.backend}: fused: not allowed ({r.fused_reason}); {how}")
             if r.claim_audit is not None:

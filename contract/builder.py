@@ -259,7 +259,7 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     def replan_draft_steps(
         self, metadata_per_step: Sequence[M], seq_lens_per_step: np.ndarray
     ) -> None:
-        """The host half of :meth:`plan_draft_steps` again, for a replay of the preplanned
+        """The host half of :meth:`plan_draft_steps` again, for a replay of the host_preplanned
         body captured with ``metadata_per_step`` (what :meth:`plan_draft_steps` returned at
         capture): the same steps of the same padded batch and block table, now with host
         KV length upper bounds ``seq_lens_per_step`` (``[steps, num_reqs]`` int32, row
@@ -269,8 +269,8 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
         Host work, never captured. Writes exactly what :meth:`plan_draft_steps` would for
         those lengths, into the storage ``metadata_per_step`` views, and makes no metadata:
         a replay runs the captured objects, so building new ones is host time spent on
-        nothing. The verifier's ``preplanned_graph`` candidate runs through this, its
-        ``preplanned_eager`` one through :meth:`plan_draft_steps`. Default: unsupported.
+        nothing. The verifier's ``host_preplanned_graph`` candidate runs through this, its
+        ``host_preplanned_eager`` one through :meth:`plan_draft_steps`. Default: unsupported.
         """
         raise NotImplementedError(
             f"{type(self).__name__} has no host_preplanned strategy (replan_draft_steps)"

@@ -41,8 +41,9 @@ class AttentionGroup:
         return self.builder.supports_draft_decode_metadata_update
 
     @property
-    def plans_on_host(self) -> bool:
-        """Whether the group plans each draft step ahead on the host (``host_preplanned``)."""
+    def host_preplanned(self) -> bool:
+        """Whether the group's refresh strategy is ``host_preplanned``: it plans each draft
+        step ahead on the host."""
         return self.refresh_strategy is RefreshStrategy.HOST_PREPLANNED
 
     def build(self, common: CommonAttentionMetadata) -> Any:

@@ -164,10 +164,10 @@ class DraftModelSpeculator:
             slot_mapping=b.slot_mapping, is_real_token=self.is_real_token,
             draft_tokens=self.draft_tokens, current_step=self.current_step,
             num_reqs=torch.zeros((), dtype=torch.int64, device=device))
-        """Every index buffer, for :meth:`_reset_index_buffers` and the one-kernel scatter
+        """Every index buffer, for :meth:`reset_index_buffers` and the one-kernel scatter
         of a pass's inputs."""
         self.staging = HostStaging(HEADER_SIZE + r * (max_blocks + 4) + 3 * t, device)
-        """A call's host inputs cross to the device in one copy (see :meth:`_eager_pass`);
+        """A call's host inputs cross to the device in one copy (see :meth:`eager_pass`);
         persistent: the whole-propose graph's scatter reads its device buffer."""
         self.graphs = (
             CudaGraphManager(options.capture_sizes, device)
@@ -177,7 +177,10 @@ class DraftModelSpeculator:
         self.pads_to_buckets = self.graphs is not None or options.pad_to_capture_sizes
         self.counters = StepCounters()
         self.trace: list[tuple[str, int]] | None = None
-        self._in_capture = False
+        """Where set, :meth:`record` appends the propose's events (``("slots", step)``,
+        ``("refresh", id(metadata))``, ``("generate", step)``) in the order they run."""
+        self.in_capture = False
+        """True while graphs are captured: capture runs count no step and trace nothing."""
 
     def bucket_for(self, num_reqs: int) -> int:
         """Smallest capture size that holds ``num_reqs`` requests."""
@@ -207,20 +210,21 @@ class DraftModelSpeculator:
                 per_layer[i] = md
         return per_layer
 
-    def _run_model(self, num_tokens: int, group_metadata: Sequence[Any]) -> torch.Tensor:
+    def run_model(self, num_tokens: int, group_metadata: Sequence[Any]) -> torch.Tensor:
         """Final hidden states of the first ``num_tokens`` lanes. Capture-safe."""
         return self.model(
             self.input_ids[:num_tokens], self.buffers.positions[:num_tokens], self.layer_impls,
             self._layer_metadata(group_metadata), self.kv_cache.layers,
         )
 
-    def _record(self, event: str, step: int) -> None:
-        if self.trace is not None and not self._in_capture:
+    def record(self, event: str, step: int) -> None:
+        """Append ``(event, step)`` to :attr:`trace` where one is kept, outside captures."""
+        if self.trace is not None and not self.in_capture:
             self.trace.append((event, step))
 
-    def _compute_slot_mappings(self, num_tokens: int, step: int) -> None:
+    def compute_slot_mappings(self, num_tokens: int, step: int) -> None:
         """Capture-safe: slots of the ``num_tokens`` lanes from the persistent positions.
-        A pass written by :meth:`_write_pass_inputs` needs no call (it writes the pass's
+        A pass written by :meth:`write_pass_inputs` needs no call (it writes the pass's
         slots), nor the autoregressive speculator's decode step 1 (its lane preparation
         writes them)."""
         b = self.buffers
@@ -233,15 +237,15 @@ class DraftModelSpeculator:
             out=b.slot_mapping[:num_tokens],
             kernel=self.kernel,
         )
-        self._record("slots", step)
+        self.record("slots", step)
 
-    def _reset_index_buffers(self) -> None:
+    def reset_index_buffers(self) -> None:
         """Zero every index buffer, so no stale index can point out of bounds."""
         self.index_buffers.reset()
 
     def _copy_request_inputs(self, table: torch.Tensor, seeds: torch.Tensor) -> None:
         """Block-table rows and seeds from staged device views; every other entry stays
-        the sink / zero (call after :meth:`_reset_index_buffers`)."""
+        the sink / zero (call after :meth:`reset_index_buffers`)."""
         r, width = table.shape
         self.buffers.block_table[:r, :width].copy_(table)
         self.seeds[:r].copy_(seeds)
@@ -250,7 +254,7 @@ class DraftModelSpeculator:
         """Block-table rows and seeds of the batch, in one host-to-device copy."""
         self._copy_request_inputs(*self.staging.stage([arrays.block_table, arrays.seeds]))
 
-    def _write_pass_inputs(
+    def write_pass_inputs(
         self, arrays: RequestArrays, rows: Sequence[Sequence[int]],
         extra: Sequence[np.ndarray] = (), uniform_width: int = 0, scatter: bool = True,
     ) -> tuple[np.ndarray, list[torch.Tensor]]:
@@ -282,17 +286,17 @@ class DraftModelSpeculator:
                                    positions, ids, req_of_token, uniform_width, extra)
         if scatter:
             scatter_pass_inputs(self.index_buffers, staged, self.block_size, kernel=self.kernel)
-        self._record("slots", 0)
+        self.record("slots", 0)
         return qsl, staged.extra()
 
-    def _eager_pass(
+    def eager_pass(
         self, arrays: RequestArrays, rows: Sequence[Sequence[int]],
         extra: Sequence[np.ndarray] = (),
     ) -> tuple[torch.Tensor, np.ndarray, list[torch.Tensor]]:
-        """Run ``rows`` (see :meth:`_write_pass_inputs`) through the model eagerly, writing
+        """Run ``rows`` (see :meth:`write_pass_inputs`) through the model eagerly, writing
         their KV; returns the hidden states, the query offsets and the staged ``extra``.
         The metadata covers exactly the real tokens."""
-        qsl, staged_extra = self._write_pass_inputs(arrays, rows, extra)
+        qsl, staged_extra = self.write_pass_inputs(arrays, rows, extra)
         t = int(qsl[-1])
         ctx = arrays.context_lens
         common = build_attention_metadata(
@@ -300,7 +304,7 @@ class DraftModelSpeculator:
             num_reqs=ctx.shape[0], query_start_loc_np=qsl, base_seq_lens_np=ctx + np.diff(qsl),
             step=0, max_model_len=self.max_model_len,
         )
-        return self._run_model(t, [g.build(common) for g in self.groups]), qsl, staged_extra
+        return self.run_model(t, [g.build(common) for g in self.groups]), qsl, staged_extra
 
     def _validate(self, batch: DraftBatch, extra_positions: int) -> RequestArrays:
         """The batch's host arrays for this call, or ``ValueError`` (see

@@ -62,7 +62,7 @@ class DFlashSpeculator(DraftModelSpeculator):
         Capture-safe."""
         q = self.query_per_req
         n = num_tokens // q
-        hidden = self._run_model(num_tokens, group_metadata).view(n, q, -1)[:, 1:]
+        hidden = self.run_model(num_tokens, group_metadata).view(n, q, -1)[:, 1:]
         logits = self.model.compute_logits(hidden)
         positions = self.buffers.positions[:num_tokens].view(n, q)[:, 1:]
         tokens = sample_tokens(
@@ -74,18 +74,18 @@ class DFlashSpeculator(DraftModelSpeculator):
         )
         self.draft_tokens[:n].copy_(tokens.view(n, self.num_steps))
         self.draft_logits[:n].copy_(logits)
-        if not self._in_capture:
+        if not self.in_capture:
             self.counters.eager_step_calls += 1
 
     def capture(self) -> None:
         """One FULL graph of the block forward per bucket, on sink-only dummy inputs."""
         if self.graphs is None:
             return
-        self._in_capture = True
+        self.in_capture = True
         try:
             for n in self.graphs.capture_sizes:
                 q = self.query_per_req
-                self._reset_index_buffers()
+                self.reset_index_buffers()
                 self.buffers.seq_lens[:n].fill_(q)
                 self.is_real_token[: n * q] = True
                 self.token_request[: n * q].copy_(
@@ -93,13 +93,13 @@ class DFlashSpeculator(DraftModelSpeculator):
                 )
                 self.buffers.positions[: n * q].copy_(torch.arange(q, device=self.device).repeat(n))
                 desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, n * q, n, q)
-                self._compute_slot_mappings(n * q, 0)
+                self.compute_slot_mappings(n * q, 0)
                 md = self._build_block_metadata(desc, n, np.zeros(n, np.int64), capture=True)
                 self._captured_metadata[n] = md
                 self.graphs.capture(("block", n), partial(self._block_forward, n * q, md))
         finally:
-            self._in_capture = False
-            self._reset_index_buffers()
+            self.in_capture = False
+            self.reset_index_buffers()
 
     def _build_block_metadata(
         self, desc: BatchExecutionDescriptor, num_reqs: int, seq_lens: np.ndarray, capture: bool = False
@@ -140,12 +140,12 @@ class DFlashSpeculator(DraftModelSpeculator):
             raise ValueError(f"descriptor num_tokens {desc.num_tokens} cannot hold {r} blocks of {q}")
         context_rows = [row[:-1] for row in batch.new_tokens]
         if any(context_rows):
-            self._eager_pass(arrays, context_rows)
+            self.eager_pass(arrays, context_rows)
         n_tokens = desc.num_tokens
         start = arrays.context_lens + arrays.query_lens - 1
         self._write_block_inputs(batch, arrays, n_tokens, start)
         # Slots before the build: a builder may read ``common.slot_mapping`` in build().
-        self._compute_slot_mappings(n_tokens, 0)
+        self.compute_slot_mappings(n_tokens, 0)
         md = self._build_block_metadata(desc, r, start + q)
         if desc.cg_mode == CUDAGraphMode.FULL and self.graphs is not None:
             self.graphs.replay(("block", n_tokens // q))
@@ -162,7 +162,7 @@ class DFlashSpeculator(DraftModelSpeculator):
         """Lanes of request ``i``: ``i*q .. i*q+q-1``; the last accepted token then masks at
         positions ``start[i] ..``; lanes past the real blocks are padding (sink slots)."""
         r, q = batch.num_reqs, self.query_per_req
-        self._reset_index_buffers()
+        self.reset_index_buffers()
         self._write_request_inputs(arrays)
         b = self.buffers
         ids = np.full(num_tokens, self.mask_token_id, dtype=np.int64)

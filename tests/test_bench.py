@@ -184,6 +184,12 @@ def test_reports_written_before_the_weight_read_bound_still_load() -> None:
     assert BenchReport.from_json(_report().to_json()) == _report()
 
 
+def test_reports_written_before_the_host_preplanned_rename_still_load() -> None:
+    data = _report().to_json()
+    data["rows"][0]["path"] = "preplanned"
+    assert BenchReport.from_json(data).rows[0].path is DecodePath.HOST_PREPLANNED
+
+
 def test_decode_weight_bytes_leave_out_the_embedding() -> None:
     from speccheck.speculator.model import DrafterConfig, DraftModel
 
@@ -258,12 +264,12 @@ def test_step_timeline_cuts_replays_between_spin_kernels() -> None:
     assert "gap   -1.00 us" in text
 
 
-def test_launch_queues_the_work_propose_tokens_returns() -> None:
-    """``launch`` leaves in ``draft_tokens`` what ``propose_tokens`` hands back: the bench
-    times the first as host time and the second as wall time."""
+def test_launch_queues_the_work_propose_returns() -> None:
+    """``launch`` leaves in ``draft_tokens`` the tokens ``propose`` hands back: the bench
+    times the launch as host time and the launch with the tokens' copy back as wall time."""
     spec = _reference_speculator()
     work = _work()
-    want = spec.propose_tokens(work, DecodePath.FUSED)
+    want = spec.propose(work, DecodePath.FUSED).draft_tokens
     r = spec.launch(work, DecodePath.PER_STEP)
     assert r == work.num_reqs and torch.equal(spec.draft_tokens[:r].cpu(), want)
 

@@ -4,7 +4,6 @@ counts and loop order, gating from the matrix, and graph-mode errors without CUD
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from functools import cache
 
 import pytest
@@ -26,6 +25,7 @@ from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.kv_cache import SINK_BLOCK
 from speccheck.speculator.model import DrafterConfig
+from tests.fixtures.eager_graphs import EagerCapture, EagerReplay
 
 SHIPPED = load_matrix()
 MATRIX = SHIPPED.replacing(SHIPPED.backend("flashinfer").model_copy(
@@ -229,52 +229,17 @@ def test_groups_carry_the_matrix_graph_support() -> None:
     assert spec.graph_mode_note is None
 
 
-class _EagerCapture:
-    """Stands in for the CUDA-graph manager on the CPU: runs each capture body once,
-    eagerly, and records its key, so the capture wiring is exercised without a device."""
-
-    def __init__(self, capture_sizes: tuple[int, ...]) -> None:
-        self.capture_sizes = sorted(capture_sizes)
-        self.keys: list[tuple[str, int]] = []
-
-    def reset(self) -> None:
-        self.keys.clear()
-
-    def capture(self, key: tuple[str, int], body: Callable[[], None]) -> None:
-        body()
-        self.keys.append(key)
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-in for the graph manager")
 def test_capture_bodies_run_for_every_bucket_and_path() -> None:
     auto = create_speculator("autoregressive", ["reference"] * 2, _config(3), DRAFTER, DEVICE, OPTIONS, matrix=MATRIX)
-    auto.graphs = _EagerCapture(OPTIONS.capture_sizes)  # type: ignore[assignment]
+    auto.graphs = EagerCapture(OPTIONS.capture_sizes)  # type: ignore[assignment]
     auto.capture()
     assert auto.graphs.keys == [(kind, n) for n in (1, 2, 4) for kind in ("step", "fused")]  # type: ignore[union-attr]
     dflash = create_speculator("dflash", ["reference"] * 2, _config(3), DRAFTER, DEVICE, OPTIONS, matrix=MATRIX)
     assert isinstance(dflash, DFlashSpeculator)
-    dflash.graphs = _EagerCapture(OPTIONS.capture_sizes)  # type: ignore[assignment]
+    dflash.graphs = EagerCapture(OPTIONS.capture_sizes)  # type: ignore[assignment]
     dflash.capture()
     assert dflash.graphs.keys == [("block", n) for n in (1, 2, 4)]  # type: ignore[union-attr]
-
-
-class _EagerReplay(_EagerCapture):
-    """The stand-in with replays: a replay runs the captured body again, eagerly, with the
-    metadata it was captured with, as a CUDA graph replays the launches recorded then."""
-
-    def __init__(self, capture_sizes: tuple[int, ...]) -> None:
-        super().__init__(capture_sizes)
-        self.bodies: dict[tuple[str, int], Callable[[], None]] = {}
-
-    def capture(self, key: tuple[str, int], body: Callable[[], None]) -> None:
-        super().capture(key, body)
-        self.bodies[key] = body
-
-    def replay(self, key: tuple[str, int]) -> None:
-        self.bodies[key]()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.bodies
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-in for the graph manager")
@@ -289,7 +254,7 @@ def test_a_whole_propose_body_scatters_what_was_staged_before_its_replay(
 
     monkeypatch.setattr(AutoregressiveSpeculator, "scatters_in_graph", property(lambda _: True))
     spec = _padded_first_pass_speculator(3, "none")
-    spec.graphs = _EagerReplay(OPTIONS.capture_sizes)  # type: ignore[assignment]
+    spec.graphs = EagerReplay(OPTIONS.capture_sizes)  # type: ignore[assignment]
     spec.capture()
     assert any(key[0] == "fused_propose" for key in spec.graphs.keys)  # type: ignore[union-attr]
     batches = [DraftBatch((5, 3), ((7, 8), (9, 10)), ((1, 2, 3), (4, 5, 6)), (0, 1)),
@@ -326,7 +291,7 @@ def test_per_step_replays_are_observed_with_the_metadata_the_graph_reads() -> No
     assert isinstance(spec, AutoregressiveSpeculator)
     recorder = StepMetadataRecorder(spec.groups)
     spec.step_observer = recorder
-    spec.graphs = _EagerReplay(OPTIONS.capture_sizes)  # type: ignore[assignment]
+    spec.graphs = EagerReplay(OPTIONS.capture_sizes)  # type: ignore[assignment]
     spec.capture()
     batch = DraftBatch((9,), ((1, 2),), ((1, 2, 3, 4),), (0,))
     spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
@@ -495,15 +460,15 @@ def test_the_whole_fused_propose_body_on_capture_metadata_drafts_what_the_oracle
                                 extra_positions=k - 1, max_num_reqs=4)
     except ValueError:
         return  # lengthening the new tokens pushed a request past its block-table row
-    n, r = spec.bucket_for(batch.num_reqs), batch.num_reqs
-    decode = spec._decode_capture_metadata(n)
-    first = spec._first_pass_capture_metadata(n, q)
+    bucket, num_reqs = spec.bucket_for(batch.num_reqs), batch.num_reqs
+    decode = spec.graph_capture.decode_metadata(bucket)
+    first = spec.graph_capture.first_pass_metadata(bucket, q)
     spec.kv_cache.fill_random_(5)
     start = spec.kv_cache.snapshot()
-    spec._write_pass_inputs(arrays, batch.new_tokens, uniform_width=q)
-    spec._first_pass_body(n, q, first, refresh=True)
-    spec._generate_fused_drafts(n, decode)
-    tokens, logits = spec.draft_tokens[:r].clone(), spec.draft_logits[:r].clone()
+    spec.write_pass_inputs(arrays, batch.new_tokens, uniform_width=q)
+    spec.first_pass.body(bucket, q, first, refresh=True)
+    spec.decode_steps.fused(bucket, decode)
+    tokens, logits = spec.draft_tokens[:num_reqs].clone(), spec.draft_logits[:num_reqs].clone()
     kv = spec.kv_cache.snapshot()
     spec.kv_cache.restore(start)
     expected, kv_expected = _run(spec, batch, "per_step")

@@ -253,10 +253,10 @@ def test_compare_steps_reports_the_first_host_value_that_differs_with_both_value
         missing.diagnosis)
 
 
-def test_tensors_are_compared_before_host_values_and_preplanned_runs_skip_host_values() -> None:
+def test_tensors_come_before_host_values_and_host_preplanned_runs_skip_them() -> None:
     oracle = _steps({1: {"draft_step": None}})
     planned = _steps({1: {"draft_step": 1}})
-    assert compare_steps(oracle, planned, "preplanned_eager", metadata_only=True)[0].result == (
+    assert compare_steps(oracle, planned, "host_preplanned_eager", metadata_only=True)[0].result == (
         "passed")
     assert compare_steps(oracle, planned, "fused_eager")[0].field == "fa3.metadata.draft_step"
     planned[1]["fa3.metadata.seq_lens"] = torch.tensor([7])

@@ -185,7 +185,7 @@ def test_builds_of_one_size_share_their_views() -> None:
        step=st.integers(2, 9))
 def test_a_later_draft_step_derived_equals_its_build(base: list[int], pad: int,
                                                      step: int) -> None:
-    """What the preplanned path derives for step ``step`` from step 1's build is that
+    """What the host_preplanned path derives for step ``step`` from step 1's build is that
     step's build: every host field equal, the device views the same."""
     n = len(base) + pad
     desc = BatchExecutionDescriptor(CUDAGraphMode.FULL, n, n, 1)

@@ -4,7 +4,7 @@ every K and batch size.
 A run has two phases, every case in each. **Timing** (first, with no profiler yet in the
 process): per case (K, batch), build and capture a speculator (its graphs serve every
 path), then ``warmup_rounds + repeats`` rounds in each of which every path runs
-``propose_tokens`` once; the order rotates from round to round, so drift and order effects
+``launch`` once; the order rotates from round to round, so drift and order effects
 fall on all paths alike. Wall time is the median of the timed rounds (launch and the copy of
 the tokens back); host time, with CUDA, the median time the launching thread spends
 queueing the work (:meth:`~speccheck.speculator.autoregressive.AutoregressiveSpeculator.
@@ -112,7 +112,7 @@ class BenchRun:
         parts = [f"=== {backend}: K={k}, batch {batch}, one decode step (single-step graph) "
                  f"===\n{timeline.text()}" for (k, batch), timeline in self.step_timelines.items()]
         parts += [f"=== {backend}: K={k}, batch {batch}, path {path.value} "
-                  f"(per call of propose_tokens, {self.report.repeats} calls profiled) ===\n"
+                  f"(per call of launch, {self.report.repeats} calls profiled) ===\n"
                   f"{tables}\n" for (k, batch, path), tables in self.profiles.items()]
         return "\n".join(parts)
 

@@ -16,12 +16,14 @@ from typing import Any
 from speccheck.speculator.autoregressive import DecodePath
 
 BASELINE_PATH = DecodePath.PER_STEP
+_RENAMED_PATHS = {"preplanned": DecodePath.HOST_PREPLANNED}
+"""Path names in reports written before the host_preplanned path took the matrix's word."""
 """What every ratio divides by: the eager per-step rebuild the verifier takes as oracle."""
 
 
 @dataclass(frozen=True)
 class BenchRow:
-    """One path at one K and batch size; times per ``propose_tokens`` call in ms.
+    """One path at one K and batch size; times per ``launch`` and the copy of its tokens back in ms.
 
     ``host_ms`` (the launching thread's time to queue the work, unprofiled: the launch
     without the copy of the tokens back) and ``gpu_ms`` (device busy time) are ``None``
@@ -56,7 +58,8 @@ class BenchRow:
     def from_json(cls, data: Mapping[str, Any]) -> BenchRow:
         known = {f.name for f in fields(cls)}
         values = {name: value for name, value in data.items() if name in known}
-        return cls(**{**values, "path": DecodePath(data["path"]),
+        path = _RENAMED_PATHS.get(data["path"]) or DecodePath(data["path"])
+        return cls(**{**values, "path": path,
                       "launch_syncs": tuple(data.get("launch_syncs", ()))})
 
 

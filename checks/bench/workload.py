@@ -105,13 +105,13 @@ def build_speculator(backend: str, config: RuntimeConfig, num_reqs: int, context
 
 def decode_paths(spec: AutoregressiveSpeculator) -> tuple[DecodePath, ...]:
     """The paths ``spec`` may take: per-step always; fused when the matrix lets it fuse
-    under its config; preplanned when every group plans on the host or refreshes in-graph
-    (:attr:`AutoregressiveSpeculator.preplanned_capable`). Per-step comes first."""
+    under its config; host_preplanned when every group plans on the host or refreshes in-graph
+    (:attr:`AutoregressiveSpeculator.host_preplanned_applies`). Per-step comes first."""
     paths = [DecodePath.PER_STEP]
     if spec.use_fused_multi_step_decode:
         paths.append(DecodePath.FUSED)
-    if spec.preplanned_capable:
-        paths.append(DecodePath.PREPLANNED)
+    if spec.host_preplanned_applies:
+        paths.append(DecodePath.HOST_PREPLANNED)
     return tuple(paths)
 
 

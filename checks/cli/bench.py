@@ -92,8 +92,8 @@ def bench_command(
     *,
     runtime: RuntimeOverrides,
 ) -> None:
-    """Time propose_tokens on every draft-decode path the backend allows (per_step, fused,
-    preplanned) at each K and batch size: wall, host and GPU time, graph replays, capture
+    """Time launch on every draft-decode path the backend allows (per_step, fused,
+    host_preplanned) at each K and batch size: wall, host and GPU time, graph replays, capture
     time and graph memory; the paths must draft identical tokens. Every case is timed
     before any is profiled (the profiler's CUDA callbacks outlive it and would tax the
     later launches' host time)."""

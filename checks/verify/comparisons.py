@@ -284,8 +284,8 @@ def compare_steps(
     eager build; the first difference (earliest step, tensors before host values, walk
     order) is reported with its path as ``field``.
 
-    ``metadata_only`` (a preplanned candidate) compares the metadata tensors each step runs
-    with, but neither the builders' raw buffers (a preplanned run keeps each step in storage
+    ``metadata_only`` (a host_preplanned candidate) compares the metadata tensors each step runs
+    with, but neither the builders' raw buffers (a host_preplanned run keeps each step in storage
     of its own, by design) nor host values: each step's metadata comes from
     ``plan_draft_steps``, not ``build``, and may carry labels of its own (FlashInfer's
     ``draft_step``).

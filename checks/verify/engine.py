@@ -156,12 +156,12 @@ class GuardedAllocator(GuardedBufferSet):
 def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
     """The candidates of one example, in the order they run after the oracle.
 
-    ``multi_step`` is ``FUSED`` when the speculator fuses, ``PREPLANNED`` when the
+    ``multi_step`` is ``FUSED`` when the speculator fuses, ``HOST_PREPLANNED`` when the
     host_preplanned strategy applies, else ``None``. The multi-step body runs as a graph
     replay on the GPU and eagerly everywhere. On the GPU, when fused decoding is not
     allowed, the per-step graph replays the speculator falls back to are a candidate too,
     and they run first: their step comparison covers every persistent buffer, and a
-    preplanned candidate rewrites its per-step buffers, which the oracle saw holding the
+    host_preplanned candidate rewrites its per-step buffers, which the oracle saw holding the
     previous example's plans.
     """
     fallback = ([Candidate(DecodePath.PER_STEP, graphs=True)]
@@ -322,7 +322,7 @@ class BackendVerifier:
         spec = self.harness(k).spec
         if spec.use_fused_multi_step_decode:
             return candidates_for(DecodePath.FUSED, self.graphs)
-        return candidates_for(DecodePath.PREPLANNED if spec.preplanned_capable else None,
+        return candidates_for(DecodePath.HOST_PREPLANNED if spec.host_preplanned_applies else None,
                               self.graphs)
 
     def example_problem(self, example: Example) -> str | None:
@@ -509,7 +509,7 @@ class BackendVerifier:
             outcomes += kv_matches(agreed, oracle_kv, kv, self.tol, name)
             outcomes += compare_steps(
                 oracle_steps, steps, name,
-                metadata_only=candidate.path is DecodePath.PREPLANNED,
+                metadata_only=candidate.path is DecodePath.HOST_PREPLANNED,
             )
             outcomes += self._zero_tails(spec, h.recorder, name)
         outcomes += self._declared_fields(spec, oracle_steps, oracle_storage)
@@ -538,7 +538,7 @@ class BackendVerifier:
         speculator advances them), and a persistent buffer behind a declared field is
         covered by that declaration. ``storage_of`` maps paths to storage addresses as the
         oracle run saw them: a candidate may bind the same field to another buffer (one
-        per preplanned step)."""
+        per host_preplanned step)."""
         if len(oracle) < 2:
             return [Outcome(Check.DECLARED_FIELDS, Result.SKIPPED, "fewer than two draft steps")]
         snapshots = [oracle[s] for s in sorted(oracle)]

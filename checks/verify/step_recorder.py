@@ -20,7 +20,7 @@ on the host, and keeps them per (lanes, step) in one of two places:
   its refresh runs, on the host, only at capture: whatever host values the captured
   metadata object holds then (as the refreshes of the capture left them, step by step) are
   what every replay's kernels see, whatever batch is replayed. The first capture of a
-  (lanes, step) is kept: the speculator captures the fused body before the preplanned one,
+  (lanes, step) is kept: the speculator captures the fused body before the host_preplanned one,
   and capture metadata comes from fixed dummy inputs, so capturing again records the same
   values.
 

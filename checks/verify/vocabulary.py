@@ -157,7 +157,7 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        """``fused_graph``, ``preplanned_eager``, ``per_step_graph``, …"""
+        """``fused_graph``, ``host_preplanned_eager``, ``per_step_graph``, …"""
         return f"{self.path.value}_{'graph' if self.graphs else 'eager'}"
 
     def __str__(self) -> str:
