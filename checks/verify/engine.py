@@ -114,7 +114,7 @@ def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
     return fallback + body + [Candidate(multi_step, graphs=False)]
 
 
-PROBED = Candidate(DecodePath.FUSED, graphs=False)
+PROBED_CANDIDATE = Candidate(DecodePath.FUSED, graphs=False)
 """The candidate whose refreshes run traced (:class:`~speccheck.checks.verify.refresh_probe.
 RefreshProbe`): the eager fused loop, where every refresh call runs on the host's watch."""
 
@@ -286,11 +286,11 @@ class BackendVerifier:
         for candidate in candidates:
             name = candidate.name
             spec.kv_cache.restore(start)
-            if candidate == PROBED:
+            if candidate == PROBED_CANDIDATE:
                 probe = RefreshProbe(
                     name, poison_before_first_refresh=spec.refresh_rebuilds_in_graph,
                     cuda_sync_debug=self.gpu)
-            spec.refresh_hook = probe if candidate == PROBED else None
+                spec.refresh_hook = probe
             try:
                 result = spec.propose(batch, candidate.path, use_graphs=candidate.graphs)
             except RefreshRaised:

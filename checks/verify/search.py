@@ -39,6 +39,8 @@ class SearchBudget:
 
 
 class ExampleFailed(Exception):
+    """An example failed a check: ends the hypothesis test case, so that it shrinks."""
+
     def __init__(self, example: Example, outcomes: list[Outcome]) -> None:
         super().__init__(f"{sum(o.result == 'failed' for o in outcomes)} checks failed")
         self.example = example
