@@ -10,7 +10,7 @@ is the ``reference`` row of a backend other than ``reference``), the step record
 read-backs, every comparison, the KV cache's snapshots, restores and noise. Each timed call
 runs between two device synchronisations: ``host`` is the time until it returns, ``wait``
 the time the device then still needed. The fp32 reference is queued (``launch``), its tokens
-read back later. Phases nest (``run_example`` holds the rest of an
+read back later. Phases nest (``examine`` holds the rest of an
 example), so the rows do not add up.
 
 The synchronisations change what they measure: a synchronisation waits for every stream,
@@ -111,15 +111,16 @@ class PhaseTimer:
 def instrument(timer: PhaseTimer) -> None:
     """Time the engine's phases (see the module docstring)."""
     from speccheck.checks.verify import engine
+    from speccheck.checks.verify.harness import HarnessSet
     from speccheck.checks.verify.step_recorder import StepMetadataRecorder
     from speccheck.speculator.autoregressive import AutoregressiveSpeculator
     from speccheck.speculator.kv_cache import PagedKVCache
 
-    for name in ("run_example", "_start_state", "_declared_fields", "_zero_tails",
-                 "_guard_bands"):
-        timer.wrap(engine.BackendVerifier, name)
+    timer.wrap(engine.BackendVerifier, "examine")
+    timer.wrap(HarnessSet, "start_state")
     for name in ("kv_untouched", "kv_matches", "compare_drafts", "compare_steps",
-                 "expected_slots", "derived_step_changes", "first_divergence"):
+                 "expected_slots", "derived_step_changes", "first_divergence",
+                 "declared_fields", "zero_tails", "guard_bands"):
         timer.wrap(engine, name)
     def cache_label(name: str) -> Callable[..., str]:
         return lambda cache, *_, **__: f"kv cache {name} ({cache.layers[0][0].dtype})"

@@ -21,10 +21,10 @@ def test_the_phase_table_times_and_counts_every_example_and_the_fp32_reference(t
     result = json.loads(out.read_text())
     assert result["status"] == "passed" and result["examples"] == 2
     phases = result["phases"]
-    assert phases["run_example"]["calls"] == 2
+    assert phases["examine"]["calls"] == 2
     assert phases["launch reference per_step"]["calls"] == 2  # the fp32 reference
     assert phases["propose triton_attn per_step eager"]["calls"] >= 2  # the oracle
-    assert "phase" in proc.stdout and "run_example" in proc.stdout and "aten" in proc.stdout
+    assert "phase" in proc.stdout and "examine" in proc.stdout and "aten" in proc.stdout
     # aten calls nest like the phases: an example holds its reference's and its oracle's
-    reference, example = phases["launch reference per_step"], phases["run_example"]
+    reference, example = phases["launch reference per_step"], phases["examine"]
     assert 0 < reference["aten"] < example["aten"]

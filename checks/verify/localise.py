@@ -15,7 +15,7 @@ slot mapping every decode step ran with. Host work, after a failure: never captu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,6 +261,32 @@ def localise(
                 f"{d.layer} {d.kind} written there)")
     return (f"{head}; every KV-cache slot it reads matches the reference's: only the attention "
             f"output differs (at draft step {step})")
+
+
+def localise_reference_divergence(
+    spec: AutoregressiveSpeculator, reference: AutoregressiveSpeculator, batch: DraftBatch,
+    k: int, start_state: Callable[[], KVSnapshot], block_size: int, max_model_len: int,
+    tol: float,
+) -> str:
+    """Re-run ``batch`` (of ``k`` draft steps) on the oracle ``spec`` and the fp32
+    ``reference`` from its start state and say where and why they part (:func:`localise`).
+    ``start_state()`` puts ``spec`` in the example's start state and returns its KV
+    snapshot; it is called once per re-run."""
+    start = start_state()
+    oracle = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
+    reference.kv_cache.restore(start)
+    expected = reference.propose(batch, DecodePath.PER_STEP)
+    divergence = earliest_divergence(expected, oracle, tol)
+    if divergence is None:
+        return ("not localised: re-run from the same start state, the oracle agrees with "
+                "the fp32 reference (the divergence depends on state the start state does "
+                "not set)")
+    slots = traced_slots(batch, *divergence, k, block_size, max_model_len)
+    start = start_state()
+    oracle_trace = trace_run(spec, batch, start, slots)
+    reference_trace = trace_run(reference, batch, start, slots)
+    return localise(batch, k, block_size, max_model_len, divergence, oracle_trace,
+                    reference_trace, tol)
 
 
 def _differing_slots(

@@ -7,10 +7,13 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from xml.etree import ElementTree
 
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
+
+if TYPE_CHECKING:  # imports torch; this module is imported by torch-free commands
+    from speccheck.checks.verify.input_fit import ExampleDoesNotFit
 
 
 @dataclass
@@ -209,3 +212,37 @@ def write_junit(reports: list[BackendReport], path: Path, source: str = "matrix.
         suites.set(key, str(value))
     suites.set("time", f"{sum(r.seconds for r in reports):.3f}")
     ElementTree.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def misfit_line(misfit: ExampleDoesNotFit) -> str:
+    """Why a ``--reproduce`` example does not fit the run, as one line that names the limit
+    it crosses and the option that raises that limit (where one does)."""
+    from speccheck.checks.verify import input_fit as fit
+
+    match misfit:
+        case fit.TooManyRequests(requests, most):
+            return (f"--reproduce: the example has {requests} requests, more than the {most} "
+                    "this run serves (its largest capture size); raise it with --capture-sizes")
+        case fit.TooManyPrefillTokens(tokens, most, per_request):
+            return (f"--reproduce: the example has {tokens} prefill tokens, more than the "
+                    f"{most} this run's drafter holds ({per_request} per request of its "
+                    "largest capture size); raise it with --max-new-tokens or --capture-sizes")
+        case fit.PastMaxModelLen(request, context, new_tokens, max_model_len):
+            return (f"--reproduce: request {request} reaches length {context + new_tokens} "
+                    f"(context {context} + {new_tokens} new tokens), more than "
+                    f"--max-model-len {max_model_len}; raise it with --max-model-len")
+        case fit.BlockTableTooWide(request, blocks, most, max_model_len, block_size):
+            return (f"--reproduce: request {request}'s block table has {blocks} blocks, more "
+                    f"than the {most} a request holds at --max-model-len {max_model_len} and "
+                    f"--block-size {block_size}; raise it with --max-model-len")
+        case fit.BlockPastCache(block, request, live_blocks):
+            return (f"--reproduce: block id {block} (request {request}) is past the "
+                    f"{live_blocks} live blocks of this run's KV cache; raise them with "
+                    "--capture-sizes or --max-model-len")
+        case fit.TokenOutsideVocabulary(token, request, vocab_size):
+            return (f"--reproduce: token id {token} (request {request}) is outside the "
+                    f"drafter's vocabulary of {vocab_size} tokens, which no option changes")
+        case fit.LayoutMismatch(block_size, max_model_len, k, reason):
+            return (f"--reproduce: the example does not fit --block-size {block_size} "
+                    f"--max-model-len {max_model_len} with K = {k}: {reason}")
+    raise TypeError(f"no wording for {type(misfit).__name__}")
