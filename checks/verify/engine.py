@@ -30,6 +30,7 @@ from speccheck.checks.probes import (
     check_zero_tail,
     poison_,
 )
+from speccheck.checks.probes.state_walk import attribute_storages, changed_paths
 from speccheck.checks.verify.breakpoints import Breakpoints, discover_breakpoints
 from speccheck.checks.verify.comparisons import (
     FirstPassSnapshot,
@@ -47,6 +48,7 @@ from speccheck.checks.verify.examples import Example, example_digest, example_js
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KvShare, whole_cache_start
 from speccheck.checks.verify.localise import earliest_divergence, localise, trace_run, traced_slots
 from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.scale import (
     DEFAULT_CAPTURE_SIZES,
     DEFAULT_MAX_NEW_TOKENS,
@@ -54,7 +56,6 @@ from speccheck.checks.verify.scale import (
     DEFAULT_STEPS,
 )
 from speccheck.checks.verify.side_lane import SideLane, SideRun
-from speccheck.checks.verify.state_walk import attribute_storages, changed_paths
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder
 from speccheck.checks.verify.strategies import (
     BatchLimits,
@@ -62,12 +63,13 @@ from speccheck.checks.verify.strategies import (
     draft_batches,
     target_derived_changes,
 )
-from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Status
+from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
 from speccheck.contract.dcp import DcpRank
 from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.attention_setup import machine_platform
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch, DraftResult
@@ -111,6 +113,18 @@ class VerifySettings:
     """Run the fused candidate even where the matrix forbids it (``--audit-claims``)."""
     matrices: MatrixContext = field(kw_only=True)
     """The matrix under verification, and the shipped one for the fp32 reference."""
+
+    @classmethod
+    def for_task(cls, task: WorkerTask, tier: Tier, matrices: MatrixContext) -> VerifySettings:
+        """The engine's view of ``task`` on ``tier`` (``matrices``: its run's): the only
+        place a worker's settings are derived from what it was given."""
+        scale = task.run.scale(tier)
+        return cls(task.backend,
+                   task.run.config_for(task.backend, tier, matrices.matrix, machine_platform()),
+                   examples=task.examples, seed=task.seed, steps=task.run.draft_steps,
+                   capture_sizes=scale.capture_sizes, max_new_tokens=scale.max_new_tokens,
+                   shrink_seconds=task.run.shrink_seconds, claim_fused=task.claim_fused,
+                   matrices=matrices)
 
 
 class RefreshRaised(Exception):
