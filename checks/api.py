@@ -5,9 +5,10 @@ printing one and exiting.
 Two steps, so that a caller can show what will run before it runs (the command prints the
 tier and the effective runtime config first):
 
-- :func:`plan_verification` checks the input and settles everything the run depends on
-  (the machine's tier, the effective runtime config, the matrices, the backends, the draft
-  step counts); bad input raises :class:`VerifyInputError` (one line) or
+- :func:`plan_verification` takes a :class:`~speccheck.checks.verify.run.VerifyRun` (the
+  run as given, which :func:`checked_run` builds from keyword arguments, as the command
+  and the pytest plugin do) and settles everything it depends on (the machine's tier, the
+  effective runtime config, the matrices, the backends, the jobs); bad input raises :class:`VerifyInputError` (one line) or
   :class:`~speccheck.contract.matrix_loader.MatrixError` (one ``PATH:LINE`` line per
   problem), before any process starts;
 - :meth:`VerifyPlan.run` verifies each backend in a worker process of its own, exactly as

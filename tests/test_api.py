@@ -40,7 +40,8 @@ def test_import_is_fast_and_torch_free() -> None:
     used = subprocess.run(
         [sys.executable, "-c", "import sys, speccheck; "
          "m = speccheck.load_matrix(); speccheck.resolve(m, speccheck.RuntimeConfig()); "
-         "speccheck.VerifyReport; print('torch' in sys.modules)"],
+         "speccheck.VerifyReport; speccheck.VerifyRun(examples=2).model_dump_json(); "
+         "print('torch' in sys.modules)"],
         capture_output=True, text=True, check=True)
     assert used.stdout.strip() == "False"
 
