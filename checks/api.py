@@ -35,7 +35,7 @@ from rich.progress import Progress
 
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, Failure
-from speccheck.checks.verify.run import VerifyRun, WorkerTask
+from speccheck.checks.verify.run import VerifyRun, WorkerTask, bound_problem
 from speccheck.checks.verify.scale import HarnessScale, default_jobs
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.adapter_status import implementation_path
@@ -482,8 +482,9 @@ def _problem(error: ErrorDetails) -> str:
         why = str(error.get("ctx", {}).get("error", error["msg"]))
         return f"{where}: {why}" if where else why
     if error["type"] == "extra_forbidden":
-        return f"{where}: not an option of a verification; options: {', '.join(VerifyRun.model_fields)}"
-    return f"{where} {error['msg'].replace('Input should be', 'should be', 1)}, got {error['input']!r}"
+        return (f"{where}: not an option of a verification; options: "
+                f"{', '.join(VerifyRun.model_fields)}")
+    return bound_problem(error)
 
 
 def plan_verification(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from speccheck.checks.verify.scale import (
     DEFAULT_SHRINK_SECONDS,
@@ -59,13 +60,17 @@ def runtime_flags(runtime: Mapping[str, object]) -> str:
     return " ".join(parts)
 
 
+def bound_problem(error: ErrorDetails) -> str:
+    """One value pydantic rejected by its type or bound, in words: ``FIELD should be ...,
+    got VALUE``."""
+    return (f"{'.'.join(map(str, error['loc']))} "
+            f"{error['msg'].replace('Input should be', 'should be', 1)}, got {error['input']!r}")
+
+
 def config_problems(error: ValidationError) -> str:
-    """A :class:`RuntimeConfig` validation error in one line: ``FIELD should be ..., got
-    VALUE`` per problem, joined by ``; ``."""
-    return "; ".join(
-        f"{'.'.join(map(str, e['loc']))} "
-        f"{e['msg'].replace('Input should be', 'should be', 1)}, got {e['input']!r}"
-        for e in error.errors())
+    """A :class:`RuntimeConfig` validation error in one line: :func:`bound_problem` per
+    problem, joined by ``; ``."""
+    return "; ".join(bound_problem(e) for e in error.errors())
 
 
 class VerifyRun(BaseModel):
