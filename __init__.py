@@ -8,8 +8,9 @@ for what each backend may do; installed packages add backends to it through the
 The public API (``docs/api.md``) is re-exported here and loaded on first use, so
 ``import speccheck`` stays fast and imports no torch:
 
-- :func:`verify` -> :class:`VerifyReport` (``speccheck verify`` as a function), with
-  :func:`plan_verification`, :class:`VerifyPlan`, :class:`CheckVerdict`,
+- :func:`verify` -> :class:`VerifyReport` (``speccheck verify`` as a function, given a
+  :class:`VerifyRun` or its fields), with :func:`plan_verification`, :class:`VerifyPlan`,
+  :class:`CheckVerdict`,
   :class:`VerifyInputError`, and the report's :class:`BackendReport`, :class:`Check`,
   :class:`Status` and :class:`Tier`;
 - :func:`load_matrix` (the shipped matrix and the installed plug-ins, or one file),
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
         verify,
     )
     from speccheck.checks.verify.report import BackendReport
+    from speccheck.checks.verify.run import VerifyRun
     from speccheck.checks.verify.vocabulary import Check, Status, Tier
     from speccheck.contract.matrix_loader import MatrixError
     from speccheck.contract.matrix_model import Matrix
@@ -46,6 +48,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "verify": ("speccheck.checks.api", "verify"),
     "plan_verification": ("speccheck.checks.api", "plan_verification"),
     "VerifyPlan": ("speccheck.checks.api", "VerifyPlan"),
+    "VerifyRun": ("speccheck.checks.verify.run", "VerifyRun"),
     "VerifyReport": ("speccheck.checks.api", "VerifyReport"),
     "CheckVerdict": ("speccheck.checks.api", "CheckVerdict"),
     "VerifyInputError": ("speccheck.checks.api", "VerifyInputError"),

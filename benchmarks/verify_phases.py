@@ -159,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from speccheck.checks.api import plan_verification
-    from speccheck.checks.verify.runner import worker_request
     from speccheck.checks.verify.worker import verify_backend
 
     timer = PhaseTimer(torch.cuda.synchronize if torch.cuda.is_available() else lambda: None,
@@ -169,10 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_verification(args.backend, examples=args.examples, seed=args.seed,
                              config={"dtype": args.dtype} if args.dtype else None,
                              capture_sizes=sizes, max_new_tokens=args.max_new_tokens)
-    request = worker_request(args.backend, plan.config_for(args.backend), args.examples,
-                             args.seed, plan.steps, None, "", plan.matrices.path, plan.scale())
     with tempfile.TemporaryDirectory() as folder:
-        report = verify_backend(request, Path(folder) / "progress.jsonl")
+        report = verify_backend(plan.task(args.backend), Path(folder) / "progress.jsonl")
     print(f"{args.backend}: {report.status.value}, {report.examples} examples in "
           f"{report.seconds:.2f} s (capture {report.capture_seconds:.2f} s)")
     print("\n".join(timer.table()))

@@ -39,16 +39,14 @@ from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
 interpret_triton_without_cuda()
 from speccheck.checks.api import plan_verification
 from speccheck.checks.verify.examples import decode_example
-from speccheck.checks.verify.runner import worker_request
 from speccheck.checks.verify.worker import verify_backend
 
 backend, examples, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 plan = plan_verification(backend, examples=examples, seed=seed)
-request = worker_request(backend, plan.config_for(backend), examples, seed, plan.steps, None,
-                         "", plan.matrices.path, plan.scale())
+task = plan.task(backend)
 progress = Path(tempfile.mkdtemp()) / "progress.jsonl"
 cpu = time.process_time()
-report = verify_backend(request, progress)
+report = verify_backend(task, progress)
 cpu = time.process_time() - cpu
 tallies = json.dumps(report.to_json()["checks"], sort_keys=True) + report.status.value
 drawn = [json.loads(line)["example"] for line in progress.read_text().splitlines()]

@@ -5,9 +5,10 @@ printing one and exiting.
 Two steps, so that a caller can show what will run before it runs (the command prints the
 tier and the effective runtime config first):
 
-- :func:`plan_verification` checks the input and settles everything the run depends on
-  (the machine's tier, the effective runtime config, the matrices, the backends, the draft
-  step counts); bad input raises :class:`VerifyInputError` (one line) or
+- :func:`plan_verification` takes a :class:`~speccheck.checks.verify.run.VerifyRun` (the
+  run as given, which :func:`checked_run` builds from keyword arguments, as the command
+  and the pytest plugin do) and settles everything it depends on (the machine's tier, the
+  effective runtime config, the matrices, the backends, the jobs); bad input raises :class:`VerifyInputError` (one line) or
   :class:`~speccheck.contract.matrix_loader.MatrixError` (one ``PATH:LINE`` line per
   problem), before any process starts;
 - :meth:`VerifyPlan.run` verifies each backend in a worker process of its own, exactly as
@@ -19,7 +20,6 @@ find the tier), and the workers do.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -29,20 +29,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 from rich.console import Console
 from rich.progress import Progress
 
-from speccheck.checks.cli.runtime_options import runtime_flags
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, Failure
-from speccheck.checks.verify.scale import (
-    DEFAULT_SHRINK_SECONDS,
-    DEFAULT_STEPS,
-    TIER_DEFAULTS,
-    TIER_SCALE,
-    HarnessScale,
-    default_jobs,
-)
+from speccheck.checks.verify.run import VerifyRun, WorkerTask, bound_problem
+from speccheck.checks.verify.scale import HarnessScale, default_jobs
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, Matrix
@@ -69,9 +63,6 @@ and graph mode come from the machine."""
 MAX_DCP_RANKS = 16
 """Most DCP ranks a verification spawns (``--dcp-world-size`` for a backend whose builders
 hold a real DCP share: one process per rank)."""
-
-MAX_JOBS = 16
-"""Most worker processes a verification runs per backend at once (``--jobs``)."""
 
 class VerifyInputError(ValueError):
     """Input a verification cannot run with (an unknown backend, a bad runtime value, a
@@ -223,70 +214,60 @@ def _verdict(report: BackendReport, check: Check) -> CheckVerdict:
 
 @dataclass(frozen=True)
 class VerifyPlan:
-    """A checked verification, ready to run: made by :func:`plan_verification`."""
+    """A checked verification, ready to run: made by :func:`plan_verification` from a
+    :class:`~speccheck.checks.verify.run.VerifyRun`, which it keeps unchanged
+    (:attr:`verify_run`) and hands to every worker, with what planning settled on this
+    machine."""
 
+    verify_run: VerifyRun
+    """The run as given."""
     names: tuple[str, ...]
     """The backends, in the order they run."""
     config: RuntimeConfig
-    """The tier's defaults overridden by ``overrides``; each backend runs with
+    """The tier's defaults overridden by the run's runtime fields; each backend runs with
     :meth:`config_for`, which puts its matrix entry's ``verify_defaults`` in between."""
-    overrides: Mapping[str, object]
-    """The runtime fields given, in :data:`VERIFY_FIELDS` order (for reproduce commands)."""
     matrices: MatrixContext
     tier: Tier
     device: str
-    examples: int
-    seed: int
-    steps: tuple[int, ...]
-    """Draft step counts drawn from (single-rank runs; ``dp_size > 1`` uses the config's)."""
-    capture_sizes: tuple[int, ...] | None
-    """Padded request counts graphs are captured for, as given (``None``: the tier's)."""
-    max_new_tokens: int | None
-    """Most tokens per request in the first pass, as given (``None``: the tier's)."""
     reproduce: str | None
-    audit_claims: bool
-    example_timeout: float
-    jobs: int = 1
-    """Worker processes per single-rank backend, each drawing its share of the examples
-    from a seed of its own (``seed``, ``seed + 1``, ...); their reports merge
+    """The example blob the run reproduces (``@FILE`` read), else ``None``."""
+    jobs: int
+    """Worker processes per single-rank backend (the run's ``jobs``, else the machine's
+    default), each drawing its share of the examples from a seed of its own (``seed``,
+    ``seed + 1``, ...); their reports merge
     (:func:`~speccheck.checks.verify.report.merge_shards`)."""
-    shrink_seconds: float = DEFAULT_SHRINK_SECONDS
-    """Each single-rank worker's budget for shrinking a failure to a smaller example."""
-
-    def reproduce_prefix(self, name: str) -> str:
-        """The command that reruns backend ``name`` with these settings, to which a report
-        appends ``--reproduce BLOB``."""
-        sizes = (f" --capture-sizes {','.join(map(str, self.capture_sizes))}"
-                 if self.capture_sizes else "")
-        if self.max_new_tokens is not None:
-            sizes += f" --max-new-tokens {self.max_new_tokens}"
-        flags = runtime_flags(dict(self.overrides))
-        return (f"speccheck verify --backend {name} --seed {self.seed}{self.matrices.flag}"
-                f"{sizes} {flags}").strip()
 
     def config_for(self, name: str) -> RuntimeConfig:
         """The runtime config backend ``name`` is verified at: the tier's defaults, then
         its matrix entry's ``verify_defaults``, then the fields given."""
-        return backend_runtime_config(self.tier, self.matrices.matrix, name, self.overrides)
+        from speccheck.speculator.attention_setup import machine_platform
+
+        return self.verify_run.config_for(name, self.tier, self.matrices.matrix,
+                                          machine_platform())
+
+    def task(self, name: str, examples: int | None = None, seed: int | None = None,
+             claim_fused: bool = False) -> WorkerTask:
+        """What a worker verifying backend ``name`` is given: the run unchanged, the
+        run's examples and seed unless told (a shard's share), whether it audits the fused
+        claim, and the example the run reproduces."""
+        run = self.verify_run
+        return WorkerTask(run=run, backend=name,
+                          examples=run.examples if examples is None else examples,
+                          seed=run.seed if seed is None else seed, claim_fused=claim_fused,
+                          reproduce=self.reproduce)
 
     def settings_for(self, name: str) -> VerifySettings:
-        """The engine settings backend ``name``'s worker runs with (what a test of "the
-        settings a user gets" builds its :class:`~speccheck.checks.verify.engine.
-        BackendVerifier` from). Imports torch."""
+        """The engine settings backend ``name``'s worker runs with
+        (:meth:`VerifySettings.for_task` of :meth:`task`: what a test of "the settings a
+        user gets" builds its :class:`~speccheck.checks.verify.engine.BackendVerifier`
+        from). Imports torch."""
         from speccheck.checks.verify.engine import VerifySettings
 
-        scale = self.scale()
-        return VerifySettings(name, self.config_for(name), examples=self.examples,
-                              seed=self.seed, steps=self.steps,
-                              capture_sizes=scale.capture_sizes,
-                              max_new_tokens=scale.max_new_tokens,
-                              shrink_seconds=self.shrink_seconds, matrices=self.matrices)
+        return VerifySettings.for_task(self.task(name), self.tier, self.matrices)
 
     def scale(self) -> HarnessScale:
-        """The batch scale of this run: the tier's, with what was given."""
-        tier_scale = TIER_SCALE[self.tier]
-        return HarnessScale(self.capture_sizes or tier_scale.capture_sizes,
-                            self.max_new_tokens or tier_scale.max_new_tokens)
+        """The batch scale of this run on this tier."""
+        return self.verify_run.scale(self.tier)
 
     def dcp_ranks(self, name: str) -> int:
         """How many DCP rank processes backend ``name`` is verified on: its config's
@@ -358,21 +339,23 @@ class VerifyPlan:
         if (self.reproduce is not None or self.config.dp_size > 1
                 or self.dcp_ranks(name) > 1):
             return 1
-        return min(self.jobs, self.examples)
+        return min(self.jobs, self.verify_run.examples)
 
-    def shares(self, name: str) -> list[tuple[int, int]]:
-        """``(examples, seed)`` of each of backend ``name``'s :meth:`shards` workers: the
+    def shard_tasks(self, name: str) -> list[WorkerTask]:
+        """The :meth:`task` of each of backend ``name``'s :meth:`shards` workers: the
         examples split as evenly as they go, worker ``i`` drawing from ``seed + i``."""
-        count = self.shards(name)
-        return [(self.examples // count + (i < self.examples % count), self.seed + i)
+        count, examples, seed = self.shards(name), self.verify_run.examples, self.verify_run.seed
+        return [self.task(name, examples // count + (i < examples % count), seed + i)
                 for i in range(count)]
 
     def shard_settings(self, name: str) -> list[VerifySettings]:
-        """:meth:`settings_for` of each worker of backend ``name`` (:meth:`shares`): what
-        a test of "the settings a user gets" runs, one engine per worker. Imports torch."""
-        settings = self.settings_for(name)
-        return [dataclasses.replace(settings, examples=examples, seed=seed)
-                for examples, seed in self.shares(name)]
+        """The engine settings of each worker of backend ``name`` (:meth:`shard_tasks`):
+        what a test of "the settings a user gets" runs, one engine per worker. Imports
+        torch."""
+        from speccheck.checks.verify.engine import VerifySettings
+
+        return [VerifySettings.for_task(task, self.tier, self.matrices)
+                for task in self.shard_tasks(name)]
 
     def _verify_in_worker(
         self, name: str, progress: ProgressDisplay, notes: dict[str, str],
@@ -380,55 +363,47 @@ class VerifyPlan:
     ) -> BackendReport:
         from speccheck.checks.verify.examples import BadExample
         from speccheck.checks.verify.report import ClaimAudit
-        from speccheck.checks.verify.runner import confirm_reproduce, run_worker, worker_request
+        from speccheck.checks.verify.runner import confirm_reproduce, run_worker
 
-        prefix = self.reproduce_prefix(name)
-        request = worker_request(name, self.config_for(name), self.examples, self.seed,
-                                 self.steps, self.reproduce, prefix, self.matrices.path,
-                                 self.scale(), self.shrink_seconds)
+        task = self.task(name)
         try:
             if self.shards(name) > 1:
-                report = self._verify_in_shards(name, request, progress, spare)
+                report = self._verify_in_shards(name, progress, spare)
             else:
-                report = run_worker(request, progress, self.example_timeout, self.tier,
+                report = run_worker(task, progress, self.tier,
                                     worker=spare.pop() if spare else None)
         except BadExample as exc:
             raise VerifyInputError(str(exc)) from None
-        why = confirm_reproduce(request, report, progress, self.example_timeout, self.tier)
+        why = confirm_reproduce(task, report, progress, self.tier)
         if why is not None:
             notes[name] = why
-        if (self.audit_claims and not report.fused_allowed
+        if (self.verify_run.audit_claims and not report.fused_allowed
                 and report.status in (Status.PASSED, Status.FAILED)):
-            audit_request = {**request, "claim_fused": True,
-                             "reproduce_prefix": prefix + " --audit-claims"}
-            audited = run_worker(audit_request, progress, self.example_timeout, self.tier,
+            audited = run_worker(self.task(name, claim_fused=True), progress, self.tier,
                                  label=f"{name} audit")
             report.claim_audit = ClaimAudit(audited.status, audited.examples,
                                             audited.failures, audited.detail)
         return report
 
     def _verify_in_shards(
-        self, name: str, request: dict[str, object], progress: ProgressDisplay,
-        spare: list[WorkerProcess],
+        self, name: str, progress: ProgressDisplay, spare: list[WorkerProcess],
     ) -> BackendReport:
-        """Backend ``name`` in :meth:`shards` workers at once (:meth:`shares`), their reports
-        merged; the first takes a ``spare`` process when there is one. Each worker holds its
-        own drafters, graphs and KV caches on the device."""
+        """Backend ``name`` in :meth:`shards` workers at once (:meth:`shard_tasks`), their
+        reports merged; the first takes a ``spare`` process when there is one. Each worker
+        holds its own drafters, graphs and KV caches on the device."""
         import time
         from concurrent.futures import ThreadPoolExecutor
 
         from speccheck.checks.verify.report import merge_shards
         from speccheck.checks.verify.runner import run_worker
 
-        requests = [{**request, "examples": examples, "seed": seed}
-                    for examples, seed in self.shares(name)]
-        count = len(requests)
+        tasks = self.shard_tasks(name)
+        count = len(tasks)
 
         started_early = spare.pop() if spare else None
 
         def shard(i: int) -> BackendReport:
-            return run_worker(requests[i], progress, self.example_timeout, self.tier,
-                              label=f"{name} [{i + 1}/{count}]",
+            return run_worker(tasks[i], progress, self.tier, label=f"{name} [{i + 1}/{count}]",
                               worker=started_early if i == 0 else None)
 
         started = time.perf_counter()
@@ -439,21 +414,24 @@ class VerifyPlan:
     def _verify_dcp_ranks(self, name: str) -> BackendReport:
         """Backend ``name`` on :meth:`dcp_ranks` real DCP ranks (their own processes), on
         examples drawn here, or on the ``reproduce`` example alone; with ``audit_claims``
-        and fusing not allowed, again with the fused path claimed, on the same examples."""
+        and fusing not allowed, again with the fused path claimed, on the same examples.
+        The ranks get the engine settings of their :meth:`task` (pickled, as every rank's
+        arguments are)."""
         from speccheck.checks.verify.dcp_ranks import verify_dcp
+        from speccheck.checks.verify.engine import VerifySettings
         from speccheck.checks.verify.examples import decode_example
         from speccheck.checks.verify.report import ClaimAudit
 
         examples = None if self.reproduce is None else [decode_example(self.reproduce)]
-        settings, world = self.settings_for(name), self.dcp_ranks(name)
-        prefix = self.reproduce_prefix(name)
-        report = verify_dcp(settings, world, examples, example_timeout=self.example_timeout,
-                            reproduce_prefix=prefix)
-        if (self.audit_claims and not report.fused_allowed
+        world, timeout = self.dcp_ranks(name), self.verify_run.example_timeout
+        report = verify_dcp(self.settings_for(name), world, examples, example_timeout=timeout,
+                            reproduce_prefix=self.task(name).reproduce_prefix)
+        if (self.verify_run.audit_claims and not report.fused_allowed
                 and report.status in (Status.PASSED, Status.FAILED)):
-            audited = verify_dcp(dataclasses.replace(settings, claim_fused=True), world, examples,
-                                 example_timeout=self.example_timeout,
-                                 reproduce_prefix=prefix + " --audit-claims")
+            audit = self.task(name, claim_fused=True)
+            audited = verify_dcp(VerifySettings.for_task(audit, self.tier, self.matrices), world,
+                                 examples, example_timeout=timeout,
+                                 reproduce_prefix=audit.reproduce_prefix)
             report.claim_audit = ClaimAudit(audited.status, audited.examples,
                                             audited.failures, audited.detail)
         return report
@@ -466,66 +444,74 @@ class VerifyPlan:
 
         try:
             config = self.config_for(name)
-            return verify_dp(name, config, config.dp_size, examples=self.examples,
-                             seed=self.seed, matrices=self.matrices).to_report()
+            return verify_dp(name, config, config.dp_size, examples=self.verify_run.examples,
+                             seed=self.verify_run.seed, matrices=self.matrices).to_report()
         except RankError as exc:
             return BackendReport(name, self.tier, Status.CRASHED, detail=str(exc))
 
 
+def checked_run(
+    backend: VerifyRun | str | type[AttentionMetadataBuilder[Any]] = "reference",
+    **options: Any,
+) -> VerifyRun:
+    """The :class:`~speccheck.checks.verify.run.VerifyRun` of :func:`verify`'s arguments
+    (``backend`` itself when it is one, then with no ``options``): how the command, the
+    API and the pytest plugin each build theirs. A builder class names its matrix entry
+    (see :func:`verify`). Raises :class:`VerifyInputError` (one line for every problem) or
+    :class:`~speccheck.contract.matrix_loader.MatrixError`."""
+    if isinstance(backend, VerifyRun):
+        if options:
+            raise VerifyInputError(f"give a VerifyRun or options, not both; got {sorted(options)}")
+        return backend
+    name = backend if isinstance(backend, str) else "reference"
+    try:
+        run = VerifyRun(backend=name, **options)
+    except ValidationError as exc:
+        raise VerifyInputError("; ".join(_problem(error) for error in exc.errors())) from None
+    if isinstance(backend, str):
+        return run
+    return run.model_copy(update={"backend": _declared_backend(backend,
+                                                               MatrixContext.load(run.matrix))})
+
+
+def _problem(error: ErrorDetails) -> str:
+    """One rejected field in words: ``FIELD: WHY`` for a field's own check, ``FIELD should
+    be ..., got VALUE`` for a bound or a type."""
+    where = ".".join(map(str, error["loc"]))
+    if error["type"] == "value_error":
+        why = str(error.get("ctx", {}).get("error", error["msg"]))
+        return f"{where}: {why}" if where else why
+    if error["type"] == "extra_forbidden":
+        return (f"{where}: not an option of a verification; options: "
+                f"{', '.join(VerifyRun.model_fields)}")
+    return bound_problem(error)
+
+
 def plan_verification(
-    backend: str | type[AttentionMetadataBuilder[Any]] = "reference",
-    *,
-    config: RuntimeConfig | Mapping[str, Any] | None = None,
-    matrix: str | Path | None = None,
-    examples: int = 50,
-    seed: int = 0,
-    steps: Sequence[int] | None = None,
-    capture_sizes: Sequence[int] | None = None,
-    max_new_tokens: int | None = None,
-    reproduce: str | None = None,
-    audit_claims: bool = False,
-    example_timeout: float = 300.0,
-    jobs: int | None = None,
-    shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
+    backend: VerifyRun | str | type[AttentionMetadataBuilder[Any]] = "reference",
+    **options: Any,
 ) -> VerifyPlan:
     """Check the input of a verification and settle what it runs; see :func:`verify` for
-    the parameters. Raises :class:`VerifyInputError` or
+    the arguments. Raises :class:`VerifyInputError` or
     :class:`~speccheck.contract.matrix_loader.MatrixError`; starts no process."""
-    if examples < 1:
-        raise VerifyInputError(f"examples must be at least 1, got {examples}")
-    if example_timeout <= 0:
-        raise VerifyInputError(f"example_timeout must be positive, got {example_timeout}")
-    if jobs is not None and not 1 <= jobs <= MAX_JOBS:
-        raise VerifyInputError(f"jobs must lie in 1..{MAX_JOBS}, got {jobs}")
-    if not shrink_seconds >= 0:
-        raise VerifyInputError(f"shrink_seconds must be 0 or more, got {shrink_seconds}")
-    from speccheck.checks.verify.examples import MAX_NEW_TOKENS
-
-    if max_new_tokens is not None and not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
-        raise VerifyInputError(f"max_new_tokens must lie in 1..{MAX_NEW_TOKENS}, "
-                               f"got {max_new_tokens}")
-    if reproduce is not None:
+    run = checked_run(backend, **options)
+    reproduce = None
+    if run.reproduce is not None:
         from speccheck.checks.verify.examples import read_reproduce
 
         try:
-            reproduce = read_reproduce(reproduce)
+            reproduce = read_reproduce(run.reproduce)
         except ValueError as exc:
             raise VerifyInputError(str(exc)) from None
-    overrides = _overrides(config)
+    from speccheck.speculator.attention_setup import machine_platform
+
     tier, device = machine_tier()
-    effective = RuntimeConfig(**{**_tier_defaults(tier), **overrides})
-    sizes = _capture_sizes(capture_sizes)
-    matrices = MatrixContext.load(matrix)
-    if isinstance(backend, str):
-        names = _named_backends(backend, matrices)
-    else:
-        names = (_declared_backend(backend, matrices),)
+    effective = run.tier_config(tier, machine_platform())
+    matrices = MatrixContext.load(run.matrix)
+    names = _named_backends(run.backend, matrices)
     _preflight(names, matrices)
-    if jobs is None:
-        jobs = default_jobs(tier, examples, os.cpu_count() or 1, _device_gib(tier))
-    plan = VerifyPlan(names, effective, overrides, matrices, tier, device, examples, seed,
-                      _steps(steps, overrides), sizes, max_new_tokens, reproduce, audit_claims,
-                      example_timeout, jobs, shrink_seconds)
+    jobs = run.jobs or default_jobs(tier, run.examples, os.cpu_count() or 1, _device_gib(tier))
+    plan = VerifyPlan(run, names, effective, matrices, tier, device, reproduce, jobs)
     _check_dcp(plan)
     if reproduce is not None:
         _check_reproduce(reproduce, plan)
@@ -533,119 +519,60 @@ def plan_verification(
 
 
 def verify(
-    backend: str | type[AttentionMetadataBuilder[Any]] = "reference",
-    *,
-    config: RuntimeConfig | Mapping[str, Any] | None = None,
-    matrix: str | Path | None = None,
-    examples: int = 50,
-    seed: int = 0,
-    steps: Sequence[int] | None = None,
-    capture_sizes: Sequence[int] | None = None,
-    max_new_tokens: int | None = None,
-    reproduce: str | None = None,
-    audit_claims: bool = False,
-    example_timeout: float = 300.0,
-    jobs: int | None = None,
-    shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
+    backend: VerifyRun | str | type[AttentionMetadataBuilder[Any]] = "reference",
+    **options: Any,
 ) -> VerifyReport:
     """Verify ``backend`` as ``speccheck verify`` does, each backend in a worker process of
     its own, and return the report (raising nothing for a failed check or a crash: read
     :attr:`VerifyReport.passed` or :attr:`VerifyReport.exit_code`).
+
+    ``backend`` is a :class:`~speccheck.checks.verify.run.VerifyRun` (then no ``options``),
+    or what its ``backend`` field takes, with ``options`` its other fields by name:
 
     - ``backend``: a backend name from the matrix, ``"all"``, or a builder class. A class
       is verified under the matrix entry named by its ``backend_name``, and that entry's
       ``implementation`` must name this very class: the worker process imports the builder
       by that ``module:Class`` path (so the class cannot live in ``__main__`` or inside a
       function), and a failure's reproduce command runs what the entry names.
-    - ``config``: runtime fields that override the tier's defaults (:data:`TIER_DEFAULTS`)
-      and the backend's ``verify_defaults`` (its matrix entry), as a mapping or a :class:`RuntimeConfig` (its explicitly set fields count); only
+    - ``config``: runtime fields that override the tier's defaults
+      (:data:`~speccheck.checks.verify.scale.TIER_DEFAULTS`)
+      and the backend's ``verify_defaults`` (its matrix entry), as a mapping or a
+      :class:`RuntimeConfig` (its explicitly set fields count); only
       :data:`VERIFY_FIELDS`: platform, compute capability and graph mode come from the
       machine.
     - ``matrix``: a matrix file, verified alone; ``None``: the shipped matrix merged with
       the installed plug-ins' fragments (``speccheck.backends`` entry points).
-    - ``examples`` per backend, hypothesis ``seed``; ``steps``: the draft step counts (K) to
-      draw from, by default ``num_speculative_steps`` when ``config`` gives it, else 2..8.
+    - ``examples`` per backend (50), hypothesis ``seed`` (0); ``steps``: the draft step
+      counts (K) to draw from, by default ``num_speculative_steps`` when ``config`` gives
+      it, else 2..8.
     - ``capture_sizes``: padded request counts to capture graphs for (and pad eager runs
       to); the largest bounds an example's requests. ``max_new_tokens``: most tokens a
       request brings to the first pass. ``None``: the tier's (:data:`~speccheck.checks.
-      verify.engine.TIER_SCALE`: up to 64 requests of 16 new tokens on the GPU, 8 of 3 on
+      verify.scale.TIER_SCALE`: up to 64 requests of 16 new tokens on the GPU, 8 of 3 on
       the CPU).
     - ``reproduce``: run exactly this example (a blob from a failure's reproduce command,
       or ``@FILE`` for one kept in a file); it must fit the run's limits, and cannot be
       combined with ``dp_size > 1``.
     - ``audit_claims``: for a backend the matrix does not allow to fuse under the config,
       also run the fused path and report whether the claim is too strict or confirmed.
-    - ``example_timeout``: seconds without progress before a worker counts as hung.
-    - ``jobs``: worker processes per backend (at most :data:`MAX_JOBS`), each running its
-      share of ``examples`` from a seed of its own (``seed + i``) on the same device, their
-      reports merged (the worst status wins, with its failure and reproduce command). Each
-      holds its own drafters, graphs and KV caches: device memory grows with it. Runs on
-      DP or DCP ranks, and ``reproduce``, take one. ``None``: :func:`~speccheck.checks.
-      verify.scale.default_jobs` (on the GPU tier two where each gets 50 examples, two CPU
-      cores and 32 GiB of the device; one on the CPU tier). ``jobs=1`` draws every example
-      from ``seed`` alone.
+    - ``example_timeout``: seconds without progress before a worker counts as hung (300).
+    - ``jobs``: worker processes per backend (at most :data:`~speccheck.checks.verify.run.
+      MAX_JOBS`), each running its share of ``examples`` from a seed of its own
+      (``seed + i``) on the same device, their reports merged (the worst status wins, with
+      its failure and reproduce command). Each holds its own drafters, graphs and KV
+      caches: device memory grows with it. Runs on DP or DCP ranks, and ``reproduce``,
+      take one. ``None``: :func:`~speccheck.checks.verify.scale.default_jobs` (on the GPU
+      tier two where each gets 50 examples, two CPU cores and 32 GiB of the device; one on
+      the CPU tier). ``jobs=1`` draws every example from ``seed`` alone.
     - ``shrink_seconds``: how long each worker may shrink a failure to a smaller example
       (the report keeps the smallest found by then); finding it does not depend on this.
+    - ``json_path``, ``junit_path``: where ``speccheck verify`` writes its reports; this
+      function returns the report and writes nothing.
 
     Bad input raises :class:`VerifyInputError` or
     :class:`~speccheck.contract.matrix_loader.MatrixError` before any worker starts.
     """
-    return plan_verification(
-        backend, config=config, matrix=matrix, examples=examples, seed=seed, steps=steps,
-        capture_sizes=capture_sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
-        audit_claims=audit_claims, example_timeout=example_timeout, jobs=jobs,
-        shrink_seconds=shrink_seconds,
-    ).run()
-
-
-def _overrides(config: RuntimeConfig | Mapping[str, Any] | None) -> dict[str, object]:
-    """The runtime fields given, validated, in :data:`VERIFY_FIELDS` order."""
-    if config is None:
-        return {}
-    if isinstance(config, RuntimeConfig):
-        given: Mapping[str, Any] = {name: getattr(config, name) for name in config.model_fields_set}
-    else:
-        given = config
-    fixed = sorted(set(given) - set(VERIFY_FIELDS))
-    if fixed:
-        raise VerifyInputError(
-            f"config: {', '.join(fixed)} cannot be given to a verification (platform, compute "
-            "capability and graph mode come from the machine); allowed: "
-            f"{', '.join(VERIFY_FIELDS)}")
-    try:
-        RuntimeConfig(**given)
-    except ValidationError as exc:
-        raise VerifyInputError("config: " + "; ".join(
-            f"{'.'.join(map(str, error['loc']))} "
-            f"{error['msg'].replace('Input should be', 'should be', 1)}, got {error['input']!r}"
-            for error in exc.errors())) from None
-    return {name: given[name] for name in VERIFY_FIELDS if name in given}
-
-
-def _steps(steps: Sequence[int] | None, overrides: Mapping[str, object]) -> tuple[int, ...]:
-    if steps is None:
-        k = overrides.get("num_speculative_steps")
-        return (k,) if isinstance(k, int) else DEFAULT_STEPS
-    if "num_speculative_steps" in overrides:
-        raise VerifyInputError("give steps or config num_speculative_steps, not both")
-    chosen = tuple(steps)
-    if not chosen or any(not isinstance(k, int) or k < 1 for k in chosen):
-        raise VerifyInputError(f"steps must be draft step counts of at least 1, got {list(chosen)}")
-    return chosen
-
-
-def _capture_sizes(sizes: Sequence[int] | None) -> tuple[int, ...] | None:
-    """Distinct request counts, ascending, each from 1 to the most requests an example may
-    have."""
-    from speccheck.checks.verify.examples import MAX_REQUESTS
-
-    if sizes is None:
-        return None
-    chosen = sorted(set(sizes))
-    if not chosen or any(not isinstance(n, int) or not 1 <= n <= MAX_REQUESTS for n in chosen):
-        raise VerifyInputError(f"capture_sizes: request counts must lie in 1..{MAX_REQUESTS}, "
-                               f"got {list(sizes)}")
-    return tuple(chosen)
+    return plan_verification(backend, **options).run()
 
 
 def _check_dcp(plan: VerifyPlan) -> None:
@@ -693,19 +620,12 @@ def _check_reproduce(blob: str, plan: VerifyPlan) -> None:
 def backend_runtime_config(
     tier: Tier, matrix: Matrix, name: str, overrides: Mapping[str, object]
 ) -> RuntimeConfig:
-    """The runtime config backend ``name`` is verified at on ``tier``: the tier's defaults
-    (on this machine's platform), then its entry's ``verify_defaults`` in ``matrix``, then
-    ``overrides``."""
-    defaults = matrix.backend(name).verify_defaults
-    return RuntimeConfig(**{**_tier_defaults(tier), **defaults, **overrides})
-
-
-def _tier_defaults(tier: Tier) -> dict[str, object]:
-    """:data:`TIER_DEFAULTS` with the platform this machine really is (a ROCm GPU is the GPU
-    tier on platform ``rocm``)."""
+    """The runtime config backend ``name`` is verified at on ``tier`` (on this machine's
+    platform): the tier's defaults, then its entry's ``verify_defaults`` in ``matrix``,
+    then ``overrides`` (runtime fields, checked as a :class:`VerifyRun` checks them)."""
     from speccheck.speculator.attention_setup import machine_platform
 
-    return {**TIER_DEFAULTS[tier], "platform": machine_platform()}
+    return checked_run(config=overrides).config_for(name, tier, matrix, machine_platform())
 
 
 def _preflight(names: Sequence[str], matrices: MatrixContext) -> None:

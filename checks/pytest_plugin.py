@@ -8,10 +8,11 @@ item of its own::
     def test_speccheck() -> None:
         \"\"\"Collected as one test item per check; this body never runs.\"\"\"
 
-The marker takes :func:`speccheck.verify`'s arguments (``backend`` a name, ``"all"`` or a
+The marker takes :func:`speccheck.verify`'s arguments, from which it builds the
+:class:`~speccheck.checks.verify.run.VerifyRun` it plans (``backend`` a name, ``"all"`` or a
 builder class; ``matrix`` relative to the test file's folder; ``config``, ``examples``,
 ``seed``, ``steps``, ``capture_sizes``, ``max_new_tokens``, ``audit_claims``,
-``example_timeout``). The marked
+``example_timeout``, ...: the run's fields). The marked
 function becomes a collector of one item per backend and check: ``run[BACKEND]`` first (the
 backend ran in its worker: skipped or crashed otherwise), then ``CHECK[BACKEND]`` in report
 order: passed, failed (the diagnosis, the minimal example and the ``speccheck verify ...
@@ -85,7 +86,7 @@ class SpeccheckGate(pytest.Collector):
         self._plan: VerifyPlan | None = None
 
     def collect(self) -> Iterable[pytest.Item | pytest.Collector]:
-        from speccheck.checks.api import VerifyInputError, plan_verification
+        from speccheck.checks.api import VerifyInputError, checked_run, plan_verification
         from speccheck.checks.verify.vocabulary import Check
         from speccheck.contract.matrix_loader import MatrixError
 
@@ -93,14 +94,16 @@ class SpeccheckGate(pytest.Collector):
             raise self.CollectError(f"@pytest.mark.{MARKER}: one marker per test function, "
                                     f"got {len(self.marks)}")
         (mark,) = self.marks
+        options = dict(mark.kwargs)
+        if isinstance(options.get("matrix"), (str, Path)):
+            options["matrix"] = self.path.parent / options["matrix"]
+        if len(mark.args) > 1:
+            raise self.CollectError(f"@pytest.mark.{MARKER}: takes the backend as its only "
+                                    f"positional argument, got {len(mark.args)}")
         try:
-            bound = inspect.signature(plan_verification).bind(*mark.args, **mark.kwargs)
+            self._plan = plan_verification(checked_run(*mark.args, **options))
         except TypeError as exc:
             raise self.CollectError(f"@pytest.mark.{MARKER}: {exc}") from None
-        if isinstance(bound.arguments.get("matrix"), (str, Path)):
-            bound.arguments["matrix"] = self.path.parent / bound.arguments["matrix"]
-        try:
-            self._plan = plan_verification(*bound.args, **bound.kwargs)
         except (VerifyInputError, MatrixError) as exc:
             raise self.CollectError(f"@pytest.mark.{MARKER}: {exc}") from None
         items: list[pytest.Item] = []
@@ -112,6 +115,13 @@ class SpeccheckGate(pytest.Collector):
                       for check in Check]
         return items
 
+    @property
+    def plan(self) -> VerifyPlan:
+        """The plan collected from the marker (its :attr:`~speccheck.checks.api.VerifyPlan.
+        verify_run` is the run the marker's arguments build)."""
+        assert self._plan is not None, "collected before use"
+        return self._plan
+
     def report(self) -> VerifyReport:
         """The plan's report: run on first use, then shared by every gate of the session
         with the same plan (what a run raised is raised again, not rerun; bad input found
@@ -119,12 +129,11 @@ class SpeccheckGate(pytest.Collector):
         line)."""
         from speccheck.checks.api import VerifyInputError
 
-        assert self._plan is not None, "collected before use"
         results = self.config.stash[_RESULTS]
-        key = _plan_key(self._plan)
+        key = _plan_key(self.plan)
         if key not in results:
             try:
-                results[key] = self._plan.run()
+                results[key] = self.plan.run()
             except Exception as exc:  # kept so the other items report it without a rerun
                 results[key] = exc
         result = results[key]
@@ -202,7 +211,6 @@ def pytest_terminal_summary(
 
 
 def _plan_key(plan: VerifyPlan) -> str:
-    """What makes two plans the same run."""
-    return repr((plan.names, plan.config.model_dump(), str(plan.matrices.path), plan.examples,
-                 plan.seed, plan.steps, plan.capture_sizes, plan.max_new_tokens, plan.reproduce,
-                 plan.audit_claims, plan.example_timeout))
+    """What makes two plans the same run: their :class:`~speccheck.checks.verify.run.
+    VerifyRun` (planned on the same machine, equal runs verify the same)."""
+    return plan.verify_run.model_dump_json()

@@ -114,7 +114,7 @@ def test_bad_gate_arguments_are_one_collection_error_each(tmp_path: Path) -> Non
          "test_gates.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout
     assert "@pytest.mark.speccheck: unknown backend 'nope'; valid: reference," in proc.stdout
-    assert ("@pytest.mark.speccheck: got an unexpected keyword argument 'exampels'"
+    assert ("@pytest.mark.speccheck: exampels: not an option of a verification; options: "
             in proc.stdout)
     assert (f"@pytest.mark.speccheck: {tmp_path / 'missing.yaml'}: cannot read the matrix "
             "file: No such file or directory" in proc.stdout)

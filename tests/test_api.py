@@ -40,7 +40,8 @@ def test_import_is_fast_and_torch_free() -> None:
     used = subprocess.run(
         [sys.executable, "-c", "import sys, speccheck; "
          "m = speccheck.load_matrix(); speccheck.resolve(m, speccheck.RuntimeConfig()); "
-         "speccheck.VerifyReport; print('torch' in sys.modules)"],
+         "speccheck.VerifyReport; speccheck.VerifyRun(examples=2).model_dump_json(); "
+         "print('torch' in sys.modules)"],
         capture_output=True, text=True, check=True)
     assert used.stdout.strip() == "False"
 
@@ -63,7 +64,7 @@ def test_resolve_a_matrix_against_a_config() -> None:
 
 @pytest.mark.parametrize(("backend", "kwargs", "message"), [
     ("nope", {}, "unknown backend 'nope'; valid: reference, "),
-    ("reference", {"examples": 0}, "examples must be at least 1, got 0"),
+    ("reference", {"examples": 0}, "examples should be greater than or equal to 1, got 0"),
     ("reference", {"config": {"platform": "cuda"}},
      "config: platform cannot be given to a verification (platform, compute capability and "
      "graph mode come from the machine); allowed: dcp_world_size, "),
@@ -72,7 +73,12 @@ def test_resolve_a_matrix_against_a_config() -> None:
      "'bfloat16', 'float16' or 'float32', got 'fp64'"),
     ("reference", {"config": {"num_speculative_steps": 3}, "steps": [2]},
      "give steps or config num_speculative_steps, not both"),
-    ("reference", {"steps": [0, 2]}, "steps must be draft step counts of at least 1, got [0, 2]"),
+    ("reference", {"steps": [0, 2]}, "steps: draft step counts must be at least 1, got [0, 2]"),
+    ("reference", {"jobs": 17}, "jobs should be less than or equal to 16, got 17"),
+    ("reference", {"examples": 0, "example_timeout": 0},
+     "examples should be greater than or equal to 1, got 0; example_timeout should be "
+     "greater than 0, got 0"),
+    ("reference", {"exmaples": 3}, "exmaples: not an option of a verification; options: "),
     ("reference", {"reproduce": "not-a-blob"}, "--reproduce: not an example blob"),
     ("reference", {"reproduce": "not-a-blob", "config": {"dp_size": 2}},
      "--reproduce runs one example in one worker; it cannot be combined with --dp-size"),
@@ -112,13 +118,16 @@ def test_a_bad_matrix_is_a_matrix_error(tmp_path: Path) -> None:
 def test_plan_settles_the_tier_config_and_reproduce_command() -> None:
     plan = plan_verification("plus_one", matrix=OUT_OF_TREE, capture_sizes=[4, 1, 4],
                              config=RuntimeConfig(num_speculative_steps=3, dcp_world_size=1))
-    assert plan.names == ("plus_one",) and plan.steps == (3,) and plan.capture_sizes == (1, 4)
+    run = plan.verify_run
+    assert plan.names == ("plus_one",) and run.draft_steps == (3,) and run.capture_sizes == (1, 4)
     assert plan.config.platform == ("cuda" if plan.tier is Tier.GPU else "cpu")
-    assert dict(plan.overrides) == {"dcp_world_size": 1, "num_speculative_steps": 3}
-    assert plan.reproduce_prefix("plus_one") == (
+    assert run.config == {"dcp_world_size": 1, "num_speculative_steps": 3}
+    assert plan.task("plus_one").reproduce_prefix == (
         f"speccheck verify --backend plus_one --seed 0 --matrix {OUT_OF_TREE} "
         "--capture-sizes 1,4 --dcp-world-size 1 --num-speculative-steps 3")
-    assert plan_verification("reference").steps == tuple(range(1, 9))
+    assert plan.task("plus_one", claim_fused=True).reproduce_prefix.endswith(
+        "--num-speculative-steps 3 --audit-claims")
+    assert plan_verification("reference").verify_run.draft_steps == tuple(range(1, 9))
 
 
 def test_verify_a_builder_class_in_its_worker() -> None:
@@ -182,7 +191,8 @@ def test_a_backends_verify_defaults_sit_between_the_tier_and_the_flags() -> None
     assert given.config_for("fa3").max_model_len == 512
     assert plan_verification("reference").config_for("reference") == plan.config
     settings = plan.settings_for("fa3")
-    assert settings.config == plan.config_for("fa3") and settings.steps == plan.steps
+    assert settings.config == plan.config_for("fa3")
+    assert settings.steps == plan.verify_run.draft_steps
 
 
 def test_serving_scale_batches_run_on_the_cpu_tier() -> None:
@@ -237,7 +247,8 @@ def test_jobs_split_the_examples_and_seeds_as_the_workers_draw_them() -> None:
     as they go, worker ``i`` on ``seed + i``, and each worker's engine settings say so."""
     assert plan_verification("reference", examples=50).jobs == 1
     plan = plan_verification("reference", examples=7, seed=3, jobs=3)
-    assert plan.shares("reference") == [(3, 3), (2, 4), (2, 5)]
+    assert [(t.examples, t.seed) for t in plan.shard_tasks("reference")] == [(3, 3), (2, 4), (2, 5)]
+    assert all(t.run == plan.verify_run for t in plan.shard_tasks("reference"))
     assert [(s.examples, s.seed) for s in plan.shard_settings("reference")] == [
         (3, 3), (2, 4), (2, 5)]
     assert plan_verification("reference", examples=2, jobs=3).shards("reference") == 2
@@ -247,18 +258,19 @@ def test_jobs_split_the_examples_and_seeds_as_the_workers_draw_them() -> None:
 
 def test_the_shrink_budget_reaches_every_worker() -> None:
     """``shrink_seconds`` (``--shrink-seconds``) is each worker's: in its engine settings and
-    in the request a worker process reads; the default is the engine's own; a negative or
+    in the task a worker process reads; the default is the engine's own; a negative or
     NaN budget is bad input."""
-    from speccheck.checks.verify.runner import worker_request
+    from speccheck.checks.verify.run import WorkerTask
     from speccheck.checks.verify.scale import DEFAULT_SHRINK_SECONDS
 
     assert plan_verification("reference").settings_for("reference").shrink_seconds == (
         DEFAULT_SHRINK_SECONDS)
     plan = plan_verification("reference", examples=4, jobs=2, shrink_seconds=7.5)
     assert [s.shrink_seconds for s in plan.shard_settings("reference")] == [7.5, 7.5]
-    request = worker_request("reference", plan.config, 4, 0, [2], None, "speccheck verify",
-                             shrink_seconds=7.5)
-    assert request["shrink_seconds"] == 7.5
-    for bad in (-1.0, float("nan")):
-        with pytest.raises(speccheck.VerifyInputError, match="shrink_seconds must be 0 or more"):
+    sent = plan.task("reference").model_dump_json()
+    assert WorkerTask.model_validate_json(sent).run.shrink_seconds == 7.5
+    for bad, why in ((-1.0, "greater than or equal to 0"), (float("nan"), "a finite number")):
+        with pytest.raises(speccheck.VerifyInputError, match=f"shrink_seconds should be {why}"):
             plan_verification("reference", shrink_seconds=bad)
+
+

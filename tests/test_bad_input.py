@@ -35,7 +35,8 @@ from speccheck.checks.verify.examples import (
     reproduce_blob,
     reproduce_command,
 )
-from speccheck.checks.verify.vocabulary import Status
+from speccheck.checks.verify.run import VerifyRun, WorkerTask
+from speccheck.checks.verify.vocabulary import Status, Tier
 from speccheck.contract.matrix_loader import (
     MAX_MATRIX_BYTES,
     MAX_PROBLEMS,
@@ -379,14 +380,14 @@ def test_a_chatty_worker_never_blocks_on_its_output(monkeypatch: pytest.MonkeyPa
         return popen([sys.executable, "-c", CHATTY_WORKER, *command[-3:]], **kwargs)
 
     monkeypatch.setattr(worker_process.subprocess, "Popen", chatty)
-    request = runner.worker_request("chatty", runner.RuntimeConfig(), 2, 0, [2], None,
-                                    "speccheck verify")
+    task = WorkerTask(run=VerifyRun(backend="chatty", example_timeout=30.0), backend="chatty",
+                      examples=2, seed=0)
     with Progress(console=Console(file=io.StringIO())) as progress:
-        report = timed(lambda: runner.run_worker(request, progress, 30.0, "cpu"), 20.0)
+        report = timed(lambda: runner.run_worker(task, progress, Tier.CPU), 20.0)
     assert report.status is Status.CRASHED
     assert report.detail.startswith("worker exited with status 3: ")
     assert report.detail.endswith("last words (during example 1)")
-    assert report.reproduce == "speccheck verify --reproduce BLOB"
+    assert report.reproduce == "speccheck verify --backend chatty --seed 0 --reproduce BLOB"
 
 
 # --- the command line -------------------------------------------------------------------

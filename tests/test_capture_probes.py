@@ -26,7 +26,7 @@ from speccheck.checks.probes import (
     check_zero_tail,
     poison_,
 )
-from speccheck.checks.verify.state_walk import changed_paths, snapshot, walk_tensors
+from speccheck.checks.probes.state_walk import changed_paths, snapshot, walk_tensors
 from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
 from speccheck.contract.runtime_config import RuntimeConfig
 

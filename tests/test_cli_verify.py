@@ -14,9 +14,10 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from speccheck.checks.verify.runner import PlainProgress, run_worker, worker_request
+from speccheck.checks.verify.run import VerifyRun, WorkerTask
+from speccheck.checks.verify.runner import PlainProgress, run_worker
+from speccheck.checks.verify.vocabulary import Tier
 from speccheck.checks.verify.worker_process import WorkerProcess
-from speccheck.contract.runtime_config import RuntimeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY_MATRIX = ROOT / "tests" / "fixtures" / "adapters" / "matrix.yaml"
@@ -60,10 +61,10 @@ def test_gpu_only_backend_is_skipped_and_nothing_verified_exits_3() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a backend the CPU tier skips")
 def test_the_progress_bar_of_a_skipped_backend_ends_where_it_stopped() -> None:
     console = Console(file=io.StringIO(), force_terminal=True, width=100)
-    request = worker_request("fa3", RuntimeConfig(platform="cpu", cudagraph_mode="none"), 5, 0,
-                             [2], None, "speccheck verify --backend fa3")
+    task = WorkerTask(run=VerifyRun(backend="fa3", steps=(2,), example_timeout=60.0),
+                      backend="fa3", examples=5, seed=0)
     with Progress(console=console) as progress:
-        report = run_worker(request, progress, 60.0, "cpu")
+        report = run_worker(task, progress, Tier.CPU)
     (task,) = progress.tasks
     assert report.status == "skipped"
     assert (task.completed, task.total, task.description) == (0, 5, "fa3 (skipped)")
@@ -72,12 +73,12 @@ def test_the_progress_bar_of_a_skipped_backend_ends_where_it_stopped() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a backend the CPU tier skips")
 def test_a_worker_started_before_its_request_takes_it_and_is_gone_after() -> None:
     """The command line starts the first worker before it plans; the run hands it the
-    request (on its input), and the worker's process and files are gone afterwards."""
-    request = worker_request("fa3", RuntimeConfig(platform="cpu", cudagraph_mode="none"), 3, 0,
-                             [2], None, "speccheck verify --backend fa3")
+    task (on its input), and the worker's process and files are gone afterwards."""
+    task = WorkerTask(run=VerifyRun(backend="fa3", steps=(2,), example_timeout=60.0),
+                      backend="fa3", examples=3, seed=0)
     early = WorkerProcess()
     with Progress(console=Console(file=io.StringIO())) as progress:
-        report = run_worker(request, progress, 60.0, "cpu", worker=early)
+        report = run_worker(task, progress, Tier.CPU, worker=early)
     assert report.status == "skipped" and report.backend == "fa3"
     assert early.proc.returncode == 0
     assert not early.result.parent.exists()

@@ -43,7 +43,7 @@ from speccheck.backends.reference.builder import ReferenceMetadataBuilder
 from speccheck.backends.triton_attn.builder import TritonAttnMetadataBuilder
 from speccheck.checks.probes import HostSyncRecorder, IdentityGuard, check_zero_tail
 from speccheck.checks.selftest.dcp_mutants import DCP_LOCAL_FIELD, STALE_DCP_BUILDERS
-from speccheck.checks.verify.state_walk import walk_tensors
+from speccheck.checks.probes.state_walk import walk_tensors
 from speccheck.contract.builder import AttentionLayerSpec, AttentionMetadataBuilder, BuilderLimits
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.dcp import DcpRank

@@ -39,6 +39,7 @@ from speccheck.checks.verify.examples import (
     reproduce_blob,
 )
 from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.run import VerifyRun, WorkerTask
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
 from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.builder import AttentionMetadataBuilder
@@ -153,12 +154,14 @@ def test_a_reproduce_run_that_passes_is_reported_as_not_reproduced() -> None:
     """confirm_reproduce compares what the fresh worker did with the failure: here the
     "failure" names an example on which the correct reference backend passes."""
     blob = encode_example((3, DraftBatch((5,), ((1, 2),), ((1, 2, 3),), (7,))))
-    request = runner.worker_request("reference", CPU_CONFIG, 4, 0, [3], None,
-                                    "speccheck verify --backend reference")
+    small = {"block_size": 4, "max_model_len": 32, "head_size": 16, "num_heads": 2,
+             "num_kv_heads": 1}
+    task = WorkerTask(run=VerifyRun(config=small, steps=(3,), example_timeout=60.0),
+                      backend="reference", examples=4, seed=0)
     report = BackendReport("reference", Tier.CPU, Status.FAILED,
                            reproduce=f"speccheck verify --backend reference --reproduce {blob}")
     with Progress(console=Console(file=io.StringIO())) as progress:
-        why = runner.confirm_reproduce(request, report, progress, 60.0, "cpu")
+        why = runner.confirm_reproduce(task, report, progress, Tier.CPU)
     assert report.reproduced is False
     assert why == "it passed there"
     assert reproduce_blob(report.reproduce or "") == blob
@@ -224,11 +227,11 @@ def test_a_reproduce_file_is_read_and_checked_like_an_inline_blob(tmp_path: Path
 def test_the_worker_rejects_an_example_outside_the_limits_as_bad_input() -> None:
     """The safety net behind the command line's check: the worker's own."""
     blob = encode_example((4, DraftBatch((60,), ((1, 2, 3, 4, 5),), (tuple(range(1, 17)),), (0,))))
-    config = CPU_CONFIG.model_copy(update={"max_model_len": 64})
-    request = runner.worker_request("reference", config, 4, 0, [4], blob, "speccheck verify")
+    run = VerifyRun(config={"max_model_len": 64}, steps=(4,), example_timeout=60.0)
+    task = WorkerTask(run=run, backend="reference", examples=4, seed=0, reproduce=blob)
     with Progress(console=Console(file=io.StringIO())) as progress:
         with pytest.raises(BadExample, match="reaches length 65 .* raise it with --max-model-len"):
-            runner.run_worker(request, progress, 60.0, "cpu")
+            runner.run_worker(task, progress, Tier.CPU)
         assert progress.tasks[0].completed == 0
         assert progress.tasks[0].description == "reference (bad input)"
 

@@ -10,14 +10,10 @@ import typer
 from typer.testing import CliRunner
 
 from speccheck.checks.cli.app import app
-from speccheck.checks.cli.runtime_options import (
-    build_runtime_config,
-    option_flag,
-    runtime_flags,
-    with_runtime_options,
-)
+from speccheck.checks.cli.runtime_options import build_runtime_config, with_runtime_options
 from speccheck.checks.cli.verify import VERIFY_FIELDS
 from speccheck.checks.docgen.capabilities import render_capability_docs
+from speccheck.checks.verify.run import option_flag, runtime_flags
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from speccheck.checks.verify.comparisons import compare_steps
-from speccheck.checks.verify.state_walk import (
+from speccheck.checks.probes.state_walk import (
     TensorIdentity,
     attribute_storages,
     changed_paths,
@@ -132,7 +132,7 @@ def test_walk_stops_at_max_depth_with_a_warning(caplog: pytest.LogCaptureFixture
     deep: object = torch.zeros(1)
     for _ in range(10):
         deep = [deep]
-    with caplog.at_level(logging.WARNING, logger="speccheck.checks.verify.state_walk"):
+    with caplog.at_level(logging.WARNING, logger="speccheck.checks.probes.state_walk"):
         assert walk_tensors(deep, prefix="d", max_depth=4) == {}
     assert "max_depth=4" in caplog.text
     assert list(walk_tensors(deep, prefix="d", max_depth=10)) == ["d" + "[0]" * 10]

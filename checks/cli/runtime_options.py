@@ -27,11 +27,10 @@ from typing import Annotated, Any, Optional, TypeVar
 import typer
 from pydantic import ValidationError
 
+from speccheck.checks.verify.run import RuntimeOverrides, option_flag
 from speccheck.contract.runtime_config import RuntimeConfig
 
 RUNTIME_PANEL = "Runtime configuration"
-RuntimeOverrides = dict[str, Any]
-"""Runtime options given on the command line, by ``RuntimeConfig`` field name."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,12 +43,6 @@ MatrixPathOption = Annotated[
         show_default="the matrix.yaml shipped with speccheck plus installed plug-in fragments",
     ),
 ]
-
-
-def option_flag(field: str) -> str:
-    """The command-line flag of a ``RuntimeConfig`` field: ``dcp_world_size`` ->
-    ``--dcp-world-size``."""
-    return "--" + field.replace("_", "-")
 
 
 def _option_type(annotation: Any) -> Any:
@@ -134,15 +127,4 @@ def build_runtime_config(
             message = error["msg"].replace("Input should be", "should be", 1)
             lines.append(f"{option_flag(field)} {message}, got {error['input']!r}")
         raise typer.BadParameter("; ".join(lines)) from None
-
-
-def runtime_flags(runtime: RuntimeOverrides) -> str:
-    """The options given, as they would be typed again (for reproduce commands)."""
-    parts = []
-    for name, value in runtime.items():
-        if isinstance(value, bool):
-            parts.append(option_flag(name) if value else f"--no-{name.replace('_', '-')}")
-        else:
-            parts.append(f"{option_flag(name)} {value}")
-    return " ".join(parts)
 

@@ -1,6 +1,7 @@
 """``speccheck verify``: the command over :mod:`speccheck.checks.api`.
 
-The command parses options, checks its output paths, plans the verification with
+The command parses options, checks its output paths, builds the
+:class:`~speccheck.checks.verify.run.VerifyRun` (one field per option), plans it with
 :func:`~speccheck.checks.api.plan_verification` (bad input: one line on stderr, exit 2,
 before any worker starts), shows progress (a live bar on a terminal, a plain line per
 backend every few seconds in logs), prints the summary and writes the JSON and JUnit
@@ -26,10 +27,9 @@ from rich.table import Table
 from speccheck import __version__
 from speccheck.checks.api import (
     EXIT_BAD_INPUT,
-    MAX_JOBS,
-    TIER_DEFAULTS,
     VERIFY_FIELDS,
     VerifyInputError,
+    checked_run,
     plan_verification,
 )
 from speccheck.checks.cli.paths import output_path_problem
@@ -40,11 +40,13 @@ from speccheck.checks.cli.runtime_options import (
     with_runtime_options,
 )
 from speccheck.checks.provenance import commit_under_test
+from speccheck.checks.verify.run import MAX_JOBS, VerifyRun
 from speccheck.checks.verify.scale import (
     AUTO_JOBS,
     DEFAULT_SHRINK_SECONDS,
     DEVICE_GIB_PER_JOB,
     EXAMPLES_PER_JOB,
+    TIER_DEFAULTS,
     TIER_SCALE,
 )
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
@@ -116,15 +118,19 @@ def verify_command(
             raise _bad_input(f"{flag}: {unwritable}")
     sizes = _parse_capture_sizes(capture_sizes) if capture_sizes is not None else None
     build_runtime_config(runtime)  # flag-named errors for bad values (exit 2)
+    try:
+        run = checked_run(
+            backend=backend, config=runtime, matrix=matrix_path, examples=examples, seed=seed,
+            capture_sizes=sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
+            audit_claims=audit_claims, example_timeout=example_timeout, jobs=jobs,
+            shrink_seconds=shrink_seconds, json_path=json_path, junit_path=junit)
+    except VerifyInputError as exc:
+        raise _bad_input(str(exc)) from None
     # The first worker starts now: its imports (torch and the engine, seconds) overlap the
     # plan's; it is killed unused if planning fails or no plain worker runs.
     with WorkerProcess() as early_worker:
         try:
-            plan = plan_verification(
-                backend, config=runtime, matrix=matrix_path, examples=examples, seed=seed,
-                capture_sizes=sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
-                audit_claims=audit_claims, example_timeout=example_timeout, jobs=jobs,
-                shrink_seconds=shrink_seconds)
+            plan = plan_verification(run)
         except MatrixError as exc:
             for problem in exc.problems:
                 _stderr().print(problem.render(), markup=False)
@@ -139,7 +145,7 @@ def verify_command(
         console.print(f"scale: up to {max(scale.capture_sizes)} requests (capture sizes "
                       f"{','.join(map(str, scale.capture_sizes))}), up to "
                       f"{scale.max_new_tokens} new tokens per request, K in "
-                      f"{','.join(map(str, plan.steps))}", markup=False)
+                      f"{','.join(map(str, run.draft_steps))}", markup=False)
         for name in plan.names:
             own = plan.config_for(name).model_dump()
             differs = {k: v for k, v in own.items() if plan.config.model_dump()[k] != v}
@@ -158,14 +164,14 @@ def verify_command(
                     console.print(f"{name}: {note}", markup=False)
                 elif (workers := plan.shards(name)) > 1:
                     console.print(f"{name}: {workers} workers at once, worker i drawing "
-                                  f"its share of the examples from seed {plan.seed} + i (--jobs)",
+                                  f"its share of the examples from seed {run.seed} + i (--jobs)",
                                   markup=False)
         with _progress_display(console) as progress:
             try:
                 result = plan.run(progress, worker=early_worker)
             except VerifyInputError as exc:
                 raise _bad_input(str(exc)) from None
-        _finish(console, result, json_path, junit)
+        _finish(console, result, run)
 
 
 def _parse_capture_sizes(text: str) -> tuple[int, ...]:
@@ -200,9 +206,9 @@ def _progress_display(console: Console) -> Iterator[ProgressDisplay]:
         yield progress
 
 
-def _finish(console: Console, result: VerifyReport, json_path: Path | None,
-            junit: Path | None) -> None:
-    """Print the summary, write the reports, and exit with a status CI can trust."""
+def _finish(console: Console, result: VerifyReport, run: VerifyRun) -> None:
+    """Print the summary, write the reports (the JSON one records ``run``), and exit with a
+    status CI can trust."""
     from speccheck.checks.verify.report import write_json, write_junit
 
     reports = list(result.backends)
@@ -228,12 +234,13 @@ def _finish(console: Console, result: VerifyReport, json_path: Path | None,
             console.print(f"{r.backend}: {dp['dp_size']} DP ranks on {', '.join(dp['devices'])}, "
                           f"collectives {dp['collectives']}", markup=False)
     console.print(f"checks: {', '.join(check.value for check in Check)}", markup=False)
-    if json_path:
-        write_json(reports, json_path, {
+    if run.json_path:
+        write_json(reports, run.json_path, {
             "speccheck": __version__, "commit": commit_under_test(), "tier": result.tier.value,
             "device": result.device, "command": "speccheck verify " + shlex.join(sys.argv[2:]),
+            "run": run.model_dump(mode="json"),
         })
-    if junit:
-        write_junit(reports, junit, str(result.matrix or "matrix.yaml"))
+    if run.junit_path:
+        write_junit(reports, run.junit_path, str(result.matrix or "matrix.yaml"))
     if result.exit_code:
         raise typer.Exit(result.exit_code)

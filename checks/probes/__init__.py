@@ -19,6 +19,9 @@ tensors: on CPU CI the CPU plays the device, and a call that would synchronise o
 reported even though on the CPU it is free. Each probe reports :class:`ProbeFinding` records
 whose message says what to change.
 
+The walk over a builder's state that the probes and the verifier's comparisons share
+(tensors and host values by attribute path, storage identity) is :mod:`.state_walk`.
+
 All probes are verifier-side tools: their own checks synchronise, so use them around an eager
 refresh (or a capture), never inside code that is itself being captured.
 """

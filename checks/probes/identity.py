@@ -11,7 +11,7 @@ from speccheck.checks.probes.findings import (
     REPLACED_TENSOR,
     ProbeFinding,
 )
-from speccheck.checks.verify.state_walk import TensorIdentity, tensor_identity, walk_tensors
+from speccheck.checks.probes.state_walk import TensorIdentity, tensor_identity, walk_tensors
 
 
 class IdentityGuard:
@@ -25,9 +25,9 @@ class IdentityGuard:
 
     Contract:
 
-    - On entry, walks each root with :func:`~speccheck.checks.verify.state_walk.walk_tensors` under
+    - On entry, walks each root with :func:`~speccheck.checks.probes.state_walk.walk_tensors` under
       its name as prefix and records every tensor and its
-      :class:`~speccheck.checks.verify.state_walk.TensorIdentity`, holding a reference to each so
+      :class:`~speccheck.checks.probes.state_walk.TensorIdentity`, holding a reference to each so
       that neither its ``id`` nor its address can be reused before the comparison.
     - On exit (also when the body raised), walks the same root objects again and reports, per
       path: a different tensor object (replaced: the captured graph keeps the old address, or,

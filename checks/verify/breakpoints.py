@@ -14,12 +14,12 @@ their draft steps cross those lengths
 What is watched, per build:
 
 - every tensor reachable from the metadata
-  (:func:`~speccheck.checks.verify.state_walk.walk_tensors`) that is not a view of the
+  (:func:`~speccheck.checks.probes.state_walk.walk_tensors`) that is not a view of the
   probe's own input buffers (lengths, offsets, slots, block table: the speculator advances
   those itself) nor one of the builder's workspace buffers (contents meaningless between
   calls), plus the caller's declared step-dependent fields whatever they view;
 - every host value reachable from the metadata
-  (:func:`~speccheck.checks.verify.state_walk.walk_host_values`: numbers, strings, ``None``,
+  (:func:`~speccheck.checks.probes.state_walk.walk_host_values`: numbers, strings, ``None``,
   enums, tuples and lists of numbers, numpy arrays).
 
 Entries that simply follow the length are not breakpoints: an element that changes at every
@@ -59,8 +59,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from speccheck.checks.probes.state_walk import attribute_storages, walk_state
 from speccheck.checks.verify.readback import host_copies
-from speccheck.checks.verify.state_walk import attribute_storages, walk_state
 from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.metadata import AttentionInputBuffers

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KVSnapshot, KvShare
-from speccheck.checks.verify.state_walk import describe_host_value, same_host_value, same_value
+from speccheck.checks.probes.state_walk import describe_host_value, same_host_value, same_value
 from speccheck.checks.verify.step_recorder import StepSnapshots
 from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.contract.host_copy import int64_on

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from speccheck.checks.verify.comparisons import Outcome
-from speccheck.checks.verify.state_walk import attribute_storages, changed_paths
+from speccheck.checks.probes.state_walk import attribute_storages, changed_paths
 from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.contract.groups import AttentionGroup
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator

@@ -48,6 +48,7 @@ from speccheck.checks.verify.kv_share import WHOLE_CACHE, KvShare, whole_cache_s
 from speccheck.checks.verify.localise import localise_reference_divergence
 from speccheck.checks.verify.refresh_probe import RefreshProbe, RefreshRaised
 from speccheck.checks.verify.report import BackendReport, misfit_line
+from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.scale import (
     DEFAULT_CAPTURE_SIZES,
     DEFAULT_MAX_NEW_TOKENS,
@@ -57,11 +58,12 @@ from speccheck.checks.verify.scale import (
 from speccheck.checks.verify.search import ExampleRun, SearchBudget, record_failure, search
 from speccheck.checks.verify.side_lane import SideLane, SideRun
 from speccheck.checks.verify.strategies import BatchLimits, derived_step_changes, draft_batches
-from speccheck.checks.verify.vocabulary import Candidate, Check, Result
+from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Tier
 from speccheck.checks.verify.zero_tails import zero_tails
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.dcp import DcpRank
 from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.attention_setup import machine_platform
 from speccheck.speculator.autoregressive import DecodePath
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.kv_cache import SINK_BLOCK
@@ -93,6 +95,18 @@ class VerifySettings:
     """Run the fused candidate even where the matrix forbids it (``--audit-claims``)."""
     matrices: MatrixContext = field(kw_only=True)
     """The matrix under verification, and the shipped one for the fp32 reference."""
+
+    @classmethod
+    def for_task(cls, task: WorkerTask, tier: Tier, matrices: MatrixContext) -> VerifySettings:
+        """The engine's view of ``task`` on ``tier`` (``matrices``: its run's): the only
+        place a worker's settings are derived from what it was given."""
+        scale = task.run.scale(tier)
+        return cls(task.backend,
+                   task.run.config_for(task.backend, tier, matrices.matrix, machine_platform()),
+                   examples=task.examples, seed=task.seed, steps=task.run.draft_steps,
+                   capture_sizes=scale.capture_sizes, max_new_tokens=scale.max_new_tokens,
+                   shrink_seconds=task.run.shrink_seconds, claim_fused=task.claim_fused,
+                   matrices=matrices)
 
 
 def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:

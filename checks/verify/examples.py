@@ -29,6 +29,7 @@ from typing import Annotated, Any, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from speccheck.checks.verify.scale import MAX_NEW_TOKENS, MAX_REQUESTS
 from speccheck.contract.bounded_read import UnreadableFile, printable_path, read_regular_file
 from speccheck.speculator.batch import DraftBatch
 
@@ -56,12 +57,6 @@ REPRODUCE_FILE = "@"
 
 MAX_STEPS = 64
 """Largest ``num_speculative_steps`` (K)."""
-
-MAX_REQUESTS = 1024
-"""Most requests in one batch."""
-
-MAX_NEW_TOKENS = 1024
-"""Most new tokens of one request."""
 
 MAX_BLOCKS_PER_REQUEST = 1 << 16
 """Longest block-table row."""

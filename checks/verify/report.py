@@ -116,6 +116,11 @@ class BackendReport:
     data_parallel: dict[str, Any] | None = None
     """For a ``--dp-size N`` run: ``{"dp_size": N, "collectives": the ranks' process-group
     backend ("gloo" or "cpu:gloo,cuda:nccl"), "devices": rank r's device at index r}``."""
+    worker_task: dict[str, Any] | None = None
+    """The :class:`~speccheck.checks.verify.run.WorkerTask` the worker process that wrote
+    this report was given, as it read it (``model_dump(mode="json")``: the run unchanged,
+    the backend, the worker's examples and seed); after a merge of shards, the first
+    worker's. ``None`` for a report not written by a worker process (DP and DCP ranks)."""
 
     def tally(self, outcomes: Any) -> None:
         """Count every outcome (anything with ``check`` and ``result``) in its check."""

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any, Protocol
 
 from rich.console import Console
@@ -29,23 +28,9 @@ from rich.progress import TaskID
 
 from speccheck.checks.verify.examples import BadExample, reproduce_blob, reproduce_command
 from speccheck.checks.verify.report import BackendReport
-from speccheck.checks.verify.scale import DEFAULT_SHRINK_SECONDS, TIER_SCALE, HarnessScale
+from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.vocabulary import Status, Tier
 from speccheck.checks.verify.worker_process import WorkerProcess
-from speccheck.contract.runtime_config import RuntimeConfig
-
-
-def worker_request(
-    backend: str, config: RuntimeConfig, examples: int, seed: int, steps: Sequence[int],
-    reproduce: str | None, reproduce_prefix: str, matrix: Path | None = None,
-    scale: HarnessScale = TIER_SCALE[Tier.CPU], shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
-) -> dict[str, object]:
-    """What :mod:`speccheck.checks.verify.worker` reads: JSON-serialisable settings."""
-    return {"backend": backend, "config": config.model_dump(), "examples": examples,
-            "seed": seed, "steps": list(steps), "reproduce": reproduce,
-            "reproduce_prefix": reproduce_prefix, "matrix": str(matrix) if matrix else None,
-            "capture_sizes": list(scale.capture_sizes), "max_new_tokens": scale.max_new_tokens,
-            "shrink_seconds": shrink_seconds}
 
 
 class ProgressDisplay(Protocol):
@@ -139,25 +124,23 @@ class _ProgressLog:
 
 
 def run_worker(
-    request: dict[str, object], progress: ProgressDisplay, example_timeout: float, tier: str,
-    label: str | None = None, worker: WorkerProcess | None = None,
+    task: WorkerTask, progress: ProgressDisplay, tier: Tier, label: str | None = None,
+    worker: WorkerProcess | None = None,
 ) -> BackendReport:
-    """Run the worker for ``request`` and return its report, or a ``crashed`` report that
-    names the last example it started when it dies without one or makes no progress for
-    ``example_timeout`` seconds (then it is killed). The worker's output is drained as it
-    runs; the last lines of it explain a crash. Raises
+    """Run a worker process on ``task`` and return its report, or a ``crashed`` report
+    that names the last example it started when it dies without one or makes no progress
+    for the run's ``example_timeout`` seconds (then it is killed). The worker's output is
+    drained as it runs; the last lines of it explain a crash. Raises
     :class:`~speccheck.checks.verify.examples.BadExample` when the worker rejects its
-    ``--reproduce`` example. ``label`` names the progress task (default: the backend); the
+    ``reproduce`` example. ``label`` names the progress task (default: the backend); the
     task ends at the examples the worker ran, with the status in its description.
-    ``worker``: a process started earlier to take this request (closed here), else a
-    fresh one."""
-    backend = str(request["backend"])
-    examples = request["examples"]
-    assert isinstance(examples, int)
-    label = label or backend
-    task = progress.add_task(label, total=examples if not request["reproduce"] else 1)
+    ``worker``: a process started earlier to take this task (closed here), else a fresh
+    one."""
+    example_timeout = task.run.example_timeout
+    label = label or task.backend
+    progress_task = progress.add_task(label, total=task.progress_total)
     with worker or WorkerProcess() as process:
-        process.send(request)
+        process.send(task)
         proc = process.proc
         last_change = time.monotonic()
         hung = False
@@ -168,38 +151,37 @@ def run_worker(
                 if log.poll():
                     last_change = time.monotonic()
                     assert log.latest is not None
-                    progress.update(task, completed=log.latest["index"] - 1)
+                    progress.update(progress_task, completed=log.latest["index"] - 1)
                 elif time.monotonic() - last_change > example_timeout:
                     proc.kill()
                     proc.wait()
                     hung = True
                 else:
-                    progress.update(task)
+                    progress.update(progress_task)
             log.poll()
         tail = " | ".join(process.output.last_lines(3))
         res = process.result
         result = json.loads(res.read_text()) if res.exists() and not hung else None
         if result is not None and "bad_input" in result:
-            _end_task(progress, task, label, 0, "bad input")
+            _end_task(progress, progress_task, label, 0, "bad input")
             raise BadExample(result["bad_input"])
         raised = result.pop("raised", None) if result is not None else None
         if raised is not None:
             tail, result = raised, None
         if result is not None:
             report = BackendReport.from_json(result)
-            _end_task(progress, task, label, report.examples, report.status.value)
+            _end_task(progress, progress_task, label, report.examples, report.status.value)
             return report
         what = (f"no progress for {example_timeout:.0f}s (hang); killed" if hung
                 else f"worker exited with status {proc.returncode}: {tail}")
         if log.latest is not None:
             what += f" (during example {log.latest['index']})"
-        report = BackendReport(backend, Tier(tier), Status.CRASHED, detail=what)
+        report = BackendReport(task.backend, tier, Status.CRASHED, detail=what)
         started = 0
         if log.latest is not None:
             started = log.latest["index"]
-            report.reproduce = reproduce_command(str(request["reproduce_prefix"]),
-                                                 log.latest["example"])
-        _end_task(progress, task, label, max(started - 1, 0), report.status.value)
+            report.reproduce = reproduce_command(task.reproduce_prefix, log.latest["example"])
+        _end_task(progress, progress_task, label, max(started - 1, 0), report.status.value)
         return report
 
 
@@ -211,23 +193,22 @@ def _end_task(progress: ProgressDisplay, task: TaskID, label: str, done: int, st
 
 
 def confirm_reproduce(
-    request: dict[str, object], report: BackendReport, progress: ProgressDisplay,
-    example_timeout: float, tier: str,
+    task: WorkerTask, report: BackendReport, progress: ProgressDisplay, tier: Tier,
 ) -> str | None:
-    """Run ``report``'s reproduce command in a fresh worker and record in
-    ``report.reproduced`` whether it fails the same way there: the same status and, for a
-    failure, the same failed checks. Returns why not (one line), or ``None`` when it does
-    or there is no command. A ``--reproduce`` run (``request["reproduce"]``) already ran
-    its example alone in a fresh worker: it counts as reproduced without a second run."""
+    """Run ``report``'s reproduce command in a fresh worker (``task`` with the failing
+    example as its ``reproduce``) and record in ``report.reproduced`` whether it fails the
+    same way there: the same status and, for a failure, the same failed checks. Returns
+    why not (one line), or ``None`` when it does or there is no command. A reproduce task
+    already ran its example alone in a fresh worker: it counts as reproduced without a
+    second run."""
     if report.reproduce is None:
         return None
-    if request["reproduce"]:
+    if task.reproduce is not None:
         report.reproduced = True
         return None
-    again_request = {**request, "reproduce": reproduce_blob(report.reproduce)}
+    again_task = task.model_copy(update={"reproduce": reproduce_blob(report.reproduce)})
     try:
-        again = run_worker(again_request, progress, example_timeout, tier,
-                           label=f"{report.backend} reproduce check")
+        again = run_worker(again_task, progress, tier, label=f"{report.backend} reproduce check")
     except BadExample as exc:
         why: str | None = f"the fresh worker rejected the example ({exc})"
     else:

@@ -8,6 +8,12 @@ from dataclasses import dataclass
 
 from speccheck.checks.verify.vocabulary import Tier
 
+MAX_REQUESTS = 1024
+"""Most requests in one batch (an example's, and the largest capture size)."""
+
+MAX_NEW_TOKENS = 1024
+"""Most new tokens of one request."""
+
 
 @dataclass(frozen=True)
 class HarnessScale:

@@ -8,7 +8,7 @@ path), with ``copy_``: capture-safe, so inside a captured fused body the copies 
 into the graph and every replay refreshes the snapshots. Buffers are allocated on first
 sight (eagerly, or in the warm-up that precedes a capture), never during a capture.
 
-Host values (:func:`~speccheck.checks.verify.state_walk.walk_host_values`) cannot be
+Host values (:func:`~speccheck.checks.probes.state_walk.walk_host_values`) cannot be
 recorded into a graph: a replay runs no Python, and the kernels it replays were launched,
 at capture, with the host values of that moment. So each call also reads the host values,
 on the host, and keeps them per (lanes, step) in one of two places:
@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from speccheck.checks.probes.state_walk import walk_state
 from speccheck.checks.verify.readback import HostCopyPlan
-from speccheck.checks.verify.state_walk import walk_state
 from speccheck.contract.groups import AttentionGroup
 
 
@@ -55,7 +55,7 @@ class StepSnapshots(dict[int, dict[str, torch.Tensor]]):
 
     As a dict: ``{step: {path: tensor}}``, steps ascending, paths in walk order (metadata
     first), host copies; callers that read tensors only use it as such. :attr:`host`:
-    ``{step: {path: host value}}`` (:func:`~speccheck.checks.verify.state_walk.
+    ``{step: {path: host value}}`` (:func:`~speccheck.checks.probes.state_walk.
     walk_host_values` values) for the same steps.
     """
 
@@ -82,7 +82,7 @@ def reachable_state(
 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
     """Every tensor reachable from the roots, except the builders' workspace buffers, and
     every host value reachable from them, with the same paths (one
-    :func:`~speccheck.checks.verify.state_walk.walk_state` per root)."""
+    :func:`~speccheck.checks.probes.state_walk.walk_state` per root)."""
     workspace = {
         t.untyped_storage().data_ptr()
         for g in groups

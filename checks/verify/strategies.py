@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings, target
 from hypothesis import strategies as st
 
-from speccheck.checks.verify.state_walk import same_value
+from speccheck.checks.probes.state_walk import same_value
 from speccheck.contract.builder import blocks_for
 from speccheck.speculator.batch import DraftBatch
 

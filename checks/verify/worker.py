@@ -1,7 +1,7 @@
 """The process that verifies one backend: ``python -m speccheck.checks.verify.worker
-RESULT.json PROGRESS.jsonl``, its request (JSON) on its standard input, read once its
-imports are done. Run by :mod:`speccheck.checks.verify.runner`, which may start it before
-the request is known.
+RESULT.json PROGRESS.jsonl``, its :class:`~speccheck.checks.verify.run.WorkerTask` (JSON) on
+its standard input, read once its imports are done. Run by
+:mod:`speccheck.checks.verify.runner`, which may start it before the task is known.
 
 Writes one JSON line per example to PROGRESS before running it (so a parent that kills a
 hung or crashed worker knows the last example), and the :class:`BackendReport` to RESULT.
@@ -17,7 +17,6 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -40,25 +39,26 @@ from speccheck.checks.verify.examples import (
     reproduce_command,
 )
 from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.contract.resolution import resolve_backend
-from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import device_name, machine_platform, unrunnable_reason
 
 EXIT_BAD_INPUT = 2
 """Exit status of a worker whose ``--reproduce`` example it cannot take."""
 
 
-def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendReport:
-    """Run the verification described by ``request`` (see ``runner.worker_request``).
-    Raises :class:`BadExample` for a ``--reproduce`` example the harness cannot take."""
-    name = request["backend"]
-    config = RuntimeConfig(**request["config"])
+def verify_backend(task: WorkerTask, progress_path: Path) -> BackendReport:
+    """Run the verification ``task`` describes. Raises :class:`BadExample` for a
+    ``reproduce`` example the harness cannot take."""
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
+    matrices = MatrixContext.load(task.run.matrix)
+    settings = VerifySettings.for_task(task, Tier.GPU if gpu else Tier.CPU, matrices)
+    name, config = settings.backend, settings.config
     report = BackendReport(name, Tier.GPU if gpu else Tier.CPU, Status.PASSED,
-                           device=device_name(device), runtime_config=config.model_dump())
-    matrices = MatrixContext.load(request.get("matrix"))
+                           device=device_name(device), runtime_config=config.model_dump(),
+                           worker_task=task.model_dump(mode="json"))
     resolution = resolve_backend(matrices.matrix.backend(name), config)
     report.fused_allowed = resolution.fused_multi_step
     report.fused_reason = resolution.reason
@@ -66,12 +66,6 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     if unrunnable is not None:
         report.status, report.tier, report.detail = Status.SKIPPED, Tier.NONE, unrunnable
         return report
-    settings = VerifySettings(backend=name, config=config, examples=request["examples"],
-                              seed=request["seed"], steps=tuple(request["steps"]),
-                              capture_sizes=tuple(request["capture_sizes"]),
-                              max_new_tokens=request["max_new_tokens"],
-                              shrink_seconds=request["shrink_seconds"],
-                              claim_fused=bool(request.get("claim_fused")), matrices=matrices)
     started = time.perf_counter()
     try:
         verifier = BackendVerifier(settings, device)
@@ -80,7 +74,7 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     except BackendUnavailable as exc:
         report.status, report.tier, report.detail = Status.SKIPPED, Tier.NONE, str(exc)
         return report
-    reproduce = _reproduce_example(request["reproduce"], verifier) if request["reproduce"] else None
+    reproduce = _reproduce_example(task.reproduce, verifier) if task.reproduce else None
     with progress_path.open("a") as progress:
         def on_example(index: int, example: Example) -> None:
             progress.write(json.dumps({"index": index, "example": encode_example(example)}) + "\n")
@@ -101,7 +95,7 @@ def verify_backend(request: dict[str, Any], progress_path: Path) -> BackendRepor
     report.seconds = time.perf_counter() - started
     if report.minimal_example is not None:
         blob = encode_example(example_from_json(report.minimal_example))
-        report.reproduce = reproduce_command(request["reproduce_prefix"], blob)
+        report.reproduce = reproduce_command(task.reproduce_prefix, blob)
     return report
 
 
@@ -135,11 +129,11 @@ def main(argv: list[str]) -> int:
     if torch.cuda.is_available():
         torch.cuda.init()  # while the parent still plans (a worker may start before that)
     raw = sys.stdin.buffer.read()
-    if not raw:  # input closed without a request: the worker started early was not needed
+    if not raw:  # input closed without a task: the worker started early was not needed
         return 0
-    request = json.loads(raw)
+    task = WorkerTask.model_validate_json(raw)
     try:
-        report = verify_backend(request, progress_path)
+        report = verify_backend(task, progress_path)
     except BadExample as exc:
         result_path.write_text(json.dumps({"bad_input": str(exc)}))
         return EXIT_BAD_INPUT

@@ -4,7 +4,6 @@ then overlap: seconds each)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,8 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import IO, Self
+
+from speccheck.checks.verify.run import WorkerTask
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 """Defaults for a worker's environment, below whatever the caller's environment sets: the
@@ -56,11 +57,12 @@ class OutputTail:
 
 class WorkerProcess:
     """A worker process, ``python -m speccheck.checks.verify.worker RESULT PROGRESS``, that
-    reads its request from its standard input: it can start before the request is known,
+    reads its :class:`~speccheck.checks.verify.run.WorkerTask` from its standard input: it
+can start before the task is known,
     so its imports (torch, Triton, the engine: seconds) overlap the parent's planning. Its
     output is drained from the start (:class:`OutputTail`).
-    :func:`~speccheck.checks.verify.runner.run_worker` sends the request; :meth:`close`
-    kills a process still running (one never sent a request waits on its input) and
+    :func:`~speccheck.checks.verify.runner.run_worker` sends the task; :meth:`close`
+    kills a process still running (one never sent a task waits on its input) and
     removes its files."""
 
     def __init__(self) -> None:
@@ -77,13 +79,13 @@ class WorkerProcess:
         assert self.proc.stdout is not None
         self.output = OutputTail(self.proc.stdout, OUTPUT_TAIL_BYTES)
 
-    def send(self, request: dict[str, object]) -> None:
-        """Write ``request`` to the worker's input and close it. A worker that already died
+    def send(self, task: WorkerTask) -> None:
+        """Write ``task`` (as JSON) to the worker's input and close it. A worker that already died
         (during its imports) is left to its exit status and output to explain."""
         assert self.proc.stdin is not None
         try:
             with self.proc.stdin:
-                self.proc.stdin.write(json.dumps(request).encode())
+                self.proc.stdin.write(task.model_dump_json().encode())
         except BrokenPipeError:
             pass
 
