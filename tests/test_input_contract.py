@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from speccheck.speculator.kv_cache import PAD_SLOT, SINK_BLOCK
 from speccheck.speculator.model import DrafterConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "writing-an-adapter.md"
 REBUILDING = ROOT / "tests" / "fixtures" / "adapters" / "rebuilding.py"
 TAIL_ZEROING = "        self.kv_lens[num_reqs:].zero_()\n        self.slots[num_tokens:].zero_()\n"
 """The lines of the rebuilding fixture's refresh that zero its buffers' tails."""
@@ -230,13 +232,22 @@ def _table(batch: DraftBatch, rows: int) -> list[list[int]]:
     return out
 
 
+def test_the_guide_names_every_test_here_as_a_statements_pin() -> None:
+    """Section 7 of the guide names, after each statement, the test that pins it: every one
+    exists, and every other test of this module pins one."""
+    named = set(re.findall(r"tests/test_input_contract\.py::(test_\w+)", GUIDE.read_text()))
+    here = {name for name in globals() if name.startswith("test_")}
+    assert named == here - {"test_the_guide_names_every_test_here_as_a_statements_pin"}
+
+
 # --- 1. the sink ------------------------------------------------------------------------
 
 def test_block_zero_is_the_sink_and_no_request_may_own_it() -> None:
     assert SINK_SLOT == PAD_SLOT == SINK_BLOCK * BLOCK_SIZE == 0
     spec = _speculator()
     owns_the_sink = DraftBatch((0,), ((1,),), ((0,),), (0,))
-    with pytest.raises(ValueError, match=rf"request 0: block ids must lie in 1\.\.{NUM_BLOCKS - 1}"):
+    live = rf"request 0: block ids must lie in 1\.\.{NUM_BLOCKS - 1}"
+    with pytest.raises(ValueError, match=live):
         spec.propose(owns_the_sink)
 
 
