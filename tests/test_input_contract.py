@@ -104,7 +104,7 @@ class Received:
 
     hook: Hook
     metadata: int
-    inputs: dict[str, list[Any]]
+    inputs: dict[str, torch.Tensor]
     storage: dict[str, int]
     host: HostValues | None
 
@@ -118,12 +118,12 @@ class Received:
             common.num_reqs, common.num_real_reqs, common.num_actual_tokens,
             common.max_query_len, common.max_seq_len, common.query_start_loc_cpu.tolist(),
             common.seq_lens_cpu_upper_bound.tolist())
-        return cls(hook, id(metadata), {name: [t.clone()] for name, t in tensors.items()},
+        return cls(hook, id(metadata), {name: t.clone() for name, t in tensors.items()},
                    {name: t.untyped_storage().data_ptr() for name, t in tensors.items()}, host)
 
     def __getitem__(self, name: str) -> list[Any]:
         """Input ``name`` as (nested) lists."""
-        return self.inputs[name][0].tolist()
+        return self.inputs[name].tolist()
 
 
 class RecordingBuilder(ReferenceMetadataBuilder):
