@@ -78,6 +78,8 @@ def test_lag_is_counted_from_the_records_alone() -> None:
     assert last_verified(None, 12) == "not verified"
     unknown = BackendStatus(backend="c", tiers={"cpu": _record("cpu", index=None)})
     assert "commit distance unknown" in last_verified(unknown, 12)
+    skipped = BackendStatus(backend="d", tiers={"cpu": _record("cpu", Verdict.SKIPPED)})
+    assert last_verified(skipped, 12) == "not verified (cpu: skipped)"
 
 
 def test_the_bench_table_replaces_only_its_region() -> None:
