@@ -26,6 +26,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from speccheck.checks.device_memory import release_device_memory
+from tests.fixtures.once_per_run import computed_once
+from tests.fixtures.selftest_catalogue import SelftestRun, run_selftest_command
 
 settings.register_profile(
     "ci",
@@ -59,3 +61,13 @@ def release_device_memory_after_cuda_tests(request: pytest.FixtureRequest) -> It
     yield
     if "cuda" in request.keywords and torch.cuda.is_available():
         release_device_memory(torch.device("cuda"))
+
+
+@pytest.fixture(scope="session")
+def selftest_catalogue(tmp_path_factory: pytest.TempPathFactory) -> SelftestRun:
+    """``speccheck selftest`` at its defaults on this machine, run once per pytest run (by
+    whichever xdist worker asks first): every known-bad builder's verification, which the
+    tests of the self-test's table, of its failures' reproduce commands and of the first
+    of the ten seeds read instead of verifying the builders again."""
+    return SelftestRun.from_json(
+        computed_once(tmp_path_factory, "selftest-catalogue", run_selftest_command))
