@@ -71,7 +71,8 @@ Builder = type[AttentionMetadataBuilder]  # type: ignore[type-arg]
 
 
 def _settings(builder: Builder, declares: tuple[str, ...], **changes: object) -> VerifySettings:
-    """The self-test's settings for the reference backend with ``builder`` swapped in."""
+    """Small settings (12 examples, K = 4, capture sizes 2 and 4, ``CPU_CONFIG``) for the
+    reference backend with ``builder`` swapped in, under a matrix declaring ``declares``."""
     shipped = load_matrix(None)
     matrices = MatrixContext(declaring_matrix(shipped, declares), None, shipped)
     settings = VerifySettings("reference", CPU_CONFIG, examples=12, steps=(4,),
