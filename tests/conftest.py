@@ -26,6 +26,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from speccheck.checks.device_memory import release_device_memory
+from tests.fixtures.once_per_run import computed_once
+from tests.fixtures.selftest_catalogue import SelftestRun, run_selftest_command
 
 settings.register_profile(
     "ci",
@@ -39,14 +41,35 @@ settings.register_profile("dev", deadline=None, suppress_health_check=[HealthChe
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+CATALOGUE = "selftest_catalogue"
+"""The session fixture of the self-test's one run (below)."""
+
+
+@pytest.hookimpl(trylast=True)  # after ``-m``/``-k`` have deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``cuda`` are skipped, visibly, on machines without a CUDA device."""
+    """Tests marked ``cuda`` are skipped, visibly, on machines without a CUDA device; the
+    tests that read the self-test catalogue are ordered as :func:`_catalogue_readers_last`
+    says."""
+    _catalogue_readers_last(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _catalogue_readers_last(items: list[pytest.Item]) -> None:
+    """Reorder ``items`` in place: the first test that reads :data:`CATALOGUE` runs first,
+    the others last (each group in collection order). pytest-xdist's schedulers hand each
+    worker a contiguous share of this order, so the worker with the first share starts the
+    catalogue's run at once, and the other workers run their own shares meanwhile instead
+    of waiting on it."""
+    readers = [item for item in items if CATALOGUE in getattr(item, "fixturenames", ())]
+    if not readers:
+        return
+    rest = [item for item in items if CATALOGUE not in getattr(item, "fixturenames", ())]
+    items[:] = [readers[0], *rest, *readers[1:]]
 
 
 @pytest.fixture(autouse=True)
@@ -59,3 +82,13 @@ def release_device_memory_after_cuda_tests(request: pytest.FixtureRequest) -> It
     yield
     if "cuda" in request.keywords and torch.cuda.is_available():
         release_device_memory(torch.device("cuda"))
+
+
+@pytest.fixture(scope="session", name=CATALOGUE)
+def selftest_catalogue(tmp_path_factory: pytest.TempPathFactory) -> SelftestRun:
+    """``speccheck selftest`` at its defaults on this machine, run once per pytest run (by
+    whichever xdist worker asks first): every known-bad builder's verification, which the
+    tests of the self-test's table, of its failures' reproduce commands and of the first
+    of the ten seeds read instead of verifying the builders again."""
+    return SelftestRun.from_json(
+        computed_once(tmp_path_factory, "selftest-catalogue", run_selftest_command))

@@ -181,6 +181,7 @@ def test_a_builder_that_cannot_build_the_batch_gives_an_empty_result_with_the_re
         "no batch size in [9] fits 1..8 requests")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(10))
 def test_the_verifier_catches_a_stale_threshold_refresh_at_default_settings(seed: int) -> None:
     """Default example count and K range, against a matrix that declares ``num_splits``;

@@ -38,6 +38,7 @@ def _run(settings: VerifySettings) -> tuple[BackendVerifier, BackendReport]:
     return verifier, report
 
 
+@pytest.mark.slow
 def test_fa3_without_its_refresh_is_caught_at_default_settings() -> None:
     """The seed PR's headline bug, at the settings ``speccheck verify --backend fa3`` uses
     (its matrix entry's verify_defaults, the GPU tier's scale, K range, example count and

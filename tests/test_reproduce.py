@@ -24,9 +24,11 @@ from speccheck.checks.cli.app import app
 from speccheck.checks.selftest.mutants import (
     MUTANTS,
     DerivedBuilder,
+    Mutant,
     declaring_matrix,
     mutants_matrix,
 )
+from speccheck.checks.selftest.run import settings_at_defaults
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify import runner
 from speccheck.checks.verify.context import MatrixContext
@@ -48,6 +50,7 @@ from speccheck.contract.matrix_model import Matrix
 from speccheck.speculator.batch import DraftBatch
 from tests.fixtures.adapters.known_bad import LeftoverTail
 from tests.fixtures.configs import CPU_CONFIG
+from tests.fixtures.selftest_catalogue import SelftestRun
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN_BAD = ROOT / "tests" / "fixtures" / "adapters" / "known_bad.yaml"
@@ -68,12 +71,11 @@ def _speccheck(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[
 Builder = type[AttentionMetadataBuilder]  # type: ignore[type-arg]
 
 
-def _settings(builder: Builder, declares: tuple[str, ...], rebuilds: bool = False,
-              **changes: object) -> VerifySettings:
-    """The self-test's settings for the reference backend with ``builder`` swapped in."""
+def _settings(builder: Builder, declares: tuple[str, ...], **changes: object) -> VerifySettings:
+    """Small settings (12 examples, K = 4, capture sizes 2 and 4, ``CPU_CONFIG``) for the
+    reference backend with ``builder`` swapped in, under a matrix declaring ``declares``."""
     shipped = load_matrix(None)
-    matrices = MatrixContext(
-        declaring_matrix(shipped, declares, rebuilds=rebuilds), None, shipped)
+    matrices = MatrixContext(declaring_matrix(shipped, declares), None, shipped)
     settings = VerifySettings("reference", CPU_CONFIG, examples=12, steps=(4,),
                               capture_sizes=(2, 4), vocab_size=64,
                               builder_overrides=(("reference", builder),), matrices=matrices)
@@ -86,23 +88,30 @@ def _failed_checks(verifier: BackendVerifier, example: Example) -> set[Check]:
 
 # --- 1. poisoned tails: a stale tail fails on its own ---------------------------------------
 
-KNOWN_BAD_BUILDERS = [
-    pytest.param(m.builder, m.declares, m.rebuilds, id=m.name) for m in MUTANTS
-] + [pytest.param(LeftoverTail, ("kv_lens_plus_one",), False, id="leftover_tail")]
-
-
-@pytest.mark.parametrize(("builder", "declares", "rebuilds"), KNOWN_BAD_BUILDERS)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="re-runs the CPU tier's self-test")
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_a_failure_fails_the_same_way_from_a_fresh_verifier(
-    builder: Builder, declares: tuple[str, ...], rebuilds: bool
+    mutant: Mutant, selftest_catalogue: SelftestRun,
 ) -> None:
-    """What ``--reproduce`` does, in process: the failing example the search found (shrunk
-    for at most a second) fails the same checks in a verifier that never ran another."""
-    settings = _settings(builder, declares, rebuilds, shrink_seconds=1.0)
+    """What ``--reproduce`` does, in process: the failing example the self-test's search
+    found for the mutant at the defaults (its row in ``selftest_catalogue``, shrunk) fails
+    the same checks in a verifier, at the same settings, that never ran another."""
+    row = selftest_catalogue.caught(mutant.name)
+    matrix = declaring_matrix(load_matrix(None), mutant.declares, rebuilds=mutant.rebuilds)
+    settings = settings_at_defaults("reference", mutant.builder, CPU, matrix)
+    example = example_from_json(row["minimal_example"])
+    again = _failed_checks(BackendVerifier(settings, CPU), example)
+    assert again == {Check.parse(f["check"]) for f in row["failures"]}
+
+
+def test_a_leftover_tail_fails_the_same_way_from_a_fresh_verifier() -> None:
+    """The same for the builder of ``tests/fixtures/adapters/known_bad.py`` that never zeroes
+    its tail (no self-test row): the failing example its own search found (shrunk for at
+    most a second) fails the same checks in a fresh verifier."""
+    settings = _settings(LeftoverTail, ("kv_lens_plus_one",), shrink_seconds=1.0)
     report = BackendReport("reference", Tier.CPU, Status.PASSED)
     BackendVerifier(settings, CPU).run(report, lambda i, e: None)
-    if report.status is Status.PASSED:
-        pytest.skip("not caught on the CPU tier in this configuration")
-    assert report.minimal_example is not None
+    assert report.status is Status.FAILED and report.minimal_example is not None
     example = example_from_json(report.minimal_example)
     again = _failed_checks(BackendVerifier(settings, CPU), example)
     assert again == {f.check for f in report.failures}
@@ -286,19 +295,23 @@ def test_a_wrong_attention_output_with_right_kv_writes_is_localised_to_the_outpu
 
 
 CLI_REPRODUCED = ("stale_refresh", "syncing_refresh", "padding_writes_live", "dirty_tail")
-"""The reference mutants whose reproduce commands the command-line test re-runs: one per kind
-of state a failure can hang on (a refresh, a host sync, the KV cache, a buffer's tail).
-Every reference mutant's failure is re-run in a fresh verifier in process
+"""The reference mutants whose failures the command-line test re-runs: one per kind of state
+a failure can hang on (a refresh, a host sync, the KV cache, a buffer's tail). Every
+reference mutant's failure is re-run in a fresh verifier in process
 (:func:`test_a_failure_fails_the_same_way_from_a_fresh_verifier`); the sparse_swa ones, which
 that test does not cover, all run here."""
 
 
-def test_mutants_printed_reproduce_commands_reproduce_in_a_fresh_worker(tmp_path: Path) -> None:
-    """Known-bad builders of the self-test, run as a user's adapters at the CPU tier's
-    defaults (``--backend all`` over a matrix of one entry per mutant; sparse_swa's under
-    copies of its shipped entry): each fails, and the reproduce command printed for it fails
-    the same way when re-run in a fresh worker. (triton_mla's, which needs DCP 2: see
-    tests/test_triton_mla_verify.py.)"""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="re-runs the CPU tier's self-test")
+def test_selftest_failures_reproduce_alone_in_a_fresh_worker(
+    tmp_path: Path, selftest_catalogue: SelftestRun,
+) -> None:
+    """Known-bad builders of the self-test, run as a user's adapters (a matrix of one entry
+    per mutant; sparse_swa's under copies of its shipped entry): the failing example the
+    self-test found for each at the CPU tier's defaults (its row in ``selftest_catalogue``),
+    given to ``speccheck verify --reproduce`` at the same defaults, runs alone in a fresh
+    worker and fails the same checks, and the report says it reproduced. (triton_mla's,
+    which needs DCP 2: see tests/test_triton_mla_verify.py.)"""
     matrix = tmp_path / "mutants.yaml"
     shipped = load_matrix(None)
     swa = shipped.backend("sparse_swa")
@@ -309,16 +322,17 @@ def test_mutants_printed_reproduce_commands_reproduce_in_a_fresh_worker(tmp_path
         for m in SWA_MUTANTS)
     data = Matrix(version=1, backends=known_bad).model_dump(mode="json", exclude_defaults=True)
     matrix.write_text(yaml.safe_dump({"version": 1, **data}, sort_keys=False))
-    out = tmp_path / "mutants.json"
-    proc = _speccheck("verify", "--backend", "all", "--matrix", str(matrix), "--json", str(out),
-                      timeout=1200)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    reports = {r["backend"]: r for r in json.loads(out.read_text())["backends"]}
     mutants = [m for m in MUTANTS if m.name in CLI_REPRODUCED] + list(SWA_MUTANTS)
-    assert len(mutants) == len(CLI_REPRODUCED) + len(SWA_MUTANTS)
-    assert set(reports) == {m.name for m in mutants}
+    assert len(mutants) == len(CLI_REPRODUCED) + len(SWA_MUTANTS) == len(known_bad)
     for mutant in mutants:
-        report = reports[mutant.name]
-        assert report["status"] == "failed", (mutant.name, report["detail"])
-        assert mutant.check.value in {f["check"] for f in report["failures"]}, mutant.name
-        assert report["reproduced"] is True, (mutant.name, report["reproduce"])
+        row = selftest_catalogue.caught(mutant.name)
+        assert mutant.check.value in {f["check"] for f in row["failures"]}, row
+        blob = encode_example(example_from_json(row["minimal_example"]))
+        out = tmp_path / f"{mutant.name}.json"
+        proc = _speccheck("verify", "--backend", mutant.name, "--matrix", str(matrix),
+                          "--reproduce", blob, "--json", str(out))
+        assert proc.returncode == 1, (mutant.name, proc.stdout + proc.stderr)
+        (report,) = json.loads(out.read_text())["backends"]
+        assert report["examples"] == 1 and report["reproduced"] is True, (mutant.name, report)
+        assert {f["check"] for f in report["failures"]} == {
+            f["check"] for f in row["failures"]}, (mutant.name, report["failures"], row)

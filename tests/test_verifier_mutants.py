@@ -20,25 +20,32 @@ from speccheck.checks.selftest.mutants import (
     naming_matrix,
 )
 from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS
-from speccheck.checks.selftest.run import verify_builder
+from speccheck.checks.selftest.run import CONTROL_RESULT, verify_builder
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.examples import decode_example, encode_example, example_from_json
 from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.matrix_loader import load_matrix
+from tests.fixtures.selftest_catalogue import SelftestRun
 
-DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.cuda)]
+@pytest.mark.skipif(torch.cuda.is_available(), reason="reads the CPU tier's self-test")
+def test_the_correct_builder_passes_on_the_cpu_tier(selftest_catalogue: SelftestRun) -> None:
+    """The self-test's control row: the correct builder at the defaults passes, every
+    example compared step by step."""
+    row = selftest_catalogue.row(CONTROL_RESULT)
+    assert row["outcome"] == "caught" and not row["failures"], row
+    assert row["checks"]["step_metadata"]["passed"] > 0, row["checks"]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_correct_builder_passes(device: str) -> None:
+@pytest.mark.cuda
+def test_the_correct_builder_passes_with_real_graphs() -> None:
     """Shrinking is cut to 10 s, as for the mutants, and a failure is printed as soon as
     it is known: a false positive then shows within a GPU run's time limit, even in a run
     killed at that limit before pytest's summary."""
-    report = verify_builder(DerivedBuilder, torch.device(device), shrink_seconds=10.0)
+    report = verify_builder(DerivedBuilder, torch.device("cuda"), shrink_seconds=10.0)
     if report.failures:
         example = report.minimal_example
         blob = encode_example(example_from_json(example)) if example else None
-        print(f"the correct builder failed on {device}: {report.failures}\n"
+        print(f"the correct builder failed on cuda: {report.failures}\n"
               f"minimal example (blob): {blob}", flush=True)
     assert report.status == "passed", report.failures
     assert report.checks["step_metadata"].passed > 0
@@ -59,40 +66,48 @@ def test_each_check_catches_its_mutant_with_real_graphs(mutant: Mutant) -> None:
     assert report.minimal_example is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU tier's defaults")
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
-def test_each_mutant_is_caught_at_default_settings_for_ten_seeds(mutant: Mutant) -> None:
+def test_each_mutant_is_caught_at_default_settings_for_ten_seeds(
+    mutant: Mutant, selftest_catalogue: SelftestRun,
+) -> None:
     """What ``speccheck verify`` does by default on the CPU tier (its runtime config, batch
-    scale, K range and example count; only the shrink budget is cut, which does not change
-    what the search finds), for hypothesis seeds 0..9: every seed catches the mutant with
-    the check meant for it."""
+    scale, K range and example count), for hypothesis seeds 0..9: every seed catches the
+    mutant with the check meant for it. Seed 0 is the self-test's own run (its row in
+    ``selftest_catalogue``); seeds 1..9 run here with only the shrink budget cut, which
+    does not change what the search finds."""
     check, phrase = mutant.expected(gpu=False)
-    missed = []
-    for seed in range(10):
+    row = selftest_catalogue.row(mutant.name)
+    assert row["minimal_example"] is not None, row
+    found = {0: [(f["check"], f["diagnosis"]) for f in row["failures"]]}
+    for seed in range(1, 10):
         report = verify_builder(mutant.builder, torch.device("cpu"), seed=seed,
                                 shrink_seconds=0.0, declares=mutant.declares,
                                 rebuilds=mutant.rebuilds)
-        if not any(f.check == check and phrase in f.diagnosis for f in report.failures):
-            missed.append((seed, [(f.check, f.diagnosis) for f in report.failures]))
         assert report.status == "failed" and report.minimal_example is not None
+        found[seed] = [(f.check, f.diagnosis) for f in report.failures]
+    missed = {seed: failures for seed, failures in found.items()
+              if not any(c == check and phrase in diagnosis for c, diagnosis in failures)}
     assert not missed, missed
 
 
-def test_failures_shrink_to_a_small_reproducible_example() -> None:
-    report = verify_builder(StaleRefresh, torch.device("cpu"))
-    example = report.minimal_example
-    assert example is not None and len(example["context_lens"]) == 1
+@pytest.mark.skipif(torch.cuda.is_available(), reason="reads the CPU tier's self-test")
+def test_failures_shrink_to_a_small_reproducible_example(selftest_catalogue: SelftestRun) -> None:
+    """The self-test's stale_refresh row, shrunk for the default budget: one request."""
+    example = selftest_catalogue.caught("stale_refresh")["minimal_example"]
+    assert len(example["context_lens"]) == 1
     blob = encode_example(example_from_json(example))
     assert decode_example(blob) == example_from_json(example)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU tier's table")
-def test_selftest_command_reports_every_mutant_caught(tmp_path) -> None:
-    out = tmp_path / "selftest.json"
-    result = CliRunner().invoke(app, ["selftest", "--json", str(out)])
-    assert result.exit_code == 0, result.output
-    assert "MISSED" not in result.output
-    rows = json.loads(out.read_text())
+def test_selftest_command_reports_every_mutant_caught(selftest_catalogue: SelftestRun) -> None:
+    """``speccheck selftest --json FILE`` at its defaults: the one run of the catalogue
+    (``selftest_catalogue``) the other tests of known-bad builders read too."""
+    assert selftest_catalogue.exit_code == 0, selftest_catalogue.output
+    assert "MISSED" not in selftest_catalogue.output
+    rows = list(selftest_catalogue.rows)
     assert [r["name"] for r in rows[1:]] == [
         *(m.name for m in MUTANTS), *(m.name for m in SWA_MUTANTS), "mla_stale_dcp_local_lens",
         "reference_stale_dcp_local_lens", "triton_attn_stale_dcp_local_lens",
@@ -102,7 +117,7 @@ def test_selftest_command_reports_every_mutant_caught(tmp_path) -> None:
     # The CUDA-only backends' mutants are listed, skipped, each with the reason.
     for row in rows[len(cpu_rows):]:
         assert row["outcome"] == "skipped" and "CUDA" in row["detail"], row
-        assert f"skipped {row['name']}: " in result.output
+        assert f"skipped {row['name']}: " in selftest_catalogue.output
 
 
 def test_selftest_only_runs_the_named_rows_in_table_order(tmp_path) -> None:

@@ -8,7 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.slow
+"""A benchmark tool's test: run by the whole suite (CI), left out by ``-m "not slow"``."""
 
 
 def test_the_phase_table_times_and_counts_every_example_and_the_fp32_reference(tmp_path: Path) -> None:

@@ -8,7 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.fixtures.checkout_copy import ROOT, copy_of_checkout
+
+pytestmark = pytest.mark.slow
+"""A benchmark tool's test: run by the whole suite (CI), left out by ``-m "not slow"``."""
 
 
 def test_both_checkouts_report_their_time_draws_and_workload(tmp_path: Path) -> None:

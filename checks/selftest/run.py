@@ -7,7 +7,7 @@ import dataclasses
 import enum
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS, SWAMutant
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.dcp_ranks import verify_dcp
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
-from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.report import BackendReport, CheckTally, Failure
 from speccheck.checks.verify.scale import DEFAULT_SHRINK_SECONDS, TIER_SCALE
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder
@@ -58,11 +58,23 @@ class Outcome(enum.StrEnum):
 
 @dataclass
 class SelftestResult:
+    """One row's result, as ``speccheck selftest --json`` writes it."""
+
     name: str
     expected_check: str
     outcome: Outcome
     detail: str
     recreates: str
+    failures: list[Failure] = field(default_factory=list)
+    """Every check its verification failed, on :attr:`minimal_example` (none for a pass, a
+    skip or a crash)."""
+    minimal_example: dict[str, Any] | None = None
+    """The (shrunk) example the failures were found on, as a report holds it
+    (:func:`~speccheck.checks.verify.examples.example_from_json` reads it): what a
+    reproduce command re-runs."""
+    checks: dict[Check, CheckTally] = field(default_factory=dict)
+    """How often each check passed, failed, ... over its verification's examples (none for
+    a skip or a crash)."""
 
 
 def settings_at_defaults(
@@ -155,7 +167,7 @@ def _result(name: str, check: str, recreates: str, report: BackendReport,
         "not caught" if not report.failures else
         f"caught by {report.failures[0].check} instead: {report.failures[0].diagnosis}")
     return SelftestResult(name, check, Outcome.CAUGHT if hits else Outcome.MISSED, detail,
-                          recreates)
+                          recreates, report.failures, report.minimal_example, report.checks)
 
 
 def verify_process_mutant(mutant: ProcessMutant,
@@ -188,6 +200,8 @@ def verify_process_mutant(mutant: ProcessMutant,
 
 CONTROL = "control"
 """The control row's name in :func:`selftest_rows` (its result is named in full)."""
+CONTROL_RESULT = "control (correct builder)"
+"""The name the control row's result carries."""
 MLA_STALE_DCP_LOCAL_LENS = "mla_stale_dcp_local_lens"
 """The row (and result) of the triton_mla builder that keeps step 1's DCP-local lengths."""
 
@@ -235,10 +249,10 @@ def selftest_rows(device: torch.device,
         report = verify_builder(DerivedBuilder, device, shrink_seconds=shrink_seconds)
         passed = report.status is Status.PASSED
         return SelftestResult(
-            "control (correct builder)", "-", Outcome.CAUGHT if passed else Outcome.MISSED,
+            CONTROL_RESULT, "-", Outcome.CAUGHT if passed else Outcome.MISSED,
             "passed" if passed else
             f"{report.failures[0].check}: {report.failures[0].diagnosis}",
-            "none: must pass")
+            "none: must pass", report.failures, report.minimal_example, report.checks)
 
     def reference_mutant(mutant: Mutant) -> SelftestResult:
         check, phrase = mutant.expected(gpu)
