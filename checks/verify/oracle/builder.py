@@ -9,9 +9,10 @@ from typing import ClassVar
 
 import torch
 
-from speccheck.checks.verify.oracle.attention import dense_attention, gather_request
+from speccheck.checks.verify.oracle.attention import dense_attention, gather_requests
+from speccheck.checks.verify.oracle.chunks import AttentionChunk, plan_chunks
 from speccheck.checks.verify.oracle.kv_write import token_slots, write_tokens
-from speccheck.checks.verify.oracle.spans import RequestSpan, request_spans
+from speccheck.checks.verify.oracle.spans import request_spans
 from speccheck.contract.builder import AttentionImpl, AttentionMetadataBuilder
 from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.metadata import CommonAttentionMetadata
@@ -22,8 +23,9 @@ class OracleMetadata:
     """One eager attention call as the oracle sees it: exact for the call it was built for,
     never refreshed."""
 
-    spans: tuple[RequestSpan, ...]
-    """The requests with query tokens (:func:`~.spans.request_spans`)."""
+    chunks: tuple[AttentionChunk, ...]
+    """The requests with query tokens (:func:`~.spans.request_spans`), in chunks
+    (:func:`~.chunks.plan_chunks`)."""
     block_table: torch.Tensor
     """``[num_reqs, max_blocks_per_req]`` int32: each request's pages."""
     kv_tokens: torch.Tensor
@@ -35,8 +37,8 @@ class OracleMetadata:
 
 class OracleAttentionImpl(AttentionImpl[OracleMetadata]):
     """Writes the call's keys and values (:func:`~.kv_write.write_tokens`), then attends
-    each request densely (:func:`~.attention.dense_attention`) over its whole context,
-    gathered from the cache. ``NHD``: grouped-query keys and values; ``latent`` (MLA): the
+    each chunk of requests densely (:func:`~.attention.dense_attention`) over their whole
+    contexts, gathered from the cache. ``NHD``: grouped-query keys and values; ``latent`` (MLA): the
     latent entry is written and is the key, its first ``kv_lora_rank`` channels the value.
     Honours the layer's ``sliding_window``. Eager only: its work is shaped by the host
     lengths of its build, so it is never captured. Rows of tokens of no request are left
@@ -57,13 +59,13 @@ class OracleAttentionImpl(AttentionImpl[OracleMetadata]):
             value_cache = key_cache[..., : self.layer.kv_lora_rank]
         else:
             write_tokens(value, value_cache, metadata.kv_tokens, metadata.kv_slots)
-        for span in metadata.spans:
-            row = metadata.block_table[span.request]
-            keys = gather_request(key_cache, row, span.seq_len)
-            values = gather_request(value_cache, row, span.seq_len)
-            output[span.tokens] = dense_attention(
-                query[span.tokens], keys, values, span, self.scale, metadata.causal,
-                self.layer.sliding_window).to(output.dtype)
+        for chunk in metadata.chunks:
+            keys, values = (gather_requests(cache, metadata.block_table, chunk.requests,
+                                            chunk.length) for cache in (key_cache, value_cache))
+            out = dense_attention(query[chunk.cell_tokens], keys, values, chunk, self.scale,
+                                  metadata.causal, self.layer.sliding_window)
+            rows = chunk.cell_tokens.flatten()[chunk.real_cells]
+            output[rows] = out.flatten(0, 1)[chunk.real_cells].to(output.dtype)
 
 
 class OracleMetadataBuilder(AttentionMetadataBuilder[OracleMetadata]):
@@ -79,4 +81,11 @@ class OracleMetadataBuilder(AttentionMetadataBuilder[OracleMetadata]):
         spans = request_spans(common.query_start_loc_cpu.tolist(),
                               common.seq_lens_cpu_upper_bound.tolist())
         tokens, slots = token_slots(spans, common.block_table, self.layer.block_size)
-        return OracleMetadata(tuple(spans), common.block_table, tokens, slots, common.causal)
+        chunks = plan_chunks(spans, self._row_bytes(), self.device)
+        return OracleMetadata(chunks, common.block_table, tokens, slots, common.causal)
+
+    def _row_bytes(self) -> int:
+        """Bytes of one position's keys in fp64, as :func:`~.attention.dense_attention`
+        holds them."""
+        (_, _, heads, width), _ = self.layer.kv_cache_shapes(1)
+        return heads * width * 8
