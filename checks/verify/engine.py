@@ -238,20 +238,17 @@ class BackendVerifier:
         try:
             return self._run_candidates(h, example, start, reference)
         finally:
-            if reference is not None:
-                reference.wait()
+            reference.wait()
 
     def _submit_reference(
         self, h: Harness, start: KVSnapshot, batch: DraftBatch
-    ) -> SideRun[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The fp32 reference's run of ``batch`` from ``start``, on the side lane (``None``
-        where the oracle is the fp32 reference): its draft tokens and logits, on the device.
+    ) -> SideRun[tuple[torch.Tensor, torch.Tensor]]:
+        """The fp32 reference's run of ``batch`` from ``start``, on the side lane: its draft
+        tokens and logits, on the device.
         It reads ``start`` and nothing the oracle or a candidate writes. Only the blocks it
         can read are restored: the batch's and the sink block (what padding lanes and unused
         block-table entries point at)."""
         reference = h.reference
-        if reference is None:
-            return None
         whole = whole_cache_start(start, batch, self.config.block_size, self.share.world)
         blocks = [SINK_BLOCK, *(block for row in batch.block_table for block in row)]
 
@@ -265,7 +262,7 @@ class BackendVerifier:
 
     def _run_candidates(
         self, h: Harness, example: Example, start: KVSnapshot,
-        reference: SideRun[tuple[torch.Tensor, torch.Tensor]] | None,
+        reference: SideRun[tuple[torch.Tensor, torch.Tensor]],
     ) -> ExampleRun:
         """The oracle and the candidates of ``example`` from ``start``, their checks, and
         the oracle against ``reference``."""
@@ -328,15 +325,12 @@ class BackendVerifier:
         if probe is not None:
             outcomes += probe.outcomes()
         outcomes += guard_bands(self.harnesses.guards)
-        if reference is not None:
-            tokens, logits = reference.result()
-            expected = DraftResult(tokens.cpu(), logits.cpu())
-            outcomes += compare_drafts(
-                expected, oracle, "oracle vs fp32 reference", self.reference_tol,
-                token_check=Check.VS_FP32_REFERENCE, logit_check=Check.VS_FP32_REFERENCE,
-            )
-        else:
-            outcomes.append(Outcome(Check.VS_FP32_REFERENCE, Result.SKIPPED, "the oracle is the fp32 reference"))
+        tokens, logits = reference.result()
+        expected = DraftResult(tokens.cpu(), logits.cpu())
+        outcomes += compare_drafts(
+            expected, oracle, "oracle vs fp32 reference", self.reference_tol,
+            token_check=Check.VS_FP32_REFERENCE, logit_check=Check.VS_FP32_REFERENCE,
+        )
         return ExampleRun(outcomes, derived_changes)
 
     # ------------------------------------------------------------ the run
@@ -388,7 +382,6 @@ class BackendVerifier:
         state (:func:`~speccheck.checks.verify.localise.localise_reference_divergence`)."""
         k, batch = example
         h = self.harnesses.harness(k)
-        assert h.reference is not None, "the oracle is the fp32 reference"
         return localise_reference_divergence(
             h.spec, h.reference, batch, k, lambda: self.harnesses.start_state(h, example),
             self.config.block_size, self.config.max_model_len, self.reference_tol)

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from speccheck.backends.reference.builder import HostLengthsReferenceBuilder
 from speccheck.checks.probes import poison_
 from speccheck.checks.verify.comparisons import KVSnapshot
 from speccheck.checks.verify.examples import Example, example_digest
 from speccheck.checks.verify.guard_bands import GuardedAllocator
+from speccheck.checks.verify.oracle.builder import OracleMetadataBuilder
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder
 from speccheck.checks.verify.strategies import BatchLimits
 from speccheck.checks.verify.zero_tails import zero_tail_buffers
@@ -52,7 +52,9 @@ class Harness:
     recorder: StepMetadataRecorder
     first_pass_recorder: StepMetadataRecorder
     """The metadata of the padded first pass (step 0), for the padding-lane check."""
-    reference: AutoregressiveSpeculator | None
+    reference: AutoregressiveSpeculator
+    """The fp32 reference: the drafter on the oracle's attention
+    (:mod:`~speccheck.checks.verify.oracle`), whatever the backend under test."""
     capture_error: str | None
     """Why capture failed (a host sync or host copy inside the captured body), if it did."""
     tail_buffers: list[torch.Tensor] | None = None
@@ -160,21 +162,17 @@ class HarnessSet:
         except RuntimeError as exc:
             capture_error = f"capturing the draft-decode graphs failed: {exc}"
         self.capture_seconds += time.perf_counter() - start
-        reference = None
-        if self.dcp is not None or not (self.settings.backend == "reference"
-                                        and config.dtype == "float32"):
-            ref_config = config.model_copy(update={
-                "dtype": "float32", "cudagraph_mode": "none", "dcp_world_size": 1})
-            ref = create_speculator(
-                "autoregressive", ["reference"] * self.settings.num_layers, ref_config,
-                self.reference_drafter(), self.device, self.options(),
-                matrix=self.settings.matrices.shipped,
-                builder_overrides={"reference": HostLengthsReferenceBuilder},
-                kv_cache=self._reference_kv_cache,
-            )
-            assert isinstance(ref, AutoregressiveSpeculator)
-            self._reference_kv_cache = ref.kv_cache
-            reference = ref
+        ref_config = config.model_copy(update={
+            "dtype": "float32", "cudagraph_mode": "none", "dcp_world_size": 1})
+        reference = create_speculator(
+            "autoregressive", ["reference"] * self.settings.num_layers, ref_config,
+            self.reference_drafter(), self.device, self.options(),
+            matrix=self.settings.matrices.shipped,
+            builder_overrides={"reference": OracleMetadataBuilder},
+            kv_cache=self._reference_kv_cache,
+        )
+        assert isinstance(reference, AutoregressiveSpeculator)
+        self._reference_kv_cache = reference.kv_cache
         return Harness(spec, recorder, first_pass_recorder, reference, capture_error)
 
     def start_state(self, h: Harness, example: Example) -> KVSnapshot:

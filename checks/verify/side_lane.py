@@ -5,7 +5,7 @@ example's start state, which it only reads, so its propose need not wait for the
 the candidates. On CUDA it is queued, from the caller's thread, on a stream of its own, and
 the device runs it beside their work: the reference never waits for the device while it
 queues (its builder hands the attention the host lengths of each build,
-:class:`~speccheck.backends.reference.builder.HostLengthsReferenceBuilder`), so queueing
+:class:`~speccheck.checks.verify.oracle.builder.OracleMetadataBuilder`), so queueing
 costs the caller only the launches. Elsewhere (the CPU tier) the work runs on the caller's
 thread when its result is first asked for.
 

@@ -73,9 +73,12 @@ class Check(enum.StrEnum):
     )
     VS_FP32_REFERENCE = (
         "vs_fp32_reference",
-        "the oracle agrees with the fp32 `reference` backend, whose drafter runs the "
-        "tensor-op form of every layer, sampling and index-buffer update (graph and eager "
-        "can agree and both be wrong; they also share the drafter's Triton kernels)",
+        "the oracle agrees with the fp32 reference: the drafter in fp32 on the tensor-op "
+        "form of every layer, sampling and index-buffer update, over an attention of its own "
+        "(`checks/verify/oracle`: its own KV write, dense masked softmax over each request's "
+        "keys and values gathered from the cache) that shares no code with `backends/`, so "
+        "it runs for `reference` too (graph and eager can agree and both be wrong; they also "
+        "share the drafter's Triton kernels)",
     )
     REFRESH_ERROR = (
         "refresh_error",
