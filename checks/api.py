@@ -232,26 +232,29 @@ def _verdict(report: BackendReport, check: Check) -> CheckVerdict:
         shown = _example_lines(report) if finding is None else _finding_lines(finding)
         return CheckVerdict(check, Status.FAILED, "\n".join(lines + shown))
     tally = report.checks[check]
-    if report.stop_note is not None:
+    decided = tally.passed + tally.indeterminate > 0
+    needs = None if decided else _needs(report, check)
+    if needs is None and report.stop_note is not None:
         return CheckVerdict(check, Status.SKIPPED, cut_short(report, tally))
-    if tally.passed == 0 and tally.indeterminate == 0:
-        return CheckVerdict(check, Status.SKIPPED, f"{_why_not_exercised(report, check)}; "
-                            f"it checks: {check.description}")
+    if not decided:
+        why = needs or (f"no example of this run exercised it ({report.examples} examples "
+                        f"on the {report.tier.value.upper()} tier, candidates: "
+                        f"{', '.join(report.candidates) or 'none'})")
+        return CheckVerdict(check, Status.SKIPPED, f"{why}; it checks: {check.description}")
     return CheckVerdict(check, Status.PASSED, f"{tally.passed} passed, {tally.indeterminate} "
                         f"indeterminate, on {report.examples} examples")
 
 
-def _why_not_exercised(report: BackendReport, check: Check) -> str:
-    """Why ``check`` was decided on none of a run's examples, in words: what it needs that
-    the run did not have."""
+def _needs(report: BackendReport, check: Check) -> str | None:
+    """What ``check`` needs that ``report``'s run did not have, in words (``None``: nothing
+    the run lacked by its tier, options or backend)."""
     if check is Check.CAPTURE and report.tier is not Tier.GPU:
         return f"needs CUDA graphs: this run is on the {report.tier.value.upper()} tier"
     if check in (Check.DP_TOKEN_COUNT, Check.DP_MATCHES_SINGLE_RANK):
         return "needs a data-parallel run (--dp-size 2 or more)"
     if check is Check.VS_FP32_REFERENCE and report.backend == "reference":
         return "the oracle is the fp32 reference"
-    return (f"no example of this run exercised it ({report.examples} examples on the "
-            f"{report.tier.value.upper()} tier, candidates: {', '.join(report.candidates) or 'none'})")
+    return None
 
 
 @dataclass(frozen=True)

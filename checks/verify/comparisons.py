@@ -373,20 +373,24 @@ CONSEQUENCES = (Check.DRAFT_TOKENS, Check.LOGITS, Check.KV_CACHE)
 """Checks whose failure a wrong input to the attention call explains."""
 
 
-def mark_consequences(outcomes: Sequence[Outcome]) -> None:
+def mark_consequences(outcomes: Sequence[Outcome]) -> list[Outcome]:
     """Mark each failed :data:`CONSEQUENCES` outcome of a candidate that also failed
     ``step_metadata`` on the same example as following from it (``... (follows from the
     step_metadata failure at step N, FIELD)``): the output and the cache were computed
-    from the wrong metadata, so they are effects to look at after the cause."""
+    from the wrong metadata, so they are effects to look at after the cause. Returns the
+    outcomes marked."""
     causes: dict[str | None, Outcome] = {}
     for outcome in outcomes:
         if outcome.check is Check.STEP_METADATA and outcome.result is Result.FAILED:
             causes.setdefault(outcome.candidate, outcome)
+    marked = []
     for outcome in outcomes:
         cause = causes.get(outcome.candidate)
         if cause is not None and outcome.result is Result.FAILED and outcome.check in CONSEQUENCES:
             outcome.diagnosis += (f" (follows from the step_metadata failure at step "
                                   f"{cause.step}, {cause.field})")
+            marked.append(outcome)
+    return marked
 
 
 def describe_difference(expected: torch.Tensor, got: torch.Tensor) -> str:

@@ -315,7 +315,7 @@ def cut_short(report: BackendReport, tally: CheckTally) -> str:
     (:attr:`BackendReport.stop_note`), with what the check saw before it did."""
     if tally.passed == 0 and tally.indeterminate == 0:
         return f"not reached: {report.stop_note}"
-    return (f"cut short: {report.stop_note}; before that it passed {tally.passed} times, "
+    return (f"cut short: {report.stop_note}; before that: {tally.passed} passed, "
             f"{tally.indeterminate} indeterminate")
 
 

@@ -175,13 +175,14 @@ def record_failure(
 ) -> None:
     """Record ``example`` as a finding of the backend: its failures not ``known`` (failed by
     an earlier finding), output and KV failures that follow from a ``step_metadata``
-    failure marked so (:func:`~speccheck.checks.verify.comparisons.mark_consequences`). A
+    failure marked so (:func:`~speccheck.checks.verify.comparisons.mark_consequences`)
+    and listed after the causes. A
     ``vs_fp32_reference`` failure gets ``localise(example)`` (where and why the oracle and
     the fp32 reference part) added to its first diagnosis. The first finding's example is
     the report's minimal example."""
     report.tally(outcomes)
-    mark_consequences(outcomes)
-    failed = new_failures(outcomes, known)
+    effects = {id(outcome) for outcome in mark_consequences(outcomes)}
+    failed = sorted(new_failures(outcomes, known), key=lambda o: id(o) in effects)
     versus = [o for o in failed if o.check is Check.VS_FP32_REFERENCE]
     if versus:
         versus[0].diagnosis += f"; {localise(example)}"
