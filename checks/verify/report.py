@@ -182,7 +182,8 @@ class BackendReport:
         run stopped at example 2 of 20 (--fail-fast)``); ``None`` when none did."""
         if self.stopped_at is None:
             return None
-        return f"the run stopped at example {self.stopped_at} of {self.examples_asked} (--fail-fast)"
+        return (f"the run stopped at example {self.stopped_at} of {self.examples_asked} "
+                "(--fail-fast)")
 
     def reproduce_of(self, check: Check) -> str | None:
         """The reproduce command of the first finding that failed ``check`` (else the
@@ -248,7 +249,8 @@ def merge_shards(shards: Sequence[BackendReport], seconds: float) -> BackendRepo
         stopped_at=examples if stopped else None,
         checks=checks, failures=failures, findings=findings,
         minimal_example=findings[0].example if findings else worst.minimal_example,
-        reproduce=findings[0].reproduce if findings else worst.reproduce, reproduced=None, detail=worst.detail,
+        reproduce=findings[0].reproduce if findings else worst.reproduce, reproduced=None,
+        detail=worst.detail,
         capture_seconds=sum(report.capture_seconds for report in shards), seconds=seconds)
 
 
