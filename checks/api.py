@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from speccheck.checks.verify.context import MatrixContext
-from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.report import BackendReport, Failure, Finding, cut_short
 from speccheck.checks.verify.run import VerifyRun, WorkerTask, bound_problem
 from speccheck.checks.verify.scale import HarnessScale, default_jobs
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
@@ -167,8 +167,18 @@ class VerifyReport:
                 lines.append(f"{r.backend}: {r.status.value}: {r.detail}")
             elif r.detail:
                 lines.append(f"{r.backend}: {r.detail}")
-            lines += [f"FAIL {r.backend} {f.check}{_where(f)}: {f.diagnosis}" for f in r.failures]
-            lines += _example_lines(r, self.notes.get(r.backend))
+            if r.findings:
+                for finding in r.findings:
+                    lines += [f"FAIL {r.backend} {f.check}{_where(f)}: {f.diagnosis}"
+                              for f in finding.failures]
+                    lines += _finding_lines(finding, self.notes.get(r.backend))
+            else:
+                lines += [f"FAIL {r.backend} {f.check}{_where(f)}: {f.diagnosis}"
+                          for f in r.failures]
+                lines += _example_lines(r, self.notes.get(r.backend))
+            if r.stop_note is not None:
+                lines.append(f"{r.backend}: {r.stop_note}: checks that did not fail ran on "
+                             f"{r.examples} of {r.examples_asked} examples, not all")
         return lines
 
 
@@ -178,19 +188,34 @@ def _where(failure: Failure) -> str:
 
 
 def _example_lines(report: BackendReport, note: str | None = None) -> list[str]:
-    """The minimal example and the reproduce command, saying whether the command failed the
-    same way in a fresh worker (``note``: why not)."""
+    """The minimal example and the reproduce command of a report without findings (a DP or
+    DCP run, a crash), saying whether the command failed the same way in a fresh worker
+    (``note``: why not)."""
+    return _reproduce_lines(report.minimal_example, report.reproduce, report.reproduced, note)
+
+
+def _finding_lines(finding: Finding, note: str | None = None) -> list[str]:
+    """A finding's minimal example and reproduce command (:func:`_reproduce_lines`)."""
+    return _reproduce_lines(finding.example, finding.reproduce, finding.reproduced, note)
+
+
+def _reproduce_lines(
+    example: Mapping[str, Any] | None, reproduce: str | None, reproduced: bool | None,
+    note: str | None,
+) -> list[str]:
+    """``minimal example: ...`` and ``reproduce ...: COMMAND``, saying whether the command
+    failed the same way in a fresh worker (``note``: why not)."""
     lines = []
-    if report.minimal_example is not None:
-        lines.append(f"minimal example: {json.dumps(report.minimal_example)}")
-    if report.reproduce:
+    if example is not None:
+        lines.append(f"minimal example: {json.dumps(example)}")
+    if reproduce:
         label = "reproduce"
-        if report.reproduced:
+        if reproduced:
             label += " (checked: fails the same way in a fresh worker)"
-        elif report.reproduced is not None:
+        elif reproduced is not None:
             label += (" (NOT reproduced in a fresh worker: "
                       f"{note or 'it ended differently there'})")
-        lines.append(f"{label}: {report.reproduce}")
+        lines.append(f"{label}: {reproduce}")
     return lines
 
 
@@ -203,13 +228,33 @@ def _verdict(report: BackendReport, check: Check) -> CheckVerdict:
         lines = [f"{report.backend}: {check.value} failed on the {report.tier.value.upper()} "
                  "tier, on the minimal example:"]
         lines += [f"  {f.diagnosis}" for f in failures]
-        return CheckVerdict(check, Status.FAILED, "\n".join(lines + _example_lines(report)))
+        finding = next((f for f in report.findings if check in f.checks), None)
+        shown = _example_lines(report) if finding is None else _finding_lines(finding)
+        return CheckVerdict(check, Status.FAILED, "\n".join(lines + shown))
     tally = report.checks[check]
-    if tally.passed == 0 and tally.indeterminate == 0:
-        return CheckVerdict(check, Status.SKIPPED, f"not exercised by this run "
-                            f"({report.tier.value.upper()} tier); it checks: {check.description}")
+    decided = tally.passed + tally.indeterminate > 0
+    needs = None if decided else _needs(report, check)
+    if needs is None and report.stop_note is not None:
+        return CheckVerdict(check, Status.SKIPPED, cut_short(report, tally))
+    if not decided:
+        why = needs or (f"no example of this run exercised it ({report.examples} examples "
+                        f"on the {report.tier.value.upper()} tier, candidates: "
+                        f"{', '.join(report.candidates) or 'none'})")
+        return CheckVerdict(check, Status.SKIPPED, f"{why}; it checks: {check.description}")
     return CheckVerdict(check, Status.PASSED, f"{tally.passed} passed, {tally.indeterminate} "
-                        "indeterminate")
+                        f"indeterminate, on {report.examples} examples")
+
+
+def _needs(report: BackendReport, check: Check) -> str | None:
+    """What ``check`` needs that ``report``'s run did not have, in words (``None``: nothing
+    the run lacked by its tier, options or backend)."""
+    if check is Check.CAPTURE and report.tier is not Tier.GPU:
+        return f"needs CUDA graphs: this run is on the {report.tier.value.upper()} tier"
+    if check in (Check.DP_TOKEN_COUNT, Check.DP_MATCHES_SINGLE_RANK):
+        return "needs a data-parallel run (--dp-size 2 or more)"
+    if check is Check.VS_FP32_REFERENCE and report.backend == "reference":
+        return "the oracle is the fp32 reference"
+    return None
 
 
 @dataclass(frozen=True)
@@ -555,6 +600,9 @@ def verify(
       combined with ``dp_size > 1``.
     - ``audit_claims``: for a backend the matrix does not allow to fuse under the config,
       also run the fused path and report whether the claim is too strict or confirmed.
+    - ``fail_fast``: end each worker's search at its first failure (False: it searches on
+      with the examples left for failures of checks, and ``step_metadata`` fields, not
+      failed yet; each failure gets its own minimal example and reproduce command).
     - ``example_timeout``: seconds without progress before a worker counts as hung (300).
     - ``jobs``: worker processes per backend (at most :data:`~speccheck.checks.verify.run.
       MAX_JOBS`), each running its share of ``examples`` from a seed of its own

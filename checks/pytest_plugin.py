@@ -12,12 +12,14 @@ The marker takes :func:`speccheck.verify`'s arguments, from which it builds the
 :class:`~speccheck.checks.verify.run.VerifyRun` it plans (``backend`` a name, ``"all"`` or a
 builder class; ``matrix`` relative to the test file's folder; ``config``, ``examples``,
 ``seed``, ``steps``, ``capture_sizes``, ``max_new_tokens``, ``audit_claims``,
-``example_timeout``, ...: the run's fields). The marked
+``example_timeout``, ``fail_fast``, ...: the run's fields). The marked
 function becomes a collector of one item per backend and check: ``run[BACKEND]`` first (the
 backend ran in its worker: skipped or crashed otherwise), then ``CHECK[BACKEND]`` in report
 order: passed, failed (the diagnosis, the minimal example and the ``speccheck verify ...
---reproduce`` command), or skipped (why: the check does not apply to this tier or config, or
-the backend did not run). Bad marker arguments are one collection error with one line.
+--reproduce`` command of the failure that check is part of), or skipped (why: the check
+needs what the run did not have, the backend did not run, or ``fail_fast`` stopped the run
+before the check ran on every example: never passed when a failure cut it short). Bad
+marker arguments are one collection error with one line.
 
 The verification runs once per distinct plan per session, when its first item runs (so
 ``--collect-only`` and deselection cost nothing), in worker processes exactly like
@@ -53,7 +55,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         f"{MARKER}(backend, *, matrix=None, config=None, examples=50, seed=0, steps=None, "
         "capture_sizes=None, max_new_tokens=None, audit_claims=False, "
-        "example_timeout=300.0): verify an "
+        "example_timeout=300.0, fail_fast=False): verify an "
         "attention backend with speccheck; the marked test function is collected as one "
         "test item per check (see docs/api.md)",
     )

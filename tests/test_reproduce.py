@@ -139,7 +139,7 @@ def test_the_printed_reproduce_command_is_checked_in_a_fresh_worker_and_reproduc
     passed when its printed command ran in a fresh worker."""
     out = tmp_path / "r.json"
     proc = _speccheck("verify", "--backend", "leftover_tail", "--matrix", str(KNOWN_BAD),
-                      "--examples", "6", *SMALL, "--json", str(out))
+                      "--examples", "6", "--fail-fast", *SMALL, "--json", str(out))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (report,) = json.loads(out.read_text())["backends"]
     assert report["status"] == "failed" and report["reproduced"] is True

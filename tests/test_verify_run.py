@@ -22,7 +22,8 @@ EVERY_FIELD = VerifyRun(
     backend="all", config={"dcp_world_size": 2, "dtype": "float16"},
     matrix=Path("some/matrix.yaml"), examples=7, seed=11, steps=(2, 5), capture_sizes=(4, 1, 2),
     max_new_tokens=9, reproduce="@blob.txt", audit_claims=True, example_timeout=12.5,
-    shrink_seconds=0.0, jobs=3, json_path=Path("out/r.json"), junit_path=Path("out/r.xml"))
+    shrink_seconds=0.0, fail_fast=True, jobs=3, json_path=Path("out/r.json"),
+    junit_path=Path("out/r.xml"))
 """A run whose every field differs from its default."""
 
 GATE_OPTIONS = {"examples": 1, "seed": 5, "config": {"num_speculative_steps": 2},

@@ -104,6 +104,7 @@ def verify_command(
     audit_claims: Annotated[bool, typer.Option("--audit-claims", help="For a backend the matrix does not allow to fuse under the config, also run the fused path (in its own worker) and report whether the claim is too strict or confirmed.")] = False,
     capture_sizes: Annotated[Optional[str], typer.Option("--capture-sizes", help="Padded request counts to capture graphs for (and pad eager runs to), comma-separated; the largest bounds the requests and prefill tokens of an example.", show_default=_shown_scale("capture_sizes"))] = None,  # noqa: UP045
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Most tokens a request brings to the first (prefill) pass; the prefill budget is this many per request of the largest capture size.", show_default=_shown_scale("max_new_tokens"))] = None,  # noqa: UP045
+    fail_fast: Annotated[bool, typer.Option("--fail-fast", help="End each worker's search at its first failure (one minimal example and reproduce command); by default it searches on with the examples left for failures of other checks, each with its own.")] = False,
     matrix_path: MatrixPathOption = None,
     *,
     runtime: RuntimeOverrides,
@@ -123,7 +124,8 @@ def verify_command(
             backend=backend, config=runtime, matrix=matrix_path, examples=examples, seed=seed,
             capture_sizes=sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
             audit_claims=audit_claims, example_timeout=example_timeout, jobs=jobs,
-            shrink_seconds=shrink_seconds, json_path=json_path, junit_path=junit)
+            shrink_seconds=shrink_seconds, fail_fast=fail_fast, json_path=json_path,
+            junit_path=junit)
     except VerifyInputError as exc:
         raise _bad_input(str(exc)) from None
     # The first worker starts now: its imports (torch and the engine, seconds) overlap the
@@ -144,8 +146,11 @@ def verify_command(
         scale = plan.scale()
         console.print(f"scale: up to {max(scale.capture_sizes)} requests (capture sizes "
                       f"{','.join(map(str, scale.capture_sizes))}), up to "
-                      f"{scale.max_new_tokens} new tokens per request, K in "
-                      f"{','.join(map(str, run.draft_steps))}", markup=False)
+                      f"{scale.max_new_tokens} new tokens per request"
+                      + (f", K in {','.join(map(str, run.draft_steps))}"
+                         if plan.reproduce is None else ""), markup=False)
+        if plan.reproduce is not None:
+            console.print(reproduced_example_line(plan.reproduce), markup=False)
         for name in plan.names:
             own = plan.config_for(name).model_dump()
             differs = {k: v for k, v in own.items() if plan.config.model_dump()[k] != v}
@@ -172,6 +177,17 @@ def verify_command(
             except VerifyInputError as exc:
                 raise _bad_input(str(exc)) from None
         _finish(console, result, run)
+
+
+def reproduced_example_line(blob: str) -> str:
+    """What a ``--reproduce`` run replays, in one line: the example's own K and shape
+    (requests, new tokens and context length of each), not the run's K range."""
+    from speccheck.checks.verify.examples import decode_example
+
+    k, batch = decode_example(blob)
+    return (f"reproducing one example: K = {k}, {batch.num_reqs} request(s), new tokens "
+            f"{','.join(str(len(new)) for new in batch.new_tokens)}, context lengths "
+            f"{','.join(map(str, batch.context_lens))}")
 
 
 def _parse_capture_sizes(text: str) -> tuple[int, ...]:
@@ -223,7 +239,9 @@ def _finish(console: Console, result: VerifyReport, run: VerifyRun) -> None:
         fused = "-" if r.status in (Status.SKIPPED, Status.CRASHED) else (
             "allowed" if r.fused_allowed else "not allowed"
         )
-        table.add_row(r.backend, r.tier.value, r.status.value, fused, str(r.examples), str(passed),
+        examples = (f"{r.examples} of {r.examples_asked} (stopped)" if r.stop_note is not None
+                    else str(r.examples))
+        table.add_row(r.backend, r.tier.value, r.status.value, fused, examples, str(passed),
                       str(failed), str(indet), f"{r.capture_seconds:.1f}", f"{r.seconds:.1f}")
     console.print(table)
     for line in result.summary_lines():

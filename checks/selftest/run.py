@@ -91,13 +91,15 @@ def settings_at_defaults(
     shipped one): the tier's runtime config, then the entry's ``verify_defaults``, then
     ``config_changes``; the tier's batch scale, draft step counts and example count, unless
     ``settings_changes`` replaces a :class:`VerifySettings` field (a mechanism test pinning
-    one example, say)."""
+    one example, say). The search ends at its first failure (``fail_fast``): what catches
+    a mutant is that failure, which the default search finds the same way before it
+    searches on."""
     tier = Tier.GPU if device.type == "cuda" else Tier.CPU
     config = backend_runtime_config(tier, matrix, backend, config_changes or {})
     scale = TIER_SCALE[tier]
     settings = VerifySettings(backend, config, capture_sizes=scale.capture_sizes,
                               max_new_tokens=scale.max_new_tokens,
-                              builder_overrides=((backend, builder),),
+                              builder_overrides=((backend, builder),), fail_fast=True,
                               matrices=MatrixContext(matrix, None, load_matrix(None)))
     return dataclasses.replace(settings, **settings_changes)
 

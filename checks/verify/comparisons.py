@@ -7,8 +7,9 @@ one-line diagnoses.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -19,6 +20,8 @@ from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.contract.host_copy import int64_on
 from speccheck.speculator.batch import DraftBatch, DraftResult
 from speccheck.speculator.kv_cache import SINK_BLOCK
+
+V = TypeVar("V")
 
 SLOT_MAPPING_SUFFIX = ".metadata.slot_mapping"
 """Snapshot paths that end so hold the slot each lane's new key and value are written to
@@ -156,7 +159,8 @@ def kv_untouched(
     slots = torch.nonzero(stray[layer]).flatten().tolist()
     where = ", ".join(
         describe_slot(batch, bs, expected, s, share)
-        + ("" if steps is None else f", {_mapped_by(steps, s)}")
+        + ("" if steps is None and first_pass is None
+           else f", {_mapped_by(batch, s, steps, first_pass)}")
         for s in slots[:4]
     )
     return [Outcome(Check.KV_CACHE, Result.FAILED,
@@ -245,14 +249,33 @@ def _padding_writes(
             if lane >= batch.num_reqs * query_len and slot // block_size != SINK_BLOCK]
 
 
-def _mapped_by(steps: StepSnapshots, slot: int) -> str:
-    """Which lanes' slot mappings point at ``slot``, as a clause."""
-    lanes = sorted({(step, lane) for step, _, slots in _slot_mappings(steps)
-                    for lane, mapped in enumerate(slots) if mapped == slot})
-    if not lanes:
+def _mapped_by(
+    batch: DraftBatch, slot: int, steps: StepSnapshots | None,
+    first_pass: FirstPassSnapshot | None,
+) -> str:
+    """Which lanes' slot mappings point at ``slot`` (the stray write landed there), as a
+    clause: each lane with the request it serves (or as padding) and when it wrote, in the
+    padded first pass (``first_pass``) or before a draft step (``steps``)."""
+    writers: list[str] = []
+    if first_pass is not None:
+        q = first_pass.query_len
+        for _, _, slots in _slot_mappings(first_pass.snapshots):
+            writers += [f"lane {lane} ({_lane_owner(batch, lane // q, f'token {lane % q}')}) "
+                        "in the padded first pass"
+                        for lane, mapped in enumerate(slots) if mapped == slot]
+    if steps is not None:
+        lanes = sorted({(step, lane) for step, _, slots in _slot_mappings(steps)
+                        for lane, mapped in enumerate(slots) if mapped == slot})
+        writers += [f"lane {lane} ({_lane_owner(batch, lane, 'its draft token')}) before "
+                    f"draft step {step}" for step, lane in lanes]
+    if not writers:
         return "where no lane's slot mapping points (the write ignores the slot mapping)"
-    return "mapped there by " + ", ".join(f"lane {lane} before draft step {step}"
-                                          for step, lane in lanes[:4])
+    return "written there by " + ", ".join(writers[:4])
+
+
+def _lane_owner(batch: DraftBatch, request: int, token: str) -> str:
+    """Whom a lane serves: ``request 1 token 2``, or ``padding``."""
+    return f"request {request} {token}" if request < batch.num_reqs else "padding"
 
 
 def first_divergence(oracle: DraftResult, cand: DraftResult, k: int) -> list[int]:
@@ -305,10 +328,11 @@ def compare_steps(
             got = cand[step].get(path)
             if got is None or not same_value(expected, got):
                 detail = "missing" if got is None else describe_difference(expected, got)
+                previous = _previous(oracle, step, path)
                 return [Outcome(Check.STEP_METADATA, Result.FAILED,
                                 f"{name}: before draft step {step}, {path} differs from a fresh "
-                                f"eager build ({detail}) — the refresh does not recompute it",
-                                name, step, path)]
+                                f"eager build ({detail}) — "
+                                + _staleness(got, previous, same_value), name, step, path)]
         if metadata_only:
             continue
         host = cand.host.get(step, {})
@@ -316,13 +340,57 @@ def compare_steps(
             found = host.get(path)
             if found is None or not same_host_value(value, found):
                 shown = "missing" if found is None else describe_host_value(found)
+                earlier = _previous(oracle.host, step, path)
                 return [Outcome(Check.STEP_METADATA, Result.FAILED,
                                 f"{name}: before draft step {step}, host value {path} is "
                                 f"{shown}, a fresh eager build's is {describe_host_value(value)} "
-                                "— host values are not refreshed between draft steps (a "
-                                "captured graph keeps the ones it was captured with)",
+                                f"— {_staleness(found, earlier, same_host_value)}; host "
+                                "values are not refreshed between draft steps (a captured "
+                                "graph keeps the ones it was captured with)",
                                 name, step, path)]
     return [Outcome(Check.STEP_METADATA, Result.PASSED, candidate=name)]
+
+
+def _previous(steps: Mapping[int, Mapping[str, V]], step: int, path: str) -> V | None:
+    """``path``'s value in ``steps`` at the last step before ``step`` (``None``: none)."""
+    earlier = [s for s in steps if s < step]
+    return steps[max(earlier)].get(path) if earlier else None
+
+
+def _staleness(got: V | None, previous: V | None, same: Callable[[V, V], bool]) -> str:
+    """Whether a step's wrong value ``got`` is the oracle's ``previous`` step's one (stale:
+    not recomputed) or neither (wrong: recomputed wrongly), as a clause."""
+    if got is None:
+        return "the refresh does not recompute it"
+    if previous is not None and same(previous, got):
+        return "stale (equals the previous step's value): the refresh does not recompute it"
+    if previous is None:
+        return "wrong (not this step's value; no earlier step to compare with)"
+    return "wrong (neither this step's nor the previous): the refresh recomputes it wrongly"
+
+
+CONSEQUENCES = (Check.DRAFT_TOKENS, Check.LOGITS, Check.KV_CACHE)
+"""Checks whose failure a wrong input to the attention call explains."""
+
+
+def mark_consequences(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """Mark each failed :data:`CONSEQUENCES` outcome of a candidate that also failed
+    ``step_metadata`` on the same example as following from it (``... (follows from the
+    step_metadata failure at step N, FIELD)``): the output and the cache were computed
+    from the wrong metadata, so they are effects to look at after the cause. Returns the
+    outcomes marked."""
+    causes: dict[str | None, Outcome] = {}
+    for outcome in outcomes:
+        if outcome.check is Check.STEP_METADATA and outcome.result is Result.FAILED:
+            causes.setdefault(outcome.candidate, outcome)
+    marked = []
+    for outcome in outcomes:
+        cause = causes.get(outcome.candidate)
+        if cause is not None and outcome.result is Result.FAILED and outcome.check in CONSEQUENCES:
+            outcome.diagnosis += (f" (follows from the step_metadata failure at step "
+                                  f"{cause.step}, {cause.field})")
+            marked.append(outcome)
+    return marked
 
 
 def describe_difference(expected: torch.Tensor, got: torch.Tensor) -> str:

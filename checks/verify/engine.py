@@ -47,7 +47,7 @@ from speccheck.checks.verify.input_fit import ExampleDoesNotFit, check_fits
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KvShare, whole_cache_start
 from speccheck.checks.verify.localise import localise_reference_divergence
 from speccheck.checks.verify.refresh_probe import RefreshProbe, RefreshRaised
-from speccheck.checks.verify.report import BackendReport, misfit_line
+from speccheck.checks.verify.report import BackendReport, FailureKey, misfit_line
 from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.scale import (
     DEFAULT_CAPTURE_SIZES,
@@ -55,7 +55,7 @@ from speccheck.checks.verify.scale import (
     DEFAULT_SHRINK_SECONDS,
     DEFAULT_STEPS,
 )
-from speccheck.checks.verify.search import ExampleRun, SearchBudget, record_failure, search
+from speccheck.checks.verify.search import ExampleRun, SearchBudget, record_failure, search_all
 from speccheck.checks.verify.side_lane import SideLane, SideRun
 from speccheck.checks.verify.strategies import BatchLimits, derived_step_changes, draft_batches
 from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Tier
@@ -93,6 +93,8 @@ class VerifySettings:
     """Time budget for shrinking a failure; past it the smallest failure so far is kept."""
     claim_fused: bool = False
     """Run the fused candidate even where the matrix forbids it (``--audit-claims``)."""
+    fail_fast: bool = False
+    """End the search at the first failure (``--fail-fast``)."""
     matrices: MatrixContext = field(kw_only=True)
     """The matrix under verification, and the shipped one for the fp32 reference."""
 
@@ -106,7 +108,7 @@ class VerifySettings:
                    examples=task.examples, seed=task.seed, steps=task.run.draft_steps,
                    capture_sizes=scale.capture_sizes, max_new_tokens=scale.max_new_tokens,
                    shrink_seconds=task.run.shrink_seconds, claim_fused=task.claim_fused,
-                   matrices=matrices)
+                   fail_fast=task.run.fail_fast, matrices=matrices)
 
 
 def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
@@ -356,26 +358,29 @@ class BackendVerifier:
         )
 
     def run(self, report: BackendReport, on_example: Callable[[int, Example], None]) -> None:
-        """Draw ``settings.examples`` examples; on a failure, shrink it (within
-        ``settings.shrink_seconds``) and record the smallest failing example found
-        (:func:`~speccheck.checks.verify.search.search`).
+        """Draw ``settings.examples`` examples; shrink each failure (within
+        ``settings.shrink_seconds``) and record the smallest failing example found, then
+        search on for what no finding failed yet, unless ``settings.fail_fast``
+        (:func:`~speccheck.checks.verify.search.search_all`).
 
         ``on_example(index, example)`` is called before every example runs, shrink
         candidates included (same index): a worker killed mid-example names the right one.
         """
         report.breakpoints = self.breakpoints.to_json()
         budget = SearchBudget(self.settings.examples, self.settings.seed,
-                              self.settings.shrink_seconds)
-        failure = search(self.example_strategy(), budget, self.examine, report, on_example)
-        if failure is not None:
-            self.record_failure(report, *failure)
+                              self.settings.shrink_seconds, self.settings.fail_fast)
+        search_all(self.example_strategy(), budget, self.examine, report, on_example,
+                   self.record_failure)
 
     def record_failure(
-        self, report: BackendReport, example: Example, outcomes: list[Outcome]
+        self, report: BackendReport, example: Example, outcomes: list[Outcome],
+        found_at: int = 1, known: frozenset[FailureKey] = frozenset(),
     ) -> None:
-        """Record ``example`` as the backend's failure, a ``vs_fp32_reference`` failure
-        localised (:func:`~speccheck.checks.verify.search.record_failure`)."""
-        record_failure(report, example, outcomes, self.localise_reference_divergence)
+        """Record ``example`` as a finding of the backend (its failures not ``known``), a
+        ``vs_fp32_reference`` failure localised
+        (:func:`~speccheck.checks.verify.search.record_failure`)."""
+        record_failure(report, example, outcomes, self.localise_reference_divergence,
+                       found_at, known)
 
     def localise_reference_divergence(self, example: Example) -> str:
         """Where and why ``example``'s oracle and fp32 reference part, re-run from its start

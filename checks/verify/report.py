@@ -56,6 +56,48 @@ class Failure:
     field: str | None = None
 
 
+FailureKey = tuple[Check, str | None]
+"""What makes a failure new to a run: its check, and for ``step_metadata`` its field."""
+
+
+def failure_key(check: Check, field: str | None) -> FailureKey:
+    """The :data:`FailureKey` of a failure of ``check`` at ``field``: a later example fails
+    anew only by failing a check, or a ``step_metadata`` field, not failed before."""
+    return (check, field if check is Check.STEP_METADATA else None)
+
+
+@dataclass
+class Finding:
+    """One failure the search found (``speccheck verify`` keeps searching after the first,
+    unless ``--fail-fast``): the failed checks of its minimal (shrunk) example that no
+    earlier finding had failed, the example, and its own reproduce command."""
+
+    failures: list[Failure]
+    example: dict[str, Any]
+    """The minimal example (:func:`~speccheck.checks.verify.examples.example_json`)."""
+    found_at: int = 1
+    """The example of the run (1-based) whose failure was shrunk to :attr:`example`."""
+    reproduce: str | None = None
+    reproduced: bool | None = None
+    """Whether ``reproduce``, run in a fresh worker, failed these checks again (``None``:
+    not checked)."""
+
+    @property
+    def keys(self) -> set[FailureKey]:
+        """The :func:`failure_key` of each of its failures."""
+        return {failure_key(f.check, f.field) for f in self.failures}
+
+    @property
+    def checks(self) -> list[Check]:
+        """The checks this finding failed, each once, in report order."""
+        failed = {failure.check for failure in self.failures}
+        return [check for check in Check if check in failed]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Finding:
+        return cls(**{**data, "failures": [_failure_from_json(f) for f in data["failures"]]})
+
+
 @dataclass
 class ClaimAudit:
     """``--audit-claims``: the fused path run although the matrix does not allow it under
@@ -99,11 +141,23 @@ class BackendReport:
     examples: int = 0
     checks: dict[Check, CheckTally] = field(default_factory=lambda: {c: CheckTally() for c in Check})
     failures: list[Failure] = field(default_factory=list)
+    """Every failure: those of each of :attr:`findings`, in order (or of a DP or DCP run,
+    or a claims audit, which record no findings)."""
     minimal_example: dict[str, Any] | None = None
+    """The first finding's minimal example (a DP or DCP run's failing example)."""
     reproduce: str | None = None
+    """The first finding's reproduce command (a crash's: the example it died in)."""
     reproduced: bool | None = None
-    """Whether ``reproduce``, run in a fresh worker, failed the same way (``None``: not
-    checked)."""
+    """Whether every reproduce command, run in a fresh worker, failed the same way
+    (``None``: not checked)."""
+    findings: list[Finding] = field(default_factory=list)
+    """Each failure the search found, with its own minimal example and reproduce command
+    (:mod:`~speccheck.checks.verify.search`)."""
+    examples_asked: int = 0
+    """How many examples the run was given (:attr:`examples`: how many it ran)."""
+    stopped_at: int | None = None
+    """``--fail-fast``: the example at which the run stopped, short of
+    :attr:`examples_asked` (``None``: it ran them all, or stopped on its last)."""
     detail: str = ""
     capture_seconds: float = 0.0
     seconds: float = 0.0
@@ -122,6 +176,23 @@ class BackendReport:
     the backend, the worker's examples and seed); after a merge of shards, the first
     worker's. ``None`` for a report not written by a worker process (DP and DCP ranks)."""
 
+    @property
+    def stop_note(self) -> str | None:
+        """Why checks that did not fail ran on fewer examples than asked, as a clause (``the
+        run stopped at example 2 of 20 (--fail-fast)``); ``None`` when none did."""
+        if self.stopped_at is None:
+            return None
+        return (f"the run stopped at example {self.stopped_at} of {self.examples_asked} "
+                "(--fail-fast)")
+
+    def reproduce_of(self, check: Check) -> str | None:
+        """The reproduce command of the first finding that failed ``check`` (else the
+        report's own)."""
+        for finding in self.findings:
+            if check in finding.checks:
+                return finding.reproduce
+        return self.reproduce
+
     def tally(self, outcomes: Any) -> None:
         """Count every outcome (anything with ``check`` and ``result``) in its check."""
         for outcome in outcomes:
@@ -136,6 +207,7 @@ class BackendReport:
         data["tier"], data["status"] = Tier(data["tier"]), Status(data["status"])
         data["checks"] = {Check.parse(k): CheckTally(**v) for k, v in data["checks"].items()}
         data["failures"] = [_failure_from_json(f) for f in data["failures"]]
+        data["findings"] = [Finding.from_json(f) for f in data.get("findings", [])]
         if data.get("claim_audit") is not None:
             data["claim_audit"] = ClaimAudit.from_json(data["claim_audit"])
         return cls(**data)
@@ -149,9 +221,12 @@ def merge_shards(shards: Sequence[BackendReport], seconds: float) -> BackendRepo
     """One report for a backend verified by several workers, each on its share of the
     examples from a seed of its own (``speccheck verify --jobs``): examples, check tallies
     and capture time summed over them, ``seconds`` the wall time of them all, the worst of
-    their statuses (:data:`SEVERITY`) with the first such worker's failures, minimal
-    example, reproduce command and detail; everything a worker reports about the backend
-    rather than its examples (device, config, candidates, breakpoints) from the first."""
+    their statuses (:data:`SEVERITY`) with the first such worker's minimal example,
+    reproduce command and detail; every worker's findings in worker order, less those that
+    failed nothing an earlier one had not (:attr:`Finding.keys`), and their failures; it
+    stopped short (``--fail-fast``) when a worker did; everything a worker reports about
+    the backend rather than its examples (device, config, candidates, breakpoints) from
+    the first."""
     if not shards:
         raise ValueError("merge_shards needs at least one report")
     worst = min(shards, key=lambda report: SEVERITY.index(report.status))
@@ -159,10 +234,23 @@ def merge_shards(shards: Sequence[BackendReport], seconds: float) -> BackendRepo
     for report in shards:
         for check, tally in report.checks.items():
             checks[check].include(tally)
+    findings: list[Finding] = []
+    for report in shards:
+        for finding in report.findings:
+            if finding.keys - {key for f in findings for key in f.keys}:
+                findings.append(finding)
+    failures = ([f for finding in findings for f in finding.failures] if findings
+                else list(worst.failures))
+    examples = sum(report.examples for report in shards)
+    stopped = any(report.stopped_at is not None for report in shards)
     return replace(
-        shards[0], status=worst.status, examples=sum(report.examples for report in shards),
-        checks=checks, failures=list(worst.failures), minimal_example=worst.minimal_example,
-        reproduce=worst.reproduce, reproduced=None, detail=worst.detail,
+        shards[0], status=worst.status, examples=examples,
+        examples_asked=sum(report.examples_asked for report in shards),
+        stopped_at=examples if stopped else None,
+        checks=checks, failures=failures, findings=findings,
+        minimal_example=findings[0].example if findings else worst.minimal_example,
+        reproduce=findings[0].reproduce if findings else worst.reproduce, reproduced=None,
+        detail=worst.detail,
         capture_seconds=sum(report.capture_seconds for report in shards), seconds=seconds)
 
 
@@ -200,12 +288,17 @@ def write_junit(reports: list[BackendReport], path: Path, source: str = "matrix.
             for check, tally in report.checks.items():
                 element = case(f"{check.value}[{report.tier.value}]")
                 failed = [f for f in report.failures if f.check == check]
+                reproduce = report.reproduce_of(check)
                 if failed:
                     counts["failures"] += 1
                     failure = ElementTree.SubElement(element, "failure",
                                                      message=failed[0].diagnosis)
                     failure.text = "\n".join(f.diagnosis for f in failed) + (
-                        f"\nreproduce: {report.reproduce}" if report.reproduce else "")
+                        f"\nreproduce: {reproduce}" if reproduce else "")
+                elif report.stop_note is not None:
+                    counts["skipped"] += 1
+                    ElementTree.SubElement(element, "skipped",
+                                           message=cut_short(report, tally))
                 elif tally.passed == 0 and tally.indeterminate == 0:
                     counts["skipped"] += 1
                     ElementTree.SubElement(element, "skipped", message="not applicable")
@@ -217,6 +310,15 @@ def write_junit(reports: list[BackendReport], path: Path, source: str = "matrix.
         suites.set(key, str(value))
     suites.set("time", f"{sum(r.seconds for r in reports):.3f}")
     ElementTree.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def cut_short(report: BackendReport, tally: CheckTally) -> str:
+    """Why a check that did not fail is no pass: the run stopped short of its examples
+    (:attr:`BackendReport.stop_note`), with what the check saw before it did."""
+    if tally.passed == 0 and tally.indeterminate == 0:
+        return f"not reached: {report.stop_note}"
+    return (f"cut short: {report.stop_note}; before that: {tally.passed} passed, "
+            f"{tally.indeterminate} indeterminate")
 
 
 def misfit_line(misfit: ExampleDoesNotFit) -> str:

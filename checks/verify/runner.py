@@ -11,12 +11,13 @@ a ``--reproduce`` example it cannot take writes ``{"bad_input": LINE}`` as its r
 Progress goes to a :class:`ProgressDisplay`: rich's live bar on a terminal, or
 :class:`PlainProgress`, which prints a line per backend every few seconds for CI logs.
 Either way a backend's count ends at the examples it really ran, never at N/N for a run
-that stopped early or was skipped. :func:`confirm_reproduce` re-runs a failure's reproduce
-command in a fresh worker before it is printed.
+that stopped early or was skipped. :func:`confirm_reproduce` re-runs each failure's
+reproduce command in a fresh worker before it is printed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from rich.console import Console
 from rich.progress import TaskID
 
 from speccheck.checks.verify.examples import BadExample, reproduce_blob, reproduce_command
-from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.report import BackendReport, Finding
 from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.vocabulary import Status, Tier
 from speccheck.checks.verify.worker_process import WorkerProcess
@@ -195,26 +196,51 @@ def _end_task(progress: ProgressDisplay, task: TaskID, label: str, done: int, st
 def confirm_reproduce(
     task: WorkerTask, report: BackendReport, progress: ProgressDisplay, tier: Tier,
 ) -> str | None:
-    """Run ``report``'s reproduce command in a fresh worker (``task`` with the failing
-    example as its ``reproduce``) and record in ``report.reproduced`` whether it fails the
-    same way there: the same status and, for a failure, the same failed checks. Returns
-    why not (one line), or ``None`` when it does or there is no command. A reproduce task
-    already ran its example alone in a fresh worker: it counts as reproduced without a
-    second run."""
+    """Run each of ``report``'s reproduce commands in a fresh worker (``task`` with the
+    failing example as its ``reproduce``): each finding's (recorded in its ``reproduced``:
+    whether that worker fails the finding's checks again), or, for a report without
+    findings (a crash), the report's own (the same status and failed checks).
+    ``report.reproduced`` says whether every one did. Returns why not (one line), or
+    ``None`` when each did or there is no command. A reproduce task already ran its
+    example alone in a fresh worker: it counts as reproduced without a second run."""
     if report.reproduce is None:
         return None
     if task.reproduce is not None:
         report.reproduced = True
+        for finding in report.findings:
+            finding.reproduced = True
         return None
-    again_task = task.model_copy(update={"reproduce": reproduce_blob(report.reproduce)})
+    if not report.findings:
+        why = _run_again(task, report.reproduce, progress, tier, report.backend,
+                         lambda again: _difference(report, again))
+        report.reproduced = why is None
+        return why
+    problems = []
+    for number, finding in enumerate(report.findings, 1):
+        if finding.reproduce is None:
+            continue
+        why = _run_again(task, finding.reproduce, progress, tier, report.backend,
+                         functools.partial(_finding_difference, finding))
+        finding.reproduced = why is None
+        if why is not None:
+            checks = ", ".join(check.value for check in finding.checks)
+            problems.append(f"failure {number} ({checks}): {why}")
+    report.reproduced = not problems
+    return "; ".join(problems) or None
+
+
+def _run_again(
+    task: WorkerTask, command: str, progress: ProgressDisplay, tier: Tier, backend: str,
+    difference: Callable[[BackendReport], str | None],
+) -> str | None:
+    """Run the example of reproduce ``command`` in a fresh worker; how it ended other than
+    expected (``difference`` of its report), or ``None``."""
+    again_task = task.model_copy(update={"reproduce": reproduce_blob(command)})
     try:
-        again = run_worker(again_task, progress, tier, label=f"{report.backend} reproduce check")
+        again = run_worker(again_task, progress, tier, label=f"{backend} reproduce check")
     except BadExample as exc:
-        why: str | None = f"the fresh worker rejected the example ({exc})"
-    else:
-        why = _difference(report, again)
-    report.reproduced = why is None
-    return why
+        return f"the fresh worker rejected the example ({exc})"
+    return difference(again)
 
 
 _ENDED = {Status.PASSED: "passed", Status.FAILED: "failed", Status.SKIPPED: "was skipped",
@@ -230,4 +256,19 @@ def _difference(original: BackendReport, again: BackendReport) -> str | None:
     got = sorted({f.check.value for f in again.failures})
     if want != got:
         return f"it failed {', '.join(got)} there, not {', '.join(want)}"
+    return None
+
+
+def _finding_difference(finding: Finding, again: BackendReport) -> str | None:
+    """Why ``again`` (the run of ``finding``'s reproduce command) does not reproduce it:
+    it did not fail, or failed none or only some of the finding's checks; ``None`` when it
+    failed each of them (a minimal example may fail more)."""
+    if again.status is not Status.FAILED:
+        detail = f" ({again.detail})" if again.detail else ""
+        return f"it {_ENDED[again.status]} there{detail}"
+    got = {f.check for f in again.failures}
+    missing = [check.value for check in finding.checks if check not in got]
+    if missing:
+        failed = ", ".join(sorted(check.value for check in got))
+        return f"it failed {failed} there, not {', '.join(missing)}"
     return None

@@ -1,9 +1,13 @@
-"""The search for a failing example: hypothesis draws examples, each is run and checked,
-and the first failure is shrunk (within a time budget) to the smallest one found, which
-becomes the backend's recorded failure."""
+"""The search for failing examples: hypothesis draws examples, each is run and checked,
+and a failure is shrunk (within a time budget) to the smallest example found, which
+becomes one of the backend's findings. Unless the budget says ``fail_fast``, the search
+then goes on with the examples left, a later example counting as a failure only when it
+fails something no finding has (:func:`~speccheck.checks.verify.report.failure_key`),
+until the run's examples are spent: every check either failed or ran on all of them."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,11 +16,21 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
-from speccheck.checks.verify.comparisons import Outcome
+from speccheck.checks.verify.comparisons import Outcome, mark_consequences
 from speccheck.checks.verify.examples import Example, example_json
-from speccheck.checks.verify.report import BackendReport, Failure
+from speccheck.checks.verify.report import (
+    BackendReport,
+    Failure,
+    FailureKey,
+    Finding,
+    failure_key,
+)
 from speccheck.checks.verify.strategies import target_derived_changes
 from speccheck.checks.verify.vocabulary import Check, Result, Status
+
+ROUND_SEED_STRIDE = 2**32
+"""Search round ``i`` (after ``i`` findings) draws from ``seed + i * ROUND_SEED_STRIDE``:
+never the seed of another worker's first round (``--jobs``: ``seed + worker``)."""
 
 
 @dataclass(frozen=True)
@@ -30,12 +44,24 @@ class ExampleRun:
 
 @dataclass(frozen=True)
 class SearchBudget:
-    """How many examples to draw, from which seed, and how long shrinking a failure may
-    take (past it the smallest failure so far is kept)."""
+    """How many examples to draw, from which seed, how long shrinking a failure may
+    take (past it the smallest failure so far is kept), and whether the run ends at the
+    first failure (``fail_fast``)."""
 
     examples: int
     seed: int
     shrink_seconds: float
+    fail_fast: bool = False
+
+
+@dataclass(frozen=True)
+class FoundFailure:
+    """The smallest example a search round shrank a failure to, its outcomes, and the
+    example of the run (1-based) that failed first."""
+
+    example: Example
+    outcomes: list[Outcome]
+    found_at: int
 
 
 class ExampleFailed(Exception):
@@ -47,20 +73,28 @@ class ExampleFailed(Exception):
         self.outcomes = outcomes
 
 
+def new_failures(outcomes: list[Outcome], known: frozenset[FailureKey]) -> list[Outcome]:
+    """The failed ``outcomes`` whose :func:`~speccheck.checks.verify.report.failure_key`
+    is not ``known``."""
+    return [o for o in outcomes
+            if o.result is Result.FAILED and failure_key(o.check, o.field) not in known]
+
+
 def search(
     strategy: st.SearchStrategy[Example], budget: SearchBudget,
     run_example: Callable[[Example], ExampleRun], report: BackendReport,
-    on_example: Callable[[int, Example], None],
-) -> tuple[Example, list[Outcome]] | None:
-    """Draw ``budget.examples`` examples from ``strategy`` and run each; return the smallest
-    failing example found and its outcomes (``None`` when every example passed). Passing
-    examples are counted and tallied in ``report``; a failure's outcomes are not (see
+    on_example: Callable[[int, Example], None], known: frozenset[FailureKey] = frozenset(),
+) -> FoundFailure | None:
+    """One round: draw up to ``budget.examples`` examples from ``strategy`` and run each;
+    return the smallest example that fails something not ``known`` (:func:`new_failures`)
+    and its outcomes (``None`` when none did). Examples without a new failure are counted
+    and tallied in ``report``; a new failure's outcomes are not (see
     :func:`record_failure`).
 
     ``on_example(index, example)`` is called before every example runs, shrink candidates
     included (same index): a worker killed mid-example names the right one.
     """
-    shrinking, shrink_started = False, 0.0
+    shrinking, shrink_started, found_at = False, 0.0, 0
     smallest: list[tuple[Example, list[Outcome]]] = []
 
     @seed(budget.seed)
@@ -71,7 +105,7 @@ def search(
     )
     @given(strategy)
     def check(example: Example) -> None:
-        nonlocal shrinking, shrink_started
+        nonlocal shrinking, shrink_started, found_at
         if not shrinking:
             report.examples += 1
         elif time.monotonic() - shrink_started > budget.shrink_seconds:
@@ -79,9 +113,9 @@ def search(
         on_example(report.examples, example)
         run = run_example(example)
         target_derived_changes(run.derived_changes)
-        if any(o.result is Result.FAILED for o in run.outcomes):
+        if new_failures(run.outcomes, known):
             if not shrinking:
-                shrinking, shrink_started = True, time.monotonic()
+                shrinking, shrink_started, found_at = True, time.monotonic(), report.examples
             smallest[:] = [(example, run.outcomes)]  # hypothesis only tries smaller candidates
             raise ExampleFailed(example, run.outcomes)
         if not shrinking:
@@ -94,23 +128,67 @@ def search(
         # budget was spent; that failure is still the one to report.
         if not smallest:
             raise
-        return smallest[0]
+        return FoundFailure(*smallest[0], found_at)
     return None
+
+
+Record = Callable[[BackendReport, Example, list[Outcome], int, frozenset[FailureKey]], None]
+"""Records a found failure in a report: ``(report, example, outcomes, found_at, known)``
+(:meth:`BackendVerifier.record_failure <speccheck.checks.verify.engine.BackendVerifier.
+record_failure>`)."""
+
+
+def search_all(
+    strategy: st.SearchStrategy[Example], budget: SearchBudget,
+    run_example: Callable[[Example], ExampleRun], report: BackendReport,
+    on_example: Callable[[int, Example], None], record: Record,
+) -> None:
+    """Search rounds (:func:`search`) until ``budget.examples`` examples ran, each round
+    drawing the examples left from a seed of its own (:data:`ROUND_SEED_STRIDE`) and
+    looking for what no earlier finding failed; each round's failure goes to ``record``.
+    With ``budget.fail_fast`` the first failure ends the run (``report.stopped_at`` says
+    where, when examples were left)."""
+    report.examples_asked = budget.examples
+    known: frozenset[FailureKey] = frozenset()
+    rounds = 0
+    while report.examples < budget.examples:
+        left = budget.examples - report.examples
+        found = search(
+            strategy, dataclasses.replace(budget, examples=left,
+                                          seed=budget.seed + rounds * ROUND_SEED_STRIDE),
+            run_example, report, on_example, known)
+        if found is None:
+            return
+        record(report, found.example, found.outcomes, found.found_at, known)
+        known |= report.findings[-1].keys
+        rounds += 1
+        if budget.fail_fast:
+            if report.examples < budget.examples:
+                report.stopped_at = report.examples
+            return
 
 
 def record_failure(
     report: BackendReport, example: Example, outcomes: list[Outcome],
-    localise: Callable[[Example], str],
+    localise: Callable[[Example], str], found_at: int = 1,
+    known: frozenset[FailureKey] = frozenset(),
 ) -> None:
-    """Record ``example`` as the backend's failure. A ``vs_fp32_reference`` failure gets
-    ``localise(example)`` (where and why the oracle and the fp32 reference part) added to
-    its first diagnosis."""
+    """Record ``example`` as a finding of the backend: its failures not ``known`` (failed by
+    an earlier finding), output and KV failures that follow from a ``step_metadata``
+    failure marked so (:func:`~speccheck.checks.verify.comparisons.mark_consequences`)
+    and listed after the causes. A
+    ``vs_fp32_reference`` failure gets ``localise(example)`` (where and why the oracle and
+    the fp32 reference part) added to its first diagnosis. The first finding's example is
+    the report's minimal example."""
     report.tally(outcomes)
-    failed = [o for o in outcomes if o.result is Result.FAILED]
+    effects = {id(outcome) for outcome in mark_consequences(outcomes)}
+    failed = sorted(new_failures(outcomes, known), key=lambda o: id(o) in effects)
     versus = [o for o in failed if o.check is Check.VS_FP32_REFERENCE]
     if versus:
         versus[0].diagnosis += f"; {localise(example)}"
-    report.failures = [Failure(o.check, o.diagnosis, o.candidate, o.step, o.field)
-                       for o in failed]
-    report.minimal_example = example_json(example)
+    failures = [Failure(o.check, o.diagnosis, o.candidate, o.step, o.field) for o in failed]
+    report.findings.append(Finding(failures, example_json(example), found_at))
+    report.failures += failures
+    if report.minimal_example is None:
+        report.minimal_example = example_json(example)
     report.status = Status.FAILED

@@ -83,7 +83,7 @@ def verify_backend(task: WorkerTask, progress_path: Path) -> BackendReport:
         if reproduce is not None:
             example = reproduce
             on_example(1, example)
-            report.examples = 1
+            report.examples = report.examples_asked = 1
             outcomes = verifier.run_example(example)
             if any(o.result is Result.FAILED for o in outcomes):
                 verifier.record_failure(report, example, outcomes)
@@ -93,9 +93,11 @@ def verify_backend(task: WorkerTask, progress_path: Path) -> BackendReport:
             verifier.run(report, on_example)
     report.capture_seconds = verifier.capture_seconds
     report.seconds = time.perf_counter() - started
-    if report.minimal_example is not None:
-        blob = encode_example(example_from_json(report.minimal_example))
-        report.reproduce = reproduce_command(task.reproduce_prefix, blob)
+    for finding in report.findings:
+        blob = encode_example(example_from_json(finding.example))
+        finding.reproduce = reproduce_command(task.reproduce_prefix, blob)
+    if report.findings:
+        report.reproduce = report.findings[0].reproduce
     return report
 
 
