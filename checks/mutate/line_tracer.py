@@ -43,7 +43,7 @@ def start_from_environment() -> None:
         filename = frame.f_code.co_filename
         if filename not in targets:
             return None
-        executed.setdefault(filename, set()).add(frame.f_lineno)
+        executed.setdefault(filename, set())
         return trace_lines
 
     def write() -> None:
