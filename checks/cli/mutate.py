@@ -62,8 +62,9 @@ def _operators(text: str | None) -> list[Operator]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in Operator._value2member_map_]
     if unknown or not names:
-        raise _fail(EXIT_BAD_INPUT, f"--operators: unknown operator(s) {', '.join(unknown) or '(none given)'}; "
-                    f"valid: {', '.join(Operator)}")
+        given = ", ".join(unknown) or "(none given)"
+        raise _fail(EXIT_BAD_INPUT, f"--operators: unknown operator(s) {given}; valid: "
+                    f"{', '.join(Operator)}")
     return [Operator(name) for name in dict.fromkeys(names)]
 
 

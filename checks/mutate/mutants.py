@@ -42,7 +42,9 @@ class Mutant:
         return f"{self.target.shown}:{self.line}"
 
 
-def generate_mutants(targets: Iterable[TargetModule], operators: Iterable[Operator]) -> list[Mutant]:
+def generate_mutants(
+    targets: Iterable[TargetModule], operators: Iterable[Operator],
+) -> list[Mutant]:
     """Every mutant of ``targets`` under ``operators``, numbered in order of target, then
     operator, then position; two edits that give the same module give one mutant."""
     chosen = list(operators)

@@ -147,7 +147,9 @@ def _text(node: ast.AST, source: str) -> str:
 
 def _call_name(call: ast.Call) -> str:
     func = call.func
-    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else ""
 
 
 def _clipped(ancestors: list[ast.AST]) -> bool:
@@ -240,8 +242,8 @@ def in_place_target(tree: ast.Module, source: str) -> Iterator[Edit]:
                     and not func.attr.startswith("_")):
                 targets.append(func.value)
         if isinstance(statement, ast.Assign | ast.AugAssign):
-            assigned = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
-            targets += [t.value for t in assigned if isinstance(t, ast.Subscript)]
+            written = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            targets += [t.value for t in written if isinstance(t, ast.Subscript)]
         for node, _ in _expressions(statement):
             if isinstance(node, ast.Call):
                 targets += [k.value for k in node.keywords if k.arg == "out"]

@@ -152,7 +152,8 @@ def render(report: MutationReport, console: Console) -> None:
             m = result.mutant
             lines += [f"survived ({kind.value}): {m.location} {m.operator.value}: "
                       f"{m.description}", f"  - {m.original_line}", f"  + {m.mutated_line}"]
-        lines += [f"never executed: {shown}: {', '.join(ranges)}" for shown, ranges in missed.items()]
+        lines += [f"never executed: {shown}: {', '.join(ranges)}"
+                  for shown, ranges in missed.items()]
         lines.append(f"equivalence candidates: {EQUIVALENCE_HEURISTIC}")
         for line in lines:
             console.print(line, markup=False, soft_wrap=True)
