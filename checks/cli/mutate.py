@@ -52,8 +52,11 @@ def _fail(status: int, message: str) -> typer.Exit:
 
 
 def default_jobs() -> int:
-    """Half the CPU cores this process may use, at least one."""
-    return max(1, len(os.sched_getaffinity(0)) // 2)
+    """Half the CPU cores this process may use (all of the machine's where the platform
+    cannot say), at least one."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    return max(1, cores // 2)
 
 
 def _operators(text: str | None) -> list[Operator]:
