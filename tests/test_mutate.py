@@ -104,18 +104,20 @@ def test_in_place_target_redirects_writes_to_a_fresh_tensor() -> None:
     ]
 
 
-def test_view_snapshot_clones_views_assigned_to_metadata() -> None:
+def test_view_snapshot_clones_views_of_persistent_buffers_handed_to_metadata() -> None:
     source = '''
     def build(self, common, n):
-        lens, slots = self.lens[:n], common.slots.view(-1)
+        lens, slots = self.lens[:n], self.slots.view(-1)
+        local = common.positions[:n]
         return Meta(table=common.table, num_reqs=common.num_reqs, causal=True)
     '''
     results = mutated(Operator.VIEW_SNAPSHOT, source)
     record = "    return Meta(table=common.table, num_reqs=common.num_reqs, causal=True)"
-    assert [r.split("\n")[2:4] for r in results] == [
-        ["    lens, slots = self.lens[:n].clone(), common.slots.view(-1)", record],
-        ["    lens, slots = self.lens[:n], common.slots.view(-1).clone()", record],
-        ["    lens, slots = self.lens[:n], common.slots.view(-1)",
+    local = "    local = common.positions[:n]"
+    assert [r.split("\n")[2:5] for r in results] == [
+        ["    lens, slots = self.lens[:n].clone(), self.slots.view(-1)", local, record],
+        ["    lens, slots = self.lens[:n], self.slots.view(-1).clone()", local, record],
+        ["    lens, slots = self.lens[:n], self.slots.view(-1)", local,
          record.replace("common.table", "common.table.clone()")],
     ]
 

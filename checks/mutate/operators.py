@@ -254,16 +254,19 @@ def in_place_target(tree: ast.Module, source: str) -> Iterator[Edit]:
 
 
 def view_snapshot(tree: ast.Module, source: str) -> Iterator[Edit]:
-    """Views replaced by snapshots (``.clone()``): a slice or view-method result assigned
-    to a name (each element of a tuple assigned at once), and a name, attribute, slice or
-    view handed as a keyword to a record constructor (a call of a capitalised name), except
-    keywords named like host values (``num_*``, ``max_*``, …)."""
+    """Views of persistent buffers replaced by snapshots (``.clone()``): a slice or
+    view-method result of an attribute of ``self`` (a buffer the object keeps) assigned to
+    a name or an attribute (each element of a tuple assigned at once), and a name,
+    attribute, slice or view handed as a keyword to a record constructor (a call of a
+    capitalised name: the metadata), except keywords named like host values (``num_*``,
+    ``max_*``, …). Slices of local tensors are left alone: a snapshot of a temporary
+    changes nothing."""
     for statement in function_statements(tree):
         values: list[ast.expr] = []
         if isinstance(statement, ast.Assign | ast.AnnAssign) and statement.value is not None:
             value = statement.value
             elements = value.elts if isinstance(value, ast.Tuple) else [value]
-            values += [e for e in elements if _is_view(e)]
+            values += [e for e in elements if _is_view(e) and _root_name(e) == "self"]
         for node, _ in _expressions(statement):
             if isinstance(node, ast.Call) and _call_name(node)[:1].isupper():
                 values += [k.value for k in node.keywords
@@ -272,6 +275,18 @@ def view_snapshot(tree: ast.Module, source: str) -> Iterator[Edit]:
         for value in values:
             text = _text(value, source)
             yield _span(value, f"{text}.clone()", f"{text} snapshotted (.clone())")
+
+
+def _root_name(node: ast.expr) -> str | None:
+    """The name an attribute, subscript or method-call chain starts from (``self`` for
+    ``self.buf[:n].view(-1)``)."""
+    while True:
+        if isinstance(node, ast.Attribute | ast.Subscript):
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.func
+        else:
+            return node.id if isinstance(node, ast.Name) else None
 
 
 def _is_view(node: ast.expr) -> bool:
