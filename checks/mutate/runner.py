@@ -120,8 +120,10 @@ def run_mutants(
     """Every mutant's result, in ``mutants``' order: invalid ones without running, the rest
     through verify, ``settings.jobs`` at a time; once ``settings.budget`` is spent the ones
     not started are :attr:`Outcome.NOT_RUN`. ``on_result`` sees each result as it comes
-    (from the worker threads, one at a time)."""
+    (from the worker threads, one at a time). Interrupted (``KeyboardInterrupt``), it
+    kills the verify runs under way before it re-raises."""
     lock = threading.Lock()
+    stop = threading.Event()
 
     def one(mutant: Mutant) -> MutantResult:
         if not mutant.compiles:
@@ -132,12 +134,18 @@ def run_mutants(
             with shadow_package(mutant.target.package, mutant.target.package_dir) as root:
                 write_module(root, mutant.target, mutant.source)
                 run = run_verify(root, settings.backend, examples=settings.examples,
-                                 timeout=settings.timeout)
+                                 timeout=settings.timeout, stop=stop)
             result = judge(mutant, run)
         if on_result is not None and result.outcome is not Outcome.NOT_RUN:
             with lock:
                 on_result(result)
         return result
 
-    with ThreadPoolExecutor(max_workers=settings.jobs, thread_name_prefix="mutant") as pool:
+    pool = ThreadPoolExecutor(max_workers=settings.jobs, thread_name_prefix="mutant")
+    try:
         return list(pool.map(one, mutants))
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -40,6 +41,8 @@ through ``sys.path`` (so from the shadow when it holds speccheck)."""
 REPORT_NAME = "verify.json"
 OUTPUT_LINES = 20
 """How many of the last lines of a run's output are kept (for a crash's detail)."""
+POLL_SECONDS = 0.5
+"""How often a waiting run looks at its deadline and its stop event."""
 
 
 def _ignored(top: Path) -> Any:
@@ -95,12 +98,13 @@ class VerifyOutcome:
 
 def run_verify(
     root: Path, backend: str, *, examples: int | None, timeout: float,
-    extra_env: Mapping[str, str] | None = None,
+    extra_env: Mapping[str, str] | None = None, stop: threading.Event | None = None,
 ) -> VerifyOutcome:
     """Run ``speccheck verify --backend BACKEND`` at its defaults (``--examples`` when
     given; no shrinking, which only makes a failure's example smaller) with ``root`` first
-    on ``PYTHONPATH`` and as working directory. A run still going after ``timeout`` seconds
-    is killed with its whole process group (its workers included)."""
+    on ``PYTHONPATH`` and as working directory. A run still going after ``timeout`` seconds,
+    or when ``stop`` is set, is killed with its whole process group (its workers included)
+    and counts as timed out."""
     report_path = root / REPORT_NAME
     command = [sys.executable, "-c", VERIFY_ENTRY, "verify", "--backend", backend,
                "--json", str(report_path), "--shrink-seconds", "0"]
@@ -113,12 +117,7 @@ def run_verify(
     with tempfile.TemporaryFile() as output:
         proc = subprocess.Popen(command, cwd=root, env=env, stdin=subprocess.DEVNULL,
                                 stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            returncode = None
+        returncode = _wait(proc, started + timeout, stop)
         output.seek(0)
         text = output.read().decode("utf-8", errors="replace")
     tail = [line for line in text.splitlines() if line.strip()][-OUTPUT_LINES:]
@@ -126,6 +125,21 @@ def run_verify(
                  time.monotonic() - started)
     return VerifyOutcome(returncode, _backend_report(report_path, backend),
                          time.monotonic() - started, tail)
+
+
+def _wait(
+    proc: subprocess.Popen[bytes], deadline: float, stop: threading.Event | None,
+) -> int | None:
+    """``proc``'s exit status, or ``None`` after killing its process group at ``deadline``
+    or once ``stop`` is set."""
+    while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+        try:
+            return proc.wait(timeout=POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            continue
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return None
 
 
 def _backend_report(path: Path, backend: str) -> dict[str, Any] | None:
