@@ -10,6 +10,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from speccheck.checks.mutate.mutants import Mutant, generate_mutants, sample_mut
 from speccheck.checks.mutate.operators import OPERATORS, Operator, apply_edit
 from speccheck.checks.mutate.report import MutationReport, SurvivorClass, summary_line
 from speccheck.checks.mutate.runner import KillKind, Outcome, RunSettings, judge, run_mutants
-from speccheck.checks.mutate.shadow import VerifyOutcome
+from speccheck.checks.mutate.shadow import VerifyOutcome, run_verify
 from speccheck.checks.mutate.targets import Role, backend_targets, chosen_targets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,6 +236,29 @@ def test_judge_names_each_kill_kind(reference_mutants: list[Mutant]) -> None:
     assert judge(mutant, ran(None)).detail == "no report: last line"
     assert judge(mutant, ran(None, returncode=None)).outcome is Outcome.KILLED_BY_TIMEOUT
     assert judge(mutant, ran({"status": "passed"}, 0)).outcome is Outcome.SURVIVED
+
+
+def test_a_spent_budget_starts_nothing_and_invalid_mutants_never_run(
+    reference_mutants: list[Mutant],
+) -> None:
+    first, second = reference_mutants[:2]
+    spent = RunSettings(backend="reference", examples=1, jobs=1, budget=1, timeout=60,
+                        started=time.monotonic() - 10)
+    seen: list[Outcome] = []
+    results = run_mutants([replace(first, compiles=False), second], spent,
+                          on_result=lambda result: seen.append(result.outcome))
+    assert [r.outcome for r in results] == [Outcome.INVALID, Outcome.NOT_RUN]
+    assert seen == [Outcome.INVALID]
+
+
+def test_a_stopped_verify_run_ends_at_once_as_timed_out(tmp_path: Path) -> None:
+    stop = threading.Event()
+    timer = threading.Timer(2.0, stop.set)
+    timer.start()
+    started = time.monotonic()
+    outcome = run_verify(tmp_path, "reference", examples=1, timeout=300, stop=stop)
+    assert outcome.timed_out and outcome.report is None
+    assert time.monotonic() - started < 30
 
 
 def test_the_line_tracer_records_every_process_it_reaches(tmp_path: Path) -> None:
