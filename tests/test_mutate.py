@@ -213,6 +213,33 @@ def test_a_run_shadows_the_installed_package_in_verify_workers_and_reports_each_
     assert "mutation score 50%" in summary_line(report)
 
 
+def test_a_plug_in_adapter_installed_in_site_packages_is_shadowed_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The template adapter, installed (not editable) into a folder on ``PYTHONPATH`` as a
+    plug-in: its package's copy comes first in verify's workers, so deleting its refresh is
+    killed by the check naming ``kv_lens``."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(site),
+                    str(ROOT / "examples" / "adapter_template")],
+                   check=True, capture_output=True, timeout=120)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    (target,) = chosen_targets([site / "speccheck_adapter_template" / "attention.py"], [])
+    assert (target.package, target.package_dir) == ("speccheck_adapter_template",
+                                                     site / "speccheck_adapter_template")
+    refresh = _pick(generate_mutants([target], [Operator.STATEMENT_DELETED]), "attention.py",
+                    Operator.STATEMENT_DELETED,
+                    "metadata.kv_lens.copy_(metadata.seq_lens)  # the in-graph refresh")
+    coverage = run_unmutated([target], "template_attn", examples=3, timeout=300)
+    assert coverage.outcome.report is not None and coverage.outcome.report["status"] == "passed"
+    assert coverage.ran(target, refresh.line, refresh.line)
+    settings = RunSettings(backend="template_attn", examples=3, jobs=1, budget=600, timeout=300)
+    (result,) = run_mutants([refresh], settings)
+    assert result.outcome is Outcome.KILLED, result
+    assert any(field.endswith("kv_lens") for field in result.named_fields)
+
+
 def test_judge_names_each_kill_kind(reference_mutants: list[Mutant]) -> None:
     mutant = reference_mutants[0]
 
