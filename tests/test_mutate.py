@@ -42,6 +42,7 @@ def mutated(operator: Operator, source: str) -> list[str]:
 def test_statement_deleted_replaces_assignments_and_expressions_by_pass() -> None:
     source = '''
     X = 1
+    def stub(a): ...
     def f(a, out):
         """Doc."""
         b = a + 1
@@ -50,7 +51,7 @@ def test_statement_deleted_replaces_assignments_and_expressions_by_pass() -> Non
         return b
     '''
     results = mutated(Operator.STATEMENT_DELETED, source)
-    assert [r.split("\n")[4:7] for r in results] == [
+    assert [r.split("\n")[5:8] for r in results] == [
         ["    pass", "    b += 2", "    out.copy_(b)"],
         ["    b = a + 1", "    pass", "    out.copy_(b)"],
         ["    b = a + 1", "    b += 2", "    pass"],

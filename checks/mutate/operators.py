@@ -158,9 +158,12 @@ def _clipped(ancestors: list[ast.AST]) -> bool:
 
 def statement_deleted(tree: ast.Module, source: str) -> Iterator[Edit]:
     """Assignments, augmented assignments, annotated assignments with a value and expression
-    statements replaced by ``pass``."""
+    statements replaced by ``pass``; not a bare constant (``...`` of a protocol's stub, a
+    string), which does nothing to delete."""
     for statement in function_statements(tree):
         if isinstance(statement, ast.AnnAssign) and statement.value is None:
+            continue
+        if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
             continue
         if isinstance(statement, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Expr):
             first_line = _text(statement, source).splitlines()[0]
