@@ -21,6 +21,7 @@ from rich.logging import RichHandler
 from rich.table import Table
 
 from speccheck.checks.cli.bench import bench_command
+from speccheck.checks.cli.mutate import mutate_command
 from speccheck.checks.cli.paths import output_path_problem
 from speccheck.checks.cli.runtime_options import (
     MatrixPathOption,
@@ -275,6 +276,7 @@ app.command("verify")(verify_command)
 app.command("selftest")(selftest_command)
 app.command("bench")(bench_command)
 app.command("status")(status_command)
+app.command("mutate")(mutate_command)
 
 
 def main() -> None:

@@ -1,0 +1,179 @@
+"""``speccheck mutate``: measure how much of a backend's adapter its gate exercises.
+
+Generates mutants of the adapter's modules (:mod:`speccheck.checks.mutate`), runs the gate
+once unmutated with line tracing (it must pass), then runs ``speccheck verify --backend
+NAME`` at its defaults on each mutant in a fresh process, several at once, until the
+budget is spent, and reports the score, the kills by kind, the survivors, the code the
+defaults never executed and candidates for equivalence.
+
+Exit statuses: 0 the run completed (the score is information, not a verdict); 1 the gate
+fails or crashes without any mutation, or its processes did not load the copied package,
+so no mutant can be judged; 2 bad input (an unknown backend or operator, a backend without
+an adapter, a bad ``--module``, an unwritable ``--json``), one line on stderr.
+
+Importing this module does not import torch; running the command does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from speccheck.checks.cli.paths import output_path_problem
+from speccheck.checks.mutate.operators import Operator
+
+if TYPE_CHECKING:
+    from speccheck.checks.mutate.coverage_run import CoverageRun
+    from speccheck.checks.mutate.targets import TargetModule
+
+EXIT_GATE_BROKEN = 1
+EXIT_BAD_INPUT = 2
+STDOUT_PATH = "-"
+TIMEOUT_FACTOR = 3.0
+"""A mutant's verify may take this many times the unmutated (traced) run's wall time ..."""
+MIN_TIMEOUT_SECONDS = 60.0
+"""... and never less than this."""
+
+
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False, emoji=False, soft_wrap=True)
+
+
+def _fail(status: int, message: str) -> typer.Exit:
+    _stderr().print(message, markup=False)
+    return typer.Exit(status)
+
+
+def default_jobs() -> int:
+    """Half the CPU cores this process may use (all of the machine's where the platform
+    cannot say), at least one."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
+def _operators(text: str | None) -> list[Operator]:
+    if text is None:
+        return list(Operator)
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in Operator._value2member_map_]
+    if unknown or not names:
+        given = ", ".join(unknown) or "(none given)"
+        raise _fail(EXIT_BAD_INPUT, f"--operators: unknown operator(s) {given}; valid: "
+                    f"{', '.join(Operator)}")
+    return [Operator(name) for name in dict.fromkeys(names)]
+
+
+def mutate_command(
+    backend: Annotated[str, typer.Option("--backend", help="The backend whose adapter is mutated (a matrix entry with an implementation).")] = "reference",
+    modules: Annotated[Optional[list[Path]], typer.Option("--module", help="Mutate this source file instead of the adapter's modules (repeat it; name the derived ones to keep them).", dir_okay=False)] = None,  # noqa: UP045
+    operators: Annotated[Optional[str], typer.Option("--operators", help=f"Comma-separated operators: {', '.join(Operator)}.", show_default="all")] = None,  # noqa: UP045
+    max_mutants: Annotated[Optional[int], typer.Option("--max-mutants", min=1, help="Run at most this many mutants, a random sample (drawn with --seed) of all generated.", show_default="all")] = None,  # noqa: UP045
+    budget: Annotated[float, typer.Option("--budget", min=1, help="Seconds after which no new mutant is started (the ones not started are reported as not run).")] = 3600.0,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, max=64, help="Mutants run at once, each in its own verify process.", show_default="half the CPU cores, at least 1")] = None,  # noqa: UP045
+    examples: Annotated[Optional[int], typer.Option("--examples", min=1, help="Examples of each verify run.", show_default="verify's default")] = None,  # noqa: UP045
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the --max-mutants sample.")] = 0,
+    json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here ('-': stdout, and the summary goes to stderr).")] = None,  # noqa: UP045
+) -> None:
+    """Mutate a backend's adapter (builder, refresh, attention call) and measure how many
+    mutants `speccheck verify --backend NAME` kills at its defaults."""
+    if json_path is not None and json_path != STDOUT_PATH:
+        problem = output_path_problem(Path(json_path))
+        if problem is not None:
+            raise _fail(EXIT_BAD_INPUT, f"--json: {problem}")
+    chosen_operators = _operators(operators)
+    started = time.monotonic()
+    from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
+
+    interpret_triton_without_cuda()  # before a builder's module imports Triton
+    targets = _targets(backend, modules or [])
+    from speccheck.checks.mutate.coverage_run import run_unmutated
+    from speccheck.checks.mutate.mutants import generate_mutants, sample_mutants
+    from speccheck.checks.mutate.report import MutationReport, render
+    from speccheck.checks.mutate.runner import MutantResult, RunSettings, run_mutants
+
+    generated = generate_mutants(targets, chosen_operators)
+    chosen = sample_mutants(generated, max_mutants, seed)
+    err = _stderr()
+    err.print(f"{backend}: {len(generated)} mutants of {len(targets)} module(s), running "
+              f"{len(chosen)}; first the unmutated gate, traced", markup=False)
+    coverage = run_unmutated(targets, backend, examples=examples, timeout=budget)
+    _check_baseline(backend, targets, coverage)
+    timeout = max(MIN_TIMEOUT_SECONDS, TIMEOUT_FACTOR * coverage.outcome.seconds)
+
+    def show(result: MutantResult) -> None:
+        checks = f" ({', '.join(result.failed_checks)})" if result.failed_checks else ""
+        err.print(f"#{result.mutant.number} {result.mutant.location} "
+                  f"{result.mutant.operator.value}: {result.outcome.value}{checks}", markup=False)
+
+    settings = RunSettings(backend=backend, examples=examples, jobs=jobs or default_jobs(),
+                           budget=budget, timeout=timeout, started=started)
+    results = run_mutants(chosen, settings, on_result=show)
+    report = MutationReport(backend, examples, targets, [o.value for o in chosen_operators],
+                            len(generated), results, coverage, time.monotonic() - started)
+    if json_path == STDOUT_PATH:
+        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
+        render(report, err)
+        return
+    render(report, Console(highlight=False, emoji=False))
+    if json_path is not None:
+        try:
+            Path(json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n",
+                                       encoding="utf-8")
+        except OSError as exc:
+            raise _fail(EXIT_BAD_INPUT, f"--json: cannot write {json_path}: "
+                        f"{exc.strerror or exc}") from None
+        err.print(f"wrote {json_path}", markup=False)
+
+
+def _targets(backend: str, modules: list[Path]) -> list[TargetModule]:
+    """The target modules of ``backend``'s adapter, or the ``--module`` files; exits 2 with
+    one line on bad input."""
+    from speccheck.checks.mutate.targets import TargetError, backend_targets, chosen_targets
+    from speccheck.contract.matrix_loader import MatrixError
+    from speccheck.contract.plugins import load_matrix_with_plugins
+
+    try:
+        matrix = load_matrix_with_plugins(None)
+    except MatrixError as exc:
+        raise _fail(EXIT_BAD_INPUT, "; ".join(p.render() for p in exc.problems)) from None
+    names = [entry.name for entry in matrix.backends]
+    if backend not in names:
+        raise _fail(EXIT_BAD_INPUT, f"--backend: unknown backend {backend!r}; valid: "
+                    f"{', '.join(names)}")
+    implementation = matrix.backend(backend).implementation
+    if implementation is None:
+        raise _fail(EXIT_BAD_INPUT, f"--backend: {backend!r} has no adapter to mutate")
+    try:
+        derived = backend_targets(implementation)
+        return chosen_targets(modules, derived) if modules else derived
+    except TargetError as exc:
+        raise _fail(EXIT_BAD_INPUT, str(exc)) from None
+
+
+def _check_baseline(backend: str, targets: list[TargetModule], coverage: CoverageRun) -> None:
+    """Exit 1 with one line unless the unmutated gate passed and its workers ran the
+    copied package (without both, no mutant can be judged)."""
+    from speccheck.checks.verify.vocabulary import Status
+
+    outcome = coverage.outcome
+    report = outcome.report
+    if outcome.timed_out or report is None or report.get("status") != Status.PASSED:
+        why = ("it ran past the budget" if outcome.timed_out
+               else f"status {report['status']}: {report.get('detail') or 'checks failed'}"
+               if report is not None
+               else (outcome.output_tail or ["no output"])[-1])
+        raise _fail(EXIT_GATE_BROKEN, f"speccheck verify --backend {backend} does not pass "
+                    f"without any mutation ({why}); mutants can only be judged against a "
+                    "passing gate")
+    if not coverage.ran_function_bodies(targets):
+        raise _fail(EXIT_GATE_BROKEN, "verify's processes never executed the copied target "
+                    "modules: the copy does not shadow the installed package here (is it "
+                    "installed in a way that comes before PYTHONPATH?)")

@@ -1,0 +1,179 @@
+"""The mutation report: the score, the kills by kind, every survivor with its ``file:line``
+and diff line (split into those on lines the unmutated run never executed, candidates for
+equivalence and the rest), the code never executed, and how many mutants were not run; as
+JSON, as a rich table on a terminal, or as plain lines in a log."""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from speccheck.checks.mutate.coverage_run import CoverageRun, never_executed
+from speccheck.checks.mutate.runner import KillKind, MutantResult, Outcome
+from speccheck.checks.mutate.targets import TargetModule
+
+EQUIVALENCE_HEURISTIC = (
+    "heuristic: the mutated line was executed and the mutation changes an argument of "
+    "min/max/clamp, which may clip it back to the original value"
+)
+
+
+class SurvivorClass(enum.StrEnum):
+    """Why a survivor may have survived."""
+
+    NOT_EXECUTED = "not_executed"
+    """The unmutated run never executed its line: the defaults do not reach it."""
+    EQUIVALENCE_CANDIDATE = "equivalence_candidate"
+    """Executed, but the mutation may not change a value (:data:`EQUIVALENCE_HEURISTIC`)."""
+    UNCAUGHT = "uncaught"
+    """Executed, and nothing suggests it is equivalent: a gap in the gate."""
+
+
+@dataclass(frozen=True)
+class MutationReport:
+    """Everything one ``speccheck mutate`` run found."""
+
+    backend: str
+    examples: int | None
+    targets: list[TargetModule]
+    operators: list[str]
+    generated: int
+    """Mutants generated before sampling (``--max-mutants``)."""
+    results: list[MutantResult]
+    coverage: CoverageRun
+    seconds: float
+
+    def count(self, outcome: Outcome) -> int:
+        return sum(result.outcome is outcome for result in self.results)
+
+    @property
+    def run(self) -> int:
+        """Mutants that were started or found invalid."""
+        return len(self.results) - self.count(Outcome.NOT_RUN)
+
+    @property
+    def killed(self) -> int:
+        return sum(result.outcome.killed for result in self.results)
+
+    @property
+    def score(self) -> float | None:
+        """killed / (run - invalid); ``None`` when no valid mutant ran."""
+        valid = self.run - self.count(Outcome.INVALID)
+        return self.killed / valid if valid else None
+
+    def kills_by_kind(self) -> dict[KillKind, int]:
+        kinds = Counter(result.kill_kind for result in self.results)
+        return {kind: kinds[kind] for kind in KillKind}
+
+    def survivor_class(self, result: MutantResult) -> SurvivorClass:
+        mutant = result.mutant
+        if not self.coverage.ran(mutant.target, mutant.line, mutant.end_line):
+            return SurvivorClass.NOT_EXECUTED
+        if mutant.clipped:
+            return SurvivorClass.EQUIVALENCE_CANDIDATE
+        return SurvivorClass.UNCAUGHT
+
+    def survivors(self) -> list[tuple[MutantResult, SurvivorClass]]:
+        return [(r, self.survivor_class(r)) for r in self.results if r.outcome is Outcome.SURVIVED]
+
+    def never_executed(self) -> dict[str, list[str]]:
+        """Per target, the function-body lines the unmutated run never executed
+        (``"12"`` or ``"12-30"``)."""
+        shown: dict[str, list[str]] = {}
+        for target in self.targets:
+            ranges = never_executed(target, self.coverage)
+            if ranges:
+                shown[target.shown] = [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges]
+        return shown
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "examples": self.examples,
+            "targets": [{"file": t.shown, "package": t.package, "role": t.role.value}
+                        for t in self.targets],
+            "operators": self.operators,
+            "generated": self.generated,
+            "score": self.score,
+            "counts": {outcome.value: self.count(outcome) for outcome in Outcome},
+            "kills_by_kind": {kind.value: n for kind, n in self.kills_by_kind().items()},
+            "equivalence_heuristic": EQUIVALENCE_HEURISTIC,
+            "never_executed": self.never_executed(),
+            "mutants": [self._mutant_json(result) for result in self.results],
+            "baseline_seconds": round(self.coverage.outcome.seconds, 1),
+            "seconds": round(self.seconds, 1),
+        }
+
+    def _mutant_json(self, result: MutantResult) -> dict[str, Any]:
+        mutant = result.mutant
+        kind = result.kill_kind
+        return {
+            "number": mutant.number,
+            "file": mutant.target.shown,
+            "line": mutant.line,
+            "operator": mutant.operator.value,
+            "description": mutant.description,
+            "diff": {"-": mutant.original_line, "+": mutant.mutated_line},
+            "outcome": result.outcome.value,
+            "kill_kind": kind.value if kind is not None else None,
+            "failed_checks": list(result.failed_checks),
+            "named_fields": list(result.named_fields),
+            "survivor": (self.survivor_class(result).value
+                         if result.outcome is Outcome.SURVIVED else None),
+            "executed": self.coverage.ran(mutant.target, mutant.line, mutant.end_line),
+            "seconds": round(result.seconds, 1),
+            "detail": result.detail,
+        }
+
+
+def summary_line(report: MutationReport) -> str:
+    score = "n/a" if report.score is None else f"{report.score:.0%}"
+    valid = report.run - report.count(Outcome.INVALID)
+    return (f"{report.backend}: mutation score {score} ({report.killed} of {valid} valid "
+            f"mutants killed; {report.count(Outcome.INVALID)} invalid, "
+            f"{report.count(Outcome.NOT_RUN)} not run for the budget, {report.generated} "
+            f"generated) in {report.seconds:.0f} s")
+
+
+def render(report: MutationReport, console: Console) -> None:
+    """The report for people: tables on a terminal, plain lines otherwise."""
+    kinds = ", ".join(f"{kind.value} {n}" for kind, n in report.kills_by_kind().items())
+    survivors = report.survivors()
+    missed = report.never_executed()
+    if not console.is_terminal:
+        lines = [summary_line(report), f"kills by kind: {kinds}"]
+        for result, kind in survivors:
+            m = result.mutant
+            lines += [f"survived ({kind.value}): {m.location} {m.operator.value}: "
+                      f"{m.description}", f"  - {m.original_line}", f"  + {m.mutated_line}"]
+        lines += [f"never executed: {shown}: {', '.join(ranges)}"
+                  for shown, ranges in missed.items()]
+        lines.append(f"equivalence candidates: {EQUIVALENCE_HEURISTIC}")
+        for line in lines:
+            console.print(line, markup=False, soft_wrap=True)
+        return
+    console.print(f"[bold]{summary_line(report)}[/bold]")
+    console.print(f"kills by kind: {kinds}", markup=False)
+    if survivors:
+        table = Table(title="Surviving mutants", show_lines=True)
+        for column in ("location", "operator", "class", "diff"):
+            table.add_column(column, overflow="fold")
+        for result, kind in survivors:
+            m = result.mutant
+            table.add_row(Text(m.location), m.operator.value, kind.value,
+                          Text(f"- {m.original_line}\n+ {m.mutated_line}"))
+        console.print(table)
+    if missed:
+        table = Table(title="Never executed by the default run (function-body lines)")
+        table.add_column("file")
+        table.add_column("lines", overflow="fold")
+        for shown, ranges in missed.items():
+            table.add_row(Text(shown), Text(", ".join(ranges)))
+        console.print(table)
+    console.print(f"equivalence candidates: {EQUIVALENCE_HEURISTIC}", markup=False)

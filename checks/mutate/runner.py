@@ -1,0 +1,151 @@
+"""Running mutants: each through ``speccheck verify`` in a fresh process with its mutated
+package shadowing the installed one (:mod:`~speccheck.checks.mutate.shadow`), several at
+once, and no new one started once the budget is spent; and what each run's ending means
+(:class:`Outcome`, :class:`KillKind`)."""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from speccheck.checks.mutate.mutants import Mutant
+from speccheck.checks.mutate.shadow import VerifyOutcome, run_verify, shadow_package, write_module
+from speccheck.checks.verify.vocabulary import Check, Status
+
+
+class Outcome(enum.StrEnum):
+    """How a mutant fared."""
+
+    KILLED = "killed"
+    """Verify failed a check."""
+    KILLED_BY_CRASH = "killed_by_crash"
+    """Verify's worker crashed (or the backend could not run, or no report came back)."""
+    KILLED_BY_TIMEOUT = "killed_by_timeout"
+    """Verify ran past the mutants' timeout."""
+    SURVIVED = "survived"
+    """Verify passed."""
+    INVALID = "invalid"
+    """The mutated module does not compile (never run)."""
+    NOT_RUN = "not_run"
+    """Not started: the budget was spent."""
+
+    @property
+    def killed(self) -> bool:
+        return self in (Outcome.KILLED, Outcome.KILLED_BY_CRASH, Outcome.KILLED_BY_TIMEOUT)
+
+
+class KillKind(enum.StrEnum):
+    """What killed a mutant, from the most to the least telling."""
+
+    NAMED_FIELD = "named_field_check"
+    """A failed check named the metadata field."""
+    OTHER_CHECK = "other_check"
+    """Checks failed, none naming a field, not ``vs_fp32_reference`` alone."""
+    FP32_REFERENCE_ONLY = "vs_fp32_reference_only"
+    """Only the comparison with the fp32 reference failed."""
+    CRASH = "crash"
+    """A crash or a timeout."""
+
+
+@dataclass(frozen=True)
+class MutantResult:
+    """One mutant's outcome, with what verify said."""
+
+    mutant: Mutant
+    outcome: Outcome
+    failed_checks: tuple[str, ...] = ()
+    named_fields: tuple[str, ...] = ()
+    seconds: float = 0.0
+    detail: str = ""
+    """For a crash: verify's detail or the last line of its output."""
+
+    @property
+    def kill_kind(self) -> KillKind | None:
+        if not self.outcome.killed:
+            return None
+        if self.outcome is not Outcome.KILLED:
+            return KillKind.CRASH
+        if self.named_fields:
+            return KillKind.NAMED_FIELD
+        if self.failed_checks == (Check.VS_FP32_REFERENCE.value,):
+            return KillKind.FP32_REFERENCE_ONLY
+        return KillKind.OTHER_CHECK
+
+
+def judge(mutant: Mutant, run: VerifyOutcome) -> MutantResult:
+    """The outcome of ``mutant`` from its verify run."""
+    if run.timed_out:
+        return MutantResult(mutant, Outcome.KILLED_BY_TIMEOUT, seconds=run.seconds,
+                            detail=f"verify ran past {run.seconds:.0f} s")
+    report = run.report
+    last_line = run.output_tail[-1] if run.output_tail else f"exit status {run.returncode}"
+    if report is None:
+        return MutantResult(mutant, Outcome.KILLED_BY_CRASH, seconds=run.seconds,
+                            detail=f"no report: {last_line}")
+    status = Status(report["status"])
+    if status is Status.PASSED:
+        return MutantResult(mutant, Outcome.SURVIVED, seconds=run.seconds)
+    if status is not Status.FAILED:
+        return MutantResult(mutant, Outcome.KILLED_BY_CRASH, seconds=run.seconds,
+                            detail=f"{status.value}: {report.get('detail') or last_line}")
+    failed = tuple(name for name, tally in report["checks"].items() if tally["failed"])
+    fields = tuple(dict.fromkeys(f["field"] for f in report["failures"] if f.get("field")))
+    return MutantResult(mutant, Outcome.KILLED, failed_checks=failed, named_fields=fields,
+                        seconds=run.seconds)
+
+
+@dataclass
+class RunSettings:
+    """How the mutants run."""
+
+    backend: str
+    examples: int | None
+    """``--examples`` for verify; ``None``: verify's default."""
+    jobs: int
+    budget: float
+    """Seconds after ``started`` past which no mutant is started."""
+    timeout: float
+    """Seconds one mutant's verify may take."""
+    started: float = field(default_factory=time.monotonic)
+
+
+def run_mutants(
+    mutants: Sequence[Mutant], settings: RunSettings,
+    on_result: Callable[[MutantResult], None] | None = None,
+) -> list[MutantResult]:
+    """Every mutant's result, in ``mutants``' order: invalid ones without running, the rest
+    through verify, ``settings.jobs`` at a time; once ``settings.budget`` is spent the ones
+    not started are :attr:`Outcome.NOT_RUN`. ``on_result`` sees each result as it comes
+    (from the worker threads, one at a time). Interrupted (``KeyboardInterrupt``), it
+    kills the verify runs under way before it re-raises."""
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def one(mutant: Mutant) -> MutantResult:
+        if not mutant.compiles:
+            result = MutantResult(mutant, Outcome.INVALID, detail="does not compile")
+        elif time.monotonic() - settings.started > settings.budget:
+            result = MutantResult(mutant, Outcome.NOT_RUN)
+        else:
+            with shadow_package(mutant.target.package, mutant.target.package_dir) as root:
+                write_module(root, mutant.target, mutant.source)
+                run = run_verify(root, settings.backend, examples=settings.examples,
+                                 timeout=settings.timeout, stop=stop)
+            result = judge(mutant, run)
+        if on_result is not None and result.outcome is not Outcome.NOT_RUN:
+            with lock:
+                on_result(result)
+        return result
+
+    pool = ThreadPoolExecutor(max_workers=settings.jobs, thread_name_prefix="mutant")
+    try:
+        return list(pool.map(one, mutants))
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,332 @@
+"""``speccheck mutate`` (issue 44, item 7): the operators on small sources, mutant generation
+on ``backends/reference``, the shadow copy reaching verify's worker processes (a real run of
+a mutant verify kills and of one that survives), the report's JSON, and bad input."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from speccheck.checks.mutate import line_tracer
+from speccheck.checks.mutate.coverage_run import run_unmutated
+from speccheck.checks.mutate.mutants import Mutant, generate_mutants, sample_mutants
+from speccheck.checks.mutate.operators import OPERATORS, Operator, apply_edit
+from speccheck.checks.mutate.report import MutationReport, SurvivorClass, summary_line
+from speccheck.checks.mutate.runner import KillKind, Outcome, RunSettings, judge, run_mutants
+from speccheck.checks.mutate.shadow import VerifyOutcome, run_verify
+from speccheck.checks.mutate.targets import Role, backend_targets, chosen_targets
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = "speccheck.backends.reference.builder:ReferenceMetadataBuilder"
+
+
+def mutated(operator: Operator, source: str) -> list[str]:
+    """Every mutant ``operator`` makes of ``source`` (dedented), each checked to parse."""
+    source = textwrap.dedent(source)
+    results = [apply_edit(source, edit) for edit in OPERATORS[operator](ast.parse(source), source)]
+    for result in results:
+        ast.parse(result)
+    return results
+
+
+def test_statement_deleted_replaces_assignments_and_expressions_by_pass() -> None:
+    source = '''
+    X = 1
+    def stub(a): ...
+    def f(a, out):
+        """Doc."""
+        b = a + 1
+        b += 2
+        out.copy_(b)
+        return b
+    '''
+    results = mutated(Operator.STATEMENT_DELETED, source)
+    assert [r.split("\n")[5:8] for r in results] == [
+        ["    pass", "    b += 2", "    out.copy_(b)"],
+        ["    b = a + 1", "    pass", "    out.copy_(b)"],
+        ["    b = a + 1", "    b += 2", "    pass"],
+    ]
+    assert all("X = 1" in r and '"""Doc."""' in r and "return b" in r for r in results)
+
+
+def test_off_by_one_moves_integer_constants_both_ways_inside_functions_only() -> None:
+    source = '''
+    LIMIT = 8
+    def f(x, flag=True):
+        y = x[:n] + 1
+        raise ValueError(f"{x} at 3")
+    '''
+    assert [r.split("\n")[3] for r in mutated(Operator.OFF_BY_ONE, source)] == [
+        "    y = x[:n] + 2", "    y = x[:n] + 0"]
+    negative = mutated(Operator.OFF_BY_ONE, "def f(x):\n    return x.sum(0)\n")
+    assert negative == ["def f(x):\n    return x.sum(1)\n", "def f(x):\n    return x.sum((-1))\n"]
+
+
+def test_comparison_flipped_rewrites_the_operator_only() -> None:
+    source = "def f(a, b):\n    return (a  <  b, a >= b, a == b, a != b, a is b)\n"
+    assert mutated(Operator.COMPARISON_FLIPPED, source) == [
+        "def f(a, b):\n    return (a  <=  b, a >= b, a == b, a != b, a is b)\n",
+        "def f(a, b):\n    return (a  <  b, a > b, a == b, a != b, a is b)\n",
+        "def f(a, b):\n    return (a  <  b, a >= b, a != b, a != b, a is b)\n",
+        "def f(a, b):\n    return (a  <  b, a >= b, a == b, a == b, a is b)\n",
+    ]
+
+
+def test_slice_bound_moves_non_constant_bounds() -> None:
+    source = "def f(x, n, m):\n    return x[:n], x[m + 1:], x[:4]\n"
+    assert mutated(Operator.SLICE_BOUND, source) == [
+        "def f(x, n, m):\n    return x[:n - 1], x[m + 1:], x[:4]\n",
+        "def f(x, n, m):\n    return x[:n + 1], x[m + 1:], x[:4]\n",
+        "def f(x, n, m):\n    return x[:n], x[(m + 1) - 1:], x[:4]\n",
+        "def f(x, n, m):\n    return x[:n], x[(m + 1) + 1:], x[:4]\n",
+    ]
+
+
+def test_in_place_target_redirects_writes_to_a_fresh_tensor() -> None:
+    source = '''
+    def f(x, y, out):
+        x.copy_(y)
+        x[:2] = y
+        torch.sub(y, 1, out=out)
+        z = x.add_(1)
+    '''
+    results = mutated(Operator.IN_PLACE_TARGET, source)
+    assert [r.split("\n")[2:5] for r in results] == [
+        ["    x.clone().copy_(y)", "    x[:2] = y", "    torch.sub(y, 1, out=out)"],
+        ["    x.copy_(y)", "    x.clone()[:2] = y", "    torch.sub(y, 1, out=out)"],
+        ["    x.copy_(y)", "    x[:2] = y", "    torch.sub(y, 1, out=out.clone())"],
+    ]
+
+
+def test_view_snapshot_clones_views_of_persistent_buffers_handed_to_metadata() -> None:
+    source = '''
+    def build(self, common, n):
+        lens, slots = self.lens[:n], self.slots.view(-1)
+        local = common.positions[:n]
+        return Meta(table=common.table, num_reqs=common.num_reqs, causal=True)
+    '''
+    results = mutated(Operator.VIEW_SNAPSHOT, source)
+    record = "    return Meta(table=common.table, num_reqs=common.num_reqs, causal=True)"
+    local = "    local = common.positions[:n]"
+    assert [r.split("\n")[2:5] for r in results] == [
+        ["    lens, slots = self.lens[:n].clone(), self.slots.view(-1)", local, record],
+        ["    lens, slots = self.lens[:n], self.slots.view(-1).clone()", local, record],
+        ["    lens, slots = self.lens[:n], self.slots.view(-1)", local,
+         record.replace("common.table", "common.table.clone()")],
+    ]
+
+
+def test_edits_keep_every_other_line_and_count_utf8_columns() -> None:
+    source = "def f(x):\n    s = 'é'; return x[:1]\n    # end\n"
+    (first, second) = mutated(Operator.OFF_BY_ONE, source)
+    assert first == "def f(x):\n    s = 'é'; return x[:2]\n    # end\n"
+    assert second == "def f(x):\n    s = 'é'; return x[:0]\n    # end\n"
+
+
+@pytest.fixture(scope="module")
+def reference_mutants() -> list[Mutant]:
+    return generate_mutants(backend_targets(REFERENCE), list(Operator))
+
+
+def test_targets_of_reference_are_its_package_and_the_dcp_share() -> None:
+    targets = {t.path.relative_to(ROOT).as_posix(): t.role for t in backend_targets(REFERENCE)}
+    assert targets == {
+        "backends/reference/builder.py": Role.BUILDER,
+        "backends/dcp.py": Role.REFRESH,
+        "backends/reference/__init__.py": Role.HELPER,
+        "backends/reference/attention.py": Role.HELPER,
+    }
+    (chosen,) = chosen_targets([ROOT / "backends" / "dcp.py"], backend_targets(REFERENCE))
+    assert (chosen.package, chosen.package_dir, chosen.role) == ("speccheck", ROOT, Role.CHOSEN)
+
+
+def test_mutants_of_reference_cover_every_operator_and_compile(
+    reference_mutants: list[Mutant],
+) -> None:
+    assert {m.operator for m in reference_mutants} == set(Operator)
+    files = {m.target.path.name for m in reference_mutants}
+    assert files == {"builder.py", "attention.py", "dcp.py"}
+    assert all(m.compiles for m in reference_mutants)
+    assert len({(m.target, m.source) for m in reference_mutants}) == len(reference_mutants)
+    for mutant in reference_mutants:
+        original = mutant.target.path.read_text().splitlines()
+        assert mutant.original_line == original[mutant.line - 1].strip()
+        assert mutant.mutated_line != mutant.original_line or mutant.end_line > mutant.line
+    sample = sample_mutants(reference_mutants, 10, seed=3)
+    assert sample == sample_mutants(reference_mutants, 10, seed=3)
+    assert len(sample) == 10 and sample == sorted(sample, key=lambda m: m.number)
+
+
+def _pick(mutants: list[Mutant], file: str, operator: Operator, line_text: str,
+          description: str | None = None) -> Mutant:
+    (mutant,) = [m for m in mutants if m.target.path.name == file and m.operator is operator
+                 and m.original_line == line_text
+                 and (description is None or m.description == description)]
+    return mutant
+
+
+def test_a_run_shadows_the_installed_package_in_verify_workers_and_reports_each_outcome(
+    reference_mutants: list[Mutant], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Real verify runs (a few examples each): the unmutated copy's lines are recorded in
+    the worker (only workers call the builder), a mutant whose metadata snapshots
+    ``seq_lens`` is killed by a check naming the field, and an equivalent mutant (a larger
+    minimum chunk of the fp32 gather, executed at the defaults) survives, reported at its
+    ``file:line`` as a candidate for equivalence."""
+    monkeypatch.chdir(ROOT)
+    killed = _pick(reference_mutants, "builder.py", Operator.VIEW_SNAPSHOT,
+                   "seq_lens=common.seq_lens,")
+    survivor = _pick(reference_mutants, "attention.py", Operator.OFF_BY_ONE,
+                     "per_chunk = max(1, GATHER_BYTES // (columns * block_size * num_kv_heads "
+                     "* head_size * 4))", "1 -> 2")
+    targets = [killed.target, survivor.target]
+    coverage = run_unmutated(targets, "reference", examples=3, timeout=300)
+    assert coverage.outcome.report is not None and coverage.outcome.report["status"] == "passed"
+    assert coverage.processes >= 2 and coverage.ran_function_bodies(targets)
+    assert coverage.ran(killed.target, killed.line, killed.end_line)
+    settings = RunSettings(backend="reference", examples=3, jobs=2, budget=600, timeout=300)
+    results = run_mutants([killed, survivor], settings)
+    assert [r.outcome for r in results] == [Outcome.KILLED, Outcome.SURVIVED]
+    assert results[0].kill_kind is KillKind.NAMED_FIELD
+    assert any(field.endswith("seq_lens") for field in results[0].named_fields)
+    report = MutationReport("reference", 3, targets, ["view_snapshot", "off_by_one"], 2,
+                            results, coverage, 1.0)
+    payload = json.loads(json.dumps(report.to_json()))
+    assert payload["score"] == 0.5
+    assert payload["counts"]["killed"] == 1 and payload["counts"]["survived"] == 1
+    assert set(payload["kills_by_kind"]) == {kind.value for kind in KillKind}
+    entry = payload["mutants"][1]
+    assert (entry["file"], entry["line"], entry["outcome"], entry["survivor"], entry["executed"]) \
+        == ("backends/reference/attention.py", survivor.line, "survived",
+            SurvivorClass.EQUIVALENCE_CANDIDATE.value, True)
+    assert entry["diff"] == {"-": survivor.original_line, "+": survivor.mutated_line}
+    assert "backends/reference/attention.py" in payload["never_executed"]
+    assert "mutation score 50%" in summary_line(report)
+
+
+def test_a_plug_in_adapter_installed_in_site_packages_is_shadowed_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The template adapter, installed (not editable) into a folder on ``PYTHONPATH`` as a
+    plug-in: its package's copy comes first in verify's workers, so deleting its refresh is
+    killed by the check naming ``kv_lens``."""
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(site),
+                    str(ROOT / "examples" / "adapter_template")],
+                   check=True, capture_output=True, timeout=120)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    (target,) = chosen_targets([site / "speccheck_adapter_template" / "attention.py"], [])
+    assert (target.package, target.package_dir) == ("speccheck_adapter_template",
+                                                     site / "speccheck_adapter_template")
+    refresh = _pick(generate_mutants([target], [Operator.STATEMENT_DELETED]), "attention.py",
+                    Operator.STATEMENT_DELETED,
+                    "metadata.kv_lens.copy_(metadata.seq_lens)  # the in-graph refresh")
+    coverage = run_unmutated([target], "template_attn", examples=3, timeout=300)
+    assert coverage.outcome.report is not None and coverage.outcome.report["status"] == "passed"
+    assert coverage.ran(target, refresh.line, refresh.line)
+    settings = RunSettings(backend="template_attn", examples=3, jobs=1, budget=600, timeout=300)
+    (result,) = run_mutants([refresh], settings)
+    assert result.outcome is Outcome.KILLED, result
+    assert any(field.endswith("kv_lens") for field in result.named_fields)
+
+
+def test_judge_names_each_kill_kind(reference_mutants: list[Mutant]) -> None:
+    mutant = reference_mutants[0]
+
+    def ran(report: dict[str, object] | None, returncode: int | None = 1) -> VerifyOutcome:
+        return VerifyOutcome(returncode, report, 1.0, ["last line"])
+
+    def failed(*checks: str, field: str | None = None) -> dict[str, object]:
+        return {"status": "failed", "detail": "",
+                "checks": {c: {"failed": int(c in checks)}
+                           for c in ("logits", "vs_fp32_reference")},
+                "failures": [{"check": checks[0], "field": field}]}
+
+    named = judge(mutant, ran(failed("logits", field="x.seq_lens")))
+    assert named.kill_kind is KillKind.NAMED_FIELD
+    assert judge(mutant, ran(failed("logits"))).kill_kind is KillKind.OTHER_CHECK
+    only_fp32 = judge(mutant, ran(failed("vs_fp32_reference")))
+    assert only_fp32.kill_kind is KillKind.FP32_REFERENCE_ONLY
+    crash = judge(mutant, ran({"status": "crashed", "detail": "worker died"}))
+    assert (crash.outcome, crash.kill_kind, crash.detail) == (
+        Outcome.KILLED_BY_CRASH, KillKind.CRASH, "crashed: worker died")
+    assert judge(mutant, ran(None)).detail == "no report: last line"
+    assert judge(mutant, ran(None, returncode=None)).outcome is Outcome.KILLED_BY_TIMEOUT
+    assert judge(mutant, ran({"status": "passed"}, 0)).outcome is Outcome.SURVIVED
+
+
+def test_a_spent_budget_starts_nothing_and_invalid_mutants_never_run(
+    reference_mutants: list[Mutant],
+) -> None:
+    first, second = reference_mutants[:2]
+    spent = RunSettings(backend="reference", examples=1, jobs=1, budget=1, timeout=60,
+                        started=time.monotonic() - 10)
+    seen: list[Outcome] = []
+    results = run_mutants([replace(first, compiles=False), second], spent,
+                          on_result=lambda result: seen.append(result.outcome))
+    assert [r.outcome for r in results] == [Outcome.INVALID, Outcome.NOT_RUN]
+    assert seen == [Outcome.INVALID]
+
+
+def test_a_stopped_verify_run_ends_at_once_as_timed_out(tmp_path: Path) -> None:
+    stop = threading.Event()
+    timer = threading.Timer(2.0, stop.set)
+    timer.start()
+    started = time.monotonic()
+    outcome = run_verify(tmp_path, "reference", examples=1, timeout=300, stop=stop)
+    assert outcome.timed_out and outcome.report is None
+    assert time.monotonic() - started < 30
+
+
+def test_the_line_tracer_records_every_process_it_reaches(tmp_path: Path) -> None:
+    """The tracer, as ``sitecustomize`` on ``PYTHONPATH``, records the traced file's lines
+    in the process and in a child it starts, and nothing of other files."""
+    (tmp_path / "sitecustomize.py").write_text(Path(line_tracer.__file__).read_text())
+    traced = tmp_path / "traced.py"
+    traced.write_text("def f():\n    x = 1\n    return x\n\n\ndef g():\n    return 2\n")
+    records = tmp_path / "records"
+    records.mkdir()
+    child = "import traced; traced.g()"
+    script = ("import subprocess, sys, traced; traced.f(); "
+              f"subprocess.run([sys.executable, '-c', {child!r}], check=True)")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), line_tracer.TRACE_DIR_ENV: str(records),
+           line_tracer.TRACE_FILES_ENV: str(traced)}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=tmp_path, timeout=60)
+    recorded = [json.loads(p.read_text()) for p in sorted(records.glob("*.json"))]
+    assert len(recorded) == 2
+    lines = sorted(tuple(r[str(traced)]) for r in recorded)
+    assert lines == sorted([(1, 2, 3, 6), (1, 6, 7)])
+
+
+def speccheck(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-c", "from speccheck.checks.cli.app import main; main()", *args],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+    )
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--backend", "nope"], "--backend: unknown backend 'nope'; valid: reference"),
+    (["--operators", "bogus"], "--operators: unknown operator(s) bogus"),
+    (["--json", "/nonexistent-dir/out.json"], "--json: cannot write /nonexistent-dir/out.json"),
+    (["--module", "README.md"], "--module: README.md is not a Python source file"),
+    (["--max-mutants", "0"], "speccheck mutate: Invalid value for '--max-mutants'"),
+])
+def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
+    proc = speccheck("mutate", *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(message), line
