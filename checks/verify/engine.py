@@ -57,11 +57,17 @@ from speccheck.checks.verify.scale import (
 )
 from speccheck.checks.verify.search import ExampleRun, SearchBudget, record_failure, search
 from speccheck.checks.verify.side_lane import SideLane, SideRun
-from speccheck.checks.verify.strategies import BatchLimits, derived_step_changes, draft_batches
+from speccheck.checks.verify.strategies import (
+    BatchLimits,
+    derived_step_changes,
+    draft_batches,
+    draft_step_counts,
+)
 from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Tier
 from speccheck.checks.verify.zero_tails import zero_tails
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.dcp import DcpRank
+from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import machine_platform
 from speccheck.speculator.autoregressive import DecodePath
@@ -93,6 +99,8 @@ class VerifySettings:
     """Time budget for shrinking a failure; past it the smallest failure so far is kept."""
     claim_fused: bool = False
     """Run the fused candidate even where the matrix forbids it (``--audit-claims``)."""
+    kv_layout: KvLayout | None = None
+    """The drafter's layer kind (a cell's); ``None``: the entry's (``--kv-layout``)."""
     matrices: MatrixContext = field(kw_only=True)
     """The matrix under verification, and the shipped one for the fp32 reference."""
 
@@ -106,7 +114,7 @@ class VerifySettings:
                    examples=task.examples, seed=task.seed, steps=task.run.draft_steps,
                    capture_sizes=scale.capture_sizes, max_new_tokens=scale.max_new_tokens,
                    shrink_seconds=task.run.shrink_seconds, claim_fused=task.claim_fused,
-                   matrices=matrices)
+                   kv_layout=task.run.kv_layout, matrices=matrices)
 
 
 def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
@@ -356,7 +364,7 @@ class BackendVerifier:
         """A K from ``settings.steps`` and a batch within :meth:`limits`, aimed across the
         :attr:`breakpoints`."""
         lengths = self.breakpoints.lengths
-        return st.sampled_from(self.settings.steps).flatmap(
+        return draft_step_counts(self.settings.steps).flatmap(
             lambda k: st.tuples(st.just(k), draft_batches(
                 dataclasses.replace(self.limits(k), breakpoints=lengths)))
         )

@@ -31,7 +31,7 @@ from speccheck.checks.verify.scale import (
     HarnessScale,
 )
 from speccheck.checks.verify.vocabulary import Tier
-from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, Matrix
+from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, KvLayout, Matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 
 MAX_JOBS = 16
@@ -104,6 +104,14 @@ class VerifyRun(BaseModel):
     and ascending; ``None``: the tier's."""
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     """Most tokens a request brings to the first pass; ``None``: the tier's."""
+    kv_layout: KvLayout | None = None
+    """The drafter's layer kind for a backend whose entry states no ``kv_layout`` (it reads
+    both); ``None``: the entry's, and at the defaults every layout the entry claims, each
+    a cell of its own (:mod:`~speccheck.checks.verify.cells`)."""
+    cells: bool = True
+    """Verify every configuration cell the entry claims around the run's config
+    (:func:`~speccheck.checks.verify.cells.claimed_cells`), the examples spread over them;
+    ``False``: the run's config alone."""
     reproduce: str | None = None
     """Run exactly this example: a blob from a failure's reproduce command, or ``@FILE``
     for one kept in a file (read when planned)."""
@@ -196,6 +204,15 @@ class VerifyRun(BaseModel):
         return RuntimeConfig(**{**TIER_DEFAULTS[tier], "platform": platform, **defaults,
                                 **self.config})
 
+    def for_cell(self, config: Mapping[str, Any], kv_layout: KvLayout | None,
+                 examples: int) -> VerifyRun:
+        """This run narrowed to one configuration cell: ``config`` (runtime fields) given on
+        top of its own, drafter layers of ``kv_layout`` (``None``: as given), ``examples``
+        examples, and no further cells (its reproduce command names the cell's fields)."""
+        return VerifyRun.model_validate({
+            **self.model_dump(), "config": {**self.config, **config},
+            "kv_layout": kv_layout or self.kv_layout, "examples": examples, "cells": False})
+
     def reproduce_prefix(self, name: str) -> str:
         """The command that reruns backend ``name`` with this run's seed, matrix, scale
         and runtime fields, to which a report appends ``--reproduce BLOB``."""
@@ -204,6 +221,8 @@ class VerifyRun(BaseModel):
                  if self.capture_sizes else "")
         if self.max_new_tokens is not None:
             sizes += f" --max-new-tokens {self.max_new_tokens}"
+        if self.kv_layout is not None:
+            sizes += f" --kv-layout {self.kv_layout.value}"
         return (f"speccheck verify --backend {name} --seed {self.seed}{matrix}{sizes} "
                 f"{runtime_flags(self.config)}").strip()
 

@@ -4,7 +4,7 @@ between draft steps."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings, target
 from hypothesis import strategies as st
 
 from speccheck.checks.probes.state_walk import same_value
+from speccheck.checks.verify.cells import BatchClass
 from speccheck.contract.builder import blocks_for
 from speccheck.speculator.batch import DraftBatch
 
@@ -37,6 +38,12 @@ class BatchLimits:
     (:attr:`speccheck.checks.verify.breakpoints.Breakpoints.lengths`): requests of the
     ``"breakpoint"`` kind are placed so that their draft steps cross one. Empty: no such
     kind is drawn."""
+    batch_classes: tuple[BatchClass, ...] = (BatchClass.MIXED,)
+    """The shapes drawn (:func:`~speccheck.checks.verify.cells.claimed_batch_classes` of the
+    entry's CUDA-graph claim), each batch one of them."""
+    capture_sizes: tuple[int, ...] = ()
+    """The padded request counts (buckets): a ``uniform_padded`` batch has a request count
+    below its bucket, so that padding lanes run beside it."""
 
     def __post_init__(self) -> None:
         ascending = list(self.breakpoints) == sorted(set(self.breakpoints))
@@ -44,6 +51,17 @@ class BatchLimits:
             raise ValueError(
                 f"breakpoints must be ascending positive lengths, got {self.breakpoints}"
             )
+        if not self.batch_classes:
+            raise ValueError("at least one batch class must be drawn")
+
+    @property
+    def padded_counts(self) -> tuple[int, ...]:
+        """Request counts of two or more that run with padding lanes (not a capture size
+        themselves); all of ``2..max_num_reqs`` where no capture size is known or none
+        pads, ``(1,)`` where a batch holds one request."""
+        counts = range(2, self.max_num_reqs + 1)
+        padded = tuple(n for n in counts if self.capture_sizes and n not in self.capture_sizes)
+        return padded or tuple(counts) or (1,)
 
 
 CONTEXT_KINDS = ("anywhere", "boundary", "clamp")
@@ -92,22 +110,32 @@ def _below_breakpoint(draw: st.DrawFn, limits: BatchLimits, q: int, top: int) ->
 
 @st.composite
 def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
-    """A batch of 1..``max_num_reqs`` requests whose block tables are a shuffled, disjoint
-    draw from the live blocks.
+    """A batch of 1..``max_num_reqs`` requests of one of ``limits.batch_classes``, whose
+    block tables are a shuffled, disjoint draw from the live blocks: mixed widths (each
+    request's drawn on its own), single-token decode (one new token each), or uniform with
+    padding (:attr:`BatchLimits.padded_counts` requests of one drawn width). A batch ends
+    early where the live blocks run out.
 
-    Shrinks towards one request, short contexts, one new token, token 0, seed 0.
+    Shrinks towards the first class, one request, short contexts, one new token, token 0,
+    seed 0.
     """
     bs = limits.block_size
     max_blocks = blocks_for(limits.max_model_len, bs)
     budget = limits.num_blocks - 1
     if budget < max_blocks:
         raise ValueError(f"num_blocks={limits.num_blocks} cannot hold one full request row")
-    n = draw(st.integers(1, limits.max_num_reqs))
+    shape = draw(st.sampled_from(limits.batch_classes))
+    if shape is BatchClass.UNIFORM_PADDED:
+        n = draw(st.sampled_from(limits.padded_counts))
+        width: int | None = draw(st.integers(1, limits.max_new_tokens))
+    else:
+        n = draw(st.integers(1, limits.max_num_reqs))
+        width = 1 if shape is BatchClass.SINGLE_TOKEN_DECODE else None
     contexts: list[int] = []
     news: list[tuple[int, ...]] = []
     rows_needed: list[int] = []
     for _ in range(n):
-        q = draw(st.integers(1, limits.max_new_tokens))
+        q = width if width is not None else draw(st.integers(1, limits.max_new_tokens))
         ctx = _context_len(draw, limits, q)
         last = min(ctx + q - 1 + limits.extra_positions, limits.max_model_len - 1)
         needed = last // bs + 1
@@ -134,6 +162,13 @@ def _tokens(draw: st.DrawFn, vocab_size: int, count: int) -> tuple[int, ...]:
     if token_seed == 0:
         return (0,) * count
     return tuple(np.random.default_rng(token_seed).integers(0, vocab_size, count).tolist())
+
+
+def draft_step_counts(steps: Sequence[int]) -> st.SearchStrategy[int]:
+    """A K from ``steps``, K = 1 (no draft decode step: the first pass's control) placed
+    last, so that hypothesis' preference for early choices (the first examples, shrinking)
+    falls on K >= 2, the examples that run draft decode steps."""
+    return st.sampled_from(sorted(steps, key=lambda k: (k == 1, k)))
 
 
 TARGET_LABEL = "derived elements changed between draft steps"

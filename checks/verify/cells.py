@@ -1,0 +1,187 @@
+"""The configuration cells a matrix entry claims fused support for, and the batch classes
+its CUDA-graph claim covers: what a verification at the defaults must exercise so that a
+PASS covers the claim rather than one point of it.
+
+A :class:`Cell` is one runtime configuration (the run's own, or it with a few fields
+changed) and the layer kind the drafter is built with. :func:`claimed_cells` derives them
+from the entry (its conditions and constraints, resolved by
+:func:`~speccheck.contract.resolution.backend_failures`) and from what the adapter holds
+(a real DCP share); :func:`narrowed` keeps those a run's explicit options allow. A cell the
+machine cannot run carries the reason (:attr:`Cell.not_run`) and is reported as not run,
+never as passed.
+
+Torch-free: planning derives cells before any worker starts.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from speccheck.checks.verify.vocabulary import Tier
+from speccheck.contract.matrix_model import BackendEntry, CudaGraphSupport, KvLayout
+from speccheck.contract.resolution import backend_failures
+from speccheck.contract.runtime_config import RuntimeConfig
+
+INT16_MAX = 2**15 - 1
+"""Largest length an int16 holds: a long cell reaches lengths past it."""
+
+LONG_MAX_MODEL_LEN = 2**15 + 256
+"""``max_model_len`` of the long cell, where the run's own cannot reach past
+:data:`INT16_MAX`: lengths near its clamp are past it."""
+
+LONG_BLOCK_SIZE = 256
+"""``block_size`` of the long cell where the entry allows it: few, large blocks in use
+(a row of 129), so that block tables and the KV cache stay small (the CPU harness caps its
+cache at two rows: :func:`~speccheck.checks.verify.harness.kv_cache_token_budget`)."""
+
+DCP_CELL_WORLD_SIZE = 2
+"""``dcp_world_size`` of the DCP cell: two real ranks, each holding its share."""
+
+INTERPRETER_PACKAGE = "triton"
+"""The kernel package whose kernels run under the Triton interpreter on the CPU tier."""
+
+INTERPRETER_BF16 = ("the Triton interpreter computes bfloat16 kernels wrongly on the CPU; "
+                    "run this cell on the GPU tier")
+"""Why a bfloat16 cell of an interpreted backend is not run on the CPU tier."""
+
+
+class CellAxis(enum.StrEnum):
+    """What a cell varies from the run's own configuration."""
+
+    BASE = "base"
+    """The run's configuration itself."""
+    DCP = "dcp"
+    """Decode context parallelism on real ranks."""
+    LAYOUT = "layout"
+    """Another KV-cache layout the builder reads (the latent, MLA one)."""
+    WINDOW = "window"
+    """A sliding window."""
+    BLOCK_SIZE = "block_size"
+    """A second allowed block size."""
+    DTYPE = "dtype"
+    """Another allowed activation dtype."""
+    LONG = "long"
+    """Lengths past :data:`INT16_MAX`."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration a verification runs: the run's config with ``config`` changed,
+    drafter layers of ``kv_layout`` (``None``: the entry's own), or not run at all
+    (``not_run`` says why)."""
+
+    axis: CellAxis
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """Runtime fields this cell sets (by :class:`RuntimeConfig` field name)."""
+    kv_layout: KvLayout | None = None
+    not_run: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The cell in words: ``base``, ``dcp_world_size=2``, ``kv_layout=latent``..."""
+        parts = [f"{key}={value}" for key, value in self.config.items()]
+        if self.kv_layout is not None:
+            parts.append(f"kv_layout={self.kv_layout.value}")
+        return ", ".join(parts) or CellAxis.BASE.value
+
+
+class BatchClass(enum.StrEnum):
+    """A shape of batch a CUDA-graph claim covers; every run draws each its entry claims
+    (:func:`claimed_batch_classes`)."""
+
+    MIXED = "mixed"
+    """Requests of independent query widths (a graph of ``always`` support)."""
+    SINGLE_TOKEN_DECODE = "single_token_decode"
+    """Every request brings one token."""
+    UNIFORM_PADDED = "uniform_padded"
+    """Several requests of one query width, fewer than their bucket: padding lanes."""
+
+
+def claimed_batch_classes(support: CudaGraphSupport) -> tuple[BatchClass, ...]:
+    """The batch classes an entry of ``support`` claims graphs (or, ``never``, eager runs)
+    for, mixed widths first (hypothesis shrinks towards it)."""
+    if support is CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE:
+        return (BatchClass.SINGLE_TOKEN_DECODE,)
+    if support is CudaGraphSupport.UNIFORM_BATCH:
+        return (BatchClass.SINGLE_TOKEN_DECODE, BatchClass.UNIFORM_PADDED)
+    return (BatchClass.MIXED, BatchClass.SINGLE_TOKEN_DECODE, BatchClass.UNIFORM_PADDED)
+
+
+def claimed_cells(
+    entry: BackendEntry, config: RuntimeConfig, tier: Tier, holds_dcp_share: bool
+) -> tuple[Cell, ...]:
+    """The cells ``entry`` claims fused support for around ``config`` (the run's), base
+    first: each a change of one axis that the entry's constraints and draft-decode
+    condition allow fused (:func:`~speccheck.contract.resolution.backend_failures` empty).
+
+    - DCP: ``dcp_world_size`` 2 where the builder holds a real share (``holds_dcp_share``)
+      and ``config`` runs without DCP;
+    - layout: the latent layout where the entry states no ``kv_layout`` (it reads both)
+      and the run's layers are not latent;
+    - window: ``sliding_window`` of a quarter of ``max_model_len`` where ``config`` has
+      none;
+    - block size: twice ``config``'s;
+    - dtype: each other dtype the entry allows (on the CPU tier, bfloat16 of a backend
+      whose kernels run under the Triton interpreter is not run: :data:`INTERPRETER_BF16`);
+    - long: :data:`LONG_MAX_MODEL_LEN` (in blocks of :data:`LONG_BLOCK_SIZE` where
+      allowed) where ``config``'s lengths cannot pass :data:`INT16_MAX`.
+
+    Nothing but the base cell where the entry does not allow fusing under ``config``
+    (its fallback is verified there).
+    """
+    base = Cell(CellAxis.BASE)
+    if backend_failures(entry, config):
+        return (base,)
+    wanted: list[Cell] = []
+    if holds_dcp_share and config.dcp_world_size == 1:
+        wanted.append(Cell(CellAxis.DCP, {"dcp_world_size": DCP_CELL_WORLD_SIZE}))
+    if entry.constraints.kv_layout is None:
+        wanted.append(Cell(CellAxis.LAYOUT, kv_layout=KvLayout.LATENT))
+    if config.sliding_window == 0 and config.max_model_len >= 8:
+        wanted.append(Cell(CellAxis.WINDOW, {"sliding_window": config.max_model_len // 4}))
+    if config.block_size * 2 <= config.max_model_len:
+        wanted.append(Cell(CellAxis.BLOCK_SIZE, {"block_size": config.block_size * 2}))
+    for dtype in entry.constraints.dtypes or ():
+        if dtype != config.dtype:
+            wanted.append(Cell(CellAxis.DTYPE, {"dtype": dtype},
+                               not_run=_dtype_not_run(entry, dtype, tier)))
+    if config.max_model_len <= INT16_MAX:
+        long = Cell(CellAxis.LONG, {"max_model_len": LONG_MAX_MODEL_LEN,
+                                    "block_size": max(config.block_size, LONG_BLOCK_SIZE)})
+        wanted.append(long if _claimed(entry, config, long)
+                      else Cell(CellAxis.LONG, {"max_model_len": LONG_MAX_MODEL_LEN}))
+    return (base, *(cell for cell in wanted if _claimed(entry, config, cell)))
+
+
+def _claimed(entry: BackendEntry, config: RuntimeConfig, cell: Cell) -> bool:
+    """Whether ``entry`` allows fusing under ``config`` changed as ``cell`` says."""
+    return not backend_failures(entry, config.model_copy(update=dict(cell.config)))
+
+
+def _dtype_not_run(entry: BackendEntry, dtype: str, tier: Tier) -> str | None:
+    if (tier is Tier.CPU and dtype == "bfloat16"
+            and entry.package.import_name == INTERPRETER_PACKAGE):
+        return INTERPRETER_BF16
+    return None
+
+
+def narrowed(
+    cells: Sequence[Cell], given: Mapping[str, Any], kv_layout: KvLayout | None
+) -> tuple[Cell, ...]:
+    """The ``cells`` a run's explicit options allow: the base cell, and each other whose
+    runtime fields the run did not give (given, the base cell already runs at the value
+    given, or the cell contradicts it: ``--dcp-world-size 1`` runs only cells at DCP 1),
+    nor its layout (``kv_layout`` given: the base cell runs in it)."""
+    return tuple(cell for cell in cells
+                 if cell.axis is CellAxis.BASE
+                 or (not any(key in given for key in cell.config)
+                     and not (kv_layout is not None and cell.kv_layout is not None)))
+
+
+def example_shares(examples: int, runnable: int) -> list[int]:
+    """``examples`` spread over ``runnable`` cells as evenly as they go, the first cells
+    (the base first) taking the remainder; a cell past the budget gets none."""
+    return [examples // runnable + (i < examples % runnable) for i in range(runnable)]
