@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings, target
 from hypothesis import strategies as st
 
 from speccheck.checks.probes.state_walk import same_value
-from speccheck.checks.verify.cells import BatchClass
+from speccheck.checks.verify.cells import INT16_MAX, BatchClass
 from speccheck.contract.builder import blocks_for
 from speccheck.speculator.batch import DraftBatch
 
@@ -69,12 +69,16 @@ CONTEXT_KINDS = ("anywhere", "boundary", "clamp")
 carry breakpoints. Hypothesis shrinks towards the first kind."""
 
 
-def _context_len(draw: st.DrawFn, limits: BatchLimits, q: int) -> int:
+def _context_len(draw: st.DrawFn, limits: BatchLimits, q: int, first: bool = False) -> int:
     """A context length of one of these kinds: anywhere, just before a block boundary (so
     the draft steps cross it), near ``max_model_len`` (so the steps hit the clamp), or just
     below a breakpoint (so the refreshes between draft steps cross it: see
-    :func:`_below_breakpoint`)."""
+    :func:`_below_breakpoint`). Where ``max_model_len`` reaches past :data:`~speccheck.
+    checks.verify.cells.INT16_MAX` (the long cell), the ``first`` request of every batch
+    starts past it (a length an int16 cannot hold)."""
     top = limits.max_model_len - q - (limits.extra_positions if limits.room_for_block else 0)
+    if first and top > INT16_MAX:
+        return draw(st.integers(INT16_MAX + 1 - q, top))
     kind = draw(st.sampled_from(CONTEXT_KINDS + (("breakpoint",) if limits.breakpoints else ())))
     if kind == "breakpoint":
         return _below_breakpoint(draw, limits, q, top)
@@ -134,9 +138,9 @@ def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
     contexts: list[int] = []
     news: list[tuple[int, ...]] = []
     rows_needed: list[int] = []
-    for _ in range(n):
+    for i in range(n):
         q = width if width is not None else draw(st.integers(1, limits.max_new_tokens))
-        ctx = _context_len(draw, limits, q)
+        ctx = _context_len(draw, limits, q, first=i == 0)
         last = min(ctx + q - 1 + limits.extra_positions, limits.max_model_len - 1)
         needed = last // bs + 1
         if sum(rows_needed) + needed > budget:
@@ -164,11 +168,19 @@ def _tokens(draw: st.DrawFn, vocab_size: int, count: int) -> tuple[int, ...]:
     return tuple(np.random.default_rng(token_seed).integers(0, vocab_size, count).tolist())
 
 
+DECODE_K_WEIGHT = 2
+"""How many times each K >= 2 is listed against K = 1's once (:func:`draft_step_counts`)."""
+
+
 def draft_step_counts(steps: Sequence[int]) -> st.SearchStrategy[int]:
-    """A K from ``steps``, K = 1 (no draft decode step: the first pass's control) placed
-    last, so that hypothesis' preference for early choices (the first examples, shrinking)
-    falls on K >= 2, the examples that run draft decode steps."""
-    return st.sampled_from(sorted(steps, key=lambda k: (k == 1, k)))
+    """A K from ``steps``: each K >= 2 (the examples that run draft decode steps)
+    :data:`DECODE_K_WEIGHT` times as likely as K = 1 (no decode step: the first pass's
+    control, about one example in fifteen of the default 1..8), which is listed last, so
+    that hypothesis' preference for early choices (its first examples, shrinking) falls on
+    the smallest K >= 2."""
+    decode = sorted(k for k in set(steps) if k >= 2)
+    control = [1] if 1 in steps else []
+    return st.sampled_from(decode * (DECODE_K_WEIGHT if decode else 1) + control)
 
 
 TARGET_LABEL = "derived elements changed between draft steps"
