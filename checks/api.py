@@ -34,7 +34,14 @@ from pydantic_core import ErrorDetails
 from rich.console import Console
 from rich.progress import Progress
 
-from speccheck.checks.verify.cells import Cell, CellAxis, claimed_cells, example_shares, narrowed
+from speccheck.checks.verify.cells import (
+    CELL_SEED_STRIDE,
+    Cell,
+    CellAxis,
+    claimed_cells,
+    example_shares,
+    narrowed,
+)
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, CellReport, Failure
 from speccheck.checks.verify.run import VerifyRun, WorkerTask, bound_problem
@@ -239,13 +246,34 @@ class VerifyPlan:
     ``seed + 1``, ...); their reports merge
     (:func:`~speccheck.checks.verify.report.merge_shards`)."""
 
+    cell: Cell = Cell(CellAxis.BASE)
+    """The configuration cell this plan verifies (:meth:`for_cell`); the base cell: the
+    run's own configuration, and every cell :meth:`cells` derives."""
+    cell_examples: int | None = None
+    """The cell's share of the run's examples (``None``: all of them)."""
+    cell_index: int = 0
+    """The cell's place in :meth:`cells` (0: the base cell)."""
+
+    @property
+    def seed(self) -> int:
+        """The seed this plan's cell draws from: the run's, plus :data:`~speccheck.checks.
+        verify.cells.CELL_SEED_STRIDE` per cell before it."""
+        return self.verify_run.seed + self.cell_index * CELL_SEED_STRIDE
+
+    @property
+    def examples(self) -> int:
+        """Examples per backend in this plan's cell."""
+        return self.verify_run.examples if self.cell_examples is None else self.cell_examples
+
     def config_for(self, name: str) -> RuntimeConfig:
         """The runtime config backend ``name`` is verified at: the tier's defaults, then
-        its matrix entry's ``verify_defaults``, then the fields given."""
+        its matrix entry's ``verify_defaults``, then the fields given, then the
+        :attr:`cell`'s."""
         from speccheck.speculator.attention_setup import machine_platform
 
         return self.verify_run.config_for(name, self.tier, self.matrices.matrix,
-                                          machine_platform())
+                                          machine_platform()).model_copy(
+                                              update=dict(self.cell.config))
 
     def task(self, name: str, examples: int | None = None, seed: int | None = None,
              claim_fused: bool = False) -> WorkerTask:
@@ -254,9 +282,10 @@ class VerifyPlan:
         claim, and the example the run reproduces."""
         run = self.verify_run
         return WorkerTask(run=run, backend=name,
-                          examples=run.examples if examples is None else examples,
-                          seed=run.seed if seed is None else seed, claim_fused=claim_fused,
-                          reproduce=self.reproduce)
+                          examples=self.examples if examples is None else examples,
+                          seed=self.seed if seed is None else seed, claim_fused=claim_fused,
+                          reproduce=self.reproduce, cell=dict(self.cell.config),
+                          kv_layout=self.cell.kv_layout)
 
     def settings_for(self, name: str) -> VerifySettings:
         """The engine settings backend ``name``'s worker runs with
@@ -352,14 +381,13 @@ class VerifyPlan:
         claimed = claimed_cells(entry, self.config_for(name), self.tier, holds)
         return narrowed(claimed, run.config, run.kv_layout)
 
-    def for_cell(self, cell: Cell, examples: int) -> VerifyPlan:
-        """This plan narrowed to ``cell`` with ``examples`` examples
-        (:meth:`~speccheck.checks.verify.run.VerifyRun.for_cell`)."""
-        from speccheck.speculator.attention_setup import machine_platform
-
-        run = self.verify_run.for_cell(cell.config, cell.kv_layout, examples)
-        return dataclasses.replace(self, verify_run=run,
-                                   config=run.tier_config(self.tier, machine_platform()))
+    def for_cell(self, cell: Cell, examples: int, index: int = 0) -> VerifyPlan:
+        """This plan narrowed to ``cell``, the ``index``-th of :meth:`cells`, with
+        ``examples`` examples: its workers get the run unchanged, the cell in their task
+        (:attr:`~speccheck.checks.verify.run.WorkerTask.cell`) and a seed of the cell's
+        own (:attr:`seed`)."""
+        return dataclasses.replace(self, config=self.config.model_copy(update=dict(cell.config)),
+                                   cell=cell, cell_examples=examples, cell_index=index)
 
     def _verify_one(
         self, name: str, progress: ProgressDisplay, notes: dict[str, str],
@@ -395,7 +423,7 @@ class VerifyPlan:
         shares = iter(example_shares(self.verify_run.examples,
                                      sum(cell.not_run is None for cell in cells)))
         plans = [None if cell.not_run is not None or not (examples := next(shares))
-                 else self.for_cell(cell, examples) for cell in cells]
+                 else self.for_cell(cell, examples, i) for i, cell in enumerate(cells)]
         plain = [plan is not None and plan.dcp_ranks(name) == 1 for plan in plans]
         reports: list[BackendReport] = []
         rows: list[CellReport] = []
@@ -425,12 +453,12 @@ class VerifyPlan:
         if (self.reproduce is not None or self.config.dp_size > 1
                 or self.dcp_ranks(name) > 1):
             return 1
-        return min(self.jobs, self.verify_run.examples)
+        return min(self.jobs, self.examples)
 
     def shard_tasks(self, name: str) -> list[WorkerTask]:
         """The :meth:`task` of each of backend ``name``'s :meth:`shards` workers: the
         examples split as evenly as they go, worker ``i`` drawing from ``seed + i``."""
-        count, examples, seed = self.shards(name), self.verify_run.examples, self.verify_run.seed
+        count, examples, seed = self.shards(name), self.examples, self.seed
         return [self.task(name, examples // count + (i < examples % count), seed + i)
                 for i in range(count)]
 

@@ -37,6 +37,10 @@ LONG_BLOCK_SIZE = 256
 (a row of 129), so that block tables and the KV cache stay small (the CPU harness caps its
 cache at two rows: :func:`~speccheck.checks.verify.harness.kv_cache_token_budget`)."""
 
+CELL_SEED_STRIDE = 1 << 16
+"""Cell ``i`` draws from the run's seed plus ``i`` times this (its workers from that plus
+their shard index), so that cells do not all begin with the same batches."""
+
 DCP_CELL_WORLD_SIZE = 2
 """``dcp_world_size`` of the DCP cell: two real ranks, each holding its share."""
 

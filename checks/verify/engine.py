@@ -109,12 +109,11 @@ class VerifySettings:
         """The engine's view of ``task`` on ``tier`` (``matrices``: its run's): the only
         place a worker's settings are derived from what it was given."""
         scale = task.run.scale(tier)
-        return cls(task.backend,
-                   task.run.config_for(task.backend, tier, matrices.matrix, machine_platform()),
+        return cls(task.backend, task.config_for(tier, matrices.matrix, machine_platform()),
                    examples=task.examples, seed=task.seed, steps=task.run.draft_steps,
                    capture_sizes=scale.capture_sizes, max_new_tokens=scale.max_new_tokens,
                    shrink_seconds=task.run.shrink_seconds, claim_fused=task.claim_fused,
-                   kv_layout=task.run.kv_layout, matrices=matrices)
+                   kv_layout=task.drafter_layout, matrices=matrices)
 
 
 def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:

@@ -144,7 +144,7 @@ class HarnessSet:
             extra_positions=k - 1, vocab_size=self.settings.vocab_size,
             max_new_tokens=self.settings.max_new_tokens,
             batch_classes=claimed_batch_classes(entry.cudagraph_support),
-            capture_sizes=self.settings.capture_sizes,
+            capture_sizes=self.settings.capture_sizes, padded_widths=FIRST_PASS_QUERY_LENS,
         )
 
     def harness(self, k: int) -> Harness:

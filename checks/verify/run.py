@@ -204,15 +204,6 @@ class VerifyRun(BaseModel):
         return RuntimeConfig(**{**TIER_DEFAULTS[tier], "platform": platform, **defaults,
                                 **self.config})
 
-    def for_cell(self, config: Mapping[str, Any], kv_layout: KvLayout | None,
-                 examples: int) -> VerifyRun:
-        """This run narrowed to one configuration cell: ``config`` (runtime fields) given on
-        top of its own, drafter layers of ``kv_layout`` (``None``: as given), ``examples``
-        examples, and no further cells (its reproduce command names the cell's fields)."""
-        return VerifyRun.model_validate({
-            **self.model_dump(), "config": {**self.config, **config},
-            "kv_layout": kv_layout or self.kv_layout, "examples": examples, "cells": False})
-
     def reproduce_prefix(self, name: str) -> str:
         """The command that reruns backend ``name`` with this run's seed, matrix, scale
         and runtime fields, to which a report appends ``--reproduce BLOB``."""
@@ -246,11 +237,33 @@ class WorkerTask(BaseModel):
     """Run the fused candidate even where the matrix forbids it (the claims audit)."""
     reproduce: str | None = None
     """Run exactly this example blob (already read from ``@FILE``) instead of drawing."""
+    cell: RuntimeOverrides = Field(default_factory=dict)
+    """Runtime fields this worker's configuration cell sets on top of the run's
+    (:class:`~speccheck.checks.verify.cells.Cell`; none of them given by the run)."""
+    kv_layout: KvLayout | None = None
+    """The cell's drafter layout; ``None``: the run's ``kv_layout``."""
+
+    def config_for(self, tier: Tier, matrix: Matrix, platform: str) -> RuntimeConfig:
+        """The runtime config this worker verifies at: the run's for its backend
+        (:meth:`VerifyRun.config_for`) with :attr:`cell` set."""
+        return self.run.config_for(self.backend, tier, matrix, platform).model_copy(
+            update=self.cell)
+
+    @property
+    def drafter_layout(self) -> KvLayout | None:
+        """The drafter's layer kind: the cell's, else the run's (``None``: the entry's)."""
+        return self.kv_layout or self.run.kv_layout
 
     @property
     def reproduce_prefix(self) -> str:
-        """The command that reruns this worker's backend as it ran here."""
+        """The command that reruns this worker's backend as it ran here, in its cell."""
         prefix = self.run.reproduce_prefix(self.backend)
+        if self.cell:
+            prefix += f" {runtime_flags(self.cell)}"
+        if self.kv_layout is not None:
+            prefix += f" --kv-layout {self.kv_layout.value}"
+        if self.cell or self.kv_layout is not None:
+            prefix += " --no-cells"
         return prefix + " --audit-claims" if self.claim_fused else prefix
 
     @property

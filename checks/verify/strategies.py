@@ -44,6 +44,10 @@ class BatchLimits:
     capture_sizes: tuple[int, ...] = ()
     """The padded request counts (buckets): a ``uniform_padded`` batch has a request count
     below its bucket, so that padding lanes run beside it."""
+    padded_widths: tuple[int, ...] = ()
+    """Query widths whose uniform first pass runs padded over its bucket (the harness's
+    ``first_pass_query_lens``): a ``uniform_padded`` batch has one of them (of those up to
+    ``max_new_tokens``; any width where none is given or fits)."""
 
     def __post_init__(self) -> None:
         ascending = list(self.breakpoints) == sorted(set(self.breakpoints))
@@ -131,7 +135,8 @@ def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
     shape = draw(st.sampled_from(limits.batch_classes))
     if shape is BatchClass.UNIFORM_PADDED:
         n = draw(st.sampled_from(limits.padded_counts))
-        width: int | None = draw(st.integers(1, limits.max_new_tokens))
+        widths = [w for w in limits.padded_widths if w <= limits.max_new_tokens]
+        width: int | None = draw(st.sampled_from(widths or range(1, limits.max_new_tokens + 1)))
     else:
         n = draw(st.integers(1, limits.max_num_reqs))
         width = 1 if shape is BatchClass.SINGLE_TOKEN_DECODE else None
