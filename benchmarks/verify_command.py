@@ -12,7 +12,9 @@ examples per second over the ``--jobs 1`` row's (a single worker drawing every e
 decides); ``--cells off`` runs ``verify --no-cells`` (the run's configuration alone, as
 before configuration cells). Each row also gives the CPU time of the command and every
 process under it (user + system), and the machine's load average when it ended: on a
-shared machine the wall time is the CPU time stretched by the load. The figures the issue that asked for this recorded before it (the same command,
+shared machine the wall time is the CPU time stretched by the load.
+
+The figures the issue that asked for this recorded before it (the same command,
 one worker) are printed beside them where there is one for the backend and example count.
 """
 

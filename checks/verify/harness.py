@@ -102,8 +102,8 @@ class HarnessSet:
         test reads (the run's ``kv_layout`` where it gives one, else GQA for an ``NHD`` cache or
         an entry that states no layout, MLA for a ``latent`` one), and the fp32 reference
         speculator gets the same kind."""
-        layout = (self.settings.kv_layout or
-                  self.settings.matrices.matrix.backend(self.settings.backend).constraints.kv_layout)
+        entry = self.settings.matrices.matrix.backend(self.settings.backend)
+        layout = self.settings.kv_layout or entry.constraints.kv_layout
         return DrafterConfig.for_runtime(
             self.config, vocab_size=self.settings.vocab_size,
             num_layers=self.settings.num_layers, seed=self.settings.seed, dtype=dtype,
