@@ -161,3 +161,25 @@ def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
     assert failed, report.cells
     if cell is CellAxis.LONG:
         assert all("max_model_len=33024" in name for name in failed), failed
+
+
+def test_the_k1_harness_poisons_its_builders_zero_tail_buffers() -> None:
+    """K = 1 runs no decode step, so its zero-tail buffers are found from the warm-up's
+    padded first pass: every K = 1 example starts with them poisoned, as every other K's
+    does, and a shrunk K = 1 example reproduces in a fresh worker."""
+    from speccheck.checks.selftest.mutants import DerivedBuilder, declaring_matrix
+    from speccheck.checks.selftest.run import settings_at_defaults
+    from speccheck.checks.verify.harness import HarnessSet
+    from speccheck.contract.matrix_loader import load_matrix
+    from speccheck.speculator.batch import DraftBatch
+
+    device = torch.device("cpu")
+    settings = settings_at_defaults("reference", DerivedBuilder, device,
+                                    declaring_matrix(load_matrix(None), ("kv_lens_plus_one",)))
+    harnesses = HarnessSet(settings, device)
+    h = harnesses.harness(1)
+    example = (1, DraftBatch((3,), ((5,),), ((1, 2),), (0,)))
+    harnesses.start_state(h, example)
+    assert h.tail_buffers, "no zero-tail buffer found for K = 1"
+    (derived,) = h.tail_buffers
+    assert not bool((derived == 0).any()), "the K = 1 harness left its buffer unpoisoned"
