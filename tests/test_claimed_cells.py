@@ -46,12 +46,16 @@ def test_reference_claims_dcp_on_real_ranks_the_latent_layout_and_long_lengths()
     plan = plan_verification("reference")
     cells = plan.cells("reference")
     assert cells[0].axis is CellAxis.BASE
-    assert {CellAxis.DCP, CellAxis.LAYOUT, CellAxis.WINDOW, CellAxis.BLOCK_SIZE,
-            CellAxis.DTYPE, CellAxis.LONG} <= set(_axes(cells))
+    assert {CellAxis.DCP, CellAxis.LONG} <= set(_axes(cells))
+    changed = {key: {cell.config[key] for cell in cells if key in cell.config}
+               for key in ("sliding_window", "block_size", "dtype")}
+    assert changed["sliding_window"] and 8 in changed["block_size"]
+    assert changed["dtype"] == {"bfloat16", "float16"}  # each dtype the entry allows
     (dcp,) = [cell for cell in cells if cell.axis is CellAxis.DCP]
     assert plan.for_cell(dcp, 5).dcp_ranks("reference") == 2
-    (layout,) = [cell for cell in cells if cell.axis is CellAxis.LAYOUT]
+    (layout,) = [cell for cell in cells if cell.kv_layout is not None]
     assert plan.for_cell(layout, 5).settings_for("reference").kv_layout is KvLayout.LATENT
+    assert len(cells) <= 5  # single-rank axes packed: each cell costs a worker's start-up
     (long,) = [cell for cell in cells if cell.axis is CellAxis.LONG]
     assert long.config["max_model_len"] > INT16_MAX + 1
 
@@ -59,9 +63,11 @@ def test_reference_claims_dcp_on_real_ranks_the_latent_layout_and_long_lengths()
 @CPU_ONLY
 def test_options_given_narrow_the_cells() -> None:
     at_dcp_1 = plan_verification("reference", config={"dcp_world_size": 1}).cells("reference")
-    assert CellAxis.DCP not in _axes(at_dcp_1) and CellAxis.LAYOUT in _axes(at_dcp_1)
+    assert CellAxis.DCP not in _axes(at_dcp_1)
+    assert any(cell.kv_layout is KvLayout.LATENT for cell in at_dcp_1)
     latent = plan_verification("reference", kv_layout="latent").cells("reference")
-    assert CellAxis.LAYOUT not in _axes(latent) and CellAxis.DCP in _axes(latent)
+    assert all(cell.kv_layout is None for cell in latent) and CellAxis.DCP in _axes(latent)
+    assert any("sliding_window" in cell.config for cell in latent)  # the rest of its cell
     assert len(plan_verification("reference", cells=False).cells("reference")) == 1
 
 

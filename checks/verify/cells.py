@@ -133,6 +133,12 @@ def claimed_cells(
     - long: :data:`LONG_MAX_MODEL_LEN` (in blocks of :data:`LONG_BLOCK_SIZE` where
       allowed) where ``config``'s lengths cannot pass :data:`INT16_MAX`.
 
+    The layout, window, block-size and dtype changes that the machine can run are packed
+    into as few cells as the entry allows together (:func:`_packed`): each cell costs a
+    worker's start-up (seconds on the CPU tier), and a cell's reproduce command names every
+    field it sets, so a failure narrows with the options. DCP (real ranks) and long (its own
+    block size) stay cells of their own.
+
     Nothing but the base cell where the entry does not allow fusing under ``config``
     (its fallback is verified there).
     """
@@ -157,7 +163,31 @@ def claimed_cells(
                                     "block_size": max(config.block_size, LONG_BLOCK_SIZE)})
         wanted.append(long if _claimed(entry, config, long)
                       else Cell(CellAxis.LONG, {"max_model_len": LONG_MAX_MODEL_LEN}))
-    return (base, *(cell for cell in wanted if _claimed(entry, config, cell)))
+    claimed = [cell for cell in wanted if _claimed(entry, config, cell)]
+    alone = [cell for cell in claimed
+             if cell.axis in (CellAxis.DCP, CellAxis.LONG) or cell.not_run is not None]
+    packable = [cell for cell in claimed if not any(cell is other for other in alone)]
+    return (base, *[c for c in alone if c.axis is CellAxis.DCP],
+            *_packed(entry, config, packable),
+            *[c for c in alone if c.axis is not CellAxis.DCP])
+
+
+def _packed(entry: BackendEntry, config: RuntimeConfig, cells: Sequence[Cell]) -> list[Cell]:
+    """``cells`` (single-axis changes) merged greedily, in order, into as few cells as go
+    together: no field set twice, and the entry claims the merged change too."""
+    packed: list[Cell] = []
+    for cell in cells:
+        for i, group in enumerate(packed):
+            if set(group.config) & set(cell.config) or (group.kv_layout and cell.kv_layout):
+                continue
+            merged = Cell(group.axis, {**group.config, **cell.config},
+                          group.kv_layout or cell.kv_layout)
+            if _claimed(entry, config, merged):
+                packed[i] = merged
+                break
+        else:
+            packed.append(cell)
+    return packed
 
 
 def _claimed(entry: BackendEntry, config: RuntimeConfig, cell: Cell) -> bool:
@@ -175,14 +205,20 @@ def _dtype_not_run(entry: BackendEntry, dtype: str, tier: Tier) -> str | None:
 def narrowed(
     cells: Sequence[Cell], given: Mapping[str, Any], kv_layout: KvLayout | None
 ) -> tuple[Cell, ...]:
-    """The ``cells`` a run's explicit options allow: the base cell, and each other whose
-    runtime fields the run did not give (given, the base cell already runs at the value
-    given, or the cell contradicts it: ``--dcp-world-size 1`` runs only cells at DCP 1),
-    nor its layout (``kv_layout`` given: the base cell runs in it)."""
-    return tuple(cell for cell in cells
-                 if cell.axis is CellAxis.BASE
-                 or (not any(key in given for key in cell.config)
-                     and not (kv_layout is not None and cell.kv_layout is not None)))
+    """The ``cells`` a run's explicit options allow: the base cell, and each other without
+    the runtime fields the run gave (the base cell already runs at the value given) nor,
+    ``kv_layout`` given, its layout (the base cell runs in it); a cell left with no change
+    is dropped. ``--dcp-world-size 1`` thus runs only cells at DCP 1."""
+    kept = []
+    for cell in cells:
+        if cell.axis is not CellAxis.BASE:
+            config = {key: value for key, value in cell.config.items() if key not in given}
+            layout = None if kv_layout is not None else cell.kv_layout
+            if not config and layout is None:
+                continue
+            cell = Cell(cell.axis, config, layout, cell.not_run)
+        kept.append(cell)
+    return tuple(kept)
 
 
 def example_shares(examples: int, runnable: int) -> list[int]:
