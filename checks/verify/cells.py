@@ -78,6 +78,8 @@ class Cell:
     (``not_run`` says why)."""
 
     axis: CellAxis
+    """What it varies (the first of them, for a cell that packs several: its ``config``
+    and ``kv_layout`` say all)."""
     config: Mapping[str, Any] = field(default_factory=dict)
     """Runtime fields this cell sets (by :class:`RuntimeConfig` field name)."""
     kv_layout: KvLayout | None = None
@@ -118,8 +120,9 @@ def claimed_cells(
     entry: BackendEntry, config: RuntimeConfig, tier: Tier, holds_dcp_share: bool
 ) -> tuple[Cell, ...]:
     """The cells ``entry`` claims fused support for around ``config`` (the run's), base
-    first: each a change of one axis that the entry's constraints and draft-decode
-    condition allow fused (:func:`~speccheck.contract.resolution.backend_failures` empty).
+    first, from these changes of one axis each, kept where the entry's constraints and
+    draft-decode condition allow them fused
+    (:func:`~speccheck.contract.resolution.backend_failures` empty):
 
     - DCP: ``dcp_world_size`` 2 where the builder holds a real share (``holds_dcp_share``)
       and ``config`` runs without DCP;
