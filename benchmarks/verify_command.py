@@ -6,10 +6,15 @@ examples per second over the ``--jobs 1`` row's (a single worker drawing every e
 ``--seed``, as ``verify`` ran before ``--jobs``).
 
     python benchmarks/verify_command.py --backend triton_attn --examples 200
-        [--jobs default,1] [--json OUT]
+        [--jobs default,1] [--cells on,off] [--json OUT]
 
 ``default`` leaves ``--jobs`` out (:func:`~speccheck.checks.verify.scale.default_jobs`
-decides). The figures the issue that asked for this recorded before it (the same command,
+decides); ``--cells off`` runs ``verify --no-cells`` (the run's configuration alone, as
+before configuration cells). Each row also gives the CPU time of the command and every
+process under it (user + system), and the machine's load average when it ended: on a
+shared machine the wall time is the CPU time stretched by the load.
+
+The figures the issue that asked for this recorded before it (the same command,
 one worker) are printed beside them where there is one for the backend and example count.
 """
 
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -38,28 +45,40 @@ SPECCHECK = shutil.which("speccheck") or str(Path(sys.executable).with_name("spe
 """The installed command (this interpreter's, where it is not on ``PATH``)."""
 
 
-def run_command(backend: str, examples: int, jobs: str, seed: int) -> dict[str, Any]:
-    """One ``speccheck verify`` run in a fresh process: its wall time, status, exit code,
-    and what its JSON report says of the backend."""
+def run_command(backend: str, examples: int, jobs: str, seed: int,
+                cells: str = "on") -> dict[str, Any]:
+    """One ``speccheck verify`` run in a fresh process: its wall time, CPU time, status,
+    exit code, and what its JSON report says of the backend (its configuration cells
+    included)."""
     with tempfile.TemporaryDirectory() as folder:
         report_path = Path(folder) / "report.json"
         command = [SPECCHECK, "verify", "--backend", backend,
                    "--examples", str(examples), "--seed", str(seed), "--json", str(report_path)]
         if jobs != "default":
             command += ["--jobs", jobs]
+        if cells == "off":
+            command.append("--no-cells")
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
         proc = subprocess.run(command, capture_output=True, text=True, check=False)
         wall = time.perf_counter() - started
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         workers = next((line for line in proc.stdout.splitlines() if "workers at once" in line),
                        None)
-        row: dict[str, Any] = {"backend": backend, "jobs": jobs, "examples": examples,
-                               "wall_seconds": wall, "exit_code": proc.returncode,
+        row: dict[str, Any] = {"backend": backend, "jobs": jobs, "cells": cells,
+                               "examples": examples, "wall_seconds": wall,
+                               "cpu_seconds": (after.ru_utime - before.ru_utime
+                                               + after.ru_stime - before.ru_stime),
+                               "load_average": os.getloadavg()[0],
+                               "exit_code": proc.returncode,
                                "workers": int(workers.split(": ")[1].split()[0]) if workers else 1}
         if report_path.exists():
             (backend_report,) = json.loads(report_path.read_text())["backends"]
             row |= {"status": backend_report["status"],
                     "examples_run": backend_report["examples"],
-                    "worker_seconds": backend_report["seconds"]}
+                    "worker_seconds": backend_report["seconds"],
+                    "cell_verdicts": {c["name"]: c["status"] if c["run"] else "not run"
+                                      for c in backend_report.get("cells", [])}}
         else:
             row |= {"status": "no report", "examples_run": 0, "worker_seconds": None,
                     "stderr_tail": proc.stderr[-2000:]}
@@ -74,27 +93,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", default="default,1",
                         help="comma-separated --jobs settings, 'default' leaving it out")
+    parser.add_argument("--cells", default="on",
+                        help="comma-separated: on (the default cells), off (--no-cells)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rows = []
     for jobs in args.jobs.split(","):
-        row = run_command(args.backend, args.examples, jobs.strip(), args.seed)
-        print(f"{args.backend} --jobs {row['jobs']}: {row['status']}, {row['examples_run']} "
-              f"examples, {row['wall_seconds']:.1f} s wall", flush=True)
-        if "stderr_tail" in row:
-            print(row["stderr_tail"], flush=True)
-        rows.append(row)
-    single = next((r for r in rows if r["jobs"] == "1" and r["examples_per_second"]), None)
+        for cells in args.cells.split(","):
+            row = run_command(args.backend, args.examples, jobs.strip(), args.seed,
+                              cells.strip())
+            print(f"{args.backend} --jobs {row['jobs']} cells {row['cells']}: {row['status']}, "
+                  f"{row['examples_run']} examples, {row['wall_seconds']:.1f} s wall, "
+                  f"{row['cpu_seconds']:.1f} s CPU, load {row['load_average']:.1f}; cells: "
+                  f"{row.get('cell_verdicts') or '-'}", flush=True)
+            if "stderr_tail" in row:
+                print(row["stderr_tail"], flush=True)
+            rows.append(row)
+    single = next((r for r in rows if r["jobs"] == "1" and r["cells"] == "on"
+                   and r["examples_per_second"]), None)
     table = Table(title=f"speccheck verify --backend {args.backend} --examples {args.examples}"
                         " (wall time of the command)")
-    for column in ("--jobs", "workers", "status", "examples", "wall s", "worker s", "ex/s",
-                   "× --jobs 1"):
+    for column in ("--jobs", "cells", "workers", "status", "examples", "wall s", "CPU s",
+                   "load", "worker s", "ex/s", "× --jobs 1"):
         table.add_column(column, justify="right")
     for row in rows:
         ratio = row["examples_per_second"] / single["examples_per_second"] if single else None
         row["ratio_to_one_worker"] = ratio
-        table.add_row(row["jobs"], str(row["workers"]), row["status"], str(row["examples_run"]),
-                      f"{row['wall_seconds']:.1f}",
+        table.add_row(row["jobs"], row["cells"], str(row["workers"]), row["status"],
+                      str(row["examples_run"]), f"{row['wall_seconds']:.1f}",
+                      f"{row['cpu_seconds']:.1f}", f"{row['load_average']:.1f}",
                       "-" if row["worker_seconds"] is None else f"{row['worker_seconds']:.1f}",
                       f"{row['examples_per_second']:.2f}",
                       "-" if ratio is None else f"{ratio:.2f}")

@@ -20,6 +20,7 @@ find the tier), and the workers do.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -33,8 +34,16 @@ from pydantic_core import ErrorDetails
 from rich.console import Console
 from rich.progress import Progress
 
+from speccheck.checks.verify.cells import (
+    CELL_SEED_STRIDE,
+    Cell,
+    CellAxis,
+    claimed_cells,
+    example_shares,
+    narrowed,
+)
 from speccheck.checks.verify.context import MatrixContext
-from speccheck.checks.verify.report import BackendReport, Failure, Finding, cut_short
+from speccheck.checks.verify.report import BackendReport, CellReport, Failure, Finding, cut_short
 from speccheck.checks.verify.run import VerifyRun, WorkerTask, bound_problem
 from speccheck.checks.verify.scale import HarnessScale, default_jobs
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
@@ -282,13 +291,34 @@ class VerifyPlan:
     ``seed + 1``, ...); their reports merge
     (:func:`~speccheck.checks.verify.report.merge_shards`)."""
 
+    cell: Cell = Cell(CellAxis.BASE)
+    """The configuration cell this plan verifies (:meth:`for_cell`); the base cell: the
+    run's own configuration, and every cell :meth:`cells` derives."""
+    cell_examples: int | None = None
+    """The cell's share of the run's examples (``None``: all of them)."""
+    cell_index: int = 0
+    """The cell's place in :meth:`cells` (0: the base cell)."""
+
+    @property
+    def seed(self) -> int:
+        """The seed this plan's cell draws from: the run's, plus :data:`~speccheck.checks.
+        verify.cells.CELL_SEED_STRIDE` per cell before it."""
+        return self.verify_run.seed + self.cell_index * CELL_SEED_STRIDE
+
+    @property
+    def examples(self) -> int:
+        """Examples per backend in this plan's cell."""
+        return self.verify_run.examples if self.cell_examples is None else self.cell_examples
+
     def config_for(self, name: str) -> RuntimeConfig:
         """The runtime config backend ``name`` is verified at: the tier's defaults, then
-        its matrix entry's ``verify_defaults``, then the fields given."""
+        its matrix entry's ``verify_defaults``, then the fields given, then the
+        :attr:`cell`'s."""
         from speccheck.speculator.attention_setup import machine_platform
 
         return self.verify_run.config_for(name, self.tier, self.matrices.matrix,
-                                          machine_platform())
+                                          machine_platform()).model_copy(
+                                              update=dict(self.cell.config))
 
     def task(self, name: str, examples: int | None = None, seed: int | None = None,
              claim_fused: bool = False) -> WorkerTask:
@@ -297,9 +327,10 @@ class VerifyPlan:
         claim, and the example the run reproduces."""
         run = self.verify_run
         return WorkerTask(run=run, backend=name,
-                          examples=run.examples if examples is None else examples,
-                          seed=run.seed if seed is None else seed, claim_fused=claim_fused,
-                          reproduce=self.reproduce)
+                          examples=self.examples if examples is None else examples,
+                          seed=self.seed if seed is None else seed, claim_fused=claim_fused,
+                          reproduce=self.reproduce, cell=dict(self.cell.config),
+                          kv_layout=self.cell.kv_layout)
 
     def settings_for(self, name: str) -> VerifySettings:
         """The engine settings backend ``name``'s worker runs with
@@ -366,8 +397,7 @@ class VerifyPlan:
             if self.config.dp_size > 1:
                 reports = [self._verify_data_parallel(name) for name in self.names]
             else:
-                reports = [self._verify_dcp_ranks(name) if self.dcp_ranks(name) > 1
-                           else self._verify_in_worker(name, progress, notes, spare)
+                reports = [self._verify_cells(name, progress, notes, spare)
                            for name in self.names]
         finally:
             for unused in spare:
@@ -378,18 +408,102 @@ class VerifyPlan:
         return VerifyReport(tuple(reports), self.tier, self.device, self.config,
                             self.matrices.path, notes)
 
+    def cells(self, name: str) -> tuple[Cell, ...]:
+        """The configuration cells backend ``name`` is verified in, base first: those its
+        entry claims fused support for around :meth:`config_for`
+        (:func:`~speccheck.checks.verify.cells.claimed_cells`), narrowed by the run's
+        explicit options (:func:`~speccheck.checks.verify.cells.narrowed`); the base cell
+        alone where the run asks for no cells, reproduces an example, runs data
+        parallelism, or the entry has no adapter. Imports torch."""
+        from speccheck.speculator.attention_setup import builder_class, holds_dcp_share
+
+        run, base = self.verify_run, (Cell(CellAxis.BASE),)
+        entry = self.matrices.matrix.backend(name)
+        if (not run.cells or self.reproduce is not None or self.config.dp_size > 1
+                or entry.implementation is None):
+            return base
+        holds = holds_dcp_share(builder_class(name, self.matrices.matrix))
+        claimed = claimed_cells(entry, self.config_for(name), self.tier, holds)
+        return narrowed(claimed, run.config, run.kv_layout)
+
+    def for_cell(self, cell: Cell, examples: int, index: int = 0) -> VerifyPlan:
+        """This plan narrowed to ``cell``, the ``index``-th of :meth:`cells`, with
+        ``examples`` examples: its workers get the run unchanged, the cell in their task
+        (:attr:`~speccheck.checks.verify.run.WorkerTask.cell`) and a seed of the cell's
+        own (:attr:`seed`)."""
+        return dataclasses.replace(self, config=self.config.model_copy(update=dict(cell.config)),
+                                   cell=cell, cell_examples=examples, cell_index=index)
+
+    def _verify_one(
+        self, name: str, progress: ProgressDisplay, notes: dict[str, str],
+        spare: list[WorkerProcess],
+    ) -> BackendReport:
+        """Backend ``name`` at this plan's one configuration: on real DCP ranks where
+        :meth:`dcp_ranks` says so, else in worker processes."""
+        if self.dcp_ranks(name) > 1:
+            return self._verify_dcp_ranks(name)
+        return self._verify_in_worker(name, progress, notes, spare)
+
+    def _verify_cells(
+        self, name: str, progress: ProgressDisplay, notes: dict[str, str],
+        spare: list[WorkerProcess],
+    ) -> BackendReport:
+        """Backend ``name`` in each of its :meth:`cells`, the run's examples spread over
+        those the machine can run (:func:`~speccheck.checks.verify.cells.example_shares`),
+        each cell verified as a run of its own (:meth:`for_cell`); one report, their
+        tallies merged and the worst status with its failure
+        (:func:`~speccheck.checks.verify.report.merge_shards`), listing every cell's
+        verdict. A cell the machine cannot run, or that the example budget does not reach,
+        is listed as not run, with the reason. While a cell runs in a worker started
+        earlier (``spare``), the next cell's worker starts, so that its imports overlap."""
+        import time
+
+        from speccheck.checks.verify.report import merge_shards
+        from speccheck.checks.verify.worker_process import WorkerProcess
+
+        cells = self.cells(name)
+        if len(cells) == 1:
+            return self._verify_one(name, progress, notes, spare)
+        started = time.perf_counter()
+        shares = iter(example_shares(self.verify_run.examples,
+                                     sum(cell.not_run is None for cell in cells)))
+        plans = [None if cell.not_run is not None or not (examples := next(shares))
+                 else self.for_cell(cell, examples, i) for i, cell in enumerate(cells)]
+        plain = [plan is not None and plan.dcp_ranks(name) == 1 for plan in plans]
+        reports: list[BackendReport] = []
+        rows: list[CellReport] = []
+        for i, (cell, plan) in enumerate(zip(cells, plans, strict=True)):
+            if plan is None:
+                why = cell.not_run or (f"the {self.verify_run.examples} examples are spent on "
+                                       "the cells before it; raise --examples")
+                rows.append(CellReport(cell.name, Status.SKIPPED, run=False, detail=why))
+                continue
+            if plain[i] and any(plain[i + 1:]):
+                if not spare:
+                    spare.append(WorkerProcess())
+                spare.insert(0, WorkerProcess())  # the next plain cell's, importing meanwhile
+            report = plan._verify_one(name, progress, notes, spare)
+            reports.append(report)
+            rows.append(CellReport(cell.name, report.status, examples=report.examples,
+                                   detail=report.detail or plan.dcp_note(name) or "",
+                                   reproduce=report.reproduce))
+        merged = merge_shards(reports, time.perf_counter() - started)
+        worst = next(r for r in reports if r.status is merged.status)
+        merged.reproduced, merged.cells = worst.reproduced, rows
+        return merged
+
     def shards(self, name: str) -> int:
         """How many workers verify backend ``name`` at once: :attr:`jobs` (at most one per
         example) for a single-rank run drawing its own examples, else 1."""
         if (self.reproduce is not None or self.config.dp_size > 1
                 or self.dcp_ranks(name) > 1):
             return 1
-        return min(self.jobs, self.verify_run.examples)
+        return min(self.jobs, self.examples)
 
     def shard_tasks(self, name: str) -> list[WorkerTask]:
         """The :meth:`task` of each of backend ``name``'s :meth:`shards` workers: the
         examples split as evenly as they go, worker ``i`` drawing from ``seed + i``."""
-        count, examples, seed = self.shards(name), self.verify_run.examples, self.verify_run.seed
+        count, examples, seed = self.shards(name), self.examples, self.seed
         return [self.task(name, examples // count + (i < examples % count), seed + i)
                 for i in range(count)]
 

@@ -35,7 +35,8 @@ def _verify(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
 def test_reference_passes_and_reports_every_check(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     junit = tmp_path / "junit.xml"
-    proc = _verify("--backend", "reference", "--examples", "8", "--json", str(out), "--junit", str(junit))
+    proc = _verify("--backend", "reference", "--examples", "8", "--no-cells", "--json", str(out),
+                   "--junit", str(junit))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[0].startswith("tier: CPU (no CUDA device)")
     assert "progress: reference: started, 8 example(s)" in proc.stdout
@@ -125,7 +126,8 @@ def test_importing_the_verify_command_imports_no_torch() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU tier's report")
 def test_jobs_share_the_examples_and_merge_their_reports(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    proc = _verify("--backend", "reference", "--examples", "5", "--jobs", "2", "--json", str(out))
+    proc = _verify("--backend", "reference", "--examples", "5", "--jobs", "2", "--no-cells",
+                   "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "progress: reference [1/2]: started, 3 example(s)" in proc.stdout
     assert "progress: reference [2/2]: started, 2 example(s)" in proc.stdout

@@ -146,6 +146,10 @@ def test_a_status_run_records_what_verify_found(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = read_statuses(tmp_path)["reference"].tiers["cpu"]
     assert record.verdict is Verdict.PASSED and record.examples == 2
+    # two examples reach the first two configuration cells; the rest are listed as not run
+    assert [(c.name, c.verdict) for c in record.cells[:2]] == [
+        ("base", "passed"), ("dcp_world_size=2", "passed")]
+    assert all(c.verdict.startswith("not run: ") for c in record.cells[2:]) and record.cells[2:]
     assert {check.check for check in record.checks} >= {"draft_tokens", "step_metadata"}
     assert record.provenance.versions["torch"]
     assert json.loads(proc.stdout.splitlines()[-1])["backend"] == "reference"

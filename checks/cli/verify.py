@@ -51,10 +51,12 @@ from speccheck.checks.verify.scale import (
 )
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.checks.verify.worker_process import WorkerProcess
+from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
 
 if TYPE_CHECKING:
     from speccheck.checks.api import VerifyReport
+    from speccheck.checks.verify.report import BackendReport
     from speccheck.checks.verify.runner import ProgressDisplay
 
 
@@ -105,6 +107,8 @@ def verify_command(
     capture_sizes: Annotated[Optional[str], typer.Option("--capture-sizes", help="Padded request counts to capture graphs for (and pad eager runs to), comma-separated; the largest bounds the requests and prefill tokens of an example.", show_default=_shown_scale("capture_sizes"))] = None,  # noqa: UP045
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Most tokens a request brings to the first (prefill) pass; the prefill budget is this many per request of the largest capture size.", show_default=_shown_scale("max_new_tokens"))] = None,  # noqa: UP045
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="End each worker's search at its first failure (one minimal example and reproduce command); by default it searches on with the examples left for failures of other checks, each with its own.")] = False,
+    kv_layout: Annotated[Optional[KvLayout], typer.Option("--kv-layout", help="Drafter layers of this KV-cache layout, for a backend whose matrix entry states none (it reads both); by default each layout the entry claims is a cell of its own.", show_default="the entry's")] = None,  # noqa: UP045
+    cells: Annotated[bool, typer.Option("--cells/--no-cells", help="Verify every configuration cell the matrix entry claims fused support for around the runtime config (DCP on real ranks, another layout, a window, a second block size, each allowed dtype, lengths past 32767), the examples spread over them; runtime options given narrow them (--dcp-world-size 1: only cells at DCP 1). --no-cells: the runtime config alone.")] = True,
     matrix_path: MatrixPathOption = None,
     *,
     runtime: RuntimeOverrides,
@@ -125,7 +129,7 @@ def verify_command(
             capture_sizes=sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
             audit_claims=audit_claims, example_timeout=example_timeout, jobs=jobs,
             shrink_seconds=shrink_seconds, fail_fast=fail_fast, json_path=json_path,
-            junit_path=junit)
+            junit_path=junit, kv_layout=kv_layout, cells=cells)
     except VerifyInputError as exc:
         raise _bad_input(str(exc)) from None
     # The first worker starts now: its imports (torch and the engine, seconds) overlap the
@@ -164,6 +168,12 @@ def verify_command(
                               f"{plan.config.dp_size} ranks", markup=False)
         else:
             for name in plan.names:
+                claimed = plan.cells(name)
+                if len(claimed) > 1:
+                    console.print(f"{name}: {len(claimed)} configuration cells, the examples "
+                                  "spread over them: " + "; ".join(
+                                      c.name if c.not_run is None else f"{c.name} (not run)"
+                                      for c in claimed), markup=False)
                 note = plan.dcp_note(name)
                 if note is not None:
                     console.print(f"{name}: {note}", markup=False)
@@ -188,6 +198,21 @@ def reproduced_example_line(blob: str) -> str:
     return (f"reproducing one example: K = {k}, {batch.num_reqs} request(s), new tokens "
             f"{','.join(str(len(new)) for new in batch.new_tokens)}, context lengths "
             f"{','.join(map(str, batch.context_lens))}")
+
+
+def _print_cells(console: Console, reports: list[BackendReport]) -> None:
+    """One table of every configuration cell verified (backends run in one cell print
+    none): each cell's verdict, examples and how it ran or why it did not."""
+    if not any(r.cells for r in reports):
+        return
+    table = Table(title="configuration cells")
+    for column in ("backend", "cell", "verdict", "examples", "detail"):
+        table.add_column(column)
+    for r in reports:
+        for cell in r.cells:
+            table.add_row(r.backend, cell.name, cell.status.value if cell.run else "not run",
+                          str(cell.examples), cell.detail)
+    console.print(table)
 
 
 def _parse_capture_sizes(text: str) -> tuple[int, ...]:
@@ -244,6 +269,7 @@ def _finish(console: Console, result: VerifyReport, run: VerifyRun) -> None:
         table.add_row(r.backend, r.tier.value, r.status.value, fused, examples, str(passed),
                       str(failed), str(indet), f"{r.capture_seconds:.1f}", f"{r.seconds:.1f}")
     console.print(table)
+    _print_cells(console, reports)
     for line in result.summary_lines():
         console.print(line, markup=False, soft_wrap=True)
     for r in reports:

@@ -29,6 +29,7 @@ from speccheck.checks.provenance import (
 from speccheck.checks.selftest.run import SelftestResult, selftest_rows
 from speccheck.checks.status.record import (
     BenchRatio,
+    CellRecord,
     CheckResult,
     FailureRecord,
     Provenance,
@@ -99,6 +100,8 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
         failures=[FailureRecord(check=f.check.value, diagnosis=f.diagnosis, step=f.step,
                                 field=f.field) for f in report.failures],
         breakpoints=report.breakpoints,
+        cells=[CellRecord(name=c.name, verdict=c.verdict, examples=c.examples, detail=c.detail)
+               for c in report.cells],
         selftest=[SelftestRecord(name=r.name, expected_check=r.expected_check,
                                  outcome=r.outcome.value, detail=r.detail) for r in selftest],
         bench=bench,

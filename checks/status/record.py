@@ -51,6 +51,17 @@ class FailureRecord(_Record):
     field: str | None = None
 
 
+class CellRecord(_Record):
+    """One configuration cell of the verify run
+    (:class:`~speccheck.checks.verify.report.CellReport`): its verdict, or ``not run`` and
+    why."""
+
+    name: str
+    verdict: str
+    examples: int
+    detail: str = ""
+
+
 class SelftestRecord(_Record):
     """One self-test row of the backend: a known-bad builder (caught by the check meant for
     it) or the control (which must pass)."""
@@ -107,6 +118,9 @@ class TierStatus(_Record):
     checks: list[CheckResult]
     failures: list[FailureRecord]
     breakpoints: dict[str, object] | None = None
+    cells: list[CellRecord] = Field(default_factory=list)
+    """The configuration cells verified, base first (empty: the run's config alone, or a
+    record written before cells)."""
     selftest: list[SelftestRecord]
     bench: list[BenchRatio] | None = None
     bench_command: str | None = None

@@ -57,11 +57,17 @@ from speccheck.checks.verify.scale import (
 )
 from speccheck.checks.verify.search import ExampleRun, SearchBudget, record_failure, search_all
 from speccheck.checks.verify.side_lane import SideLane, SideRun
-from speccheck.checks.verify.strategies import BatchLimits, derived_step_changes, draft_batches
+from speccheck.checks.verify.strategies import (
+    BatchLimits,
+    derived_step_changes,
+    draft_batches,
+    draft_step_counts,
+)
 from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Tier
 from speccheck.checks.verify.zero_tails import zero_tails
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.dcp import DcpRank
+from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.attention_setup import machine_platform
 from speccheck.speculator.autoregressive import DecodePath
@@ -95,6 +101,8 @@ class VerifySettings:
     """Run the fused candidate even where the matrix forbids it (``--audit-claims``)."""
     fail_fast: bool = False
     """End the search at the first failure (``--fail-fast``)."""
+    kv_layout: KvLayout | None = None
+    """The drafter's layer kind (a cell's); ``None``: the entry's (``--kv-layout``)."""
     matrices: MatrixContext = field(kw_only=True)
     """The matrix under verification, and the shipped one for the fp32 reference."""
 
@@ -103,12 +111,12 @@ class VerifySettings:
         """The engine's view of ``task`` on ``tier`` (``matrices``: its run's): the only
         place a worker's settings are derived from what it was given."""
         scale = task.run.scale(tier)
-        return cls(task.backend,
-                   task.run.config_for(task.backend, tier, matrices.matrix, machine_platform()),
+        return cls(task.backend, task.config_for(tier, matrices.matrix, machine_platform()),
                    examples=task.examples, seed=task.seed, steps=task.run.draft_steps,
                    capture_sizes=scale.capture_sizes, max_new_tokens=scale.max_new_tokens,
                    shrink_seconds=task.run.shrink_seconds, claim_fused=task.claim_fused,
-                   fail_fast=task.run.fail_fast, matrices=matrices)
+                   fail_fast=task.run.fail_fast, kv_layout=task.drafter_layout,
+                   matrices=matrices)
 
 
 def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
@@ -352,7 +360,7 @@ class BackendVerifier:
         """A K from ``settings.steps`` and a batch within :meth:`limits`, aimed across the
         :attr:`breakpoints`."""
         lengths = self.breakpoints.lengths
-        return st.sampled_from(self.settings.steps).flatmap(
+        return draft_step_counts(self.settings.steps).flatmap(
             lambda k: st.tuples(st.just(k), draft_batches(
                 dataclasses.replace(self.limits(k), breakpoints=lengths)))
         )

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from speccheck.checks.probes import poison_
+from speccheck.checks.verify.cells import claimed_batch_classes
 from speccheck.checks.verify.comparisons import KVSnapshot
 from speccheck.checks.verify.examples import Example, example_digest
 from speccheck.checks.verify.guard_bands import GuardedAllocator
@@ -39,9 +40,20 @@ that all bring one of these counts, runs its first pass as a graph in the candid
 the same padded body in the oracle."""
 
 KV_CACHE_TOKEN_BUDGET = 1 << 20
-"""Most KV-cache positions the harness allocates per layer (past one full request row):
-with many requests at a long ``max_model_len`` the cache holds this many, and a drawn batch
-takes requests only while their block tables fit (block ids are disjoint)."""
+"""Most KV-cache positions the harness allocates per layer on a GPU (past one full request
+row): with many requests at a long ``max_model_len`` the cache holds this many, and a drawn
+batch takes requests only while their block tables fit (block ids are disjoint)."""
+
+CPU_KV_CACHE_TOKEN_BUDGET = 1 << 16
+""":data:`KV_CACHE_TOKEN_BUDGET` on the CPU, where every example fills and snapshots the
+whole cache on the host: at the long cell's ``max_model_len`` (about 33 000) two request
+rows, so that lengths past 32767 run with few blocks in use."""
+
+
+def kv_cache_token_budget(device: torch.device) -> int:
+    """Most KV-cache positions per layer the harness allocates on ``device`` (past one full
+    request row)."""
+    return CPU_KV_CACHE_TOKEN_BUDGET if device.type == "cpu" else KV_CACHE_TOKEN_BUDGET
 
 
 @dataclass
@@ -89,9 +101,11 @@ class HarnessSet:
 
     def drafter(self, dtype: str) -> DrafterConfig:
         """The drafter of this run in ``dtype``: its layers are of the kind the backend under
-        test reads (GQA for an ``NHD`` cache or an entry that states no layout, MLA for a
-        ``latent`` one), and the fp32 reference speculator gets the same kind."""
-        layout = self.settings.matrices.matrix.backend(self.settings.backend).constraints.kv_layout
+        test reads (the run's ``kv_layout`` where it gives one, else GQA for an ``NHD`` cache or
+        an entry that states no layout, MLA for a ``latent`` one), and the fp32 reference
+        speculator gets the same kind."""
+        entry = self.settings.matrices.matrix.backend(self.settings.backend)
+        layout = self.settings.kv_layout or entry.constraints.kv_layout
         return DrafterConfig.for_runtime(
             self.config, vocab_size=self.settings.vocab_size,
             num_layers=self.settings.num_layers, seed=self.settings.seed, dtype=dtype,
@@ -109,11 +123,11 @@ class HarnessSet:
         """The drafter's sizes: graphs for every capture size, a prefill budget of
         ``max_new_tokens`` per request of the largest, and a KV cache of one full block-table
         row per request, capped at :data:`KV_CACHE_TOKEN_BUDGET` positions (never below one
-        full row) plus the sink block."""
+        full row; :func:`kv_cache_token_budget`) plus the sink block."""
         bs = self.config.block_size
         max_blocks = blocks_for(self.config.max_model_len, bs)
         most = max(self.settings.capture_sizes)
-        live = min(most * max_blocks, max(max_blocks, KV_CACHE_TOKEN_BUDGET // bs))
+        live = min(most * max_blocks, max(max_blocks, kv_cache_token_budget(self.device) // bs))
         return SpeculatorOptions(
             capture_sizes=self.settings.capture_sizes,
             max_num_prefill_tokens=most * self.settings.max_new_tokens,
@@ -123,12 +137,16 @@ class HarnessSet:
         )
 
     def limits(self, k: int) -> BatchLimits:
-        """What a batch of ``k`` draft steps may hold in these harnesses."""
+        """What a batch of ``k`` draft steps may hold in these harnesses, in the batch classes
+        the entry's CUDA-graph claim covers."""
+        entry = self.settings.matrices.matrix.backend(self.settings.backend)
         return BatchLimits(
             max_num_reqs=max(self.settings.capture_sizes), block_size=self.config.block_size,
             max_model_len=self.config.max_model_len, num_blocks=self.options().num_blocks,
             extra_positions=k - 1, vocab_size=self.settings.vocab_size,
             max_new_tokens=self.settings.max_new_tokens,
+            batch_classes=claimed_batch_classes(entry.cudagraph_support),
+            capture_sizes=self.settings.capture_sizes, padded_widths=FIRST_PASS_QUERY_LENS,
         )
 
     def harness(self, k: int) -> Harness:
@@ -192,8 +210,9 @@ class HarnessSet:
         """The persistent buffers under the zero-tail rule
         (:func:`~speccheck.checks.verify.zero_tails.zero_tail_buffers`), found once per K
         from the metadata of a warm-up run of one minimal request
-        (``persistent_buffer_extents`` needs metadata); empty for K = 1, where no decode
-        step runs and ``zero_tails`` has nothing to check.
+        (``persistent_buffer_extents`` needs metadata): its last decode step's, or for
+        K = 1, where no decode step runs, its padded first pass's, so that the K = 1
+        harness starts each example from poisoned buffers too.
 
         Every example poisons them whole (:func:`~speccheck.checks.probes.poison_`): a
         build claims the rows its metadata uses, and a correct builder zeroes the rest, so
@@ -204,7 +223,7 @@ class HarnessSet:
         blocks = min(k - 1, mml - 1) // bs + 1
         warm_up = DraftBatch((0,), ((0,),), (tuple(range(1, blocks + 1)),), (0,))
         h.spec.propose(warm_up, DecodePath.PER_STEP, use_graphs=False)
-        metadata = h.recorder.last_metadata
+        metadata = h.recorder.last_metadata or h.first_pass_recorder.last_metadata
         if metadata is None:
             return []
         return zero_tail_buffers(h.spec.groups, metadata)

@@ -126,6 +126,31 @@ class ClaimAudit:
                    [_failure_from_json(f) for f in data["failures"]], data["detail"])
 
 
+@dataclass
+class CellReport:
+    """One configuration cell of a backend's run
+    (:class:`~speccheck.checks.verify.cells.Cell`): its verdict, examples and how it ran
+    (``detail``), or, not run (``run`` false, status ``skipped``), why."""
+
+    name: str
+    """The cell in words (:attr:`~speccheck.checks.verify.cells.Cell.name`)."""
+    status: Status
+    run: bool = True
+    examples: int = 0
+    detail: str = ""
+    reproduce: str | None = None
+    """The cell's failure's reproduce command, where it failed."""
+
+    @property
+    def verdict(self) -> str:
+        """The cell's verdict in words: its status, or ``not run`` and why."""
+        return self.status.value if self.run else f"not run: {self.detail}"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CellReport:
+        return cls(**{**data, "status": Status(data["status"])})
+
+
 def _failure_from_json(data: dict[str, Any]) -> Failure:
     return Failure(**{**data, "check": Check.parse(data["check"])})
 
@@ -175,6 +200,9 @@ class BackendReport:
     this report was given, as it read it (``model_dump(mode="json")``: the run unchanged,
     the backend, the worker's examples and seed); after a merge of shards, the first
     worker's. ``None`` for a report not written by a worker process (DP and DCP ranks)."""
+    cells: list[CellReport] = field(default_factory=list)
+    """The configuration cells verified, each with its own verdict, base first (empty:
+    one configuration, the run's)."""
 
     @property
     def stop_note(self) -> str | None:
@@ -210,6 +238,7 @@ class BackendReport:
         data["findings"] = [Finding.from_json(f) for f in data.get("findings", [])]
         if data.get("claim_audit") is not None:
             data["claim_audit"] = ClaimAudit.from_json(data["claim_audit"])
+        data["cells"] = [CellReport.from_json(c) for c in data.get("cells", [])]
         return cls(**data)
 
 
@@ -260,7 +289,8 @@ def write_json(reports: list[BackendReport], path: Path, meta: dict[str, Any]) -
 
 
 def write_junit(reports: list[BackendReport], path: Path, source: str = "matrix.yaml") -> None:
-    """One test suite per backend and one test case per check (``CHECK[TIER]``); a skipped
+    """One test suite per backend, one test case per check (``CHECK[TIER]``) and one per
+    configuration cell (``cell[NAME][TIER]``, skipped where not run); a skipped
     or crashed backend is one case, skipped or in error. Suites carry ``tests``,
     ``failures``, ``errors``, ``skipped`` and ``time``; cases carry ``file`` (``source``,
     the matrix the backend was declared in) and ``time``."""
@@ -302,6 +332,16 @@ def write_junit(reports: list[BackendReport], path: Path, source: str = "matrix.
                 elif tally.passed == 0 and tally.indeterminate == 0:
                     counts["skipped"] += 1
                     ElementTree.SubElement(element, "skipped", message="not applicable")
+            for cell in report.cells:
+                element = case(f"cell[{cell.name}][{report.tier.value}]")
+                if not cell.run or cell.status is Status.SKIPPED:
+                    counts["skipped"] += 1
+                    ElementTree.SubElement(element, "skipped", message=cell.verdict)
+                elif cell.status in (Status.FAILED, Status.CRASHED):
+                    counts["failures"] += 1
+                    failure = ElementTree.SubElement(element, "failure", message=cell.detail
+                                                     or cell.status.value)
+                    failure.text = f"reproduce: {cell.reproduce}" if cell.reproduce else None
         for key, value in counts.items():
             suite.set(key, str(value))
             totals[key] += value

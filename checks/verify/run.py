@@ -31,7 +31,7 @@ from speccheck.checks.verify.scale import (
     HarnessScale,
 )
 from speccheck.checks.verify.vocabulary import Tier
-from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, Matrix
+from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, KvLayout, Matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 
 MAX_JOBS = 16
@@ -104,6 +104,14 @@ class VerifyRun(BaseModel):
     and ascending; ``None``: the tier's."""
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     """Most tokens a request brings to the first pass; ``None``: the tier's."""
+    kv_layout: KvLayout | None = None
+    """The drafter's layer kind for a backend whose entry states no ``kv_layout`` (it reads
+    both); ``None``: the entry's, and at the defaults every layout the entry claims, each
+    a cell of its own (:mod:`~speccheck.checks.verify.cells`)."""
+    cells: bool = True
+    """Verify every configuration cell the entry claims around the run's config
+    (:func:`~speccheck.checks.verify.cells.claimed_cells`), the examples spread over them;
+    ``False``: the run's config alone."""
     reproduce: str | None = None
     """Run exactly this example: a blob from a failure's reproduce command, or ``@FILE``
     for one kept in a file (read when planned)."""
@@ -207,6 +215,8 @@ class VerifyRun(BaseModel):
                  if self.capture_sizes else "")
         if self.max_new_tokens is not None:
             sizes += f" --max-new-tokens {self.max_new_tokens}"
+        if self.kv_layout is not None:
+            sizes += f" --kv-layout {self.kv_layout.value}"
         return (f"speccheck verify --backend {name} --seed {self.seed}{matrix}{sizes} "
                 f"{runtime_flags(self.config)}").strip()
 
@@ -230,11 +240,33 @@ class WorkerTask(BaseModel):
     """Run the fused candidate even where the matrix forbids it (the claims audit)."""
     reproduce: str | None = None
     """Run exactly this example blob (already read from ``@FILE``) instead of drawing."""
+    cell: RuntimeOverrides = Field(default_factory=dict)
+    """Runtime fields this worker's configuration cell sets on top of the run's
+    (:class:`~speccheck.checks.verify.cells.Cell`; none of them given by the run)."""
+    kv_layout: KvLayout | None = None
+    """The cell's drafter layout; ``None``: the run's ``kv_layout``."""
+
+    def config_for(self, tier: Tier, matrix: Matrix, platform: str) -> RuntimeConfig:
+        """The runtime config this worker verifies at: the run's for its backend
+        (:meth:`VerifyRun.config_for`) with :attr:`cell` set."""
+        return self.run.config_for(self.backend, tier, matrix, platform).model_copy(
+            update=self.cell)
+
+    @property
+    def drafter_layout(self) -> KvLayout | None:
+        """The drafter's layer kind: the cell's, else the run's (``None``: the entry's)."""
+        return self.kv_layout or self.run.kv_layout
 
     @property
     def reproduce_prefix(self) -> str:
-        """The command that reruns this worker's backend as it ran here."""
+        """The command that reruns this worker's backend as it ran here, in its cell."""
         prefix = self.run.reproduce_prefix(self.backend)
+        if self.cell:
+            prefix += f" {runtime_flags(self.cell)}"
+        if self.kv_layout is not None:
+            prefix += f" --kv-layout {self.kv_layout.value}"
+        if self.cell or self.kv_layout is not None:
+            prefix += " --no-cells"
         return prefix + " --audit-claims" if self.claim_fused else prefix
 
     @property

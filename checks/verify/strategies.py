@@ -4,7 +4,7 @@ between draft steps."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings, target
 from hypothesis import strategies as st
 
 from speccheck.checks.probes.state_walk import same_value
+from speccheck.checks.verify.cells import INT16_MAX, BatchClass
 from speccheck.contract.builder import blocks_for
 from speccheck.speculator.batch import DraftBatch
 
@@ -37,6 +38,16 @@ class BatchLimits:
     (:attr:`speccheck.checks.verify.breakpoints.Breakpoints.lengths`): requests of the
     ``"breakpoint"`` kind are placed so that their draft steps cross one. Empty: no such
     kind is drawn."""
+    batch_classes: tuple[BatchClass, ...] = (BatchClass.MIXED,)
+    """The shapes drawn (:func:`~speccheck.checks.verify.cells.claimed_batch_classes` of the
+    entry's CUDA-graph claim), each batch one of them."""
+    capture_sizes: tuple[int, ...] = ()
+    """The padded request counts (buckets): a ``uniform_padded`` batch has a request count
+    below its bucket, so that padding lanes run beside it."""
+    padded_widths: tuple[int, ...] = ()
+    """Query widths whose uniform first pass runs padded over its bucket (the harness's
+    ``first_pass_query_lens``): a ``uniform_padded`` batch has one of them (of those up to
+    ``max_new_tokens``; any width where none is given or fits)."""
 
     def __post_init__(self) -> None:
         ascending = list(self.breakpoints) == sorted(set(self.breakpoints))
@@ -44,6 +55,17 @@ class BatchLimits:
             raise ValueError(
                 f"breakpoints must be ascending positive lengths, got {self.breakpoints}"
             )
+        if not self.batch_classes:
+            raise ValueError("at least one batch class must be drawn")
+
+    @property
+    def padded_counts(self) -> tuple[int, ...]:
+        """Request counts of two or more that run with padding lanes (not a capture size
+        themselves); all of ``2..max_num_reqs`` where no capture size is known or none
+        pads, ``(1,)`` where a batch holds one request."""
+        counts = range(2, self.max_num_reqs + 1)
+        padded = tuple(n for n in counts if self.capture_sizes and n not in self.capture_sizes)
+        return padded or tuple(counts) or (1,)
 
 
 CONTEXT_KINDS = ("anywhere", "boundary", "clamp")
@@ -51,12 +73,16 @@ CONTEXT_KINDS = ("anywhere", "boundary", "clamp")
 carry breakpoints. Hypothesis shrinks towards the first kind."""
 
 
-def _context_len(draw: st.DrawFn, limits: BatchLimits, q: int) -> int:
+def _context_len(draw: st.DrawFn, limits: BatchLimits, q: int, first: bool = False) -> int:
     """A context length of one of these kinds: anywhere, just before a block boundary (so
     the draft steps cross it), near ``max_model_len`` (so the steps hit the clamp), or just
     below a breakpoint (so the refreshes between draft steps cross it: see
-    :func:`_below_breakpoint`)."""
+    :func:`_below_breakpoint`). Where ``max_model_len`` reaches past :data:`~speccheck.
+    checks.verify.cells.INT16_MAX` (the long cell), the ``first`` request of every batch
+    starts past it (a length an int16 cannot hold)."""
     top = limits.max_model_len - q - (limits.extra_positions if limits.room_for_block else 0)
+    if first and top > INT16_MAX:
+        return draw(st.integers(INT16_MAX + 1 - q, top))
     kind = draw(st.sampled_from(CONTEXT_KINDS + (("breakpoint",) if limits.breakpoints else ())))
     if kind == "breakpoint":
         return _below_breakpoint(draw, limits, q, top)
@@ -92,23 +118,34 @@ def _below_breakpoint(draw: st.DrawFn, limits: BatchLimits, q: int, top: int) ->
 
 @st.composite
 def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
-    """A batch of 1..``max_num_reqs`` requests whose block tables are a shuffled, disjoint
-    draw from the live blocks.
+    """A batch of 1..``max_num_reqs`` requests of one of ``limits.batch_classes``, whose
+    block tables are a shuffled, disjoint draw from the live blocks: mixed widths (each
+    request's drawn on its own), single-token decode (one new token each), or uniform with
+    padding (:attr:`BatchLimits.padded_counts` requests of one drawn width). A batch ends
+    early where the live blocks run out.
 
-    Shrinks towards one request, short contexts, one new token, token 0, seed 0.
+    Shrinks towards the first class, one request, short contexts, one new token, token 0,
+    seed 0.
     """
     bs = limits.block_size
     max_blocks = blocks_for(limits.max_model_len, bs)
     budget = limits.num_blocks - 1
     if budget < max_blocks:
         raise ValueError(f"num_blocks={limits.num_blocks} cannot hold one full request row")
-    n = draw(st.integers(1, limits.max_num_reqs))
+    shape = draw(st.sampled_from(limits.batch_classes))
+    if shape is BatchClass.UNIFORM_PADDED:
+        n = draw(st.sampled_from(limits.padded_counts))
+        widths = [w for w in limits.padded_widths if w <= limits.max_new_tokens]
+        width: int | None = draw(st.sampled_from(widths or range(1, limits.max_new_tokens + 1)))
+    else:
+        n = draw(st.integers(1, limits.max_num_reqs))
+        width = 1 if shape is BatchClass.SINGLE_TOKEN_DECODE else None
     contexts: list[int] = []
     news: list[tuple[int, ...]] = []
     rows_needed: list[int] = []
-    for _ in range(n):
-        q = draw(st.integers(1, limits.max_new_tokens))
-        ctx = _context_len(draw, limits, q)
+    for i in range(n):
+        q = width if width is not None else draw(st.integers(1, limits.max_new_tokens))
+        ctx = _context_len(draw, limits, q, first=i == 0)
         last = min(ctx + q - 1 + limits.extra_positions, limits.max_model_len - 1)
         needed = last // bs + 1
         if sum(rows_needed) + needed > budget:
@@ -134,6 +171,21 @@ def _tokens(draw: st.DrawFn, vocab_size: int, count: int) -> tuple[int, ...]:
     if token_seed == 0:
         return (0,) * count
     return tuple(np.random.default_rng(token_seed).integers(0, vocab_size, count).tolist())
+
+
+DECODE_K_WEIGHT = 2
+"""How many times each K >= 2 is listed against K = 1's once (:func:`draft_step_counts`)."""
+
+
+def draft_step_counts(steps: Sequence[int]) -> st.SearchStrategy[int]:
+    """A K from ``steps``: each K >= 2 (the examples that run draft decode steps)
+    :data:`DECODE_K_WEIGHT` times as likely as K = 1 (no decode step: the first pass's
+    control, about one example in fifteen of the default 1..8), which is listed last, so
+    that hypothesis' preference for early choices (its first examples, shrinking) falls on
+    the smallest K >= 2."""
+    decode = sorted(k for k in set(steps) if k >= 2)
+    control = [1] if 1 in steps else []
+    return st.sampled_from(decode * (DECODE_K_WEIGHT if decode else 1) + control)
 
 
 TARGET_LABEL = "derived elements changed between draft steps"

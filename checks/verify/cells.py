@@ -1,0 +1,230 @@
+"""The configuration cells a matrix entry claims fused support for, and the batch classes
+its CUDA-graph claim covers: what a verification at the defaults must exercise so that a
+PASS covers the claim rather than one point of it.
+
+A :class:`Cell` is one runtime configuration (the run's own, or it with a few fields
+changed) and the layer kind the drafter is built with. :func:`claimed_cells` derives them
+from the entry (its conditions and constraints, resolved by
+:func:`~speccheck.contract.resolution.backend_failures`) and from what the adapter holds
+(a real DCP share); :func:`narrowed` keeps those a run's explicit options allow. A cell the
+machine cannot run carries the reason (:attr:`Cell.not_run`) and is reported as not run,
+never as passed.
+
+Torch-free: planning derives cells before any worker starts.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from speccheck.checks.verify.vocabulary import Tier
+from speccheck.contract.matrix_model import BackendEntry, CudaGraphSupport, KvLayout
+from speccheck.contract.resolution import backend_failures
+from speccheck.contract.runtime_config import RuntimeConfig
+
+INT16_MAX = 2**15 - 1
+"""Largest length an int16 holds: a long cell reaches lengths past it."""
+
+LONG_MAX_MODEL_LEN = 2**15 + 256
+"""``max_model_len`` of the long cell, where the run's own cannot reach past
+:data:`INT16_MAX`: lengths near its clamp are past it."""
+
+LONG_BLOCK_SIZE = 256
+"""``block_size`` of the long cell where the entry allows it: few, large blocks in use
+(a row of 129), so that block tables and the KV cache stay small (the CPU harness caps its
+cache at two rows: :func:`~speccheck.checks.verify.harness.kv_cache_token_budget`)."""
+
+CELL_SEED_STRIDE = 1 << 16
+"""Cell ``i`` draws from the run's seed plus ``i`` times this (its workers from that plus
+their shard index), so that cells do not all begin with the same batches."""
+
+DCP_CELL_WORLD_SIZE = 2
+"""``dcp_world_size`` of the DCP cell: two real ranks, each holding its share."""
+
+INTERPRETER_PACKAGE = "triton"
+"""The kernel package whose kernels run under the Triton interpreter on the CPU tier."""
+
+INTERPRETER_BF16 = ("the Triton interpreter computes bfloat16 kernels wrongly on the CPU; "
+                    "run this cell on the GPU tier")
+"""Why a bfloat16 cell of an interpreted backend is not run on the CPU tier."""
+
+
+class CellAxis(enum.StrEnum):
+    """What a cell varies from the run's own configuration."""
+
+    BASE = "base"
+    """The run's configuration itself."""
+    DCP = "dcp"
+    """Decode context parallelism on real ranks."""
+    LAYOUT = "layout"
+    """Another KV-cache layout the builder reads (the latent, MLA one)."""
+    WINDOW = "window"
+    """A sliding window."""
+    BLOCK_SIZE = "block_size"
+    """A second allowed block size."""
+    DTYPE = "dtype"
+    """Another allowed activation dtype."""
+    LONG = "long"
+    """Lengths past :data:`INT16_MAX`."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One configuration a verification runs: the run's config with ``config`` changed,
+    drafter layers of ``kv_layout`` (``None``: the entry's own), or not run at all
+    (``not_run`` says why)."""
+
+    axis: CellAxis
+    """What it varies (the first of them, for a cell that packs several: its ``config``
+    and ``kv_layout`` say all)."""
+    config: Mapping[str, Any] = field(default_factory=dict)
+    """Runtime fields this cell sets (by :class:`RuntimeConfig` field name)."""
+    kv_layout: KvLayout | None = None
+    not_run: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The cell in words: ``base``, ``dcp_world_size=2``, ``kv_layout=latent``..."""
+        parts = [f"{key}={value}" for key, value in self.config.items()]
+        if self.kv_layout is not None:
+            parts.append(f"kv_layout={self.kv_layout.value}")
+        return ", ".join(parts) or CellAxis.BASE.value
+
+
+class BatchClass(enum.StrEnum):
+    """A shape of batch a CUDA-graph claim covers; every run draws each its entry claims
+    (:func:`claimed_batch_classes`)."""
+
+    MIXED = "mixed"
+    """Requests of independent query widths (a graph of ``always`` support)."""
+    SINGLE_TOKEN_DECODE = "single_token_decode"
+    """Every request brings one token."""
+    UNIFORM_PADDED = "uniform_padded"
+    """Several requests of one query width, fewer than their bucket: padding lanes."""
+
+
+def claimed_batch_classes(support: CudaGraphSupport) -> tuple[BatchClass, ...]:
+    """The batch classes an entry of ``support`` claims graphs (or, ``never``, eager runs)
+    for, mixed widths first (hypothesis shrinks towards it)."""
+    if support is CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE:
+        return (BatchClass.SINGLE_TOKEN_DECODE,)
+    if support is CudaGraphSupport.UNIFORM_BATCH:
+        return (BatchClass.SINGLE_TOKEN_DECODE, BatchClass.UNIFORM_PADDED)
+    return (BatchClass.MIXED, BatchClass.SINGLE_TOKEN_DECODE, BatchClass.UNIFORM_PADDED)
+
+
+def claimed_cells(
+    entry: BackendEntry, config: RuntimeConfig, tier: Tier, holds_dcp_share: bool
+) -> tuple[Cell, ...]:
+    """The cells ``entry`` claims fused support for around ``config`` (the run's), base
+    first, from these changes of one axis each, kept where the entry's constraints and
+    draft-decode condition allow them fused
+    (:func:`~speccheck.contract.resolution.backend_failures` empty):
+
+    - DCP: ``dcp_world_size`` 2 where the builder holds a real share (``holds_dcp_share``)
+      and ``config`` runs without DCP;
+    - layout: the latent layout where the entry states no ``kv_layout`` (it reads both)
+      and the run's layers are not latent;
+    - window: ``sliding_window`` of a quarter of ``max_model_len`` where ``config`` has
+      none;
+    - block size: twice ``config``'s;
+    - dtype: each other dtype the entry allows (on the CPU tier, bfloat16 of a backend
+      whose kernels run under the Triton interpreter is not run: :data:`INTERPRETER_BF16`);
+    - long: :data:`LONG_MAX_MODEL_LEN` (in blocks of :data:`LONG_BLOCK_SIZE` where
+      allowed) where ``config``'s lengths cannot pass :data:`INT16_MAX`.
+
+    The layout, window, block-size and dtype changes that the machine can run are packed
+    into as few cells as the entry allows together (:func:`_packed`): each cell costs a
+    worker's start-up (seconds on the CPU tier), and a cell's reproduce command names every
+    field it sets, so a failure narrows with the options. DCP (real ranks) and long (its own
+    block size) stay cells of their own.
+
+    Nothing but the base cell where the entry does not allow fusing under ``config``
+    (its fallback is verified there).
+    """
+    base = Cell(CellAxis.BASE)
+    if backend_failures(entry, config):
+        return (base,)
+    wanted: list[Cell] = []
+    if holds_dcp_share and config.dcp_world_size == 1:
+        wanted.append(Cell(CellAxis.DCP, {"dcp_world_size": DCP_CELL_WORLD_SIZE}))
+    if entry.constraints.kv_layout is None:
+        wanted.append(Cell(CellAxis.LAYOUT, kv_layout=KvLayout.LATENT))
+    if config.sliding_window == 0 and config.max_model_len >= 8:
+        wanted.append(Cell(CellAxis.WINDOW, {"sliding_window": config.max_model_len // 4}))
+    if config.block_size * 2 <= config.max_model_len:
+        wanted.append(Cell(CellAxis.BLOCK_SIZE, {"block_size": config.block_size * 2}))
+    for dtype in entry.constraints.dtypes or ():
+        if dtype != config.dtype:
+            wanted.append(Cell(CellAxis.DTYPE, {"dtype": dtype},
+                               not_run=_dtype_not_run(entry, dtype, tier)))
+    if config.max_model_len <= INT16_MAX:
+        long = Cell(CellAxis.LONG, {"max_model_len": LONG_MAX_MODEL_LEN,
+                                    "block_size": max(config.block_size, LONG_BLOCK_SIZE)})
+        wanted.append(long if _claimed(entry, config, long)
+                      else Cell(CellAxis.LONG, {"max_model_len": LONG_MAX_MODEL_LEN}))
+    claimed = [cell for cell in wanted if _claimed(entry, config, cell)]
+    alone = [cell for cell in claimed
+             if cell.axis in (CellAxis.DCP, CellAxis.LONG) or cell.not_run is not None]
+    packable = [cell for cell in claimed if not any(cell is other for other in alone)]
+    return (base, *[c for c in alone if c.axis is CellAxis.DCP],
+            *_packed(entry, config, packable),
+            *[c for c in alone if c.axis is not CellAxis.DCP])
+
+
+def _packed(entry: BackendEntry, config: RuntimeConfig, cells: Sequence[Cell]) -> list[Cell]:
+    """``cells`` (single-axis changes) merged greedily, in order, into as few cells as go
+    together: no field set twice, and the entry claims the merged change too."""
+    packed: list[Cell] = []
+    for cell in cells:
+        for i, group in enumerate(packed):
+            if set(group.config) & set(cell.config) or (group.kv_layout and cell.kv_layout):
+                continue
+            merged = Cell(group.axis, {**group.config, **cell.config},
+                          group.kv_layout or cell.kv_layout)
+            if _claimed(entry, config, merged):
+                packed[i] = merged
+                break
+        else:
+            packed.append(cell)
+    return packed
+
+
+def _claimed(entry: BackendEntry, config: RuntimeConfig, cell: Cell) -> bool:
+    """Whether ``entry`` allows fusing under ``config`` changed as ``cell`` says."""
+    return not backend_failures(entry, config.model_copy(update=dict(cell.config)))
+
+
+def _dtype_not_run(entry: BackendEntry, dtype: str, tier: Tier) -> str | None:
+    if (tier is Tier.CPU and dtype == "bfloat16"
+            and entry.package.import_name == INTERPRETER_PACKAGE):
+        return INTERPRETER_BF16
+    return None
+
+
+def narrowed(
+    cells: Sequence[Cell], given: Mapping[str, Any], kv_layout: KvLayout | None
+) -> tuple[Cell, ...]:
+    """The ``cells`` a run's explicit options allow: the base cell, and each other without
+    the runtime fields the run gave (the base cell already runs at the value given) nor,
+    ``kv_layout`` given, its layout (the base cell runs in it); a cell left with no change
+    is dropped. ``--dcp-world-size 1`` thus runs only cells at DCP 1."""
+    kept = []
+    for cell in cells:
+        if cell.axis is not CellAxis.BASE:
+            config = {key: value for key, value in cell.config.items() if key not in given}
+            layout = None if kv_layout is not None else cell.kv_layout
+            if not config and layout is None:
+                continue
+            cell = Cell(cell.axis, config, layout, cell.not_run)
+        kept.append(cell)
+    return tuple(kept)
+
+
+def example_shares(examples: int, runnable: int) -> list[int]:
+    """``examples`` spread over ``runnable`` cells as evenly as they go, the first cells
+    (the base first) taking the remainder; a cell past the budget gets none."""
+    return [examples // runnable + (i < examples % runnable) for i in range(runnable)]

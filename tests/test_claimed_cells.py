@@ -1,0 +1,191 @@
+"""A PASS covers what the matrix claims (issue 44, items 1 and 6): the configuration cells an
+entry claims fused support for are derived, narrowed by the options given, spread over the
+default examples and each reported; every run draws the batch classes the entry's
+CUDA-graph claim covers, K >= 2 in most examples; and two known-bad builders that only such
+shapes expose are caught at the defaults."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+from speccheck.checks.api import plan_verification, verify
+from speccheck.checks.verify.cells import (
+    INT16_MAX,
+    BatchClass,
+    Cell,
+    CellAxis,
+    claimed_batch_classes,
+    example_shares,
+)
+from speccheck.checks.verify.report import BackendReport, CellReport, write_junit
+from speccheck.checks.verify.strategies import (
+    BatchLimits,
+    draft_batches,
+    draft_step_counts,
+    draw_values,
+)
+from speccheck.checks.verify.vocabulary import Status, Tier
+from speccheck.contract.matrix_model import CudaGraphSupport, KvLayout
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE_BAD = ROOT / "tests" / "fixtures" / "adapters" / "shape_bad.yaml"
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU tier's defaults")
+
+
+def _axes(cells: tuple[Cell, ...]) -> list[CellAxis]:
+    return [cell.axis for cell in cells]
+
+
+@CPU_ONLY
+def test_reference_claims_dcp_on_real_ranks_the_latent_layout_and_long_lengths() -> None:
+    plan = plan_verification("reference")
+    cells = plan.cells("reference")
+    assert cells[0].axis is CellAxis.BASE
+    assert {CellAxis.DCP, CellAxis.LONG} <= set(_axes(cells))
+    changed = {key: {cell.config[key] for cell in cells if key in cell.config}
+               for key in ("sliding_window", "block_size", "dtype")}
+    assert changed["sliding_window"] and 8 in changed["block_size"]
+    assert changed["dtype"] == {"bfloat16", "float16"}  # each dtype the entry allows
+    (dcp,) = [cell for cell in cells if cell.axis is CellAxis.DCP]
+    assert plan.for_cell(dcp, 5).dcp_ranks("reference") == 2
+    (layout,) = [cell for cell in cells if cell.kv_layout is not None]
+    assert plan.for_cell(layout, 5).settings_for("reference").kv_layout is KvLayout.LATENT
+    assert len(cells) <= 5  # single-rank axes packed: each cell costs a worker's start-up
+    (long,) = [cell for cell in cells if cell.axis is CellAxis.LONG]
+    assert long.config["max_model_len"] > INT16_MAX + 1
+
+
+@CPU_ONLY
+def test_options_given_narrow_the_cells() -> None:
+    at_dcp_1 = plan_verification("reference", config={"dcp_world_size": 1}).cells("reference")
+    assert CellAxis.DCP not in _axes(at_dcp_1)
+    assert any(cell.kv_layout is KvLayout.LATENT for cell in at_dcp_1)
+    latent = plan_verification("reference", kv_layout="latent").cells("reference")
+    assert all(cell.kv_layout is None for cell in latent) and CellAxis.DCP in _axes(latent)
+    assert any("sliding_window" in cell.config for cell in latent)  # the rest of its cell
+    assert len(plan_verification("reference", cells=False).cells("reference")) == 1
+
+
+@CPU_ONLY
+def test_an_interpreted_backends_bfloat16_cell_is_not_run_with_its_reason() -> None:
+    cells = plan_verification("triton_attn").cells("triton_attn")
+    (bf16,) = [cell for cell in cells if cell.config.get("dtype") == "bfloat16"]
+    assert bf16.not_run is not None and "interpreter" in bf16.not_run
+    assert CellAxis.LAYOUT not in _axes(cells)  # its entry claims the NHD layout only
+
+
+def test_a_backend_not_allowed_to_fuse_claims_no_further_cell() -> None:
+    plan = plan_verification("flashinfer")
+    assert _axes(plan.cells("flashinfer")) == [CellAxis.BASE]
+
+
+def test_examples_are_spread_over_the_cells_base_first() -> None:
+    assert example_shares(50, 8) == [7, 7, 6, 6, 6, 6, 6, 6]
+    assert example_shares(3, 5) == [1, 1, 1, 0, 0]
+
+
+def test_cells_travel_in_the_json_and_junit_reports(tmp_path: Path) -> None:
+    report = BackendReport("reference", Tier.CPU, Status.FAILED, cells=[
+        CellReport("base", Status.PASSED, examples=7),
+        CellReport("max_model_len=33024", Status.FAILED, examples=6, detail="x",
+                   reproduce="speccheck verify ..."),
+        CellReport("dtype=bfloat16", Status.SKIPPED, run=False, detail="the interpreter")])
+    assert BackendReport.from_json(report.to_json()) == report
+    path = tmp_path / "junit.xml"
+    write_junit([report], path)
+    cases = {case.get("name"): case for case in ElementTree.parse(path).iter("testcase")}
+    assert cases["cell[base][cpu]"].find("failure") is None
+    assert cases["cell[max_model_len=33024][cpu]"].find("failure") is not None
+    assert cases["cell[dtype=bfloat16][cpu]"].find("skipped") is not None
+
+
+def test_the_claimed_batch_classes_follow_the_cudagraph_support() -> None:
+    assert claimed_batch_classes(CudaGraphSupport.ALWAYS) == tuple(BatchClass)
+    assert claimed_batch_classes(CudaGraphSupport.UNIFORM_BATCH) == (
+        BatchClass.SINGLE_TOKEN_DECODE, BatchClass.UNIFORM_PADDED)
+    assert claimed_batch_classes(CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE) == (
+        BatchClass.SINGLE_TOKEN_DECODE,)
+
+
+LIMITS = BatchLimits(max_num_reqs=8, block_size=4, max_model_len=64, num_blocks=129,
+                     extra_positions=3, vocab_size=64,
+                     batch_classes=claimed_batch_classes(CudaGraphSupport.ALWAYS),
+                     capture_sizes=(1, 2, 4, 8))
+
+
+def _uniform_padded(batch) -> bool:  # type: ignore[no-untyped-def]
+    widths = {len(row) for row in batch.new_tokens}
+    return batch.num_reqs >= 2 and len(widths) == 1 and batch.num_reqs not in (1, 2, 4, 8)
+
+
+def test_every_claimed_batch_class_is_drawn_often() -> None:
+    """At the CPU tier's scale, a tenth of any 50 examples at least is uniform with padding
+    lanes, and as many are single-token decode batches of several requests (the draw
+    before item 6 gave none of the first in 50)."""
+    for seed_value in range(3):
+        batches = draw_values(draft_batches(LIMITS), 50, seed_value)
+        assert sum(map(_uniform_padded, batches)) >= 5
+        assert sum(b.num_reqs >= 2 and all(len(r) == 1 for r in b.new_tokens)
+                   for b in batches) >= 5
+
+
+def test_k_of_two_or_more_is_drawn_in_most_examples() -> None:
+    """Drawn beside a batch, as the engine draws it (alone, eight values would exhaust
+    hypothesis' search)."""
+    for seed_value in range(3):
+        drawn = draw_values(st.tuples(draft_step_counts(range(1, 9)), draft_batches(LIMITS)),
+                            50, seed_value)
+        assert sum(k >= 2 for k, _ in drawn) >= 35
+
+
+def test_the_first_request_of_a_long_cell_batch_is_past_int16() -> None:
+    long = BatchLimits(max_num_reqs=8, block_size=256, max_model_len=33024, num_blocks=257,
+                       extra_positions=3, vocab_size=64)
+    for batch in draw_values(draft_batches(long), 30, 0):
+        assert batch.context_lens[0] + len(batch.new_tokens[0]) > INT16_MAX
+
+
+@CPU_ONLY
+@pytest.mark.parametrize(("backend", "cell"), [("padded_lanes_as_real", None),
+                                               ("int16_lengths", CellAxis.LONG)])
+def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
+    backend: str, cell: CellAxis | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Everything at the defaults (cells, examples, K range, seed) but the shrink budget,
+    which does not change what the search finds. The workers import the fixtures from the
+    repository root."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    report = verify(backend, matrix=SHAPE_BAD, shrink_seconds=5.0).backend(backend)
+    assert report.status is Status.FAILED, report.cells
+    assert any(f.check == "vs_fp32_reference" for f in report.failures), report.failures
+    failed = [c.name for c in report.cells if c.status is Status.FAILED]
+    assert failed, report.cells
+    if cell is CellAxis.LONG:
+        assert all("max_model_len=33024" in name for name in failed), failed
+
+
+def test_the_k1_harness_poisons_its_builders_zero_tail_buffers() -> None:
+    """K = 1 runs no decode step, so its zero-tail buffers are found from the warm-up's
+    padded first pass: every K = 1 example starts with them poisoned, as every other K's
+    does, and a shrunk K = 1 example reproduces in a fresh worker."""
+    from speccheck.checks.selftest.mutants import DerivedBuilder, declaring_matrix
+    from speccheck.checks.selftest.run import settings_at_defaults
+    from speccheck.checks.verify.harness import HarnessSet
+    from speccheck.contract.matrix_loader import load_matrix
+    from speccheck.speculator.batch import DraftBatch
+
+    device = torch.device("cpu")
+    settings = settings_at_defaults("reference", DerivedBuilder, device,
+                                    declaring_matrix(load_matrix(None), ("kv_lens_plus_one",)))
+    harnesses = HarnessSet(settings, device)
+    h = harnesses.harness(1)
+    example = (1, DraftBatch((3,), ((5,),), ((1, 2),), (0,)))
+    harnesses.start_state(h, example)
+    assert h.tail_buffers, "no zero-tail buffer found for K = 1"
+    (derived,) = h.tail_buffers
+    assert not bool((derived == 0).any()), "the K = 1 harness left its buffer unpoisoned"
