@@ -41,6 +41,7 @@ from speccheck.checks.verify.comparisons import (
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.declared_fields import declared_fields, input_storages
 from speccheck.checks.verify.examples import Example
+from speccheck.checks.verify.field_meanings import DeclaredMeanings
 from speccheck.checks.verify.guard_bands import guard_bands
 from speccheck.checks.verify.harness import Harness, HarnessSet
 from speccheck.checks.verify.input_fit import ExampleDoesNotFit, check_fits
@@ -293,6 +294,9 @@ class BackendVerifier:
         written = expected_slots(batch, k, bs, mml, share=self.share)
         outcomes = kv_untouched(batch, written, bs, start, oracle_kv, "oracle", oracle_steps,
                                 oracle_first_pass, self.share)
+        meanings = DeclaredMeanings.of(self.settings.matrices.matrix, spec.groups, self.config,
+                                       self.share)
+        outcomes += meanings.check(batch, oracle_steps, "oracle")
         if self.graphs:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 
@@ -323,6 +327,7 @@ class BackendVerifier:
                 oracle_steps, steps, name,
                 metadata_only=candidate.path is DecodePath.HOST_PREPLANNED,
             )
+            outcomes += meanings.check(batch, steps, name)
             outcomes += zero_tails(spec.groups, h.recorder.last_metadata, name)
         outcomes += declared_fields(spec.groups, oracle_steps, oracle_storage, inputs)
         if probe is not None:

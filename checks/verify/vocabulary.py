@@ -64,6 +64,14 @@ class Check(enum.StrEnum):
         "with in-place copies inside the captured graph), and so does every host value "
         "reachable from the metadata (a graph's are those it was captured with)",
     )
+    FIELD_MEANINGS = (
+        "field_meanings",
+        "before every draft step of the oracle and of every candidate, each field the matrix "
+        "entry gives a meaning (`draft_decode.field_meanings`: lengths, positions, query "
+        "offsets, slots, block table, DCP local lengths) equals that meaning's value computed "
+        "from the batch itself, not from the builder or its helpers; a mismatch names the "
+        "field, the step, the request and both values",
+    )
     DECLARED_FIELDS = (
         "declared_fields",
         "claims audit: a derived tensor that changes between the oracle's steps must be listed "
