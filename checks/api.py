@@ -167,6 +167,8 @@ class VerifyReport:
                 lines.append(f"{r.backend}: {r.status.value}: {r.detail}")
             elif r.detail:
                 lines.append(f"{r.backend}: {r.detail}")
+            lines += [f"{r.backend}: latent field (reaches no output; checked by its meaning "
+                      f"only): {path}" for path in r.latent_fields]
             lines += [f"FAIL {r.backend} {f.check}{_where(f)}: {f.diagnosis}" for f in r.failures]
             lines += _example_lines(r, self.notes.get(r.backend))
         return lines

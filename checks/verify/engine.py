@@ -45,6 +45,7 @@ from speccheck.checks.verify.field_meanings import DeclaredMeanings
 from speccheck.checks.verify.guard_bands import guard_bands
 from speccheck.checks.verify.harness import Harness, HarnessSet
 from speccheck.checks.verify.input_fit import ExampleDoesNotFit, check_fits
+from speccheck.checks.verify.latent_fields import LatentFields
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KvShare, whole_cache_start
 from speccheck.checks.verify.localise import localise_reference_divergence
 from speccheck.checks.verify.refresh_probe import RefreshProbe, RefreshRaised
@@ -164,6 +165,8 @@ class BackendVerifier:
         self._breakpoints: Breakpoints | None = None
         self.side_lane = SideLane(device)
         """Where each example's fp32 reference runs, beside its oracle and candidates."""
+        self.latent_fields = LatentFields()
+        """The once-per-run probe of fields that reach no output (one process only)."""
 
     # ------------------------------------------------------------ set-up
     @property
@@ -330,6 +333,10 @@ class BackendVerifier:
             outcomes += meanings.check(batch, steps, name)
             outcomes += zero_tails(spec.groups, h.recorder.last_metadata, name)
         outcomes += declared_fields(spec.groups, oracle_steps, oracle_storage, inputs)
+        if PROBED_CANDIDATE in candidates and self.share.world == 1:
+            outcomes += self.latent_fields.probe_once(
+                spec, self.settings.matrices.matrix, batch, k,
+                lambda: spec.kv_cache.restore(start), self.tol)
         if probe is not None:
             outcomes += probe.outcomes()
         outcomes += guard_bands(self.harnesses.guards)
@@ -378,6 +385,7 @@ class BackendVerifier:
         budget = SearchBudget(self.settings.examples, self.settings.seed,
                               self.settings.shrink_seconds)
         failure = search(self.example_strategy(), budget, self.examine, report, on_example)
+        report.latent_fields = list(self.latent_fields.latent)
         if failure is not None:
             self.record_failure(report, *failure)
 

@@ -85,6 +85,14 @@ class Check(enum.StrEnum):
         "tensor-op form of every layer, sampling and index-buffer update (graph and eager "
         "can agree and both be wrong; they also share the drafter's Triton kernels)",
     )
+    LATENT_FIELDS = (
+        "latent_fields",
+        "(informational) once per run, each declared refreshed field is perturbed after every "
+        "refresh of the eager fused candidate (its value before the refresh, or one more where "
+        "the refresh left it unchanged); a field whose perturbation changes no draft token and "
+        "no logit is listed as latent in the report (`latent_fields`): its value is checked by "
+        "`field_meanings` only; never a failure",
+    )
     REFRESH_ERROR = (
         "refresh_error",
         "the refresh (`update_draft_decode_metadata`, run eagerly in the fused loop) raises "
