@@ -188,6 +188,17 @@ class FieldMeaning(_DescribedEnum):
         "its KV length (`seq_lens`); as DCP rank `k` of `N` the number of positions `p < "
         "seq_len` with `p % N == k`; 0 for padding lanes.",
     )
+    WINDOW_LENGTHS = (
+        "window_lengths",
+        "Each query token's sliding-window length, `[tokens]`: the positions it attends, "
+        "`min(position + 1, sliding_window)`; 0 for padding lanes.",
+    )
+    WINDOW_SLOTS = (
+        "window_slots",
+        "The KV slot of each position of each query token's sliding window, oldest first, "
+        "`[tokens, sliding_window]`: the slots of positions `position - length + 1 .. "
+        "position` (`length`: its window length), `-1` past them and in padding rows.",
+    )
     LOCAL_SEQ_LEN_TABLE = (
         "local_seq_len_table",
         "Each request's KV length on every DCP rank, `[lanes, N]`: column `k` counts the "

@@ -27,7 +27,7 @@ from speccheck.checks.selftest.mutants import naming_matrix
 from speccheck.checks.verify.field_meanings import (
     DEFINITIONS,
     DeclaredMeanings,
-    DecodeStep,
+    PassState,
     MeaningGeometry,
 )
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KvShare
@@ -48,14 +48,14 @@ BATCH = DraftBatch(context_lens=(5, 9), new_tokens=((7, 8), (3,)),
 
 
 def _geometry(share: KvShare = WHOLE_CACHE, max_model_len: int = 64,
-              advance: bool = True) -> MeaningGeometry:
+              advance: bool = True, window: int = 0) -> MeaningGeometry:
     return MeaningGeometry(block_size=4, max_model_len=max_model_len, advance=advance,
-                           share=share, dcp_world_size=share.world)
+                           share=share, dcp_world_size=share.world, sliding_window=window)
 
 
 def _expected(meaning: FieldMeaning, step: int, shape: tuple[int, ...],
               geometry: MeaningGeometry) -> list[int] | list[list[int]]:
-    decode = DecodeStep.of(BATCH, step, max_model_len=geometry.max_model_len,
+    decode = PassState.of(BATCH, step, max_model_len=geometry.max_model_len,
                            advance=geometry.advance)
     value = DEFINITIONS[meaning](decode, geometry, torch.Size(shape))
     assert value is not None
@@ -81,6 +81,23 @@ def test_lengths_positions_and_offsets_advance_clamp_and_leave_padding_lanes_emp
         [3, 6, 0, 0], [4, 2, 5, 0], [0, 0, 0, 0]]
 
 
+def test_a_padded_first_pass_queries_each_request_s_new_tokens() -> None:
+    uniform = DraftBatch(context_lens=(5, 9), new_tokens=((7, 8), (3, 4)),
+                         block_table=((3, 6), (4, 2, 5)), seeds=(0, 0))
+    state = PassState.of(uniform, 0, max_model_len=64, advance=True)
+    g = _geometry()
+
+    def expected(meaning: FieldMeaning, shape: tuple[int, ...]) -> list[int]:
+        value = DEFINITIONS[meaning](state, g, torch.Size(shape))
+        assert value is not None
+        return value.tolist()
+
+    assert expected(FieldMeaning.QUERY_START_LOC, (4,)) == [0, 2, 4, 4]
+    assert expected(FieldMeaning.SEQ_LENS, (3,)) == [7, 11, 0]
+    assert expected(FieldMeaning.POSITIONS, (6,)) == [5, 6, 9, 10, 0, 0]
+    assert expected(FieldMeaning.KV_SLOTS, (4,)) == [6 * 4 + 1, 6 * 4 + 2, 5 * 4 + 1, 5 * 4 + 2]
+
+
 def test_slots_and_local_lengths_follow_the_dcp_share() -> None:
     whole = _geometry()
     # step 1: positions 7 (block 6, offset 3) and 10 (block 5, offset 2)
@@ -94,6 +111,18 @@ def test_slots_and_local_lengths_follow_the_dcp_share() -> None:
     table = _geometry(KvShare(0, 3))
     assert _expected(FieldMeaning.LOCAL_SEQ_LEN_TABLE, 1, (2, 3), table) == [[3, 3, 2],
                                                                              [4, 4, 3]]
+
+
+def test_windows_hold_the_last_positions_up_to_the_window_oldest_first() -> None:
+    g = _geometry(window=3)
+    # step 1: positions 5..7 (request 0, block 6) and 8..10 (request 1, block 5)
+    assert _expected(FieldMeaning.WINDOW_LENGTHS, 1, (3,), g) == [3, 3, 0]
+    assert _expected(FieldMeaning.WINDOW_SLOTS, 1, (3, 3), g) == [
+        [6 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3], [5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2], [-1, -1, -1]]
+    wide = _geometry(window=12)
+    assert _expected(FieldMeaning.WINDOW_LENGTHS, 1, (2,), wide) == [8, 11]
+    assert _expected(FieldMeaning.WINDOW_SLOTS, 1, (2, 12), wide)[0][7:] == [6 * 4 + 3, -1, -1,
+                                                                               -1, -1]
 
 
 def _snapshots(**fields: list[int]) -> StepSnapshots:

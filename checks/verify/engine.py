@@ -299,7 +299,7 @@ class BackendVerifier:
                                 oracle_first_pass, self.share)
         meanings = DeclaredMeanings.of(self.settings.matrices.matrix, spec.groups, self.config,
                                        self.share)
-        outcomes += meanings.check(batch, oracle_steps, "oracle")
+        outcomes += meanings.check(batch, oracle_steps, "oracle", oracle_first_pass)
         if self.graphs:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 
@@ -320,9 +320,10 @@ class BackendVerifier:
                 spec.refresh_hook = None
             steps = h.recorder.collect(lanes)
             kv = spec.kv_cache.layers
+            candidate_first_pass = first_pass()
             outcomes += compare_drafts(oracle, result, name, self.tol)
-            outcomes += kv_untouched(batch, written, bs, start, kv, name, steps, first_pass(),
-                                     self.share)
+            outcomes += kv_untouched(batch, written, bs, start, kv, name, steps,
+                                     candidate_first_pass, self.share)
             agreed = expected_slots(batch, k, bs, mml, first_divergence(oracle, result, k),
                                     self.share)
             outcomes += kv_matches(agreed, oracle_kv, kv, self.tol, name)
@@ -330,7 +331,7 @@ class BackendVerifier:
                 oracle_steps, steps, name,
                 metadata_only=candidate.path is DecodePath.HOST_PREPLANNED,
             )
-            outcomes += meanings.check(batch, steps, name)
+            outcomes += meanings.check(batch, steps, name, candidate_first_pass)
             outcomes += zero_tails(spec.groups, h.recorder.last_metadata, name)
         outcomes += declared_fields(spec.groups, oracle_steps, oracle_storage, inputs)
         if PROBED_CANDIDATE in candidates and self.share.world == 1:
