@@ -155,8 +155,9 @@ def test_the_shipped_matrix_declares_the_meanings_of_the_dcp_backends() -> None:
         assert meanings["slot_mapping"] is FieldMeaning.KV_SLOTS
 
 
-def _verify_mutant(tmp_path: Path, builder: type[AttentionMetadataBuilder], *args: str,  # type: ignore[type-arg]
-                   ) -> tuple[subprocess.CompletedProcess[str], dict]:  # type: ignore[type-arg]
+def _verify_mutant(
+    tmp_path: Path, builder: type[AttentionMetadataBuilder], *args: str,  # type: ignore[type-arg]
+) -> tuple[subprocess.CompletedProcess[str], dict]:  # type: ignore[type-arg]
     """``speccheck verify --backend reference`` of ``builder`` under the matrix its author
     would ship (the shipped entry naming it), at the defaults plus ``args``."""
     matrix = tmp_path / f"{builder.__name__}.yaml"

@@ -7,7 +7,8 @@ on a GPU, and the eager fused loop) from identical state, and compare.
 (:mod:`~speccheck.checks.verify.input_fit`), the check units it hands each run's recorded
 steps to (:mod:`~speccheck.checks.verify.comparisons`, :mod:`~speccheck.checks.verify.
 declared_fields`, :mod:`~speccheck.checks.verify.zero_tails`, :mod:`~speccheck.checks.
-verify.guard_bands`, :mod:`~speccheck.checks.verify.refresh_probe`), the search for a
+verify.guard_bands`, :mod:`~speccheck.checks.verify.refresh_probe`, :mod:`~speccheck.
+checks.verify.field_meanings`, :mod:`~speccheck.checks.verify.latent_fields`), the search for a
 failing example (:mod:`~speccheck.checks.verify.search`) and the localisation of a
 divergence from the fp32 reference (:mod:`~speccheck.checks.verify.localise`).
 
@@ -45,8 +46,8 @@ from speccheck.checks.verify.field_meanings import DeclaredMeanings
 from speccheck.checks.verify.guard_bands import guard_bands
 from speccheck.checks.verify.harness import Harness, HarnessSet
 from speccheck.checks.verify.input_fit import ExampleDoesNotFit, check_fits
-from speccheck.checks.verify.latent_fields import LatentFields
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KvShare, whole_cache_start
+from speccheck.checks.verify.latent_fields import LatentFields
 from speccheck.checks.verify.localise import localise_reference_divergence
 from speccheck.checks.verify.refresh_probe import RefreshProbe, RefreshRaised
 from speccheck.checks.verify.report import BackendReport, misfit_line
