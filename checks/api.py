@@ -176,6 +176,8 @@ class VerifyReport:
                 lines.append(f"{r.backend}: {r.status.value}: {r.detail}")
             elif r.detail:
                 lines.append(f"{r.backend}: {r.detail}")
+            lines += [f"{r.backend}: latent field (reaches no output; checked by its meaning "
+                      f"only): {path}" for path in r.latent_fields]
             if r.findings:
                 for finding in r.findings:
                     lines += [f"FAIL {r.backend} {f.check}{_where(f)}: {f.diagnosis}"

@@ -147,6 +147,65 @@ class RefreshStrategy(_DescribedEnum):
     )
 
 
+class FieldMeaning(_DescribedEnum):
+    """What a common metadata field holds, defined by the batch alone: ``speccheck verify``
+    computes each declared field's expected value from the draft batch itself (its
+    lengths, new tokens and block table, the draft step, the block size, ``max_model_len``,
+    the DCP share and the padding lanes up to the bucket), never from the builder, and
+    compares it before every draft step."""
+
+    QUERY_START_LOC = (
+        "query_start_loc",
+        "Query offsets `[lanes + 1]` (or more): entry `i` is the number of query tokens of "
+        "requests `0 .. i - 1`, so padding lanes own no token (`min(i, num_reqs)` in a decode "
+        "step).",
+    )
+    SEQ_LENS = (
+        "seq_lens",
+        "Each request's KV length at the step, `[lanes]`: its context, new tokens and draft "
+        "positions so far, clamped at `max_model_len`; 0 for padding lanes.",
+    )
+    POSITIONS = (
+        "positions",
+        "Each query token's position, `[tokens]`: its KV length minus one at the step, "
+        "clamped at `max_model_len - 1`; 0 for padding lanes.",
+    )
+    BLOCK_TABLE = (
+        "block_table",
+        "The batch's block table, `[lanes, width]`: request `r`'s row holds its blocks in "
+        "order, the sink block (0) past its end and in padding rows.",
+    )
+    KV_SLOTS = (
+        "kv_slots",
+        "Where each query token writes its KV in the cache this process holds, `[tokens]`: "
+        "without DCP `block_table[r, p // block_size] * block_size + p % block_size` for "
+        "position `p`; as DCP rank `k` of `N` the local slot of `p // N` in the same row "
+        "where `p % N == k`, else the sink slot (0); the sink slot for padding lanes.",
+    )
+    LOCAL_SEQ_LENS = (
+        "local_seq_lens",
+        "Each request's KV length in the cache this process holds, `[lanes]`: without DCP "
+        "its KV length (`seq_lens`); as DCP rank `k` of `N` the number of positions `p < "
+        "seq_len` with `p % N == k`; 0 for padding lanes.",
+    )
+    WINDOW_LENGTHS = (
+        "window_lengths",
+        "Each query token's sliding-window length, `[tokens]`: the positions it attends, "
+        "`min(position + 1, sliding_window)`; 0 for padding lanes.",
+    )
+    WINDOW_SLOTS = (
+        "window_slots",
+        "The KV slot of each position of each query token's sliding window, oldest first, "
+        "`[tokens, sliding_window]`: the slots of positions `position - length + 1 .. "
+        "position` (`length`: its window length), `-1` past them and in padding rows.",
+    )
+    LOCAL_SEQ_LEN_TABLE = (
+        "local_seq_len_table",
+        "Each request's KV length on every DCP rank, `[lanes, N]`: column `k` counts the "
+        "positions `p < seq_len` with `p % N == k`; 0 for padding lanes.",
+    )
+
+
 class KvLayout(_DescribedEnum):
     """Memory layout of the KV cache a backend reads. A property of the model's layers, not
     of the runtime configuration: resolution cannot judge it, and building a backend for a
@@ -325,6 +384,15 @@ class DraftDecode(StrictModel):
         (),
         description="Lazily filled caches that must be cleared between draft steps "
         "(forgetting one reuses the previous step's contents).",
+    )
+    field_meanings: dict[DottedName, Annotated[FieldMeaning, Field(strict=False)]] = Field(
+        default_factory=dict,
+        description="Metadata fields (attribute names or dotted paths) whose meaning is "
+        "known, each with its meaning: `speccheck verify` computes each one's expected value "
+        "from the batch itself, not from the builder or its helpers, before every draft "
+        "step of the oracle and of every candidate, so a wrong helper that the build and "
+        "the refresh share cannot agree with itself. A field whose value reaches no output "
+        "is checked by its meaning only; declare every common field the metadata holds.",
     )
     refresh_rebuilds: StrictBool = Field(
         False,

@@ -239,7 +239,10 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
                 and self.refresh_rebuilds_in_graph):
             # The eager fused body runs on metadata built before the call's inputs exist,
             # as a replay's was built for capture: step 1 sees only what its refresh
-            # recomputes from the lanes.
+            # recomputes from the lanes. The index buffers are reset first, as before a
+            # capture: what an earlier call left there (the same batch, where the verifier
+            # ran it just before) must not stand in for this call's inputs.
+            self.reset_index_buffers()
             early = self.build_decode_metadata(desc, num_reqs, base_seq_lens, 1)
         self.first_pass.run(batch, arrays, base_seq_lens, use_graphs, desc.num_tokens,
                             emulate=early is not None)

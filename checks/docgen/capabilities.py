@@ -190,6 +190,19 @@ def _draft_lines(draft: DraftDecode) -> list[str]:
         lines.append("- The refresh rebuilds the metadata (`refresh_rebuilds`): where the "
                      "config may fuse, the graphs build no metadata on the host, the first "
                      "pass's and step 1's included.")
+    lines += _meaning_lines(draft)
+    return lines
+
+
+def _meaning_lines(draft: DraftDecode) -> list[str]:
+    """The fields checked against their meaning (``field_meanings``), one sub-item each
+    with the meaning's description."""
+    if not draft.field_meanings:
+        return ["- Fields checked against their meaning: none."]
+    lines = ["- Fields checked against their meaning, computed from the batch before every "
+             "draft step (`field_meanings`):"]
+    for name, meaning in draft.field_meanings.items():
+        lines.append(f"  - `{name}` is `{meaning.value}`: {meaning.description}")
     return lines
 
 

@@ -314,7 +314,8 @@ def declaring_matrix(shipped: Matrix, fields: tuple[str, ...], backend: str = "r
     them."""
     strategy = RefreshStrategy.IN_GRAPH if fields else RefreshStrategy.NONE_NEEDED
     draft = DraftDecode(supported=True, refresh_strategy=strategy, refreshed_fields=fields,
-                        refresh_rebuilds=rebuilds)
+                        refresh_rebuilds=rebuilds,
+                        field_meanings=shipped.backend(backend).draft_decode.field_meanings)
     return shipped.replacing(shipped.backend(backend).model_copy(update={"draft_decode": draft}))
 
 

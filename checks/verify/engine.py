@@ -7,7 +7,8 @@ on a GPU, and the eager fused loop) from identical state, and compare.
 (:mod:`~speccheck.checks.verify.input_fit`), the check units it hands each run's recorded
 steps to (:mod:`~speccheck.checks.verify.comparisons`, :mod:`~speccheck.checks.verify.
 declared_fields`, :mod:`~speccheck.checks.verify.zero_tails`, :mod:`~speccheck.checks.
-verify.guard_bands`, :mod:`~speccheck.checks.verify.refresh_probe`), the search for a
+verify.guard_bands`, :mod:`~speccheck.checks.verify.refresh_probe`, :mod:`~speccheck.
+checks.verify.field_meanings`, :mod:`~speccheck.checks.verify.latent_fields`), the search for a
 failing example (:mod:`~speccheck.checks.verify.search`) and the localisation of a
 divergence from the fp32 reference (:mod:`~speccheck.checks.verify.localise`).
 
@@ -41,10 +42,12 @@ from speccheck.checks.verify.comparisons import (
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.declared_fields import declared_fields, input_storages
 from speccheck.checks.verify.examples import Example
+from speccheck.checks.verify.field_meanings import DeclaredMeanings
 from speccheck.checks.verify.guard_bands import guard_bands
 from speccheck.checks.verify.harness import Harness, HarnessSet
 from speccheck.checks.verify.input_fit import ExampleDoesNotFit, check_fits
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KvShare, whole_cache_start
+from speccheck.checks.verify.latent_fields import LatentFields
 from speccheck.checks.verify.localise import localise_reference_divergence
 from speccheck.checks.verify.refresh_probe import RefreshProbe, RefreshRaised
 from speccheck.checks.verify.report import BackendReport, FailureKey, misfit_line
@@ -173,6 +176,8 @@ class BackendVerifier:
         self._breakpoints: Breakpoints | None = None
         self.side_lane = SideLane(device)
         """Where each example's fp32 reference runs, beside its oracle and candidates."""
+        self.latent_fields = LatentFields()
+        """The once-per-run probe of fields that reach no output (one process only)."""
 
     # ------------------------------------------------------------ set-up
     @property
@@ -300,6 +305,9 @@ class BackendVerifier:
         written = expected_slots(batch, k, bs, mml, share=self.share)
         outcomes = kv_untouched(batch, written, bs, start, oracle_kv, "oracle", oracle_steps,
                                 oracle_first_pass, self.share)
+        meanings = DeclaredMeanings.of(self.settings.matrices.matrix, spec.groups, self.config,
+                                       self.share)
+        outcomes += meanings.check(batch, oracle_steps, "oracle", oracle_first_pass)
         if self.graphs:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 
@@ -320,9 +328,10 @@ class BackendVerifier:
                 spec.refresh_hook = None
             steps = h.recorder.collect(lanes)
             kv = spec.kv_cache.layers
+            candidate_first_pass = first_pass()
             outcomes += compare_drafts(oracle, result, name, self.tol)
-            outcomes += kv_untouched(batch, written, bs, start, kv, name, steps, first_pass(),
-                                     self.share)
+            outcomes += kv_untouched(batch, written, bs, start, kv, name, steps,
+                                     candidate_first_pass, self.share)
             agreed = expected_slots(batch, k, bs, mml, first_divergence(oracle, result, k),
                                     self.share)
             outcomes += kv_matches(agreed, oracle_kv, kv, self.tol, name)
@@ -330,8 +339,13 @@ class BackendVerifier:
                 oracle_steps, steps, name,
                 metadata_only=candidate.path is DecodePath.HOST_PREPLANNED,
             )
+            outcomes += meanings.check(batch, steps, name, candidate_first_pass)
             outcomes += zero_tails(spec.groups, h.recorder.last_metadata, name)
         outcomes += declared_fields(spec.groups, oracle_steps, oracle_storage, inputs)
+        if PROBED_CANDIDATE in candidates and self.share.world == 1:
+            outcomes += self.latent_fields.probe_once(
+                spec, self.settings.matrices.matrix, batch, k,
+                lambda: spec.kv_cache.restore(start), self.tol)
         if probe is not None:
             outcomes += probe.outcomes()
         outcomes += guard_bands(self.harnesses.guards)
@@ -379,6 +393,7 @@ class BackendVerifier:
                               self.settings.shrink_seconds, self.settings.fail_fast)
         search_all(self.example_strategy(), budget, self.examine, report, on_example,
                    self.record_failure)
+        report.latent_fields = list(self.latent_fields.latent)
 
     def record_failure(
         self, report: BackendReport, example: Example, outcomes: list[Outcome],

@@ -195,6 +195,9 @@ class BackendReport:
     data_parallel: dict[str, Any] | None = None
     """For a ``--dp-size N`` run: ``{"dp_size": N, "collectives": the ranks' process-group
     backend ("gloo" or "cpu:gloo,cuda:nccl"), "devices": rank r's device at index r}``."""
+    latent_fields: list[str] = field(default_factory=list)
+    """Declared refreshed fields whose perturbation changed no output
+    (:mod:`~speccheck.checks.verify.latent_fields`), as ``backend.metadata.field``."""
     worker_task: dict[str, Any] | None = None
     """The :class:`~speccheck.checks.verify.run.WorkerTask` the worker process that wrote
     this report was given, as it read it (``model_dump(mode="json")``: the run unchanged,

@@ -64,6 +64,14 @@ class Check(enum.StrEnum):
         "with in-place copies inside the captured graph), and so does every host value "
         "reachable from the metadata (a graph's are those it was captured with)",
     )
+    FIELD_MEANINGS = (
+        "field_meanings",
+        "before every draft step of the oracle and of every candidate, each field the matrix "
+        "entry gives a meaning (`draft_decode.field_meanings`: lengths, positions, query "
+        "offsets, slots, block table, DCP local lengths) equals that meaning's value computed "
+        "from the batch itself, not from the builder or its helpers; a mismatch names the "
+        "field, the step, the request and both values",
+    )
     DECLARED_FIELDS = (
         "declared_fields",
         "claims audit: a derived tensor that changes between the oracle's steps must be listed "
@@ -79,6 +87,14 @@ class Check(enum.StrEnum):
         "keys and values gathered from the cache) that shares no code with `backends/`, so "
         "it runs for `reference` too (graph and eager can agree and both be wrong; they also "
         "share the drafter's Triton kernels)",
+    )
+    LATENT_FIELDS = (
+        "latent_fields",
+        "(informational) once per run, each declared refreshed field is perturbed after every "
+        "refresh of the eager fused candidate (its value before the refresh, or one more where "
+        "the refresh left it unchanged); a field whose perturbation changes no draft token and "
+        "no logit is listed as latent in the report (`latent_fields`): its value is checked by "
+        "`field_meanings` only; never a failure",
     )
     REFRESH_ERROR = (
         "refresh_error",
