@@ -41,6 +41,7 @@ from speccheck.checks.verify.comparisons import (
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.declared_fields import declared_fields, input_storages
 from speccheck.checks.verify.examples import Example
+from speccheck.checks.verify.forward_probe import ForwardProbe
 from speccheck.checks.verify.guard_bands import guard_bands
 from speccheck.checks.verify.harness import Harness, HarnessSet
 from speccheck.checks.verify.input_fit import ExampleDoesNotFit, check_fits
@@ -297,6 +298,7 @@ class BackendVerifier:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 
         probe: RefreshProbe | None = None
+        forward_probe: ForwardProbe | None = None
         for candidate in candidates:
             name = candidate.name
             spec.kv_cache.restore(start)
@@ -305,12 +307,15 @@ class BackendVerifier:
                     name, poison_before_first_refresh=spec.refresh_rebuilds_in_graph,
                     cuda_sync_debug=self.gpu)
                 spec.refresh_hook = probe
+                forward_probe = ForwardProbe(name, spec, cuda_sync_debug=self.gpu)
             try:
                 result = spec.propose(batch, candidate.path, use_graphs=candidate.graphs)
             except RefreshRaised:
                 continue  # reported by the probe; nothing else of this candidate to compare
             finally:
                 spec.refresh_hook = None
+                if forward_probe is not None:
+                    forward_probe.uninstall()
             steps = h.recorder.collect(lanes)
             kv = spec.kv_cache.layers
             outcomes += compare_drafts(oracle, result, name, self.tol)
@@ -327,6 +332,8 @@ class BackendVerifier:
         outcomes += declared_fields(spec.groups, oracle_steps, oracle_storage, inputs)
         if probe is not None:
             outcomes += probe.outcomes()
+        if forward_probe is not None:
+            outcomes += forward_probe.outcomes()
         outcomes += guard_bands(self.harnesses.guards)
         if reference is not None:
             tokens, logits = reference.result()

@@ -84,9 +84,10 @@ class Check(enum.StrEnum):
     )
     HOST_SYNC = (
         "host_sync",
-        "the refresh makes no host synchronisation (`.item()`, `.tolist()`, `nonzero`, "
-        "`bool(t)`, device-to-host copies, …; traced with torch dispatch and function modes, "
-        "and CUDA sync-debug mode on a GPU)",
+        "neither the refresh nor the attention call (`forward()`, on the path a graph records) "
+        "makes a host synchronisation (`.item()`, `.tolist()`, `nonzero`, `bool(t)`, "
+        "device-to-host copies, …; traced in the eager fused loop with torch dispatch and "
+        "function modes, and CUDA sync-debug mode on a GPU); a finding names the file and line",
     )
     IN_PLACE = (
         "in_place",
