@@ -4,13 +4,9 @@ site."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import torch
@@ -24,25 +20,6 @@ from speccheck.checks.probes.findings import (
 from speccheck.checks.probes.tracing import HookDispatchMode, ModeRecorder
 
 logger = logging.getLogger(__name__)
-
-_TRITON_SPEC = importlib.util.find_spec("triton")
-_TRITON_DIR = (os.path.dirname(_TRITON_SPEC.origin) + os.sep
-               if _TRITON_SPEC is not None and _TRITON_SPEC.origin else None)
-"""Triton's package folder (found without importing Triton), or ``None`` without Triton."""
-
-
-def _inside_triton() -> bool:
-    """Whether the current call runs inside Triton's own code: a kernel launch, whose
-    interpreter (the CPU's stand-in for a device) copies its arguments to the host and
-    back. That is the emulated device's work, not the host's."""
-    if _TRITON_DIR is None:
-        return False
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(_TRITON_DIR):
-            return True
-        frame = frame.f_back
-    return False
 
 
 @dataclass(frozen=True)
@@ -252,8 +229,6 @@ class HostSyncRecorder(ModeRecorder):
     - ``device_only=True`` records only calls that touch a tensor off the CPU (or build one
       there): what synchronises on this machine, rather than what would on a GPU. The
       bench uses it to name the real waits in a launch.
-    - Calls made from inside Triton (a kernel launch; on CPU, its interpreter's copies of
-      the arguments) are not recorded: they stand for the device's work.
     - Events accumulate in :attr:`events` in call order, also over several ``with`` blocks
       of one recorder (one per call of the traced function, say); use a fresh recorder per
       traced run.
@@ -292,8 +267,6 @@ class HostSyncRecorder(ModeRecorder):
         return func(*args, **kwargs)
 
     def _record(self, op: str, kind: _SyncKind) -> None:
-        if _inside_triton():
-            return
         site, function = call_site()
         logger.debug("host sync %s at %s (%s)", op, site, function)
         self.events.append(HostSyncEvent(op, site, function, kind.what, kind.fix))
