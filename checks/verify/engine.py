@@ -307,7 +307,7 @@ class BackendVerifier:
                     name, poison_before_first_refresh=spec.refresh_rebuilds_in_graph,
                     cuda_sync_debug=self.gpu)
                 spec.refresh_hook = probe
-                forward_probe = ForwardProbe(name, spec, cuda_sync_debug=self.gpu)
+                forward_probe = None if self.gpu else ForwardProbe(name, spec)
             try:
                 result = spec.propose(batch, candidate.path, use_graphs=candidate.graphs)
             except RefreshRaised:

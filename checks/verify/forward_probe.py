@@ -1,8 +1,12 @@
-"""The probed attention call: while the probed candidate runs, every layer's attention
-``forward()`` runs under an emulated capture
+"""The probed attention call: on the CPU tier, while the probed candidate runs, every
+layer's attention ``forward()`` runs under an emulated capture
 (:func:`~speccheck.contract.capture_state.emulated_capture`: the path a graph would
 record), traced for host synchronisations, so that a CPU-only run catches what a capture
-would reject, with the offending file and line."""
+would reject, with the offending file and line.
+
+The GPU tier does not install it: there the graph candidates capture every call for real,
+the stronger check, and a third-party kernel may pick an eager path (legitimately
+synchronising) from the real capture state, which an emulation cannot set."""
 
 from __future__ import annotations
 
@@ -44,19 +48,18 @@ class ForwardProbe:
     Contract: construction installs the tracing in place of each layer's impl in
     ``speculator.layer_impls``; :meth:`uninstall` puts the impls back (call it in a
     ``finally``: the speculator's next run must see its own impls). One recorder per
-    backend collects every call's host synchronisations (``cuda_sync_debug`` on a GPU);
-    :meth:`outcomes` turns them into one ``host_sync`` outcome per backend, read once.
+    backend collects every call's host synchronisations; :meth:`outcomes` turns them into
+    one ``host_sync`` outcome per backend, read once.
     """
 
-    def __init__(self, candidate: str, speculator: DraftModelSpeculator, *,
-                 cuda_sync_debug: bool) -> None:
+    def __init__(self, candidate: str, speculator: DraftModelSpeculator) -> None:
         self.candidate = candidate
         self._impls = speculator.layer_impls
         self._originals = list(self._impls)
         self._syncs: dict[str, HostSyncRecorder] | None = {}
         for group in speculator.groups:
-            syncs = self._syncs.setdefault(group.backend_name, HostSyncRecorder(
-                cuda_sync_debug=cuda_sync_debug, subject=SUBJECT))
+            syncs = self._syncs.setdefault(group.backend_name,
+                                           HostSyncRecorder(subject=SUBJECT))
             for layer in group.layer_indices:
                 self._impls[layer] = _TracedImpl(self._originals[layer], syncs)
 

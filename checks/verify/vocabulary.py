@@ -84,10 +84,11 @@ class Check(enum.StrEnum):
     )
     HOST_SYNC = (
         "host_sync",
-        "neither the refresh nor the attention call (`forward()`, on the path a graph records) "
-        "makes a host synchronisation (`.item()`, `.tolist()`, `nonzero`, `bool(t)`, "
-        "device-to-host copies, …; traced in the eager fused loop with torch dispatch and "
-        "function modes, and CUDA sync-debug mode on a GPU); a finding names the file and line",
+        "the refresh makes no host synchronisation (`.item()`, `.tolist()`, `nonzero`, "
+        "`bool(t)`, device-to-host copies, …; traced in the eager fused loop with torch "
+        "dispatch and function modes, and CUDA sync-debug mode on a GPU), nor does the "
+        "attention call (`forward()`, traced on the CPU tier on the path a graph records; "
+        "a GPU captures it for real); a finding names the file and line",
     )
     IN_PLACE = (
         "in_place",
