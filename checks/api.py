@@ -793,27 +793,22 @@ def backend_runtime_config(
 
 
 def _preflight(names: Sequence[str], matrices: MatrixContext) -> None:
-    """Before any worker starts: every named entry with an implementation imports, and
-    names an :class:`~speccheck.contract.builder.AttentionMetadataBuilder` subclass. A
-    failure is one line (the traceback is logged at debug level: ``speccheck -v``); an
-    entry without an implementation is left to the worker, which reports it skipped."""
-    from speccheck.contract.builder import AttentionMetadataBuilder
-    from speccheck.speculator.attention_setup import builder_class
+    """Before any worker starts, each named entry's fragment
+    (:func:`~speccheck.checks.verify.preflight.fragment_mistake`: the class imports and is
+    a builder, its ``backend_name`` and ``refreshed_fields`` agree with the code). The
+    first mistake is one line, ``PATH:LINE: backend 'NAME', field 'FIELD': ...``, at the
+    field to change (the traceback of a failed import is logged at debug level:
+    ``speccheck -v``)."""
+    from speccheck.checks.verify.preflight import fragment_mistake
+    from speccheck.contract.plugins import located_matrix_files
 
     for name in names:
-        declared = matrices.matrix.backend(name).implementation
-        if declared is None:
+        mistake = fragment_mistake(matrices.matrix.backend(name), matrices.matrix)
+        if mistake is None:
             continue
-        try:
-            found: object = builder_class(name, matrices.matrix)
-        except Exception as exc:  # the adapter's own import: any failure is bad input
-            logger.debug("importing %s failed", declared, exc_info=True)
-            first = (str(exc).splitlines() or [""])[0]
-            raise VerifyInputError(f"{name}: implementation {declared!r} cannot be imported: "
-                                   f"{type(exc).__name__}: {first}") from None
-        if not (isinstance(found, type) and issubclass(found, AttentionMetadataBuilder)):
-            raise VerifyInputError(f"{name}: implementation {declared!r} is not an "
-                                   "AttentionMetadataBuilder subclass")
+        (located,) = [part for part in located_matrix_files(matrices.path)
+                      if name in part.matrix.names]
+        raise VerifyInputError(located.problem(name, mistake.field, mistake.message).render())
 
 
 def _named_backends(backend: str, matrices: MatrixContext) -> tuple[str, ...]:

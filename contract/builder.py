@@ -130,6 +130,10 @@ class AttentionImpl(ABC, Generic[M]):
     ``forward`` must be capture-safe: no host synchronisation, no host-to-device copies of
     pageable memory, and no shapes that depend on tensor *values*; it may read only the
     metadata's tensors and the builder's persistent buffers, which replays update in place.
+    An impl with a faster eager path must choose it with
+    :func:`speccheck.contract.capture_state.capturing`: the verifier traces ``forward`` on
+    every tier under an emulated capture, and any host synchronisation on that path fails
+    ``host_sync``.
     """
 
     def __init__(self, layer: AttentionLayerSpec, scale: float) -> None:

@@ -114,11 +114,21 @@ class MatrixError(Exception):
 @dataclass(frozen=True)
 class LocatedMatrix:
     """A validated matrix and where it came from: ``path`` as problems name it, and the
-    1-based line of each backend entry's ``name`` (for problems that span files)."""
+    1-based line of each backend entry's ``name`` (for problems that span files) and of
+    every value (``positions``, for problems found after loading: :meth:`problem`)."""
 
     matrix: Matrix
     path: str
     name_lines: Mapping[str, int]
+    positions: Mapping[tuple[object, ...], NodePosition]
+
+    def problem(self, name: str, field: tuple[object, ...], message: str) -> MatrixProblem:
+        """``message`` about entry ``name``'s ``field`` (a path inside the entry, such as
+        ``("draft_decode", "refreshed_fields", 1)``), at the line of its value (of its
+        nearest written ancestor where the field is absent), as a loading problem is."""
+        loc = ("backends", self.matrix.names.index(name), *field)
+        return MatrixProblem(self.path, _line_of(self.positions, loc, key=False), name,
+                             _render_field(field) if field else None, message)
 
 
 def load_matrix(path: str | Path | None = None) -> Matrix:
@@ -217,7 +227,7 @@ def _parse(source: str | bytes, path: str) -> LocatedMatrix:
     matrix = _validate(loaded, path)
     lines = {entry.name: loaded.positions[("backends", index, "name")].line
              for index, entry in enumerate(matrix.backends)}
-    return LocatedMatrix(matrix, path, lines)
+    return LocatedMatrix(matrix, path, lines, loaded.positions)
 
 
 def _yaml_problem(path: str, text: str, exc: yaml.YAMLError) -> MatrixProblem:
@@ -323,16 +333,7 @@ class _Locator:
         return None, loc
 
     def line_of(self, loc: tuple[object, ...], *, key: bool) -> int:
-        """Line of ``loc``, or of its nearest recorded ancestor (a missing field points at its
-        parent; an empty document at line 1). ``key`` prefers the key's line over the
-        value's."""
-        for end in range(len(loc), -1, -1):
-            position: NodePosition | None = self.positions.get(tuple(loc[:end]))
-            if position is not None:
-                if end < len(loc) or key:
-                    return position.line
-                return position.value_line
-        return 1
+        return _line_of(self.positions, loc, key=key)
 
     def message(self, error: ErrorDetails, loc: tuple[object, ...]) -> str:
         kind = error["type"]
@@ -361,6 +362,21 @@ class _Locator:
                 message += f"; did you mean {close[0]!r}?"
             message += f" (allowed: {', '.join(allowed)})"
         return message
+
+
+def _line_of(
+    positions: Mapping[tuple[object, ...], NodePosition], loc: tuple[object, ...], *, key: bool
+) -> int:
+    """Line of ``loc``, or of its nearest recorded ancestor (a missing field points at its
+    parent; an empty document at line 1). ``key`` prefers the key's line over the
+    value's."""
+    for end in range(len(loc), -1, -1):
+        position = positions.get(tuple(loc[:end]))
+        if position is not None:
+            if end < len(loc) or key:
+                return position.line
+            return position.value_line
+    return 1
 
 
 def _has_enough_items(error: ErrorDetails) -> bool:

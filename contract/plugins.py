@@ -51,10 +51,15 @@ def load_matrix_with_plugins(path: str | Path | None = None) -> Matrix:
 
     Raises :class:`MatrixError` listing every problem of every file, clashes included.
     """
+    return merge_matrices(located_matrix_files(path))
+
+
+def located_matrix_files(path: str | Path | None = None) -> list[LocatedMatrix]:
+    """The files :func:`load_matrix_with_plugins` merges, each loaded with its positions:
+    for ``None`` the shipped matrix and every plug-in fragment, else ``path`` alone."""
     if path is not None:
-        return load_located_matrix(path).matrix
-    shipped = load_located_matrix(None)
-    return merge_matrices([shipped, *plugin_fragments()])
+        return [load_located_matrix(path)]
+    return [load_located_matrix(None), *plugin_fragments()]
 
 
 def plugin_fragments() -> list[LocatedMatrix]:

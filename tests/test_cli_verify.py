@@ -279,7 +279,8 @@ def test_an_adapter_that_fails_to_import_is_bad_input_before_any_worker() -> Non
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == "" and "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
-    assert line == ("broken_import: implementation 'tests.fixtures.adapters.broken_import:Builder' "
+    assert line == (f"{matrix}:6: backend 'broken_import', field 'implementation': "
+                    "'tests.fixtures.adapters.broken_import:Builder' "
                     "cannot be imported: ImportError: cannot import name 'flash_attn_varlen' "
                     "from 'my_kernels'")
 

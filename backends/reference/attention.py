@@ -24,6 +24,7 @@ import torch
 from speccheck.backends.batch_layout import token_request_index
 from speccheck.backends.dcp import dcp_local_lengths
 from speccheck.contract.builder import blocks_for
+from speccheck.contract.capture_state import capturing
 from speccheck.contract.host_copy import int64_on
 
 GATHER_BYTES = 256 * 2**20
@@ -36,12 +37,6 @@ def gather_chunk(kv_len: int, num_kv_heads: int, head_size: int) -> int:
     """Tokens per chunk: as many as fit :data:`GATHER_BYTES` of fp32 keys, at least one.
     A function of shapes only, so a captured graph replays the same chunks."""
     return max(1, GATHER_BYTES // (kv_len * num_kv_heads * head_size * 4))
-
-
-def capturing() -> bool:
-    """Whether the current stream is capturing a CUDA graph (host values must not shape the
-    work then)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def gathered_blocks(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> int:

@@ -31,6 +31,13 @@ from speccheck.checks.api import (
     VerifyInputError,
     plan_verification,
 )
+from speccheck.checks.cli.json_output import (
+    JSON_HELP,
+    json_path_problem,
+    report_console,
+    to_stdout,
+    write_json_text,
+)
 from speccheck.checks.cli.paths import output_path_problem
 from speccheck.checks.cli.runtime_options import (
     MatrixPathOption,
@@ -85,7 +92,7 @@ def bench_command(
     steps: Annotated[str, typer.Option("--steps", help="Draft step counts K, comma-separated.")] = "2,4,8",
     batches: Annotated[str, typer.Option("--batches", help="Batch sizes (requests), comma-separated.")] = "1,8,64",
     repeats: Annotated[int, typer.Option("--repeats", help=f"Timed rounds per case (1..{MAX_REPEATS}); each path runs once per round, after 3 warm-up rounds.")] = 30,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.", dir_okay=False)] = None,  # noqa: UP045
+    json_path: Annotated[Optional[Path], typer.Option("--json", help=JSON_HELP, dir_okay=False)] = None,  # noqa: UP045
     plots: Annotated[Optional[Path], typer.Option("--plots", help="Write PNG plots into this directory (needs matplotlib: pip install 'speccheck\\[bench]').", file_okay=False)] = None,  # noqa: UP045
     profile_path: Annotated[Optional[Path], typer.Option("--profile", help="Write each case's decode-step timeline (kernels in start order, durations, gaps) and the profiler's tables (operators by host time, kernels by GPU time, the launching thread's Python functions) of every case and path here (CUDA only).", dir_okay=False)] = None,  # noqa: UP045
     matrix_path: MatrixPathOption = None,
@@ -116,13 +123,14 @@ def bench_command(
     run = _measure(backend, config, matrices, ks, sizes, repeats,
                    step_timelines=profile_path is not None)
     report = run.report
-    _print_report(report)
+    _print_report(report, json_path)
     if profile_path is not None:
         profile_path.write_text(run.profile_text(), encoding="utf-8")
         _stderr().print(f"wrote {profile_path}", markup=False)
     if json_path is not None:
-        json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
-        _stderr().print(f"wrote {json_path}", markup=False)
+        write_json_text(json_path, json.dumps(report.to_json(), indent=2) + "\n")
+        if not to_stdout(json_path):
+            _stderr().print(f"wrote {json_path}", markup=False)
     if plots is not None:
         from speccheck.checks.bench.plots import write_plots
 
@@ -133,7 +141,7 @@ def bench_command(
 def _check_outputs(json_path: Path | None, plots: Path | None) -> None:
     """Exit 2 before any work when an output cannot be written, or ``--plots`` has no
     matplotlib."""
-    if json_path is not None and (problem := output_path_problem(json_path)) is not None:
+    if (problem := json_path_problem(json_path)) is not None:
         raise _exit(EXIT_BAD_INPUT, f"--json: {problem}")
     if plots is None:
         return
@@ -196,11 +204,12 @@ def _measure(backend: str, config: RuntimeConfig, matrices: MatrixContext,
         raise _exit(EXIT_FAILED, str(exc)) from None
 
 
-def _print_report(report: BenchReport) -> None:
-    """What ran, then the table (terminal) or one plain line per row (logs)."""
+def _print_report(report: BenchReport, json_path: Path | None) -> None:
+    """What ran, then the table (terminal) or one plain line per row (logs); on stderr
+    where the JSON goes to stdout (``json_path`` is ``-``)."""
     from speccheck.checks.bench.table import bench_table, bound_line, plain_lines, sync_lines
 
-    console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 200)
+    console = report_console(json_path, width=None if sys.stdout.isatty() else 200)
     header = [
         f"device: {report.device}, torch {report.torch_version}, commit {report.commit[:12]}",
         "runtime config: " + ", ".join(f"{k}={v}" for k, v in report.config.items()),

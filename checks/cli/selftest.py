@@ -11,14 +11,19 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from speccheck.checks.cli.json_output import (
+    JSON_HELP,
+    json_path_problem,
+    report_console,
+    write_json_text,
+)
 from speccheck.checks.verify.scale import DEFAULT_SHRINK_SECONDS
 
 
 def selftest_command(
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the results here.")] = None,  # noqa: UP045
+    json_path: Annotated[Optional[Path], typer.Option("--json", help=JSON_HELP)] = None,  # noqa: UP045
     shrink_seconds: Annotated[float, typer.Option("--shrink-seconds", min=0, help="Seconds each run may spend shrinking its failure to a smaller example; whether a mutant is caught does not depend on it.")] = DEFAULT_SHRINK_SECONDS,
     only: Annotated[Optional[list[str]], typer.Option("--only", help="Run only this row (the table's mutant name, or 'control'); repeat for more.")] = None,  # noqa: UP045
 ) -> None:
@@ -27,6 +32,8 @@ def selftest_command(
     if not shrink_seconds >= 0:  # also NaN, which the option's range lets through
         raise typer.BadParameter(f"{shrink_seconds} is not 0 or more",
                                  param_hint="'--shrink-seconds'")
+    if (unwritable := json_path_problem(json_path)) is not None:
+        raise typer.BadParameter(unwritable, param_hint="'--json'")
     import torch
 
     from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
@@ -35,7 +42,7 @@ def selftest_command(
     from speccheck.checks.selftest.run import Outcome, UnknownSelftestRow, run_selftest
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    console = Console(highlight=False, emoji=False)
+    console = report_console(json_path)
     try:
         results = run_selftest(device, shrink_seconds, only or ())
     except UnknownSelftestRow as exc:
@@ -52,6 +59,6 @@ def selftest_command(
         if r.outcome is not Outcome.CAUGHT:
             console.print(f"{shown[r.outcome]} {r.name}: {r.detail}", markup=False)
     if json_path:
-        json_path.write_text(json.dumps([asdict(r) for r in results], indent=2))
+        write_json_text(json_path, json.dumps([asdict(r) for r in results], indent=2))
     if any(r.outcome is Outcome.MISSED for r in results):
         raise typer.Exit(1)

@@ -11,13 +11,18 @@ Importing this module does not import torch; running backends does.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from speccheck.checks.cli.json_output import (
+    json_path_problem,
+    report_console,
+    write_json_text,
+)
 
 from speccheck.checks.status.record import (
     STATUS_README,
@@ -55,12 +60,18 @@ def status_command(
     bench: Annotated[bool, typer.Option("--bench/--no-bench", help="Run the bench (CUDA only).")] = True,
     render: Annotated[bool, typer.Option("--render", help="Only re-render the pages from the status files.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Exit 1 if a page differs from what the status files render to.")] = False,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the status records this run wrote (a JSON list, one backend's record each) to this file, or to stdout with '-' (everything else then goes to stderr).", dir_okay=False)] = None,  # noqa: UP045
 ) -> None:
     """Run verify at the defaults, the self-test rows and (CUDA) the bench of each backend,
     overwrite this tier's record in the status folder, and render the status table."""
     if render or check:
-        _render(out, bench_page, check=check)
+        if json_path is not None:
+            raise _fail(EXIT_BAD_INPUT, "--json: --render and --check write no records; "
+                        "give --json to a run")
+        _render(out, bench_page, check=check, json_path=None)
         return
+    if (unwritable := json_path_problem(json_path)) is not None:
+        raise _fail(EXIT_BAD_INPUT, f"--json: {unwritable}")
     shipped = load_matrix(None)
     with_adapter = [entry.name for entry in shipped.backends
                     if adapter_status(entry) is AdapterStatus.FOUND]
@@ -79,15 +90,19 @@ def status_command(
     plan = StatusPlan(examples=examples, selftest=selftest, bench=bench)
     stderr = _stderr()
     bad = False
+    written = []
     for name in names:
         record = collect_tier_status(name, matrices, plan,
                                      lambda line: stderr.print(f"status: {line}", markup=False))
-        write_tier_status(out, name, record)
+        written.append(write_tier_status(out, name, record))
         caught, run = record.selftest_caught
         stderr.print(f"status: {name}: {record.verdict.value}, self-test {caught}/{run}; "
                      f"wrote {out / (name + '.json')}", markup=False)
         bad |= record.verdict in (Verdict.FAILED, Verdict.CRASHED) or caught < run
-    _render(out, bench_page, check=False)
+    _render(out, bench_page, check=False, json_path=json_path)
+    if json_path is not None:
+        write_json_text(json_path, json.dumps(
+            [status.model_dump(mode="json") for status in written], indent=2) + "\n")
     if bad:
         raise typer.Exit(1)
 
@@ -113,9 +128,9 @@ def _pages(out: Path, bench_page: Path) -> tuple[dict[str, BackendStatus], dict[
     return statuses, wanted
 
 
-def _render(out: Path, bench_page: Path, *, check: bool) -> None:
+def _render(out: Path, bench_page: Path, *, check: bool, json_path: Path | None) -> None:
     """Write (or check) the status README and the benchmarks page's table, then print the
-    table."""
+    table (on stderr where ``json_path`` is ``-``)."""
     statuses, wanted = _pages(out, bench_page)
     stderr = _stderr()
     for path, text in wanted.items():
@@ -130,18 +145,18 @@ def _render(out: Path, bench_page: Path, *, check: bool) -> None:
             path.write_text(text, encoding="utf-8")
             stderr.print(f"wrote {path}", markup=False)
     if not check:
-        _print_table(statuses)
+        _print_table(statuses, report_console(json_path))
 
 
-def _print_table(statuses: dict[str, BackendStatus]) -> None:
-    """The current status on stdout: a table on a terminal, plain lines in logs."""
-    console = Console(highlight=False, emoji=False)
+def _print_table(statuses: dict[str, BackendStatus], console: Console) -> None:
+    """The current status on ``console``: a table on a terminal, plain lines (one JSON
+    object each) in logs."""
     rows = [(name, tier, record) for name, status in sorted(statuses.items())
             for tier, record in status.tiers.items()]
     if not console.is_terminal:
         for name, tier, record in rows:
             caught, run = record.selftest_caught
-            sys.stdout.write(json.dumps({"backend": name, "tier": tier,
+            console.file.write(json.dumps({"backend": name, "tier": tier,
                                          "verdict": record.verdict.value,
                                          "examples": record.examples,
                                          "selftest": f"{caught}/{run}",

@@ -32,6 +32,12 @@ from speccheck.checks.api import (
     checked_run,
     plan_verification,
 )
+from speccheck.checks.cli.json_output import (
+    JSON_HELP,
+    json_path_problem,
+    report_console,
+    write_json_text,
+)
 from speccheck.checks.cli.paths import output_path_problem
 from speccheck.checks.cli.runtime_options import (
     MatrixPathOption,
@@ -98,7 +104,7 @@ def verify_command(
     examples: Annotated[int, typer.Option("--examples", min=1, help="Examples per backend.")] = 50,
     seed: Annotated[int, typer.Option("--seed", help="Hypothesis seed.")] = 0,
     reproduce: Annotated[Optional[str], typer.Option("--reproduce", help="Run exactly this example (from a failure report): its blob, or @FILE for a blob kept in a file (reports keep blobs too long for one argument in speccheck-reproduce/).")] = None,  # noqa: UP045
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the JSON report here.")] = None,  # noqa: UP045
+    json_path: Annotated[Optional[Path], typer.Option("--json", help=JSON_HELP)] = None,  # noqa: UP045
     junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report here.")] = None,  # noqa: UP045
     example_timeout: Annotated[float, typer.Option("--example-timeout", help="Seconds without progress before a worker counts as hung.")] = 300.0,
     shrink_seconds: Annotated[float, typer.Option("--shrink-seconds", min=0, help="Seconds a worker may spend shrinking a failure to a smaller example (the report keeps the smallest found by then); finding the failure does not depend on it.")] = DEFAULT_SHRINK_SECONDS,
@@ -117,8 +123,8 @@ def verify_command(
     hypothesis-drawn batches and compare with eager per-step metadata rebuilds."""
     from speccheck.contract.matrix_loader import MatrixError
 
-    for flag, path in (("--json", json_path), ("--junit", junit)):
-        unwritable = output_path_problem(path) if path is not None else None
+    for flag, unwritable in (("--json", json_path_problem(json_path)),
+                             ("--junit", output_path_problem(junit) if junit else None)):
         if unwritable is not None:
             raise _bad_input(f"{flag}: {unwritable}")
     sizes = _parse_capture_sizes(capture_sizes) if capture_sizes is not None else None
@@ -143,7 +149,7 @@ def verify_command(
             raise typer.Exit(EXIT_BAD_INPUT) from None
         except VerifyInputError as exc:
             raise _bad_input(str(exc)) from None
-        console = Console(highlight=False, emoji=False, width=None if sys.stdout.isatty() else 150)
+        console = report_console(json_path, width=None if sys.stdout.isatty() else 150)
         console.print(TIER_LINE[plan.tier].format(device=plan.device), markup=False)
         console.print("runtime config: " + ", ".join(
             f"{name}={value}" for name, value in plan.config.model_dump().items()), markup=False)
@@ -250,7 +256,7 @@ def _progress_display(console: Console) -> Iterator[ProgressDisplay]:
 def _finish(console: Console, result: VerifyReport, run: VerifyRun) -> None:
     """Print the summary, write the reports (the JSON one records ``run``), and exit with a
     status CI can trust."""
-    from speccheck.checks.verify.report import write_json, write_junit
+    from speccheck.checks.verify.report import json_report, write_junit
 
     reports = list(result.backends)
     table = Table(title="speccheck verify")
@@ -279,11 +285,11 @@ def _finish(console: Console, result: VerifyReport, run: VerifyRun) -> None:
                           f"collectives {dp['collectives']}", markup=False)
     console.print(f"checks: {', '.join(check.value for check in Check)}", markup=False)
     if run.json_path:
-        write_json(reports, run.json_path, {
+        write_json_text(run.json_path, json_report(reports, {
             "speccheck": __version__, "commit": commit_under_test(), "tier": result.tier.value,
             "device": result.device, "command": "speccheck verify " + shlex.join(sys.argv[2:]),
             "run": run.model_dump(mode="json"),
-        })
+        }))
     if run.junit_path:
         write_junit(reports, run.junit_path, str(result.matrix or "matrix.yaml"))
     if result.exit_code:

@@ -1,5 +1,6 @@
-"""Host synchronisations made by a refresh (``.item()``, ``.tolist()``, ``bool(t)``,
-``nonzero``, boolean-mask indexing, host copies, ...), each with its call site."""
+"""Host synchronisations made by a refresh or an attention call (``.item()``, ``.tolist()``,
+``bool(t)``, ``nonzero``, boolean-mask indexing, host copies, ...), each with its call
+site."""
 
 from __future__ import annotations
 
@@ -205,6 +206,8 @@ class HostSyncRecorder(ModeRecorder):
             builder.update_draft_decode_metadata(metadata)
         problems = syncs.findings()
 
+    ``subject`` names what was traced in the findings (``refresh``, ``attention forward``).
+
     Contract:
 
     - Sees Python-level calls through a ``TorchFunctionMode`` (``item``, ``tolist``,
@@ -226,11 +229,15 @@ class HostSyncRecorder(ModeRecorder):
     - ``device_only=True`` records only calls that touch a tensor off the CPU (or build one
       there): what synchronises on this machine, rather than what would on a GPU. The
       bench uses it to name the real waits in a launch.
-    - Events accumulate in :attr:`events` in call order; use a fresh recorder per refresh.
+    - Events accumulate in :attr:`events` in call order, also over several ``with`` blocks
+      of one recorder (one per call of the traced function, say); use a fresh recorder per
+      traced run.
     """
 
-    def __init__(self, *, cuda_sync_debug: bool = False, device_only: bool = False) -> None:
+    def __init__(self, *, cuda_sync_debug: bool = False, device_only: bool = False,
+                 subject: str = "refresh") -> None:
         super().__init__()
+        self.subject = subject
         self.cuda_sync_debug = cuda_sync_debug
         self.device_only = device_only
         self.events: list[HostSyncEvent] = []
@@ -276,7 +283,7 @@ class HostSyncRecorder(ModeRecorder):
             ProbeFinding(
                 HOST_SYNC,
                 event.site,
-                f"refresh calls {event.op} in {event.function}() ({counts[key]}x), which "
+                f"{self.subject} calls {event.op} in {event.function}() ({counts[key]}x), which "
                 f"{event.what}: a host synchronisation cannot be captured in a CUDA graph; "
                 f"{event.fix}",
             )

@@ -43,6 +43,7 @@ from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.declared_fields import declared_fields, input_storages
 from speccheck.checks.verify.examples import Example
 from speccheck.checks.verify.field_meanings import DeclaredMeanings
+from speccheck.checks.verify.forward_probe import ForwardProbe
 from speccheck.checks.verify.guard_bands import guard_bands
 from speccheck.checks.verify.harness import Harness, HarnessSet
 from speccheck.checks.verify.input_fit import ExampleDoesNotFit, check_fits
@@ -312,6 +313,7 @@ class BackendVerifier:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 
         probe: RefreshProbe | None = None
+        forward_probe: ForwardProbe | None = None
         for candidate in candidates:
             name = candidate.name
             spec.kv_cache.restore(start)
@@ -320,12 +322,15 @@ class BackendVerifier:
                     name, poison_before_first_refresh=spec.refresh_rebuilds_in_graph,
                     cuda_sync_debug=self.gpu)
                 spec.refresh_hook = probe
+                forward_probe = None if self.gpu else ForwardProbe(name, spec)
             try:
                 result = spec.propose(batch, candidate.path, use_graphs=candidate.graphs)
             except RefreshRaised:
                 continue  # reported by the probe; nothing else of this candidate to compare
             finally:
                 spec.refresh_hook = None
+                if forward_probe is not None:
+                    forward_probe.uninstall()
             steps = h.recorder.collect(lanes)
             kv = spec.kv_cache.layers
             candidate_first_pass = first_pass()
@@ -348,6 +353,8 @@ class BackendVerifier:
                 lambda: spec.kv_cache.restore(start), self.tol)
         if probe is not None:
             outcomes += probe.outcomes()
+        if forward_probe is not None:
+            outcomes += forward_probe.outcomes()
         outcomes += guard_bands(self.harnesses.guards)
         tokens, logits = reference.result()
         expected = DraftResult(tokens.cpu(), logits.cpu())

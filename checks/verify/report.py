@@ -286,9 +286,10 @@ def merge_shards(shards: Sequence[BackendReport], seconds: float) -> BackendRepo
         capture_seconds=sum(report.capture_seconds for report in shards), seconds=seconds)
 
 
-def write_json(reports: list[BackendReport], path: Path, meta: dict[str, Any]) -> None:
+def json_report(reports: list[BackendReport], meta: dict[str, Any]) -> str:
+    """The JSON report: ``meta``'s keys, then ``backends``, one object per report."""
     payload = {**meta, "backends": [r.to_json() for r in reports]}
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return json.dumps(payload, indent=2, sort_keys=False) + "\n"
 
 
 def write_junit(reports: list[BackendReport], path: Path, source: str = "matrix.yaml") -> None:

@@ -104,8 +104,10 @@ class Check(enum.StrEnum):
     HOST_SYNC = (
         "host_sync",
         "the refresh makes no host synchronisation (`.item()`, `.tolist()`, `nonzero`, "
-        "`bool(t)`, device-to-host copies, …; traced with torch dispatch and function modes, "
-        "and CUDA sync-debug mode on a GPU)",
+        "`bool(t)`, device-to-host copies, …; traced in the eager fused loop with torch "
+        "dispatch and function modes, and CUDA sync-debug mode on a GPU), nor does the "
+        "attention call (`forward()`, traced on the CPU tier on the path a graph records; "
+        "a GPU captures it for real); a finding names the file and line",
     )
     IN_PLACE = (
         "in_place",
