@@ -43,7 +43,7 @@ CHECKS_LAYERS: dict[str, int] = {
     "cli": 7, "pytest_plugin": 7,
     "docgen": 6,
     "status": 5,
-    "selftest": 4, "bench": 4,
+    "selftest": 4, "bench": 4, "mutate": 4,
     "api": 3,
     "verify": 2,
     "probes": 1,
@@ -53,7 +53,8 @@ CHECKS_LAYERS: dict[str, int] = {
 lower rank only, never one of its rank or above. From the top: the entry points (the
 command line, the pytest plugin); the docs generator, which reads the status records;
 ``status``, which runs the tools below it; the tools over the API (the self-test, the
-benchmark); the Python API; the verify engine; the capture-safety probes (and the state
+benchmark, the mutation runner, which drives ``speccheck verify`` in subprocesses); the
+Python API; the verify engine; the capture-safety probes (and the state
 walk they share with the engine); leaf helpers that import nothing of ``checks`` (the
 machine's tier, the commit and versions a result is measured at). Imports under ``TYPE_CHECKING`` count too: a
 type named across layers is a dependency all the same."""
