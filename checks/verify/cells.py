@@ -51,6 +51,11 @@ INTERPRETER_BF16 = ("the Triton interpreter computes bfloat16 kernels wrongly on
                     "run this cell on the GPU tier")
 """Why a bfloat16 cell of an interpreted backend is not run on the CPU tier."""
 
+INTERPRETER_LONG = ("the Triton interpreter probes and runs lengths past 32767 too slowly on "
+                    "the CPU (its breakpoint probe made no progress for the example timeout); "
+                    "run this cell on the GPU tier")
+"""Why the long cell of an interpreted backend is not run on the CPU tier."""
+
 
 class CellAxis(enum.StrEnum):
     """What a cell varies from the run's own configuration."""
@@ -162,10 +167,13 @@ def claimed_cells(
             wanted.append(Cell(CellAxis.DTYPE, {"dtype": dtype},
                                not_run=_dtype_not_run(entry, dtype, tier)))
     if config.max_model_len <= INT16_MAX:
+        not_run = INTERPRETER_LONG if _interpreted_on(entry, tier) else None
         long = Cell(CellAxis.LONG, {"max_model_len": LONG_MAX_MODEL_LEN,
-                                    "block_size": max(config.block_size, LONG_BLOCK_SIZE)})
+                                    "block_size": max(config.block_size, LONG_BLOCK_SIZE)},
+                    not_run=not_run)
         wanted.append(long if _claimed(entry, config, long)
-                      else Cell(CellAxis.LONG, {"max_model_len": LONG_MAX_MODEL_LEN}))
+                      else Cell(CellAxis.LONG, {"max_model_len": LONG_MAX_MODEL_LEN},
+                                not_run=not_run))
     claimed = [cell for cell in wanted if _claimed(entry, config, cell)]
     alone = [cell for cell in claimed
              if cell.axis in (CellAxis.DCP, CellAxis.LONG) or cell.not_run is not None]
@@ -198,11 +206,13 @@ def _claimed(entry: BackendEntry, config: RuntimeConfig, cell: Cell) -> bool:
     return not backend_failures(entry, config.model_copy(update=dict(cell.config)))
 
 
+def _interpreted_on(entry: BackendEntry, tier: Tier) -> bool:
+    """Whether ``entry``'s kernels run under the Triton interpreter on ``tier``."""
+    return tier is Tier.CPU and entry.package.import_name == INTERPRETER_PACKAGE
+
+
 def _dtype_not_run(entry: BackendEntry, dtype: str, tier: Tier) -> str | None:
-    if (tier is Tier.CPU and dtype == "bfloat16"
-            and entry.package.import_name == INTERPRETER_PACKAGE):
-        return INTERPRETER_BF16
-    return None
+    return INTERPRETER_BF16 if dtype == "bfloat16" and _interpreted_on(entry, tier) else None
 
 
 def narrowed(
