@@ -12,6 +12,7 @@
 #   BENCH      0 leaves the bench out (1)
 #   PYTEST     1 also runs the suite's CUDA tests into OUTDIR/pytest-cuda.txt (0)
 #   LIMIT      seconds each backend's status may take (540)
+#   JOBS       backends verified side by side (4); the benches run afterwards, one at a time
 set -uo pipefail
 usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer [BACKEND ...]"
 out=${1:?$usage}
@@ -46,22 +47,41 @@ read -r commit index < .evidence-commit 2>/dev/null || { commit=unknown; index=;
 export SPECCHECK_COMMIT=$commit SPECCHECK_COMMIT_INDEX=$index
 console=$out/console.txt
 { echo "commit $commit ($index), suite $suite: ${backends[*]}"; date -u; nvidia-smi -L; } > "$console" 2>&1
+pytest_pid=
 if [ "${PYTEST:-0}" = 1 ]; then
   case $suite in
     core) tests=(tests/test_gpu_kernels.py tests/test_speculator.py tests/test_gpu_verifier.py -k "not flashinfer") ;;
     flashinfer) tests=(tests/test_gpu_kernels.py tests/test_flashinfer_page_indices.py tests/test_host_preplanned.py -k flashinfer) ;;
   esac
-  timeout 300 python3 -m pytest -q -m cuda "${tests[@]}" > "$out/pytest-cuda.txt" 2>&1
-  echo "pytest exit $?" >> "$out/pytest-cuda.txt"
+  { timeout 300 python3 -m pytest -q -m cuda "${tests[@]}"; echo "pytest exit $?"; } \
+    > "$out/pytest-cuda.txt" 2>&1 &
+  pytest_pid=$!
 fi
 flags=(--examples "${EXAMPLES:-200}")
 [ "${SELFTEST:-1}" = 0 ] && flags+=(--no-selftest)
-[ "${BENCH:-1}" = 0 ] && flags+=(--no-bench)
+# Verify and the self-test rows of every backend run side by side (JOBS at a time); the
+# benches run afterwards one at a time, alone on the machine (--bench-only completes the
+# record each backend's run wrote).
+run_status() {  # BACKEND FLAG...
+  local backend=$1; shift
+  { echo "\$ speccheck status --backend $backend $*"
+    timeout "${LIMIT:-540}" speccheck status --backend "$backend" "$@"
+    echo "exit $?"; } > "$out/console-$backend.txt" 2>&1
+}
 for backend in "${backends[@]}"; do
-  { echo "\$ speccheck status --backend $backend ${flags[*]}"
-    timeout "${LIMIT:-540}" speccheck status --backend "$backend" "${flags[@]}"
-    echo "exit $?"; } >> "$console" 2>&1
+  while [ "$(jobs -rp | grep -cv "^${pytest_pid:-none}$")" -ge "${JOBS:-4}" ]; do sleep 1; done
+  run_status "$backend" "${flags[@]}" --no-bench &
 done
+for pid in $(jobs -rp); do [ "$pid" = "$pytest_pid" ] || wait "$pid"; done
+[ -n "$pytest_pid" ] && wait "$pytest_pid"
+for backend in "${backends[@]}"; do cat "$out/console-$backend.txt" >> "$console"; done
+if [ "${BENCH:-1}" = 1 ]; then
+  for backend in "${backends[@]}"; do
+    run_status "$backend" --bench-only
+    cat "$out/console-$backend.txt" >> "$console"
+  done
+fi
+rm -f "$out"/console-*.txt
 tar -czf "$out/status.tar.gz" docs/status
 if [ "$suite" = flashinfer ]; then
   mkdir -p "$out/fi-jit" && tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null

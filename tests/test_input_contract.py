@@ -411,8 +411,8 @@ def test_before_each_refresh_the_inputs_are_what_a_build_of_that_step_sees() -> 
 def test_under_refresh_rebuilds_the_refresh_stands_in_for_the_step_one_build() -> None:
     """With ``refresh_rebuilds`` the metadata of the decode steps is built before the
     call's inputs exist (as a replay's was built at capture): its host values are this
-    call's step 1's, its device views still hold what the previous call left; the refresh
-    before step 1 sees what a build of step 1 sees."""
+    call's step 1's, its device views hold the reset index buffers (as at capture), not what
+    the previous call left; the refresh before step 1 sees what a build of step 1 sees."""
     spec = _speculator(rebuilds=True)
     _propose(spec, BATCH, DecodePath.FUSED)
     received = _propose(spec, BATCH, DecodePath.FUSED)
@@ -422,8 +422,8 @@ def test_under_refresh_rebuilds_the_refresh_stands_in_for_the_step_one_build() -
     assert early.host is not None
     assert early.host.seq_lens_cpu_upper_bound == [
         _length(b, 1) for b in _base(BATCH)] + [0] * len(PADDING_LANES)
-    left = [_length(b, K) for b in _base(BATCH)] + [0] * len(PADDING_LANES)
-    assert early["seq_lens"] == left, "the previous call's lengths after its last step"
+    assert early["seq_lens"] == [0] * (len(_base(BATCH)) + len(PADDING_LANES)), \
+        "reset lengths, not the previous call's"
     built = _runs()[DecodePath.PER_STEP][1]
     for name in INPUTS:
         assert refreshed[name] == built[name], name

@@ -133,6 +133,10 @@ def test_bad_input_is_exit_2_before_any_run(tmp_path: Path) -> None:
                                    "--bench-page", str(page)])
     assert unmarked.exit_code == 2 and "bench.md: the page has no" in unmarked.output
     assert not (tmp_path / "reference.json").exists()
+    bench_alone = runner.invoke(app, ["status", "--backend", "reference", "--bench-only",
+                                      "--out", str(tmp_path), "--bench-page",
+                                      str(tmp_path / "absent.md")])
+    assert bench_alone.exit_code == 2 and "--bench-only: " in bench_alone.output
 
 
 def test_a_status_run_records_what_verify_found(tmp_path: Path) -> None:

@@ -28,11 +28,13 @@ from speccheck.checks.status.record import (
     STATUS_README,
     BackendStatus,
     StatusFileError,
+    TierStatus,
     Verdict,
     read_statuses,
     write_tier_status,
 )
 from speccheck.checks.status.render import MissingMarkers, render_status_readme, with_bench_table
+from speccheck.checks.verify.vocabulary import Tier
 from speccheck.contract.adapter_status import AdapterStatus, adapter_status
 from speccheck.contract.matrix_loader import load_matrix
 
@@ -58,6 +60,7 @@ def status_command(
     examples: Annotated[int, typer.Option("--examples", min=1, max=100_000, help="Examples of each verify run.")] = 50,
     selftest: Annotated[bool, typer.Option("--selftest/--no-selftest", help="Run the backend's self-test rows.")] = True,
     bench: Annotated[bool, typer.Option("--bench/--no-bench", help="Run the bench (CUDA only).")] = True,
+    bench_only: Annotated[bool, typer.Option("--bench-only", help="Only run the bench (CUDA) and put it into this machine's record of the backend, which a run with --no-bench at this commit wrote (so that backends can be verified side by side and benched alone).")] = False,
     render: Annotated[bool, typer.Option("--render", help="Only re-render the pages from the status files.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Exit 1 if a page differs from what the status files render to.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the status records this run wrote (a JSON list, one backend's record each) to this file, or to stdout with '-' (everything else then goes to stderr).", dir_okay=False)] = None,  # noqa: UP045
@@ -83,7 +86,7 @@ def status_command(
     from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
 
     interpret_triton_without_cuda()  # before anything imports Triton
-    from speccheck.checks.status.collect import StatusPlan, collect_tier_status
+    from speccheck.checks.status.collect import StatusPlan, collect_tier_status, with_bench
     from speccheck.checks.verify.context import MatrixContext
 
     matrices = MatrixContext.load(None)
@@ -92,8 +95,11 @@ def status_command(
     bad = False
     written = []
     for name in names:
-        record = collect_tier_status(name, matrices, plan,
-                                     lambda line: stderr.print(f"status: {line}", markup=False))
+        progress = lambda line: stderr.print(f"status: {line}", markup=False)  # noqa: E731
+        if bench_only:
+            record = with_bench(name, matrices, _record_to_bench(out, name), progress)
+        else:
+            record = collect_tier_status(name, matrices, plan, progress)
         written.append(write_tier_status(out, name, record))
         caught, run = record.selftest_caught
         stderr.print(f"status: {name}: {record.verdict.value}, self-test {caught}/{run}; "
@@ -105,6 +111,23 @@ def status_command(
             [status.model_dump(mode="json") for status in written], indent=2) + "\n")
     if bad:
         raise typer.Exit(1)
+
+
+def _record_to_bench(out: Path, name: str) -> TierStatus:
+    """The GPU record of ``name`` that ``--bench-only`` completes: written at this commit,
+    on this machine's tier. Exit 2 where there is none."""
+    import torch
+
+    from speccheck.checks.provenance import commit_under_test
+
+    record = _existing(out).get(name)
+    gpu = record.tiers.get(Tier.GPU.value) if record is not None else None
+    if not torch.cuda.is_available():
+        raise _fail(EXIT_BAD_INPUT, "--bench-only: the bench needs a CUDA device")
+    if gpu is None or gpu.provenance.commit != commit_under_test():
+        raise _fail(EXIT_BAD_INPUT, f"--bench-only: {out / (name + '.json')} has no GPU record "
+                    f"at this commit; run `speccheck status --backend {name} --no-bench` first")
+    return gpu
 
 
 def _existing(out: Path) -> dict[str, BackendStatus]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,11 +78,7 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
         for number, row in enumerate(rows, start=1):
             on_phase(f"{name}: self-test row {number}/{len(rows)}: {row.name}")
             selftest.append(row.run())
-    bench = None
-    if plan.bench and tier is Tier.GPU and report.status is not Status.SKIPPED:
-        on_phase(f"{name}: bench, K={BENCH_STEPS}, batches {BENCH_BATCHES}")
-        bench = _bench(name, matrices, report, device)
-    return TierStatus(
+    record = TierStatus(
         tier=tier.value,
         verdict=Verdict(report.status.value),
         detail=report.detail,
@@ -104,12 +100,22 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
                for c in report.cells],
         selftest=[SelftestRecord(name=r.name, expected_check=r.expected_check,
                                  outcome=r.outcome.value, detail=r.detail) for r in selftest],
-        bench=bench,
-        bench_command=(None if bench is None else
-                       f"speccheck bench --backend {name} --steps "
-                       f"{','.join(map(str, BENCH_STEPS))} --batches "
-                       f"{','.join(map(str, BENCH_BATCHES))} --repeats {BENCH_REPEATS}"),
     )
+    if plan.bench and tier is Tier.GPU and report.status is not Status.SKIPPED:
+        record = with_bench(name, matrices, record, on_phase)
+    return record
+
+
+def with_bench(name: str, matrices: MatrixContext, record: TierStatus,
+               on_phase: Observer) -> TierStatus:
+    """``record`` (a GPU tier's) with its bench measured now, at the record's runtime
+    config; the bench is left out where the backend cannot run it."""
+    on_phase(f"{name}: bench, K={BENCH_STEPS}, batches {BENCH_BATCHES}")
+    bench = _bench(name, matrices, record.runtime_config, torch.device("cuda"))
+    command = (None if bench is None else
+               f"speccheck bench --backend {name} --steps {','.join(map(str, BENCH_STEPS))} "
+               f"--batches {','.join(map(str, BENCH_BATCHES))} --repeats {BENCH_REPEATS}")
+    return record.model_copy(update={"bench": bench, "bench_command": command})
 
 
 def _provenance(report: BackendReport, distribution: str) -> Provenance:
@@ -120,12 +126,12 @@ def _provenance(report: BackendReport, distribution: str) -> Provenance:
                       versions=library_versions(distribution))
 
 
-def _bench(name: str, matrices: MatrixContext, report: BackendReport,
+def _bench(name: str, matrices: MatrixContext, runtime_config: Mapping[str, object],
            device: torch.device) -> list[BenchRatio] | None:
     """The bench's ratios to the per-step path, or ``None`` where the backend cannot run."""
     from speccheck.contract.runtime_config import RuntimeConfig
 
-    config = RuntimeConfig.model_validate(report.runtime_config)
+    config = RuntimeConfig.model_validate(runtime_config)
     settings = BenchSettings(name, config, matrices, BENCH_STEPS, BENCH_BATCHES, BENCH_REPEATS)
     try:
         run = run_bench(settings, device, commit=commit_under_test(),
