@@ -232,10 +232,15 @@ def test_a_plug_in_adapter_installed_in_site_packages_is_shadowed_too(
     refresh = _pick(generate_mutants([target], [Operator.STATEMENT_DELETED]), "attention.py",
                     Operator.STATEMENT_DELETED,
                     "metadata.kv_lens.copy_(metadata.seq_lens)  # the in-graph refresh")
-    coverage = run_unmutated([target], "template_attn", examples=3, timeout=300)
+    # Two examples in each of the template's four configuration cells: a cell's first
+    # example is hypothesis' simplest draw, K = 2, whose one decode step runs no refresh
+    # between draft steps, so with one example a cell the refresh never runs.
+    examples = 8
+    coverage = run_unmutated([target], "template_attn", examples=examples, timeout=300)
     assert coverage.outcome.report is not None and coverage.outcome.report["status"] == "passed"
     assert coverage.ran(target, refresh.line, refresh.line)
-    settings = RunSettings(backend="template_attn", examples=3, jobs=1, budget=600, timeout=300)
+    settings = RunSettings(backend="template_attn", examples=examples, jobs=1, budget=600,
+                           timeout=300)
     (result,) = run_mutants([refresh], settings)
     assert result.outcome is Outcome.KILLED, result
     assert any(field.endswith("kv_lens") for field in result.named_fields)

@@ -136,10 +136,13 @@ def test_the_printed_reproduce_command_is_checked_in_a_fresh_worker_and_reproduc
     tmp_path: Path,
 ) -> None:
     """The measured bug: a failure that depended on an earlier, larger batch's leftovers
-    passed when its printed command ran in a fresh worker."""
+    passed when its printed command ran in a fresh worker. One worker at the runtime config
+    (``--no-cells``): configuration cells would spread the 6 examples over the entry's
+    cells, each worker's progress counting its share, and check each cell's command."""
     out = tmp_path / "r.json"
     proc = _speccheck("verify", "--backend", "leftover_tail", "--matrix", str(KNOWN_BAD),
-                      "--examples", "6", "--fail-fast", *SMALL, "--json", str(out))
+                      "--examples", "6", "--fail-fast", "--no-cells", *SMALL,
+                      "--json", str(out))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (report,) = json.loads(out.read_text())["backends"]
     assert report["status"] == "failed" and report["reproduced"] is True
