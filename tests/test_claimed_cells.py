@@ -24,6 +24,7 @@ from speccheck.checks.verify.cells import (
 )
 from speccheck.checks.verify.report import BackendReport, CellReport, write_junit
 from speccheck.checks.verify.strategies import (
+    FIRST_REFRESHED_K,
     BatchLimits,
     draft_batches,
     draft_step_counts,
@@ -141,6 +142,15 @@ def test_k_of_two_or_more_is_drawn_in_most_examples() -> None:
         drawn = draw_values(st.tuples(draft_step_counts(range(1, 9)), draft_batches(LIMITS)),
                             50, seed_value)
         assert sum(k >= 2 for k, _ in drawn) >= 35
+
+
+def test_the_first_draw_of_k_runs_a_refresh() -> None:
+    """A cell given one example still refreshes: hypothesis' first draw is the smallest K
+    with a refresh between two decode steps, for every seed."""
+    for seed_value in range(3):
+        drawn = draw_values(st.tuples(draft_step_counts(range(1, 9)), draft_batches(LIMITS)),
+                            1, seed_value)
+        assert drawn[0][0] == FIRST_REFRESHED_K == 3
 
 
 def test_the_first_request_of_a_long_cell_batch_is_past_int16() -> None:

@@ -176,14 +176,20 @@ def _tokens(draw: st.DrawFn, vocab_size: int, count: int) -> tuple[int, ...]:
 DECODE_K_WEIGHT = 2
 """How many times each K >= 2 is listed against K = 1's once (:func:`draft_step_counts`)."""
 
+FIRST_REFRESHED_K = 3
+"""The smallest K whose draft decode runs a refresh between two of its steps (K = 2 runs
+one decode step, on built metadata)."""
+
 
 def draft_step_counts(steps: Sequence[int]) -> st.SearchStrategy[int]:
     """A K from ``steps``: each K >= 2 (the examples that run draft decode steps)
     :data:`DECODE_K_WEIGHT` times as likely as K = 1 (no decode step: the first pass's
-    control, about one example in fifteen of the default 1..8), which is listed last, so
-    that hypothesis' preference for early choices (its first examples, shrinking) falls on
-    the smallest K >= 2."""
-    decode = sorted(k for k in set(steps) if k >= 2)
+    control, about one example in fifteen of the default 1..8). The Ks that refresh
+    (>= :data:`FIRST_REFRESHED_K`) are listed first, then K = 2, then K = 1, so that
+    hypothesis' preference for early choices (its first examples, shrinking) falls on the
+    smallest K that refreshes: a cell given one or two examples still runs a refresh."""
+    refreshed = sorted(k for k in set(steps) if k >= FIRST_REFRESHED_K)
+    decode = refreshed + sorted(k for k in set(steps) if 2 <= k < FIRST_REFRESHED_K)
     control = [1] if 1 in steps else []
     return st.sampled_from(decode * (DECODE_K_WEIGHT if decode else 1) + control)
 
