@@ -12,7 +12,9 @@
 #   BENCH      0 leaves the bench out (1)
 #   PYTEST     1 also runs the suite's CUDA tests into OUTDIR/pytest-cuda.txt (0)
 #   LIMIT      seconds each backend's status may take (540)
-#   JOBS       backends verified side by side (4); the benches run afterwards, one at a time
+#   JOBS       backends verified side by side (2: each verify's workers hold serving-scale
+#              caches, ~25 GiB per backend); the benches run afterwards, one at a time
+#   BENCH_UNTIL  seconds into the script after which no further bench is started
 set -uo pipefail
 usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer [BACKEND ...]"
 out=${1:?$usage}
@@ -69,20 +71,25 @@ run_status() {  # BACKEND FLAG...
     echo "exit $?"; } > "$out/console-$backend.txt" 2>&1
 }
 for backend in "${backends[@]}"; do
-  while [ "$(jobs -rp | grep -cv "^${pytest_pid:-none}$")" -ge "${JOBS:-4}" ]; do sleep 1; done
+  while [ "$(jobs -rp | grep -cv "^${pytest_pid:-none}$")" -ge "${JOBS:-2}" ]; do sleep 1; done
   run_status "$backend" "${flags[@]}" --no-bench &
 done
 for pid in $(jobs -rp); do [ "$pid" = "$pytest_pid" ] || wait "$pid"; done
 [ -n "$pytest_pid" ] && wait "$pytest_pid"
 for backend in "${backends[@]}"; do cat "$out/console-$backend.txt" >> "$console"; done
+tar -czf "$out/status.tar.gz" docs/status  # what came back so far, should the call be cut
 if [ "${BENCH:-1}" = 1 ]; then
   for backend in "${backends[@]}"; do
+    if [ "$SECONDS" -ge "${BENCH_UNTIL:-100000}" ]; then
+      echo "bench of $backend not started: past BENCH_UNTIL (${BENCH_UNTIL}s)" >> "$console"
+      continue
+    fi
     run_status "$backend" --bench-only
     cat "$out/console-$backend.txt" >> "$console"
+    tar -czf "$out/status.tar.gz" docs/status
   done
 fi
 rm -f "$out"/console-*.txt
-tar -czf "$out/status.tar.gz" docs/status
 if [ "$suite" = flashinfer ]; then
   mkdir -p "$out/fi-jit" && tar -czf "$out/fi-jit/cache.tar.gz" -C "$HOME" .cache/flashinfer 2>/dev/null
 fi

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from speccheck.checks.api import verify
+from speccheck.checks.api import backend_runtime_config, verify
 from speccheck.checks.bench.errors import BackendCannotRun
 from speccheck.checks.bench.measure import BenchSettings, run_bench
 from speccheck.checks.bench.records import BASELINE_PATH, BenchReport
@@ -40,6 +40,7 @@ from speccheck.checks.status.record import (
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.vocabulary import Status, Tier
+from speccheck.contract.runtime_config import RuntimeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +109,12 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
 
 def with_bench(name: str, matrices: MatrixContext, record: TierStatus,
                on_phase: Observer) -> TierStatus:
-    """``record`` (a GPU tier's) with its bench measured now, at the record's runtime
-    config; the bench is left out where the backend cannot run it."""
+    """``record`` (a GPU tier's) with its bench measured now, at the runtime config
+    ``speccheck verify --backend NAME`` runs on this tier (whatever the record's run
+    reached); the bench is left out where the backend cannot run it."""
     on_phase(f"{name}: bench, K={BENCH_STEPS}, batches {BENCH_BATCHES}")
-    bench = _bench(name, matrices, record.runtime_config, torch.device("cuda"))
+    config = backend_runtime_config(Tier.GPU, matrices.matrix, name, {})
+    bench = _bench(name, matrices, config, torch.device("cuda"))
     command = (None if bench is None else
                f"speccheck bench --backend {name} --steps {','.join(map(str, BENCH_STEPS))} "
                f"--batches {','.join(map(str, BENCH_BATCHES))} --repeats {BENCH_REPEATS}")
@@ -126,12 +129,9 @@ def _provenance(report: BackendReport, distribution: str) -> Provenance:
                       versions=library_versions(distribution))
 
 
-def _bench(name: str, matrices: MatrixContext, runtime_config: Mapping[str, object],
+def _bench(name: str, matrices: MatrixContext, config: RuntimeConfig,
            device: torch.device) -> list[BenchRatio] | None:
     """The bench's ratios to the per-step path, or ``None`` where the backend cannot run."""
-    from speccheck.contract.runtime_config import RuntimeConfig
-
-    config = RuntimeConfig.model_validate(runtime_config)
     settings = BenchSettings(name, config, matrices, BENCH_STEPS, BENCH_BATCHES, BENCH_REPEATS)
     try:
         run = run_bench(settings, device, commit=commit_under_test(),
