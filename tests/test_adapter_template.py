@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "examples" / "adapter_template"
 REFRESH = "        metadata.kv_lens.copy_(metadata.seq_lens)  # the in-graph refresh\n"
 BACKEND = "template_attn"
+GATE_MARK = f'@pytest.mark.speccheck(backend="{BACKEND}", examples=20)'
+"""The template's gate. The broken copy's stops at its first failure (``fail_fast``): the
+default search finds that failure the same way before it searches on."""
 
 
 def _install(source: Path, work: Path, *, broken: bool) -> tuple[Path, Path]:
@@ -34,6 +37,10 @@ def _install(source: Path, work: Path, *, broken: bool) -> tuple[Path, Path]:
         text = module.read_text()
         assert text.count(REFRESH) == 1, "the template's refresh line moved: update REFRESH"
         module.write_text(text.replace(REFRESH, "        pass  # broken copy: no refresh\n"))
+        gate = copy / "tests" / "test_speccheck_gate.py"
+        text = gate.read_text()
+        assert text.count(GATE_MARK) == 1, "the template's gate marker changed: update GATE_MARK"
+        gate.write_text(text.replace(GATE_MARK, GATE_MARK[:-1] + ", fail_fast=True)"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                     "--no-build-isolation", "--target", str(site), str(copy)],
                    check=True, capture_output=True, timeout=120)
