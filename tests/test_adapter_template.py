@@ -1,6 +1,8 @@
 """``examples/adapter_template``, installed as an adapter author installs it (``pip install``,
 into a folder of its own rather than into this environment), passes its own gate through
-the pytest plugin; a copy with its in-graph refresh removed fails it on ``step_metadata``.
+the pytest plugin at its defaults; a copy with its in-graph refresh removed fails it on
+``step_metadata`` (its gate with ``fail_fast``: it stops at that failure instead of
+searching on).
 
 Both copies are built from temporary copies of the template (the build writes into its
 source folder), with ``--no-deps --no-build-isolation``: speccheck, torch and setuptools
@@ -28,7 +30,8 @@ default search finds that failure the same way before it searches on."""
 
 def _install(source: Path, work: Path, *, broken: bool) -> tuple[Path, Path]:
     """A copy of the template in ``work/src`` (with ``broken``, its refresh replaced by
-    ``pass``), installed into ``work/site``; returns both."""
+    ``pass`` and its gate given ``fail_fast=True``), installed into ``work/site``; returns
+    both."""
     copy, site = work / "src", work / "site"
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns("build", "*.egg-info",
                                                                "__pycache__", ".pytest_cache"))
@@ -102,7 +105,8 @@ def test_the_template_passes_its_gate_and_a_broken_copy_fails_it(tmp_path: Path)
     assert f"{BACKEND}.metadata.kv_lens differs from a fresh eager build" in step_metadata
     assert (f"reproduce (checked: fails the same way in a fresh worker): speccheck verify "
             f"--backend {BACKEND} --seed 0 --reproduce ") in step_metadata
-    assert cases[f"declared_fields[{BACKEND}]"] == "passed"
+    # not failed: cut short by the broken copy's fail_fast, never passed on fewer examples
+    assert cases[f"declared_fields[{BACKEND}]"] == "skipped"
 
 
 def test_bad_gate_arguments_are_one_collection_error_each(tmp_path: Path) -> None:
