@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, settings
 
 from speccheck.checks.device_memory import release_device_memory
 from tests.fixtures.once_per_run import computed_once
+from tests.fixtures.reference_at_defaults import VerifyCommandRun, run_reference_at_defaults
 from tests.fixtures.selftest_catalogue import SelftestRun, run_selftest_command
 
 settings.register_profile(
@@ -92,3 +93,13 @@ def selftest_catalogue(tmp_path_factory: pytest.TempPathFactory) -> SelftestRun:
     of the ten seeds read instead of verifying the builders again."""
     return SelftestRun.from_json(
         computed_once(tmp_path_factory, "selftest-catalogue", run_selftest_command))
+
+
+@pytest.fixture(scope="session")
+def reference_at_defaults(tmp_path_factory: pytest.TempPathFactory) -> VerifyCommandRun:
+    """``speccheck verify --backend reference`` at its defaults (the shipped backend and
+    matrix, every configuration cell), run once per pytest run (by whichever xdist worker
+    asks first): the passing run the tests of the shipped reference at the defaults read
+    instead of verifying it again each."""
+    return VerifyCommandRun.from_json(
+        computed_once(tmp_path_factory, "reference-at-defaults", run_reference_at_defaults))

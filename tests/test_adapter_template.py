@@ -1,6 +1,8 @@
 """``examples/adapter_template``, installed as an adapter author installs it (``pip install``,
 into a folder of its own rather than into this environment), passes its own gate through
-the pytest plugin; a copy with its in-graph refresh removed fails it on ``step_metadata``.
+the pytest plugin at its defaults; a copy with its in-graph refresh removed fails it on
+``step_metadata`` (its gate with ``fail_fast``: it stops at that failure instead of
+searching on).
 
 Both copies are built from temporary copies of the template (the build writes into its
 source folder), with ``--no-deps --no-build-isolation``: speccheck, torch and setuptools
@@ -21,11 +23,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "examples" / "adapter_template"
 REFRESH = "        metadata.kv_lens.copy_(metadata.seq_lens)  # the in-graph refresh\n"
 BACKEND = "template_attn"
+GATE_MARK = f'@pytest.mark.speccheck(backend="{BACKEND}", examples=20)'
+"""The template's gate. The broken copy's stops at its first failure (``fail_fast``): the
+default search finds that failure the same way before it searches on."""
 
 
 def _install(source: Path, work: Path, *, broken: bool) -> tuple[Path, Path]:
     """A copy of the template in ``work/src`` (with ``broken``, its refresh replaced by
-    ``pass``), installed into ``work/site``; returns both."""
+    ``pass`` and its gate given ``fail_fast=True``), installed into ``work/site``; returns
+    both."""
     copy, site = work / "src", work / "site"
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns("build", "*.egg-info",
                                                                "__pycache__", ".pytest_cache"))
@@ -34,6 +40,10 @@ def _install(source: Path, work: Path, *, broken: bool) -> tuple[Path, Path]:
         text = module.read_text()
         assert text.count(REFRESH) == 1, "the template's refresh line moved: update REFRESH"
         module.write_text(text.replace(REFRESH, "        pass  # broken copy: no refresh\n"))
+        gate = copy / "tests" / "test_speccheck_gate.py"
+        text = gate.read_text()
+        assert text.count(GATE_MARK) == 1, "the template's gate marker changed: update GATE_MARK"
+        gate.write_text(text.replace(GATE_MARK, GATE_MARK[:-1] + ", fail_fast=True)"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                     "--no-build-isolation", "--target", str(site), str(copy)],
                    check=True, capture_output=True, timeout=120)
@@ -95,7 +105,8 @@ def test_the_template_passes_its_gate_and_a_broken_copy_fails_it(tmp_path: Path)
     assert f"{BACKEND}.metadata.kv_lens differs from a fresh eager build" in step_metadata
     assert (f"reproduce (checked: fails the same way in a fresh worker): speccheck verify "
             f"--backend {BACKEND} --seed 0 --reproduce ") in step_metadata
-    assert cases[f"declared_fields[{BACKEND}]"] == "passed"
+    # not failed: cut short by the broken copy's fail_fast, never passed on fewer examples
+    assert cases[f"declared_fields[{BACKEND}]"] == "skipped"
 
 
 def test_bad_gate_arguments_are_one_collection_error_each(tmp_path: Path) -> None:

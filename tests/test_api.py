@@ -132,7 +132,7 @@ def test_plan_settles_the_tier_config_and_reproduce_command() -> None:
 
 def test_verify_a_builder_class_in_its_worker() -> None:
     report = speccheck.verify(PlusOneBuilder, matrix=OUT_OF_TREE, examples=3,
-                              config={"num_speculative_steps": 2})
+                              config={"num_speculative_steps": 2}, cells=False)
     assert (report.status, report.passed, report.exit_code) == (Status.PASSED, True, EXIT_PASSED)
     assert report.matrix == OUT_OF_TREE and report.config.num_speculative_steps == 2
     (backend,) = report.backends
@@ -201,7 +201,7 @@ def test_serving_scale_batches_run_on_the_cpu_tier() -> None:
     prefill budget and the shared KV cache hold at that scale."""
     report = plan_verification("reference", config={"max_model_len": 512, "block_size": 16},
                                capture_sizes=[1, 2, 4, 8, 16, 32, 64], max_new_tokens=16,
-                               examples=12).run()
+                               examples=12, cells=False).run()
     (backend,) = report.backends
     assert report.passed, report.summary_lines()
     assert backend.examples == 12 and backend.checks[Check.DRAFT_TOKENS].passed > 0

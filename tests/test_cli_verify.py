@@ -138,7 +138,7 @@ def test_jobs_share_the_examples_and_merge_their_reports(tmp_path: Path) -> None
 
 def test_a_crashing_job_crashes_the_merged_report_with_its_reproduce_command() -> None:
     proc = _verify("--backend", "dying", "--matrix", str(FAULTY_MATRIX), "--examples", "4",
-                   "--jobs", "2")
+                   "--jobs", "2", "--no-cells", "--fail-fast")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "dying: crashed: worker exited with status 139" in proc.stdout
     assert ("reproduce (checked: fails the same way in a fresh worker): "
@@ -146,7 +146,8 @@ def test_a_crashing_job_crashes_the_merged_report_with_its_reproduce_command() -
 
 
 def test_dying_worker_is_a_reported_crash_with_the_last_example() -> None:
-    proc = _verify("--backend", "dying", "--matrix", str(FAULTY_MATRIX), "--examples", "3")
+    proc = _verify("--backend", "dying", "--matrix", str(FAULTY_MATRIX), "--examples", "3",
+                   "--no-cells", "--fail-fast")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "dying: crashed: worker exited with status 139" in proc.stdout
     assert ("reproduce (checked: fails the same way in a fresh worker): "
@@ -157,7 +158,8 @@ def test_dying_worker_is_a_reported_crash_with_the_last_example() -> None:
 def test_a_worker_error_is_reported_by_its_root_cause_in_one_line() -> None:
     """An out-of-memory error that hypothesis's re-run did not see again reaches the user as
     the error itself, not as the last lines of hypothesis's exception groups."""
-    proc = _verify("--backend", "exhausted", "--matrix", str(FAULTY_MATRIX), "--examples", "3")
+    proc = _verify("--backend", "exhausted", "--matrix", str(FAULTY_MATRIX), "--examples", "3",
+                   "--no-cells", "--fail-fast")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert ("exhausted: crashed: worker exited with status 1: torch.OutOfMemoryError: CUDA out "
             "of memory. Tried to allocate 1.02 GiB. (during example ") in proc.stdout
@@ -165,9 +167,9 @@ def test_a_worker_error_is_reported_by_its_root_cause_in_one_line() -> None:
 
 def test_stalling_worker_is_killed_after_the_example_timeout() -> None:
     proc = _verify("--backend", "stalling", "--matrix", str(FAULTY_MATRIX), "--examples", "3",
-                   "--example-timeout", "8")
+                   "--example-timeout", "4", "--no-cells", "--fail-fast")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "stalling: crashed: no progress for 8s (hang); killed" in proc.stdout
+    assert "stalling: crashed: no progress for 4s (hang); killed" in proc.stdout
 
 
 def test_unknown_backend_is_a_clear_error() -> None:
@@ -199,7 +201,7 @@ def test_bad_reproduce_blob_is_a_one_line_error() -> None:
 def test_triton_backend_runs_in_the_interpreter_on_the_cpu_tier(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     proc = _verify("--backend", "triton_attn", "--examples", "2", "--num-speculative-steps", "3",
-                   "--json", str(out))
+                   "--no-cells", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (backend,) = json.loads(out.read_text())["backends"]
     assert backend["status"] == "passed" and backend["checks"]["step_metadata"]["passed"] > 0
@@ -251,7 +253,7 @@ def test_dp_run_verifies_an_out_of_tree_adapter_from_its_own_matrix(tmp_path: Pa
 def test_audit_finds_a_claim_too_strict(tmp_path: Path) -> None:
     out = tmp_path / "audit.json"
     proc = _verify("--backend", "plus_one", "--matrix", str(OUT_OF_TREE), "--dcp-world-size", "2",
-                   "--num-speculative-steps", "3", "--examples", "4", "--audit-claims",
+                   "--num-speculative-steps", "3", "--examples", "4", "--audit-claims", "--no-cells",
                    "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "plus_one: audit: claim too strict: the fused path passed 4 examples" in proc.stdout
@@ -263,7 +265,8 @@ def test_audit_finds_a_claim_too_strict(tmp_path: Path) -> None:
 def test_audit_confirms_a_claim_whose_fused_path_fails(tmp_path: Path) -> None:
     out = tmp_path / "audit.json"
     proc = _verify("--backend", "no_refresh", "--matrix", str(OUT_OF_TREE),
-                   "--num-speculative-steps", "3", "--examples", "3", "--audit-claims",
+                   "--num-speculative-steps", "3", "--examples", "3", "--audit-claims", "--no-cells",
+                   "--fail-fast",
                    "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no_refresh: audit: claim confirmed: the fused path fails (refresh_error:" in proc.stdout

@@ -44,7 +44,7 @@ def test_reference_passes_on_two_dcp_ranks_from_the_command_line(tmp_path: Path)
     out = tmp_path / "dcp.json"
     proc = _verify("--backend", "reference", "--dcp-world-size", "2",
                    "--num-speculative-steps", "3", "--examples", "3", "--capture-sizes", "1,2",
-                   "--max-new-tokens", "2", "--json", str(out))
+                   "--max-new-tokens", "2", "--no-cells", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ("reference: decode context parallelism on 2 real ranks, each holding its "
             "interleaved share of the KV cache") in proc.stdout
@@ -62,7 +62,7 @@ def test_reference_passes_on_two_dcp_ranks_from_the_command_line(tmp_path: Path)
 @CPU_ONLY
 def test_triton_attn_passes_on_two_dcp_ranks_through_the_api() -> None:
     report = speccheck.verify("triton_attn", examples=2, capture_sizes=[2], max_new_tokens=2,
-                              config={"dcp_world_size": 2, "num_speculative_steps": 3})
+                              config={"dcp_world_size": 2, "num_speculative_steps": 3}, cells=False)
     assert report.passed, report.summary_lines()
     (backend,) = report.backends
     assert backend.examples == 2 and "2 real ranks" in backend.detail
@@ -73,14 +73,15 @@ def test_triton_attn_passes_on_two_dcp_ranks_through_the_api() -> None:
 @CPU_ONLY
 @pytest.mark.slow
 def test_stale_reference_builder_is_caught_by_the_command_at_its_defaults(tmp_path: Path) -> None:
-    """The matrix its author would ship, and nothing but ``--dcp-world-size 2``: the default
+    """The matrix its author would ship, and nothing but ``--dcp-world-size 2`` (and
+    ``--fail-fast``: the search up to its first failure is the default search): the default
     examples, seed and step counts catch it, and the failure names the rank and field."""
     matrix = tmp_path / "stale.yaml"
     claimed = dcp_mutants.claiming_matrix(load_matrix(None), "reference")
     matrix.write_text(yaml.safe_dump(claimed.model_dump(mode="json")))
     out = tmp_path / "stale.json"
     proc = _verify("--backend", "reference", "--matrix", str(matrix), "--dcp-world-size", "2",
-                   "--json", str(out))
+                   "--fail-fast", "--json", str(out))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL reference step_metadata step " in proc.stdout
     assert "field reference.metadata.dcp_local_seq_lens: DCP rank " in proc.stdout

@@ -28,7 +28,8 @@ def _stdout_json(proc: subprocess.CompletedProcess[str]) -> Any:
 
 
 def test_verify_json_dash_writes_the_report_alone_to_stdout() -> None:
-    proc = _speccheck("verify", "--backend", "reference", "--examples", "2", "--json", "-")
+    proc = _speccheck("verify", "--backend", "reference", "--examples", "2", "--no-cells",
+                      "--json", "-")
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = _stdout_json(proc)
     (backend,) = report["backends"]
@@ -38,7 +39,8 @@ def test_verify_json_dash_writes_the_report_alone_to_stdout() -> None:
 
 def test_verify_json_dash_keeps_the_failing_exit_status() -> None:
     proc = _speccheck("verify", "--backend", "item_in_forward", "--matrix", str(FORWARD_SYNC),
-                      "--examples", "2", "--shrink-seconds", "0", "--json", "-")
+                      "--examples", "2", "--shrink-seconds", "0", "--no-cells", "--fail-fast",
+                      "--json", "-")
     assert proc.returncode == 1, proc.stderr[-2000:]
     (backend,) = _stdout_json(proc)["backends"]
     assert backend["status"] == "failed"
@@ -63,7 +65,7 @@ def test_bench_json_dash_writes_the_report_alone_to_stdout() -> None:
 
 
 def test_status_json_dash_writes_the_records_it_wrote_to_stdout(tmp_path: Path) -> None:
-    proc = _speccheck("status", "--backend", "reference", "--examples", "2", "--no-selftest",
+    proc = _speccheck("status", "--backend", "reference", "--examples", "1", "--no-selftest",
                       "--no-bench", "--out", str(tmp_path), "--bench-page",
                       str(tmp_path / "absent.md"), "--json", "-")
     assert proc.returncode == 0, proc.stderr[-2000:]
