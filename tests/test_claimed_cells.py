@@ -167,10 +167,12 @@ def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
     backend: str, cell: CellAxis | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Everything at the defaults (cells, examples, K range, seed) but the shrink budget,
-    which does not change what the search finds. The workers import the fixtures from the
+    which does not change what the search finds, and ``fail_fast`` (each cell's search up
+    to its first failure is the default search). The workers import the fixtures from the
     repository root."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    report = verify(backend, matrix=SHAPE_BAD, shrink_seconds=5.0).backend(backend)
+    report = verify(backend, matrix=SHAPE_BAD, shrink_seconds=5.0,
+                    fail_fast=True).backend(backend)
     assert report.status is Status.FAILED, report.cells
     assert any(f.check == "vs_fp32_reference" for f in report.failures), report.failures
     failed = [c.name for c in report.cells if c.status is Status.FAILED]

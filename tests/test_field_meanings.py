@@ -179,7 +179,7 @@ def _verify_mutant(
 def test_dcp_local_length_mutants_are_caught_at_the_defaults_field_named(
     tmp_path: Path, builder: type[AttentionMetadataBuilder],  # type: ignore[type-arg]
 ) -> None:
-    proc, backend = _verify_mutant(tmp_path, builder, "--dcp-world-size", "2")
+    proc, backend = _verify_mutant(tmp_path, builder, "--dcp-world-size", "2", "--fail-fast")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert backend["status"] == "failed"
     named = [f for f in backend["failures"] if f["check"] == "field_meanings"]
@@ -190,7 +190,7 @@ def test_dcp_local_length_mutants_are_caught_at_the_defaults_field_named(
 @CPU_ONLY
 @pytest.mark.slow
 def test_a_block_table_snapshot_fails_at_the_defaults_on_the_cpu_tier(tmp_path: Path) -> None:
-    proc, backend = _verify_mutant(tmp_path, SnapshotBlockTable)
+    proc, backend = _verify_mutant(tmp_path, SnapshotBlockTable, "--fail-fast")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     fields = {(f["check"], f["field"]) for f in backend["failures"]}
     assert ("step_metadata", "reference.metadata.block_table") in fields

@@ -28,7 +28,7 @@ def _item_site() -> str:
 
 
 def test_item_in_forward_fails_host_sync_at_the_defaults_naming_file_and_line() -> None:
-    report = speccheck.verify("item_in_forward", matrix=FORWARD_SYNC)
+    report = speccheck.verify("item_in_forward", matrix=FORWARD_SYNC, fail_fast=True)
     assert report.status is Status.FAILED
     verdict = {v.check: v for v in report.verdicts("item_in_forward")}[Check.HOST_SYNC]
     assert verdict.status is Status.FAILED

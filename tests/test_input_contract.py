@@ -432,7 +432,8 @@ def test_under_refresh_rebuilds_the_refresh_stands_in_for_the_step_one_build() -
 def test_a_rebuilding_refresh_must_zero_its_tails(tmp_path: Path) -> None:
     """``tests/fixtures/adapters/rebuilding.py`` (``refresh_rebuilds: true``, a refresh that
     zeroes its buffers' tails) passes ``speccheck verify`` at its defaults; a copy whose
-    refresh does not zero them fails ``zero_tails``."""
+    refresh does not zero them fails ``zero_tails`` (``--fail-fast``: the default search up
+    to its first failure)."""
     source = REBUILDING.read_text()
     assert source.count(TAIL_ZEROING) == 1, "the fixture's tail zeroing moved: update TAIL_ZEROING"
     (tmp_path / "rebuilding_unzeroed.py").write_text(source.replace(TAIL_ZEROING, ""))
@@ -443,11 +444,13 @@ def test_a_rebuilding_refresh_must_zero_its_tails(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     runs = {}
-    for label, path in (("zeroed", REBUILDING.with_suffix(".yaml")), ("unzeroed", unzeroed)):
+    for label, path, extra in (("zeroed", REBUILDING.with_suffix(".yaml"), []),
+                               ("unzeroed", unzeroed, ["--fail-fast"])):
         report = tmp_path / f"{label}.json"
         runs[label] = (report, subprocess.Popen(
             [sys.executable, "-c", "from speccheck.checks.cli.app import main; main()",
-             "verify", "--backend", "rebuilding", "--matrix", str(path), "--json", str(report)],
+             "verify", "--backend", "rebuilding", "--matrix", str(path), "--json", str(report),
+             *extra],
             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = {label: proc.communicate(timeout=600)[0] for label, (_, proc) in runs.items()}
     reports = {label: json.loads(report.read_text())["backends"][0]

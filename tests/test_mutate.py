@@ -289,7 +289,8 @@ def test_a_stopped_verify_run_ends_at_once_as_timed_out(tmp_path: Path) -> None:
     timer = threading.Timer(2.0, stop.set)
     timer.start()
     started = time.monotonic()
-    outcome = run_verify(tmp_path, "reference", examples=1, timeout=300, stop=stop)
+    outcome = run_verify(tmp_path, "reference", examples=1, timeout=300, fail_fast=False,
+                         stop=stop)
     assert outcome.timed_out and outcome.report is None
     assert time.monotonic() - started < 30
 

@@ -52,23 +52,24 @@ def test_the_import_walk_sees_a_backend_imported_in_any_form(tmp_path: Path) -> 
 
 
 def _verify_reference(tmp_path: Path,
-                      builder: type[AttentionMetadataBuilder] | None  # type: ignore[type-arg]
-                      ) -> api.VerifyReport:
-    """``verify --backend reference`` at the defaults, with ``builder`` as the reference
-    entry's implementation (``None``: the shipped one)."""
+                      builder: type[AttentionMetadataBuilder] | None,  # type: ignore[type-arg]
+                      *, fail_fast: bool = False) -> api.VerifyReport:
+    """``verify --backend reference`` at the defaults (``fail_fast``: up to the first
+    failure), with ``builder`` as the reference entry's implementation (``None``: the
+    shipped one)."""
     if builder is None:
-        return api.verify("reference")
+        return api.verify("reference", fail_fast=fail_fast)
     matrix = tmp_path / "matrix.yaml"
     named = naming_matrix(load_matrix(None), builder)
     matrix.write_text(yaml.safe_dump(named.model_dump(mode="json", exclude_none=True)))
-    return api.verify("reference", matrix=matrix)
+    return api.verify("reference", matrix=matrix, fail_fast=fail_fast)
 
 
 @pytest.mark.parametrize("builder", [NoKvWrite, NoAttentionOutput], ids=lambda b: b.__name__)
 def test_a_reference_with_a_deleted_statement_fails_against_the_oracle(
     tmp_path: Path, builder: type[AttentionMetadataBuilder]  # type: ignore[type-arg]
 ) -> None:
-    report = _verify_reference(tmp_path, builder)
+    report = _verify_reference(tmp_path, builder, fail_fast=True)
     verdict = {v.check: v for v in report.verdicts("reference")}[Check.VS_FP32_REFERENCE]
     assert report.backend("reference").status is Status.FAILED, report.summary_lines()
     assert verdict.status is Status.FAILED, verdict

@@ -57,7 +57,7 @@ def run_unmutated(
     targets: Sequence[TargetModule], backend: str, *, examples: int | None, timeout: float,
 ) -> CoverageRun:
     """Run verify on unchanged copies of the targets' packages with the line tracer in
-    every process."""
+    every process: a full default run (no ``--fail-fast``), as the user's gate runs."""
     with ExitStack() as stack:
         packages = sorted({(t.package, t.package_dir) for t in targets})
         roots = {name: stack.enter_context(shadow_package(name, folder))
@@ -74,7 +74,8 @@ def run_unmutated(
             line_tracer.TRACE_FILES_ENV: os.pathsep.join(map(str, copies)),
             "PYTHONPATH": os.pathsep.join(filter(None, path)),
         }
-        outcome = run_verify(root, backend, examples=examples, timeout=timeout, extra_env=env)
+        outcome = run_verify(root, backend, examples=examples, timeout=timeout,
+                             fail_fast=False, extra_env=env)
         executed: dict[Path, set[int]] = {}
         files = sorted(records.glob("*.json"))
         for record in files:

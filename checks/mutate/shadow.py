@@ -97,11 +97,12 @@ class VerifyOutcome:
 
 
 def run_verify(
-    root: Path, backend: str, *, examples: int | None, timeout: float,
+    root: Path, backend: str, *, examples: int | None, timeout: float, fail_fast: bool,
     extra_env: Mapping[str, str] | None = None, stop: threading.Event | None = None,
 ) -> VerifyOutcome:
     """Run ``speccheck verify --backend BACKEND`` at its defaults (``--examples`` when
-    given; no shrinking, which only makes a failure's example smaller) with ``root`` first
+    given; no shrinking, which only makes a failure's example smaller; ``--fail-fast`` when
+    ``fail_fast``, which ends each cell's search at its first failure) with ``root`` first
     on ``PYTHONPATH`` and as working directory. A run still going after ``timeout`` seconds,
     or when ``stop`` is set, is killed with its whole process group (its workers included)
     and counts as timed out."""
@@ -110,6 +111,8 @@ def run_verify(
                "--json", str(report_path), "--shrink-seconds", "0"]
     if examples is not None:
         command += ["--examples", str(examples)]
+    if fail_fast:
+        command.append("--fail-fast")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     env.update(extra_env or {})
