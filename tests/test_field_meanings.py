@@ -38,6 +38,7 @@ from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import FieldMeaning
 from speccheck.speculator.batch import DraftBatch
 from tests.fixtures.adapters.field_meaning_mutants import DCP_LENGTH_MUTANTS, SnapshotBlockTable
+from tests.fixtures.reference_at_defaults import VerifyCommandRun
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU tier")
@@ -200,11 +201,9 @@ def test_a_block_table_snapshot_fails_at_the_defaults_on_the_cpu_tier(tmp_path: 
 @CPU_ONLY
 @pytest.mark.slow
 def test_the_shipped_reference_builder_passes_field_meanings_at_the_defaults(
-    tmp_path: Path,
+    reference_at_defaults: VerifyCommandRun,
 ) -> None:
-    from speccheck.backends.reference.builder import ReferenceMetadataBuilder
-
-    proc, backend = _verify_mutant(tmp_path, ReferenceMetadataBuilder)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    meanings = backend["checks"]["field_meanings"]
+    run = reference_at_defaults
+    assert run.exit_code == 0, run.stdout + run.stderr
+    meanings = run.backend("reference")["checks"]["field_meanings"]
     assert meanings["passed"] > 0 and meanings["failed"] == 0

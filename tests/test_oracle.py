@@ -17,6 +17,7 @@ from speccheck.checks.verify.vocabulary import Check, Status
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
 from tests.fixtures.adapters.broken_reference import NoAttentionOutput, NoKvWrite
+from tests.fixtures.reference_at_defaults import VerifyCommandRun
 
 ORACLE = Path(__file__).resolve().parents[1] / "checks" / "verify" / "oracle"
 
@@ -52,13 +53,10 @@ def test_the_import_walk_sees_a_backend_imported_in_any_form(tmp_path: Path) -> 
 
 
 def _verify_reference(tmp_path: Path,
-                      builder: type[AttentionMetadataBuilder] | None,  # type: ignore[type-arg]
+                      builder: type[AttentionMetadataBuilder],  # type: ignore[type-arg]
                       *, fail_fast: bool = False) -> api.VerifyReport:
     """``verify --backend reference`` at the defaults (``fail_fast``: up to the first
-    failure), with ``builder`` as the reference entry's implementation (``None``: the
-    shipped one)."""
-    if builder is None:
-        return api.verify("reference", fail_fast=fail_fast)
+    failure), with ``builder`` as the reference entry's implementation."""
     matrix = tmp_path / "matrix.yaml"
     named = naming_matrix(load_matrix(None), builder)
     matrix.write_text(yaml.safe_dump(named.model_dump(mode="json", exclude_none=True)))
@@ -75,8 +73,11 @@ def test_a_reference_with_a_deleted_statement_fails_against_the_oracle(
     assert verdict.status is Status.FAILED, verdict
 
 
-def test_the_shipped_reference_passes_against_the_oracle(tmp_path: Path) -> None:
-    report = _verify_reference(tmp_path, None)
-    verdict = {v.check: v for v in report.verdicts("reference")}[Check.VS_FP32_REFERENCE]
-    assert report.passed, report.summary_lines()
-    assert verdict.status is Status.PASSED, verdict
+def test_the_shipped_reference_passes_against_the_oracle(
+    reference_at_defaults: VerifyCommandRun,
+) -> None:
+    """The shipped reference, at its defaults (every cell), against the oracle."""
+    run = reference_at_defaults
+    assert run.exit_code == 0, run.stdout + run.stderr
+    against = run.backend("reference")["checks"][Check.VS_FP32_REFERENCE.value]
+    assert against["passed"] > 0 and against["failed"] == 0, against
