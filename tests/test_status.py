@@ -17,11 +17,13 @@ from speccheck.checks.docgen.capabilities import render_capability_docs
 from speccheck.checks.status.record import (
     BackendStatus,
     BenchRatio,
+    MutationRecord,
     Provenance,
     StatusFileError,
     TierStatus,
     Verdict,
     read_statuses,
+    write_mutation,
     write_tier_status,
 )
 from speccheck.checks.status.render import (
@@ -171,3 +173,36 @@ def test_the_committed_status_is_rendered_in_step() -> None:
     shipped = {entry.name for entry in load_matrix(None).backends
                if adapter_status(entry) is AdapterStatus.FOUND}
     assert shipped <= set(read_statuses(ROOT / "docs/status"))
+
+
+MUTATE_REPORT = {
+    "generated": 445, "score": 0.75, "seconds": 1436.7,
+    "counts": {"killed": 3, "killed_by_crash": 9, "survived": 4, "invalid": 0, "not_run": 0},
+    "kills_by_kind": {"named_field_check": 0, "other_check": 3, "vs_fp32_reference_only": 0,
+                      "crash": 9},
+    "mutants": [{"file": "backends/dcp.py", "line": 224, "operator": "statement_deleted",
+                 "outcome": "survived", "survivor": "uncaught",
+                 "diff": {"-": "    dcp.check_group()\n", "+": "    pass\n"}},
+                {"file": "backends/dcp.py", "line": 171, "operator": "statement_deleted",
+                 "outcome": "killed_by_crash", "survivor": None,
+                 "diff": {"-": "x\n", "+": "pass\n"}}],
+}
+"""The fields of a ``speccheck mutate --json`` report a mutation record reads."""
+
+
+def test_a_mutation_score_joins_its_tier_record_and_survives_a_rewrite(tmp_path: Path) -> None:
+    mutation = MutationRecord.from_report(MUTATE_REPORT, command="speccheck mutate",
+                                          commit="abc", date="2026-12-05")
+    assert (mutation.valid, mutation.killed, mutation.score) == (16, 12, 0.75)
+    assert mutation.survivors == [
+        "backends/dcp.py:224 statement_deleted (uncaught): - dcp.check_group() / + pass"]
+    with pytest.raises(StatusFileError, match="no cpu record of 'reference'"):
+        write_mutation(tmp_path, "reference", "cpu", mutation)
+    write_tier_status(tmp_path, "reference", _record("cpu"))
+    write_mutation(tmp_path, "reference", "cpu", mutation)
+    write_tier_status(tmp_path, "reference", _record("cpu", Verdict.FAILED))
+    status = read_statuses(tmp_path)["reference"]
+    assert status.tiers["cpu"].verdict is Verdict.FAILED
+    assert status.tiers["cpu"].mutation == mutation
+    page = render_status_readme(read_statuses(tmp_path))
+    assert "| `reference` | cpu | 75% | 12 / 16 (445) | other_check 3, crash 9 |" in page

@@ -81,6 +81,7 @@ def mutate_command(
     examples: Annotated[Optional[int], typer.Option("--examples", min=1, help="Examples of each verify run.", show_default="verify's default")] = None,  # noqa: UP045
     seed: Annotated[int, typer.Option("--seed", help="Seed of the --max-mutants sample.")] = 0,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here ('-': stdout, and the summary goes to stderr).")] = None,  # noqa: UP045
+    status: Annotated[Optional[Path], typer.Option("--status", help="Also put the score into this machine tier's record of the backend in this status folder (docs/status; `speccheck status` writes the record).", file_okay=False)] = None,  # noqa: UP045
 ) -> None:
     """Mutate a backend's adapter (builder, refresh, attention call) and measure how many
     mutants `speccheck verify --backend NAME` kills at its defaults."""
@@ -88,6 +89,9 @@ def mutate_command(
         problem = output_path_problem(Path(json_path))
         if problem is not None:
             raise _fail(EXIT_BAD_INPUT, f"--json: {problem}")
+    if status is not None and not (status / f"{backend}.json").is_file():
+        raise _fail(EXIT_BAD_INPUT, f"--status: {status / (backend + '.json')} does not exist; "
+                    f"run `speccheck status --backend {backend}` first")
     chosen_operators = _operators(operators)
     started = time.monotonic()
     from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
@@ -118,6 +122,9 @@ def mutate_command(
     results = run_mutants(chosen, settings, on_result=show)
     report = MutationReport(backend, examples, targets, [o.value for o in chosen_operators],
                             len(generated), results, coverage, time.monotonic() - started)
+    if status is not None:
+        _write_status(status, backend, report.to_json(), _command(backend, max_mutants, seed,
+                                                                  examples))
     if json_path == STDOUT_PATH:
         sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
         render(report, err)
@@ -131,6 +138,37 @@ def mutate_command(
             raise _fail(EXIT_BAD_INPUT, f"--json: cannot write {json_path}: "
                         f"{exc.strerror or exc}") from None
         err.print(f"wrote {json_path}", markup=False)
+
+
+def _command(backend: str, max_mutants: int | None, seed: int, examples: int | None) -> str:
+    """The command that repeats this run's sample."""
+    sample = f" --max-mutants {max_mutants} --seed {seed}" if max_mutants is not None else ""
+    return (f"speccheck mutate --backend {backend}{sample}"
+            + (f" --examples {examples}" if examples is not None else ""))
+
+
+def _write_status(folder: Path, backend: str, report: dict[str, object], command: str) -> None:
+    """Put the run's :class:`~speccheck.checks.status.record.MutationRecord` into this
+    tier's record of ``backend`` in ``folder``; exit 2 where there is none."""
+    import datetime
+
+    import torch
+
+    from speccheck.checks.provenance import commit_under_test
+    from speccheck.checks.status.record import MutationRecord, StatusFileError, write_mutation
+
+    from speccheck.checks.verify.vocabulary import Tier
+
+    tier = (Tier.GPU if torch.cuda.is_available() else Tier.CPU).value
+    record = MutationRecord.from_report(
+        report, command=command, commit=commit_under_test(),
+        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"))
+    try:
+        write_mutation(folder, backend, tier, record)
+    except StatusFileError as exc:
+        raise _fail(EXIT_BAD_INPUT, f"--status: {exc}") from None
+    _stderr().print(f"wrote the mutation score into {folder / (backend + '.json')} ({tier})",
+                    markup=False)
 
 
 def _targets(backend: str, modules: list[Path]) -> list[TargetModule]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -85,6 +86,40 @@ class BenchRatio(_Record):
     per_step_wall_ms: float
 
 
+class MutationRecord(_Record):
+    """One ``speccheck mutate`` run of the backend on this tier (its ``--json`` report,
+    summed up): how many of the valid mutants run ``verify`` at the defaults killed, how,
+    and which survived. Written by ``speccheck mutate --status DIR``; it names its own
+    commit, as it may run at another commit than the tier's verify."""
+
+    command: str
+    commit: str
+    date: str
+    generated: int
+    """Mutants generated; ``valid`` of them were run (a sample where fewer)."""
+    valid: int
+    killed: int
+    score: float | None
+    kills_by_kind: dict[str, int]
+    survivors: list[str]
+    """``FILE:LINE OPERATOR (survivor class): - original / + mutated`` of each survivor."""
+    seconds: float
+
+    @classmethod
+    def from_report(cls, report: dict[str, Any], *, command: str, commit: str,
+                    date: str) -> MutationRecord:
+        """The record of a ``speccheck mutate --json`` report."""
+        counts = report["counts"]
+        valid = sum(counts.values()) - counts.get("not_run", 0) - counts.get("invalid", 0)
+        survivors = [f"{m['file']}:{m['line']} {m['operator']} ({m['survivor']}): "
+                     f"- {m['diff']['-'].strip()} / + {m['diff']['+'].strip()}"
+                     for m in report["mutants"] if m["outcome"] == "survived"]
+        return cls(command=command, commit=commit, date=date, generated=report["generated"],
+                   valid=valid, killed=sum(n for n in report["kills_by_kind"].values()),
+                   score=report["score"], kills_by_kind=dict(report["kills_by_kind"]),
+                   survivors=survivors, seconds=report["seconds"])
+
+
 class Provenance(_Record):
     """Where and on what a record was measured."""
 
@@ -124,6 +159,9 @@ class TierStatus(_Record):
     selftest: list[SelftestRecord]
     bench: list[BenchRatio] | None = None
     bench_command: str | None = None
+    mutation: MutationRecord | None = None
+    """The newest ``speccheck mutate --status`` run of the backend on this tier (kept when
+    ``speccheck status`` rewrites the tier's record)."""
 
     @property
     def selftest_caught(self) -> tuple[int, int]:
@@ -175,14 +213,30 @@ def read_statuses(folder: Path) -> dict[str, BackendStatus]:
 
 def write_tier_status(folder: Path, backend: str, record: TierStatus) -> BackendStatus:
     """Overwrite ``record.tier``'s record in ``backend``'s status file, keeping the other
-    tiers' records; returns what was written."""
+    tiers' records and, where ``record`` has none, the tier's mutation record; returns what
+    was written."""
     path = status_path(folder, backend)
     tiers: dict[str, TierStatus] = {}
     if path.exists():
         tiers = dict(read_status(path).tiers)
+    kept = tiers.get(record.tier)
+    if record.mutation is None and kept is not None and kept.mutation is not None:
+        record = record.model_copy(update={"mutation": kept.mutation})
     tiers[record.tier] = record
     status = BackendStatus(backend=backend, tiers=dict(sorted(tiers.items())))
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(status.model_dump(mode="json"), indent=2) + "\n",
                     encoding="utf-8")
     return status
+
+
+def write_mutation(folder: Path, backend: str, tier: str, mutation: MutationRecord) -> None:
+    """Put ``mutation`` into ``tier``'s record of ``backend`` in ``folder``. Raises
+    :class:`StatusFileError` where there is no such record (``speccheck status`` writes
+    it)."""
+    path = status_path(folder, backend)
+    record = read_status(path).tiers.get(tier) if path.exists() else None
+    if record is None:
+        raise StatusFileError(f"{path}: no {tier} record of {backend!r} to add the mutation "
+                              f"score to; run `speccheck status --backend {backend}` first")
+    write_tier_status(folder, backend, record.model_copy(update={"mutation": mutation}))

@@ -49,6 +49,11 @@ def _selftest_cell(record: TierStatus) -> str:
     return f"{caught}/{run}" + (f" ({skipped} skipped)" if skipped else "")
 
 
+def _table_row(cells: list[str]) -> str:
+    """One Markdown table row, pipes inside cells escaped."""
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
 def _best_wall(record: TierStatus) -> str:
     """The fused-like paths' wall ratios to per-step at the largest batch measured."""
     if not record.bench:
@@ -95,7 +100,22 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
             row = [f"`{name}`", tier, record.verdict.value, examples, _selftest_cell(record),
                    _best_wall(record), f"`{_short(record)}`", record.provenance.device,
                    record.provenance.date, lag(record, newest)]
-            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+            lines.append(_table_row(row))
+    mutated = [(name, tier, record.mutation) for name, status in sorted(statuses.items())
+               for tier, record in status.tiers.items() if record.mutation is not None]
+    if mutated:
+        lines += ["", "## Mutation scores", "",
+                  "Mutants of the adapter killed by `speccheck verify` at the defaults "
+                  "(`speccheck mutate`; each record's JSON lists the survivors).", "",
+                  "| backend | tier | score | killed / valid (generated) | kills by kind "
+                  "| command | commit |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for name, tier, mutation in mutated:
+            score = "-" if mutation.score is None else f"{mutation.score:.0%}"
+            kinds = ", ".join(f"{kind} {n}" for kind, n in mutation.kills_by_kind.items() if n)
+            row = [f"`{name}`", tier, score,
+                   f"{mutation.killed} / {mutation.valid} ({mutation.generated})", kinds,
+                   f"`{mutation.command}`", f"`{mutation.commit[:10]}`"]
+            lines.append(_table_row(row))
     failing = [(name, tier, record) for name, status in sorted(statuses.items())
                for tier, record in status.tiers.items() if record.verdict.value != "passed"]
     if failing:
