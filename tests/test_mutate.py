@@ -232,9 +232,8 @@ def test_a_plug_in_adapter_installed_in_site_packages_is_shadowed_too(
     refresh = _pick(generate_mutants([target], [Operator.STATEMENT_DELETED]), "attention.py",
                     Operator.STATEMENT_DELETED,
                     "metadata.kv_lens.copy_(metadata.seq_lens)  # the in-graph refresh")
-    # Two examples in each of the template's four configuration cells: a cell's first
-    # example is hypothesis' simplest draw, K = 2, whose one decode step runs no refresh
-    # between draft steps, so with one example a cell the refresh never runs.
+    # Two examples in each of the template's four configuration cells, so that every cell
+    # runs the refresh on more than its first draw.
     examples = 8
     coverage = run_unmutated([target], "template_attn", examples=examples, timeout=300)
     assert coverage.outcome.report is not None and coverage.outcome.report["status"] == "passed"
@@ -329,6 +328,8 @@ def speccheck(*args: str) -> subprocess.CompletedProcess[str]:
     (["--json", "/nonexistent-dir/out.json"], "--json: cannot write /nonexistent-dir/out.json"),
     (["--module", "README.md"], "--module: README.md is not a Python source file"),
     (["--max-mutants", "0"], "speccheck mutate: Invalid value for '--max-mutants'"),
+    (["--status", "/nonexistent-dir"],
+     "--status: /nonexistent-dir/reference.json: no "),
 ])
 def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
     proc = speccheck("mutate", *args)

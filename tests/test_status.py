@@ -196,7 +196,7 @@ def test_a_mutation_score_joins_its_tier_record_and_survives_a_rewrite(tmp_path:
     assert (mutation.valid, mutation.killed, mutation.score) == (16, 12, 0.75)
     assert mutation.survivors == [
         "backends/dcp.py:224 statement_deleted (uncaught): - dcp.check_group() / + pass"]
-    with pytest.raises(StatusFileError, match="no cpu record of 'reference'"):
+    with pytest.raises(StatusFileError, match="no cpu record of 'reference'; run `speccheck status"):
         write_mutation(tmp_path, "reference", "cpu", mutation)
     write_tier_status(tmp_path, "reference", _record("cpu"))
     write_mutation(tmp_path, "reference", "cpu", mutation)

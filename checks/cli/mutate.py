@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -89,14 +89,12 @@ def mutate_command(
         problem = output_path_problem(Path(json_path))
         if problem is not None:
             raise _fail(EXIT_BAD_INPUT, f"--json: {problem}")
-    if status is not None and not (status / f"{backend}.json").is_file():
-        raise _fail(EXIT_BAD_INPUT, f"--status: {status / (backend + '.json')} does not exist; "
-                    f"run `speccheck status --backend {backend}` first")
     chosen_operators = _operators(operators)
     started = time.monotonic()
     from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
 
     interpret_triton_without_cuda()  # before a builder's module imports Triton
+    tier = _status_tier(status, backend) if status is not None else None
     targets = _targets(backend, modules or [])
     from speccheck.checks.mutate.coverage_run import run_unmutated
     from speccheck.checks.mutate.mutants import generate_mutants, sample_mutants
@@ -122,17 +120,18 @@ def mutate_command(
     results = run_mutants(chosen, settings, on_result=show)
     report = MutationReport(backend, examples, targets, [o.value for o in chosen_operators],
                             len(generated), results, coverage, time.monotonic() - started)
-    if status is not None:
-        _write_status(status, backend, report.to_json(), _command(backend, max_mutants, seed,
-                                                                  examples))
+    report_json = report.to_json()
+    if status is not None and tier is not None:
+        _write_status(status, backend, tier, report_json,
+                      _command(backend, max_mutants, seed, examples))
     if json_path == STDOUT_PATH:
-        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
+        sys.stdout.write(json.dumps(report_json, indent=2) + "\n")
         render(report, err)
         return
     render(report, Console(highlight=False, emoji=False))
     if json_path is not None:
         try:
-            Path(json_path).write_text(json.dumps(report.to_json(), indent=2) + "\n",
+            Path(json_path).write_text(json.dumps(report_json, indent=2) + "\n",
                                        encoding="utf-8")
         except OSError as exc:
             raise _fail(EXIT_BAD_INPUT, f"--json: cannot write {json_path}: "
@@ -147,26 +146,35 @@ def _command(backend: str, max_mutants: int | None, seed: int, examples: int | N
             + (f" --examples {examples}" if examples is not None else ""))
 
 
-def _write_status(folder: Path, backend: str, report: dict[str, object], command: str) -> None:
-    """Put the run's :class:`~speccheck.checks.status.record.MutationRecord` into this
-    tier's record of ``backend`` in ``folder``; exit 2 where there is none."""
-    import datetime
-
+def _status_tier(folder: Path, backend: str) -> str:
+    """This machine's tier, whose record of ``backend`` in ``folder`` ``--status`` adds the
+    score to; exit 2, before any mutant runs, where there is no such record."""
     import torch
 
-    from speccheck.checks.provenance import commit_under_test
-    from speccheck.checks.status.record import MutationRecord, StatusFileError, write_mutation
-
+    from speccheck.checks.status.record import StatusFileError, tier_record
     from speccheck.checks.verify.vocabulary import Tier
 
     tier = (Tier.GPU if torch.cuda.is_available() else Tier.CPU).value
+    try:
+        tier_record(folder, backend, tier)
+    except StatusFileError as exc:
+        raise _fail(EXIT_BAD_INPUT, f"--status: {exc}") from None
+    return tier
+
+
+def _write_status(folder: Path, backend: str, tier: str, report: dict[str, Any],
+                  command: str) -> None:
+    """Put the run's :class:`~speccheck.checks.status.record.MutationRecord` into
+    ``tier``'s record of ``backend`` in ``folder`` (checked by :func:`_status_tier`)."""
+    import datetime
+
+    from speccheck.checks.provenance import commit_under_test
+    from speccheck.checks.status.record import MutationRecord, write_mutation
+
     record = MutationRecord.from_report(
         report, command=command, commit=commit_under_test(),
         date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"))
-    try:
-        write_mutation(folder, backend, tier, record)
-    except StatusFileError as exc:
-        raise _fail(EXIT_BAD_INPUT, f"--status: {exc}") from None
+    write_mutation(folder, backend, tier, record)
     _stderr().print(f"wrote the mutation score into {folder / (backend + '.json')} ({tier})",
                     markup=False)
 

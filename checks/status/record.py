@@ -230,13 +230,19 @@ def write_tier_status(folder: Path, backend: str, record: TierStatus) -> Backend
     return status
 
 
-def write_mutation(folder: Path, backend: str, tier: str, mutation: MutationRecord) -> None:
-    """Put ``mutation`` into ``tier``'s record of ``backend`` in ``folder``. Raises
-    :class:`StatusFileError` where there is no such record (``speccheck status`` writes
-    it)."""
+def tier_record(folder: Path, backend: str, tier: str) -> TierStatus:
+    """``tier``'s record of ``backend`` in ``folder``. Raises :class:`StatusFileError`
+    where there is none (``speccheck status`` writes it)."""
     path = status_path(folder, backend)
     record = read_status(path).tiers.get(tier) if path.exists() else None
     if record is None:
-        raise StatusFileError(f"{path}: no {tier} record of {backend!r} to add the mutation "
-                              f"score to; run `speccheck status --backend {backend}` first")
+        raise StatusFileError(f"{path}: no {tier} record of {backend!r}; run "
+                              f"`speccheck status --backend {backend}` first")
+    return record
+
+
+def write_mutation(folder: Path, backend: str, tier: str, mutation: MutationRecord) -> None:
+    """Put ``mutation`` into ``tier``'s record of ``backend`` in ``folder``
+    (:func:`tier_record`, which raises where there is none)."""
+    record = tier_record(folder, backend, tier)
     write_tier_status(folder, backend, record.model_copy(update={"mutation": mutation}))
