@@ -19,7 +19,7 @@ import pytest
 
 from speccheck.checks.mutate import line_tracer
 from speccheck.checks.mutate.coverage_run import run_unmutated
-from speccheck.checks.mutate.mutants import Mutant, generate_mutants, sample_mutants
+from speccheck.checks.mutate.mutants import Mutant, generate_mutants, sample_mutants, unbound_names
 from speccheck.checks.mutate.operators import OPERATORS, Operator, apply_edit
 from speccheck.checks.mutate.report import MutationReport, SurvivorClass, summary_line
 from speccheck.checks.mutate.runner import KillKind, Outcome, RunSettings, judge, run_mutants
@@ -148,6 +148,36 @@ def test_targets_of_reference_are_its_package_and_the_dcp_share() -> None:
     }
     (chosen,) = chosen_targets([ROOT / "backends" / "dcp.py"], backend_targets(REFERENCE))
     assert (chosen.package, chosen.package_dir, chosen.role) == ("speccheck", ROOT, Role.CHOSEN)
+
+
+def test_a_deleted_only_binding_makes_a_stillborn_mutant_not_run() -> None:
+    """A statement deletion that leaves a name read but bound nowhere (here ``total``, in a
+    function, and the module-level ``LIMIT``) is invalid, as a name checker would reject
+    it; deleting a statement whose name is bound again elsewhere, or a call, is not."""
+    source = (
+        "LIMIT = 4\n"
+        "def f(xs):\n"
+        "    total = sum(xs)\n"
+        "    other = 1\n"
+        "    other = 2\n"
+        "    print(other)\n"
+        "    return min(total, LIMIT)\n"
+    )
+    assert unbound_names(source, "m.py") == frozenset()
+    assert unbound_names(source.replace("    total = sum(xs)", "    pass"), "m.py") == {"total"}
+    assert unbound_names(source.replace("LIMIT = 4", "pass"), "m.py") == {"LIMIT"}
+    assert unbound_names(source.replace("    other = 1", "    pass"), "m.py") == frozenset()
+    assert unbound_names(source.replace("    print(other)", "    pass"), "m.py") == frozenset()
+
+
+def test_stillborn_mutants_are_invalid_and_their_reason_names_the_names(
+    reference_mutants: list[Mutant],
+) -> None:
+    stillborn = [m for m in reference_mutants if m.unbound]
+    assert stillborn and all(m.operator is Operator.STATEMENT_DELETED for m in stillborn)
+    assert all(not m.valid and m.compiles for m in stillborn)
+    assert all(", ".join(m.unbound) in m.invalid_reason for m in stillborn)
+    assert all(m.valid for m in reference_mutants if not m.unbound)
 
 
 def test_mutants_of_reference_cover_every_operator_and_compile(

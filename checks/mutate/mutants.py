@@ -5,7 +5,9 @@ deterministic sample a run takes when it may not run them all."""
 from __future__ import annotations
 
 import ast
+import builtins
 import random
+import symtable
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -34,7 +36,26 @@ class Mutant:
     clipped: bool
     """The edit changes an argument of ``min``/``max``/``clamp`` (an equivalence hint)."""
     compiles: bool
-    """Whether the mutated module compiles (one that does not is an invalid mutant)."""
+    """Whether the mutated module compiles."""
+    unbound: tuple[str, ...] = ()
+    """Names the mutated module reads where nothing binds them any more (the edit deleted
+    their only binding): a name checker (mypy, pyflakes) rejects such a module before it
+    runs, as a compiler rejects a stillborn mutant."""
+
+    @property
+    def valid(self) -> bool:
+        """Whether the mutant can be judged by running it: it compiles and binds every name
+        it reads (an invalid one is not run and not scored)."""
+        return self.compiles and not self.unbound
+
+    @property
+    def invalid_reason(self) -> str:
+        """Why an invalid mutant is (empty for a valid one)."""
+        if not self.compiles:
+            return "does not compile"
+        if self.unbound:
+            return f"leaves {', '.join(self.unbound)} unbound (a name checker rejects it)"
+        return ""
 
     @property
     def location(self) -> str:
@@ -70,13 +91,42 @@ def _mutant(number: int, operator: Operator, target: TargetModule, source: str, 
         compiles = True
     except (SyntaxError, ValueError):
         compiles = False
+    unbound: tuple[str, ...] = ()
+    if compiles:
+        newly = unbound_names(mutated, str(target.path)) - unbound_names(source, str(target.path))
+        unbound = tuple(sorted(newly))
     return Mutant(
         number=number, operator=operator, target=target, line=edit.line,
         end_line=edit.end_line, description=edit.description,
         original_line=source.splitlines()[edit.line - 1].strip(),
         mutated_line=mutated.splitlines()[edit.line - 1].strip(), source=mutated,
-        clipped=edit.clipped, compiles=compiles,
+        clipped=edit.clipped, compiles=compiles, unbound=unbound,
     )
+
+
+def unbound_names(source: str, filename: str) -> frozenset[str]:
+    """The names ``source`` reads, in any scope, that no scope it can see binds: not the
+    reading scope itself, an enclosing function, the module (an assignment, import, ``def``
+    or ``class`` anywhere at its top level) nor the builtins. What the compiler's symbol
+    table tells (:mod:`symtable`), as a name checker reads it; ``source`` must compile."""
+    top = symtable.symtable(source, filename, "exec")
+    module = {sym.get_name() for sym in top.get_symbols()
+              if sym.is_assigned() or sym.is_imported() or sym.is_namespace()}
+    known = module | set(dir(builtins)) | {"__file__", "__name__", "__doc__", "__spec__",
+                                           "__package__", "__loader__", "__builtins__"}
+    found: set[str] = set()
+
+    def visit(table: symtable.SymbolTable) -> None:
+        for sym in table.get_symbols():
+            if not sym.is_referenced() or sym.get_name() in known:
+                continue
+            if table is top or sym.is_global():
+                found.add(sym.get_name())
+        for child in table.get_children():
+            visit(child)
+
+    visit(top)
+    return frozenset(found)
 
 
 def sample_mutants(mutants: list[Mutant], limit: int | None, seed: int) -> list[Mutant]:

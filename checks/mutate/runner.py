@@ -29,7 +29,7 @@ class Outcome(enum.StrEnum):
     SURVIVED = "survived"
     """Verify passed."""
     INVALID = "invalid"
-    """The mutated module does not compile (never run)."""
+    """The mutated module does not compile or leaves a name unbound (never run)."""
     NOT_RUN = "not_run"
     """Not started: the budget was spent."""
 
@@ -128,8 +128,8 @@ def run_mutants(
     stop = threading.Event()
 
     def one(mutant: Mutant) -> MutantResult:
-        if not mutant.compiles:
-            result = MutantResult(mutant, Outcome.INVALID, detail="does not compile")
+        if not mutant.valid:
+            result = MutantResult(mutant, Outcome.INVALID, detail=mutant.invalid_reason)
         elif time.monotonic() - settings.started > settings.budget:
             result = MutantResult(mutant, Outcome.NOT_RUN)
         else:

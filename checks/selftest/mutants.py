@@ -252,7 +252,8 @@ class Mutant:
     recreates: str
     gpu_check: Check | None = None
     """The catching check on the GPU tier, where it differs (a host sync inside a captured
-    refresh already breaks the capture)."""
+    refresh already breaks the capture; a field against its meaning stops the run before
+    its kernels: :mod:`~speccheck.checks.verify.step_guard`)."""
     gpu_diagnosis: str | None = None
     declares: tuple[str, ...] = (DERIVED_FIELD,)
     """The step-dependent fields the mutant's matrix entry declares."""
@@ -297,6 +298,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("padding_shares_slot", PaddingSharesSlot, Check.KV_CACHE, "padding lane",
            "padding lanes writing a slot the batch itself writes in the same pass: the slot is "
            "expected and the oracle does the same, so only the slot mapping shows it",
+           gpu_check=Check.FIELD_MEANINGS, gpu_diagnosis="reference.metadata.slot_mapping",
            declares=("slot_mapping",)),
     Mutant("build_only_field", BuildOnlyQueryLens, Check.STEP_METADATA,
            "query_lens differs from a fresh eager build",

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KVSnapshot, KvShare
@@ -322,33 +323,46 @@ def compare_steps(
         if step not in cand:
             return [Outcome(Check.STEP_METADATA, Result.FAILED,
                             f"{name}: no metadata observed before draft step {step}", name, step)]
-        for path, expected in oracle[step].items():
-            if metadata_only and ".metadata" not in path:
-                continue
-            got = cand[step].get(path)
-            if got is None or not same_value(expected, got):
-                detail = "missing" if got is None else describe_difference(expected, got)
-                previous = _previous(oracle, step, path)
-                return [Outcome(Check.STEP_METADATA, Result.FAILED,
-                                f"{name}: before draft step {step}, {path} differs from a fresh "
-                                f"eager build ({detail}) — "
-                                + _staleness(got, previous, same_value), name, step, path)]
-        if metadata_only:
-            continue
-        host = cand.host.get(step, {})
-        for path, value in oracle.host.get(step, {}).items():
-            found = host.get(path)
-            if found is None or not same_host_value(value, found):
-                shown = "missing" if found is None else describe_host_value(found)
-                earlier = _previous(oracle.host, step, path)
-                return [Outcome(Check.STEP_METADATA, Result.FAILED,
-                                f"{name}: before draft step {step}, host value {path} is "
-                                f"{shown}, a fresh eager build's is {describe_host_value(value)} "
-                                f"— {_staleness(found, earlier, same_host_value)}; host "
-                                "values are not refreshed between draft steps (a captured "
-                                "graph keeps the ones it was captured with)",
-                                name, step, path)]
+        failed = compare_step(oracle, step, cand[step], cand.host.get(step, {}), name,
+                              metadata_only=metadata_only)
+        if failed is not None:
+            return [failed]
     return [Outcome(Check.STEP_METADATA, Result.PASSED, candidate=name)]
+
+
+def compare_step(
+    oracle: StepSnapshots, step: int, tensors: Mapping[str, torch.Tensor],
+    host: Mapping[str, np.ndarray], name: str, *, metadata_only: bool = False,
+) -> Outcome | None:
+    """:func:`compare_steps` for one step of the oracle's (``tensors`` and ``host``: what
+    run ``name`` held before draft step ``step``): the failed outcome of the first
+    difference, ``None`` when there is none."""
+    for path, expected in oracle[step].items():
+        if metadata_only and ".metadata" not in path:
+            continue
+        got = tensors.get(path)
+        if got is None or not same_value(expected, got):
+            detail = "missing" if got is None else describe_difference(expected, got)
+            previous = _previous(oracle, step, path)
+            return Outcome(Check.STEP_METADATA, Result.FAILED,
+                           f"{name}: before draft step {step}, {path} differs from a fresh "
+                           f"eager build ({detail}) — "
+                           + _staleness(got, previous, same_value), name, step, path)
+    if metadata_only:
+        return None
+    for path, value in oracle.host.get(step, {}).items():
+        found = host.get(path)
+        if found is None or not same_host_value(value, found):
+            shown = "missing" if found is None else describe_host_value(found)
+            earlier = _previous(oracle.host, step, path)
+            return Outcome(Check.STEP_METADATA, Result.FAILED,
+                           f"{name}: before draft step {step}, host value {path} is "
+                           f"{shown}, a fresh eager build's is {describe_host_value(value)} "
+                           f"— {_staleness(found, earlier, same_host_value)}; host "
+                           "values are not refreshed between draft steps (a captured "
+                           "graph keeps the ones it was captured with)",
+                           name, step, path)
+    return None
 
 
 def _previous(steps: Mapping[int, Mapping[str, V]], step: int, path: str) -> V | None:

@@ -52,6 +52,7 @@ from speccheck.checks.verify.examples import (
     example_json,
     reproduce_command,
 )
+from speccheck.checks.verify.rank_agreement import any_rank
 from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.strategies import draft_batches, draw_values
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
@@ -230,17 +231,10 @@ def _verify_rank(rank: int, world: int, plan: DcpRankPlan) -> DcpRankResult:
                     o.field)
             for o in failed
         ]
-        if _any_rank(bool(failed), group):
+        if any_rank(bool(failed), group):
             failing = index
             break
     report.capture_seconds = verifier.capture_seconds
     return DcpRankResult(rank, report, failing, verifier.graphs,
                          dist.get_backend_config(group))
 
-
-def _any_rank(flag: bool, group: dist.ProcessGroup) -> bool:
-    """Whether ``flag`` is set on any rank of ``group`` (one all-reduce of a CPU tensor:
-    every rank calls it once per example)."""
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())

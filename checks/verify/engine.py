@@ -61,6 +61,7 @@ from speccheck.checks.verify.scale import (
 )
 from speccheck.checks.verify.search import ExampleRun, SearchBudget, record_failure, search_all
 from speccheck.checks.verify.side_lane import SideLane, SideRun
+from speccheck.checks.verify.step_guard import GuardedRun, StepCheckFailed
 from speccheck.checks.verify.strategies import (
     BatchLimits,
     derived_step_changes,
@@ -292,7 +293,14 @@ class BackendVerifier:
                 return None
             return FirstPassSnapshot(h.first_pass_recorder.collect(lanes * query_len), query_len)
 
-        oracle = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
+        meanings = DeclaredMeanings.of(self.settings.matrices.matrix, spec.groups, self.config,
+                                       self.share)
+        try:
+            with h.armed(GuardedRun(batch, "oracle", meanings)):
+                oracle = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
+        except StepCheckFailed as stopped:
+            h.discard_run(lanes, query_len)
+            return ExampleRun(stopped.outcomes, 0)
         oracle_first_pass = first_pass()
         oracle_steps = h.recorder.collect(lanes)
         oracle_storage = dict(h.recorder.storage_of)
@@ -306,8 +314,6 @@ class BackendVerifier:
         written = expected_slots(batch, k, bs, mml, share=self.share)
         outcomes = kv_untouched(batch, written, bs, start, oracle_kv, "oracle", oracle_steps,
                                 oracle_first_pass, self.share)
-        meanings = DeclaredMeanings.of(self.settings.matrices.matrix, spec.groups, self.config,
-                                       self.share)
         outcomes += meanings.check(batch, oracle_steps, "oracle", oracle_first_pass)
         if self.graphs:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
@@ -323,10 +329,16 @@ class BackendVerifier:
                     cuda_sync_debug=self.gpu)
                 spec.refresh_hook = probe
                 forward_probe = None if self.gpu else ForwardProbe(name, spec)
+            metadata_only = candidate.path is DecodePath.HOST_PREPLANNED
             try:
-                result = spec.propose(batch, candidate.path, use_graphs=candidate.graphs)
+                with h.armed(GuardedRun(batch, name, meanings, oracle_steps, metadata_only)):
+                    result = spec.propose(batch, candidate.path, use_graphs=candidate.graphs)
             except RefreshRaised:
                 continue  # reported by the probe; nothing else of this candidate to compare
+            except StepCheckFailed as stopped:
+                h.discard_run(lanes, query_len)
+                outcomes += stopped.outcomes
+                continue  # its step failed before running: its outputs would follow from it
             finally:
                 spec.refresh_hook = None
                 if forward_probe is not None:
@@ -340,10 +352,7 @@ class BackendVerifier:
             agreed = expected_slots(batch, k, bs, mml, first_divergence(oracle, result, k),
                                     self.share)
             outcomes += kv_matches(agreed, oracle_kv, kv, self.tol, name)
-            outcomes += compare_steps(
-                oracle_steps, steps, name,
-                metadata_only=candidate.path is DecodePath.HOST_PREPLANNED,
-            )
+            outcomes += compare_steps(oracle_steps, steps, name, metadata_only=metadata_only)
             outcomes += meanings.check(batch, steps, name, candidate_first_pass)
             outcomes += zero_tails(spec.groups, h.recorder.last_metadata, name)
         outcomes += declared_fields(spec.groups, oracle_steps, oracle_storage, inputs)

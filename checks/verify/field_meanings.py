@@ -279,16 +279,28 @@ class DeclaredMeanings:
                             "no metadata recorded (single draft step, unpadded first pass)",
                             name)]
         for step in sorted(recorded):
-            state = PassState.of(batch, step, max_model_len=self.geometry.max_model_len,
-                                 advance=self.geometry.advance)
-            where = f"before draft step {step}" if step else "in the padded first pass"
-            for path, meaning in self.fields.items():
-                problem = self._problem(state, path, meaning, recorded[step].get(path))
-                if problem is not None:
-                    return [Outcome(Check.FIELD_MEANINGS, Result.FAILED,
-                                    f"{name}: {where}, {path} ({meaning.value}) {problem}",
-                                    name, step, path)]
+            failed = self.check_step(batch, step, recorded[step], name)
+            if failed is not None:
+                return [failed]
         return [Outcome(Check.FIELD_MEANINGS, Result.PASSED, candidate=name)]
+
+    def check_step(
+        self, batch: DraftBatch, step: int, snapshot: Mapping[str, torch.Tensor], name: str
+    ) -> Outcome | None:
+        """The failed outcome of the first declared field (declaration order) that
+        ``snapshot``, the metadata of run ``name`` before draft step ``step`` (``0``: its
+        padded first pass), holds against its meaning for ``batch``; ``None`` when all
+        agree."""
+        state = PassState.of(batch, step, max_model_len=self.geometry.max_model_len,
+                             advance=self.geometry.advance)
+        where = f"before draft step {step}" if step else "in the padded first pass"
+        for path, meaning in self.fields.items():
+            problem = self._problem(state, path, meaning, snapshot.get(path))
+            if problem is not None:
+                return Outcome(Check.FIELD_MEANINGS, Result.FAILED,
+                               f"{name}: {where}, {path} ({meaning.value}) {problem}",
+                               name, step, path)
+        return None
 
     def _problem(
         self, state: PassState, path: str, meaning: FieldMeaning, got: torch.Tensor | None

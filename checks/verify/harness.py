@@ -4,8 +4,11 @@ sized for the run; and the state every example starts from."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,6 +20,8 @@ from speccheck.checks.verify.comparisons import KVSnapshot
 from speccheck.checks.verify.examples import Example, example_digest
 from speccheck.checks.verify.guard_bands import GuardedAllocator
 from speccheck.checks.verify.oracle.builder import OracleMetadataBuilder
+from speccheck.checks.verify.rank_agreement import any_rank
+from speccheck.checks.verify.step_guard import GuardedRun, StepGuard
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder
 from speccheck.checks.verify.strategies import BatchLimits
 from speccheck.checks.verify.zero_tails import zero_tail_buffers
@@ -64,6 +69,11 @@ class Harness:
     recorder: StepMetadataRecorder
     first_pass_recorder: StepMetadataRecorder
     """The metadata of the padded first pass (step 0), for the padding-lane check."""
+    guard: StepGuard
+    """The speculator's step observer: records into ``recorder`` and checks an armed run's
+    eager steps before they run."""
+    first_pass_guard: StepGuard
+    """The same for the padded first pass (into ``first_pass_recorder``)."""
     reference: AutoregressiveSpeculator
     """The fp32 reference: the drafter on the oracle's attention
     (:mod:`~speccheck.checks.verify.oracle`), whatever the backend under test."""
@@ -72,6 +82,20 @@ class Harness:
     tail_buffers: list[torch.Tensor] | None = None
     """The persistent buffers under the zero-tail rule, once known
     (:meth:`HarnessSet.start_state`); every example starts with them poisoned."""
+
+    @contextlib.contextmanager
+    def armed(self, run: GuardedRun) -> Iterator[None]:
+        """Both guards check ``run``'s eager steps within the block."""
+        with self.guard.arm(run), self.first_pass_guard.arm(run):
+            yield
+
+    def discard_run(self, lanes: int, query_len: int | None) -> None:
+        """End a run stopped mid-way: what it recorded over ``lanes`` decode lanes (and
+        ``lanes * query_len`` first-pass tokens) is dropped, not reported by the next
+        run's collect."""
+        self.recorder.collect(lanes)
+        if query_len is not None:
+            self.first_pass_recorder.collect(lanes * query_len)
 
 
 class HarnessSet:
@@ -170,9 +194,15 @@ class HarnessSet:
         assert isinstance(spec, AutoregressiveSpeculator)
         self._kv_cache = spec.kv_cache
         recorder = StepMetadataRecorder(spec.groups)
-        spec.step_observer = recorder
         first_pass_recorder = StepMetadataRecorder(spec.groups)
-        spec.first_pass_observer = first_pass_recorder
+        agree = None
+        if self.dcp is not None and self.dcp.group is not None:
+            agree = functools.partial(any_rank, group=self.dcp.group)
+        stop = self.device.type == "cuda"
+        guard = StepGuard(recorder, stop=stop, agree=agree)
+        first_pass_guard = StepGuard(first_pass_recorder, stop=stop, agree=agree)
+        spec.step_observer = guard
+        spec.first_pass_observer = first_pass_guard
         start = time.perf_counter()
         capture_error = None
         try:
@@ -191,7 +221,8 @@ class HarnessSet:
         )
         assert isinstance(reference, AutoregressiveSpeculator)
         self._reference_kv_cache = reference.kv_cache
-        return Harness(spec, recorder, first_pass_recorder, reference, capture_error)
+        return Harness(spec, recorder, first_pass_recorder, guard, first_pass_guard, reference,
+                       capture_error)
 
     def start_state(self, h: Harness, example: Example) -> KVSnapshot:
         """Put ``h`` in the state ``example`` starts from, a function of the example alone:

@@ -118,6 +118,8 @@ class StepMetadataRecorder:
         self._plans: dict[int, tuple[list[tuple[int, str]], HostCopyPlan]] = {}
         """Per lane count, the snapshot keys in step order and the plan that reads their
         buffers back; dropped when a buffer of that lane count is added or replaced."""
+        self._latest: tuple[dict[str, torch.Tensor], dict[str, np.ndarray]] = ({}, {})
+        """The buffers and host values of the step last observed outside a capture."""
         self.storage_of: dict[str, int] = {}
         """Storage address of the tensor last seen at each path (to tell views of the
         speculator's input buffers from a builder's derived tensors)."""
@@ -130,7 +132,7 @@ class StepMetadataRecorder:
         ``launched_with`` (the captured metadata a per-step replay's launches were recorded
         with), or of ``group_metadata`` when that is ``None``."""
         self.last_metadata = list(group_metadata)
-        capturing = _capturing()
+        in_capture = capturing()
         tensors, host = reachable_state(self.groups, group_metadata)
         host_source = launched_with or group_metadata
         if host_source is not group_metadata:
@@ -140,7 +142,7 @@ class StepMetadataRecorder:
             key = (lanes, step, path)
             buf = self._buffers.get(key)
             if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
-                if capturing:
+                if in_capture:
                     raise RuntimeError(
                         f"snapshot buffer for {path} (step {step}) first seen during capture"
                     )
@@ -156,11 +158,20 @@ class StepMetadataRecorder:
         if targets:
             # one multi-tensor copy, not a launch per field (capturable: device copies only)
             torch._foreach_copy_(targets, list(tensors.values()))
-        if capturing:
+        if in_capture:
             self._captured_host.setdefault((lanes, step), host)
         else:
             self._host[(lanes, step)] = host
             self._observed.add((lanes, step))
+            self._latest = (dict(zip(tensors, targets, strict=True)), host)
+
+    def latest(self) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+        """Host copies of the step last observed outside a capture (``{path: tensor}``, in
+        walk order) and its host values: what the step is about to run with. Synchronises
+        (verifier-side only)."""
+        buffers, host = self._latest
+        copies = HostCopyPlan(list(buffers.values())).copies() if buffers else []
+        return dict(zip(buffers, copies, strict=True)), host
 
     def collect(self, lanes: int) -> StepSnapshots:
         """Host copies of the latest snapshots over ``lanes`` decode lanes, and the host
@@ -186,5 +197,6 @@ class StepMetadataRecorder:
         return StepSnapshots(tensors, host)
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
