@@ -18,11 +18,24 @@ from pathlib import Path
 import pytest
 
 from speccheck.checks.mutate import line_tracer
-from speccheck.checks.mutate.coverage_run import run_unmutated
+from speccheck.checks.mutate.coverage_run import CoverageRun, run_unmutated
+from speccheck.checks.mutate.equivalents import (
+    EQUIVALENTS_FILE,
+    EquivalentsError,
+    argument_for,
+    load_equivalents,
+)
 from speccheck.checks.mutate.mutants import Mutant, generate_mutants, sample_mutants, unbound_names
 from speccheck.checks.mutate.operators import OPERATORS, Operator, apply_edit
 from speccheck.checks.mutate.report import MutationReport, SurvivorClass, summary_line
-from speccheck.checks.mutate.runner import KillKind, Outcome, RunSettings, judge, run_mutants
+from speccheck.checks.mutate.runner import (
+    KillKind,
+    MutantResult,
+    Outcome,
+    RunSettings,
+    judge,
+    run_mutants,
+)
 from speccheck.checks.mutate.shadow import VerifyOutcome, run_verify
 from speccheck.checks.mutate.targets import Role, backend_targets, chosen_targets
 
@@ -275,6 +288,58 @@ def test_a_plug_in_adapter_installed_in_site_packages_is_shadowed_too(
     assert any(field.endswith("kv_lens") for field in result.named_fields)
 
 
+def test_shipped_equivalence_arguments_match_mutants_and_leave_the_score(
+    reference_mutants: list[Mutant],
+) -> None:
+    """The arguments shipped beside the reference's modules each match a generated mutant;
+    an argued survivor is classed so, carries its argument and leaves the denominator; an
+    argued mutant that is killed refutes the argument."""
+    targets = backend_targets(REFERENCE)
+    arguments = load_equivalents(targets)
+    argued = [m for m in reference_mutants if argument_for(m, arguments) is not None]
+    assert len(argued) == len(arguments) >= 2
+    check_group = _pick(reference_mutants, "dcp.py", Operator.STATEMENT_DELETED,
+                        "dcp.check_group()")
+    other = next(m for m in reference_mutants if m.valid and m not in argued)
+    survived = [MutantResult(check_group, Outcome.SURVIVED),
+                MutantResult(other, Outcome.KILLED, failed_checks=("logits",))]
+    coverage = CoverageRun(VerifyOutcome(0, None, 1.0, []), {}, 1)
+    report = MutationReport("reference", None, targets, ["statement_deleted"], 2, survived,
+                            coverage, 1.0, arguments)
+    assert report.score == 1.0 and report.scored == 1 and report.argued_survivors == 1
+    (entry, _) = report.to_json()["mutants"]
+    assert entry["survivor"] == SurvivorClass.ARGUED_EQUIVALENT.value
+    assert "never raises" in entry["argument"]
+    refuted = MutationReport("reference", None, targets, ["statement_deleted"], 1,
+                             [MutantResult(check_group, Outcome.KILLED_BY_CRASH)], coverage,
+                             1.0, arguments)
+    assert refuted.score == 1.0 and refuted.to_json()["refuted_equivalence"] == [
+        check_group.location]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("builder.py: [1]", "builder.py[0]: Input should be a valid dictionary"),
+    ("nope.py: []", "'nope.py' is not a module in"),
+    ("builder.py:\n  - {operator: bogus, original: a, mutated: b, argument: c}",
+     "builder.py[0].operator: Input should be"),
+    ("builder.py:\n  - {operator: off_by_one, original: a, mutated: b}",
+     "builder.py[0].argument: Field required"),
+    ("[unclosed", "not YAML"),
+])
+def test_a_bad_equivalents_file_is_one_line_naming_file_and_entry(
+    tmp_path: Path, text: str, message: str,
+) -> None:
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "builder.py").write_text("x = 1\n")
+    (tmp_path / EQUIVALENTS_FILE).write_text(text + "\n")
+    (target,) = chosen_targets([tmp_path / "builder.py"], [])
+    with pytest.raises(EquivalentsError) as caught:
+        load_equivalents([target])
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith(str(tmp_path / EQUIVALENTS_FILE))
+    assert message in line, line
+
+
 def test_judge_names_each_kill_kind(reference_mutants: list[Mutant]) -> None:
     mutant = reference_mutants[0]
 
@@ -367,3 +432,15 @@ def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
     assert proc.stdout == ""
     (line,) = proc.stderr.splitlines()
     assert line.startswith(message), line
+
+
+def test_a_bad_equivalents_file_beside_a_module_exits_2_with_one_line(tmp_path: Path) -> None:
+    package = tmp_path / "adapter"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "builder.py").write_text("def f(x):\n    return x + 1\n")
+    (package / EQUIVALENTS_FILE).write_text("builder.py: {}\n")
+    proc = speccheck("mutate", "--module", str(package / "builder.py"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"{package / EQUIVALENTS_FILE}: builder.py: expected a list"), line

@@ -101,6 +101,12 @@ def mutate_command(
     from speccheck.checks.mutate.report import MutationReport, render
     from speccheck.checks.mutate.runner import MutantResult, RunSettings, run_mutants
 
+    from speccheck.checks.mutate.equivalents import EquivalentsError, load_equivalents
+
+    try:
+        arguments = load_equivalents(targets)
+    except EquivalentsError as exc:
+        raise _fail(EXIT_BAD_INPUT, str(exc)) from None
     generated = generate_mutants(targets, chosen_operators)
     chosen = sample_mutants(generated, max_mutants, seed)
     err = _stderr()
@@ -119,7 +125,8 @@ def mutate_command(
                            budget=budget, timeout=timeout, started=started)
     results = run_mutants(chosen, settings, on_result=show)
     report = MutationReport(backend, examples, targets, [o.value for o in chosen_operators],
-                            len(generated), results, coverage, time.monotonic() - started)
+                            len(generated), results, coverage, time.monotonic() - started,
+                            arguments)
     report_json = report.to_json()
     if status is not None and tier is not None:
         _write_status(status, backend, tier, report_json,

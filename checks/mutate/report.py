@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
@@ -15,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from speccheck.checks.mutate.coverage_run import CoverageRun, never_executed
+from speccheck.checks.mutate.equivalents import Key, argument_for
 from speccheck.checks.mutate.runner import KillKind, MutantResult, Outcome
 from speccheck.checks.mutate.targets import TargetModule
 
@@ -29,6 +31,9 @@ class SurvivorClass(enum.StrEnum):
 
     NOT_EXECUTED = "not_executed"
     """The unmutated run never executed its line: the defaults do not reach it."""
+    ARGUED_EQUIVALENT = "argued_equivalent"
+    """Its author argues no input can tell it from the original
+    (:mod:`~speccheck.checks.mutate.equivalents`): left out of the score."""
     EQUIVALENCE_CANDIDATE = "equivalence_candidate"
     """Executed, but the mutation may not change a value (:data:`EQUIVALENCE_HEURISTIC`)."""
     UNCAUGHT = "uncaught"
@@ -48,6 +53,9 @@ class MutationReport:
     results: list[MutantResult]
     coverage: CoverageRun
     seconds: float
+    arguments: Mapping[Key, str] = field(default_factory=dict)
+    """The equivalents files' arguments beside the targets (:func:`~speccheck.checks.mutate.
+    equivalents.load_equivalents`)."""
 
     def count(self, outcome: Outcome) -> int:
         return sum(result.outcome is outcome for result in self.results)
@@ -62,10 +70,29 @@ class MutationReport:
         return sum(result.outcome.killed for result in self.results)
 
     @property
+    def argued_survivors(self) -> int:
+        """Survivors argued equivalent."""
+        return sum(self.argument(r) is not None for r in self.results
+                   if r.outcome is Outcome.SURVIVED)
+
+    @property
+    def scored(self) -> int:
+        """Mutants the score counts: run, valid, and not survivors argued equivalent."""
+        return self.run - self.count(Outcome.INVALID) - self.argued_survivors
+
+    @property
     def score(self) -> float | None:
-        """killed / (run - invalid); ``None`` when no valid mutant ran."""
-        valid = self.run - self.count(Outcome.INVALID)
-        return self.killed / valid if valid else None
+        """killed / (run - invalid - survivors argued equivalent); ``None`` when none is
+        left."""
+        return self.killed / self.scored if self.scored else None
+
+    def argument(self, result: MutantResult) -> str | None:
+        """The argument that ``result``'s mutant is equivalent, if one is made."""
+        return argument_for(result.mutant, self.arguments)
+
+    def refuted(self) -> list[MutantResult]:
+        """Mutants argued equivalent that a check killed: the argument is wrong."""
+        return [r for r in self.results if r.outcome.killed and self.argument(r) is not None]
 
     def kills_by_kind(self) -> dict[KillKind, int]:
         kinds = Counter(result.kill_kind for result in self.results)
@@ -73,6 +100,8 @@ class MutationReport:
 
     def survivor_class(self, result: MutantResult) -> SurvivorClass:
         mutant = result.mutant
+        if self.argument(result) is not None:
+            return SurvivorClass.ARGUED_EQUIVALENT
         if not self.coverage.ran(mutant.target, mutant.line, mutant.end_line):
             return SurvivorClass.NOT_EXECUTED
         if mutant.clipped:
@@ -103,6 +132,8 @@ class MutationReport:
             "score": self.score,
             "counts": {outcome.value: self.count(outcome) for outcome in Outcome},
             "kills_by_kind": {kind.value: n for kind, n in self.kills_by_kind().items()},
+            "argued_equivalent": self.argued_survivors,
+            "refuted_equivalence": [r.mutant.location for r in self.refuted()],
             "equivalence_heuristic": EQUIVALENCE_HEURISTIC,
             "never_executed": self.never_executed(),
             "mutants": [self._mutant_json(result) for result in self.results],
@@ -126,6 +157,7 @@ class MutationReport:
             "named_fields": list(result.named_fields),
             "survivor": (self.survivor_class(result).value
                          if result.outcome is Outcome.SURVIVED else None),
+            "argument": self.argument(result),
             "executed": self.coverage.ran(mutant.target, mutant.line, mutant.end_line),
             "seconds": round(result.seconds, 1),
             "detail": result.detail,
@@ -134,9 +166,9 @@ class MutationReport:
 
 def summary_line(report: MutationReport) -> str:
     score = "n/a" if report.score is None else f"{report.score:.0%}"
-    valid = report.run - report.count(Outcome.INVALID)
-    return (f"{report.backend}: mutation score {score} ({report.killed} of {valid} valid "
-            f"mutants killed; {report.count(Outcome.INVALID)} invalid, "
+    return (f"{report.backend}: mutation score {score} ({report.killed} of {report.scored} "
+            f"valid mutants killed; {report.argued_survivors} argued equivalent, "
+            f"{report.count(Outcome.INVALID)} invalid, "
             f"{report.count(Outcome.NOT_RUN)} not run for the budget, {report.generated} "
             f"generated) in {report.seconds:.0f} s")
 
@@ -152,6 +184,11 @@ def render(report: MutationReport, console: Console) -> None:
             m = result.mutant
             lines += [f"survived ({kind.value}): {m.location} {m.operator.value}: "
                       f"{m.description}", f"  - {m.original_line}", f"  + {m.mutated_line}"]
+            argument = report.argument(result)
+            if argument is not None:
+                lines.append(f"  argued: {argument}")
+        lines += [f"refuted equivalence (argued equivalent, yet killed): {r.mutant.location}"
+                  for r in report.refuted()]
         lines += [f"never executed: {shown}: {', '.join(ranges)}"
                   for shown, ranges in missed.items()]
         lines.append(f"equivalence candidates: {EQUIVALENCE_HEURISTIC}")
@@ -166,9 +203,14 @@ def render(report: MutationReport, console: Console) -> None:
             table.add_column(column, overflow="fold")
         for result, kind in survivors:
             m = result.mutant
+            argument = report.argument(result)
+            argued = "" if argument is None else f"\nargued: {argument}"
             table.add_row(Text(m.location), m.operator.value, kind.value,
-                          Text(f"- {m.original_line}\n+ {m.mutated_line}"))
+                          Text(f"- {m.original_line}\n+ {m.mutated_line}{argued}"))
         console.print(table)
+    for result in report.refuted():
+        console.print(f"refuted equivalence (argued equivalent, yet killed): "
+                      f"{result.mutant.location}", markup=False)
     if missed:
         table = Table(title="Never executed by the default run (function-body lines)")
         table.add_column("file")
