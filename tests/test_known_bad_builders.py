@@ -112,7 +112,7 @@ def test_a_replay_reports_the_host_values_its_body_was_captured_with(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The bookkeeping of a FULL-graph candidate, on the CPU: the recorder is called during
-    a capture (``_capturing`` stands in for the CUDA stream's capture flag) with the capture
+    a capture (``capturing`` stands in for the CUDA stream's capture flag) with the capture
     metadata, then not at all while the body replays."""
     spec, recorder = _speculator(BakedMaxSeqLen)
     lanes = spec.bucket_for(ONE_SHORT.num_reqs)
@@ -120,7 +120,7 @@ def test_a_replay_reports_the_host_values_its_body_was_captured_with(
     built = recorder.last_metadata
     assert built is not None and isinstance(built[0], BoundedMetadata)
     captured = [dataclasses.replace(md, max_seq_len=1) for md in built]
-    monkeypatch.setattr(step_recorder, "_capturing", lambda: True)
+    monkeypatch.setattr(step_recorder, "capturing", lambda: True)
     for step in range(1, K):
         recorder(lanes, step, captured)
     monkeypatch.undo()
