@@ -206,3 +206,10 @@ def test_a_mutation_score_joins_its_tier_record_and_survives_a_rewrite(tmp_path:
     assert status.tiers["cpu"].mutation == mutation
     page = render_status_readme(read_statuses(tmp_path))
     assert "| `reference` | cpu | 75% | 12 / 16 (445) | other_check 3, crash 9 |" in page
+    argued = MutationRecord.from_report({**MUTATE_REPORT, "score": 0.8, "argued_equivalent": 1},
+                                        command="speccheck mutate", commit="abc",
+                                        date="2026-12-05")
+    write_mutation(tmp_path, "reference", "cpu", argued)
+    page = render_status_readme(read_statuses(tmp_path))
+    assert ("| `reference` | cpu | 80% | 12 / 15, 1 argued equivalent (445) | other_check 3, "
+            "crash 9 |") in page

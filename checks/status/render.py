@@ -106,14 +106,18 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
     if mutated:
         lines += ["", "## Mutation scores", "",
                   "Mutants of the adapter killed by `speccheck verify` at the defaults "
-                  "(`speccheck mutate`; each record's JSON lists the survivors).", "",
-                  "| backend | tier | score | killed / valid (generated) | kills by kind "
+                  "(`speccheck mutate`; each record's JSON lists the survivors). Scored: "
+                  "the valid mutants run, less the survivors argued equivalent "
+                  "(`equivalent_mutants.yaml` beside the code).", "",
+                  "| backend | tier | score | killed / scored (generated) | kills by kind "
                   "| command | commit |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for name, tier, mutation in mutated:
             score = "-" if mutation.score is None else f"{mutation.score:.0%}"
             kinds = ", ".join(f"{kind} {n}" for kind, n in mutation.kills_by_kind.items() if n)
-            row = [f"`{name}`", tier, score,
-                   f"{mutation.killed} / {mutation.valid} ({mutation.generated})", kinds,
+            argued = mutation.argued_equivalent
+            scored = f"{mutation.killed} / {mutation.valid - argued}" + (
+                f", {argued} argued equivalent" if argued else "")
+            row = [f"`{name}`", tier, score, f"{scored} ({mutation.generated})", kinds,
                    f"`{mutation.command}`", f"`{mutation.commit[:10]}`"]
             lines.append(_table_row(row))
     failing = [(name, tier, record) for name, status in sorted(statuses.items())
