@@ -24,13 +24,14 @@ TEMPLATE = ROOT / "examples" / "adapter_template"
 REFRESH = "        metadata.kv_lens.copy_(metadata.seq_lens)  # the in-graph refresh\n"
 BACKEND = "template_attn"
 GATE_MARK = f'@pytest.mark.speccheck(backend="{BACKEND}", examples=20)'
-"""The template's gate. The broken copy's stops at its first failure (``fail_fast``): the
-default search finds that failure the same way before it searches on."""
+"""The template's gate. The broken copy's stops at its first failure, unshrunk (``fail_fast``,
+``shrink_seconds=0``: ``tests/fixtures/catch.py``): the default search finds that failure the
+same way before it searches on."""
 
 
 def _install(source: Path, work: Path, *, broken: bool) -> tuple[Path, Path]:
     """A copy of the template in ``work/src`` (with ``broken``, its refresh replaced by
-    ``pass`` and its gate given ``fail_fast=True``), installed into ``work/site``; returns
+    ``pass`` and its gate given ``fail_fast=True, shrink_seconds=0.0``), installed into ``work/site``; returns
     both."""
     copy, site = work / "src", work / "site"
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns("build", "*.egg-info",
@@ -43,7 +44,8 @@ def _install(source: Path, work: Path, *, broken: bool) -> tuple[Path, Path]:
         gate = copy / "tests" / "test_speccheck_gate.py"
         text = gate.read_text()
         assert text.count(GATE_MARK) == 1, "the template's gate marker changed: update GATE_MARK"
-        gate.write_text(text.replace(GATE_MARK, GATE_MARK[:-1] + ", fail_fast=True)"))
+        gate.write_text(text.replace(GATE_MARK,
+                                     GATE_MARK[:-1] + ", fail_fast=True, shrink_seconds=0.0)"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                     "--no-build-isolation", "--target", str(site), str(copy)],
                    check=True, capture_output=True, timeout=120)

@@ -32,6 +32,7 @@ from speccheck.checks.verify.strategies import (
 )
 from speccheck.checks.verify.vocabulary import Status, Tier
 from speccheck.contract.matrix_model import CudaGraphSupport, KvLayout
+from tests.fixtures.catch import CATCH
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE_BAD = ROOT / "tests" / "fixtures" / "adapters" / "shape_bad.yaml"
@@ -171,8 +172,7 @@ def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
     to its first failure is the default search). The workers import the fixtures from the
     repository root."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    report = verify(backend, matrix=SHAPE_BAD, shrink_seconds=5.0,
-                    fail_fast=True).backend(backend)
+    report = verify(backend, matrix=SHAPE_BAD, **CATCH).backend(backend)
     assert report.status is Status.FAILED, report.cells
     assert any(f.check == "vs_fp32_reference" for f in report.failures), report.failures
     failed = [c.name for c in report.cells if c.status is Status.FAILED]

@@ -26,6 +26,7 @@ from speccheck.checks.verify.kv_share import KvShare, whole_cache_start
 from speccheck.checks.verify.vocabulary import Check
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.speculator.batch import DraftBatch
+from tests.fixtures.catch import CATCH_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU tier (gloo ranks)")
@@ -81,7 +82,7 @@ def test_stale_reference_builder_is_caught_by_the_command_at_its_defaults(tmp_pa
     matrix.write_text(yaml.safe_dump(claimed.model_dump(mode="json")))
     out = tmp_path / "stale.json"
     proc = _verify("--backend", "reference", "--matrix", str(matrix), "--dcp-world-size", "2",
-                   "--fail-fast", "--json", str(out))
+                   *CATCH_ARGS, "--json", str(out))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL reference step_metadata step " in proc.stdout
     assert "field reference.metadata.dcp_local_seq_lens: DCP rank " in proc.stdout

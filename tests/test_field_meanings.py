@@ -27,8 +27,8 @@ from speccheck.checks.selftest.mutants import naming_matrix
 from speccheck.checks.verify.field_meanings import (
     DEFINITIONS,
     DeclaredMeanings,
-    PassState,
     MeaningGeometry,
+    PassState,
 )
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KvShare
 from speccheck.checks.verify.step_recorder import StepSnapshots
@@ -38,6 +38,7 @@ from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import FieldMeaning
 from speccheck.speculator.batch import DraftBatch
 from tests.fixtures.adapters.field_meaning_mutants import DCP_LENGTH_MUTANTS, SnapshotBlockTable
+from tests.fixtures.catch import CATCH_ARGS
 from tests.fixtures.reference_at_defaults import VerifyCommandRun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,7 +181,7 @@ def _verify_mutant(
 def test_dcp_local_length_mutants_are_caught_at_the_defaults_field_named(
     tmp_path: Path, builder: type[AttentionMetadataBuilder],  # type: ignore[type-arg]
 ) -> None:
-    proc, backend = _verify_mutant(tmp_path, builder, "--dcp-world-size", "2", "--fail-fast")
+    proc, backend = _verify_mutant(tmp_path, builder, "--dcp-world-size", "2", *CATCH_ARGS)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert backend["status"] == "failed"
     named = [f for f in backend["failures"] if f["check"] == "field_meanings"]
@@ -191,7 +192,7 @@ def test_dcp_local_length_mutants_are_caught_at_the_defaults_field_named(
 @CPU_ONLY
 @pytest.mark.slow
 def test_a_block_table_snapshot_fails_at_the_defaults_on_the_cpu_tier(tmp_path: Path) -> None:
-    proc, backend = _verify_mutant(tmp_path, SnapshotBlockTable, "--fail-fast")
+    proc, backend = _verify_mutant(tmp_path, SnapshotBlockTable, *CATCH_ARGS)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     fields = {(f["check"], f["field"]) for f in backend["failures"]}
     assert ("step_metadata", "reference.metadata.block_table") in fields

@@ -16,6 +16,7 @@ from speccheck.checks.probes import HostSyncRecorder
 from speccheck.checks.verify.vocabulary import Check, Status
 from speccheck.contract.capture_state import capturing, emulated_capture
 from tests.fixtures.adapters import forward_sync
+from tests.fixtures.catch import CATCH
 
 FORWARD_SYNC = Path(forward_sync.__file__).with_suffix(".yaml")
 
@@ -28,7 +29,7 @@ def _item_site() -> str:
 
 
 def test_item_in_forward_fails_host_sync_at_the_defaults_naming_file_and_line() -> None:
-    report = speccheck.verify("item_in_forward", matrix=FORWARD_SYNC, fail_fast=True)
+    report = speccheck.verify("item_in_forward", matrix=FORWARD_SYNC, **CATCH)
     assert report.status is Status.FAILED
     verdict = {v.check: v for v in report.verdicts("item_in_forward")}[Check.HOST_SYNC]
     assert verdict.status is Status.FAILED

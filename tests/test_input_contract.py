@@ -36,6 +36,7 @@ from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.kv_cache import PAD_SLOT, SINK_BLOCK
 from speccheck.speculator.model import DrafterConfig
+from tests.fixtures.catch import CATCH_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "writing-an-adapter.md"
@@ -445,7 +446,7 @@ def test_a_rebuilding_refresh_must_zero_its_tails(tmp_path: Path) -> None:
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     runs = {}
     for label, path, extra in (("zeroed", REBUILDING.with_suffix(".yaml"), []),
-                               ("unzeroed", unzeroed, ["--fail-fast"])):
+                               ("unzeroed", unzeroed, list(CATCH_ARGS))):
         report = tmp_path / f"{label}.json"
         runs[label] = (report, subprocess.Popen(
             [sys.executable, "-c", "from speccheck.checks.cli.app import main; main()",

@@ -17,6 +17,7 @@ from speccheck.checks.verify.vocabulary import Check, Status
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
 from tests.fixtures.adapters.broken_reference import NoAttentionOutput, NoKvWrite
+from tests.fixtures.catch import CATCH
 from tests.fixtures.reference_at_defaults import VerifyCommandRun
 
 ORACLE = Path(__file__).resolve().parents[1] / "checks" / "verify" / "oracle"
@@ -56,11 +57,11 @@ def _verify_reference(tmp_path: Path,
                       builder: type[AttentionMetadataBuilder],  # type: ignore[type-arg]
                       *, fail_fast: bool = False) -> api.VerifyReport:
     """``verify --backend reference`` at the defaults (``fail_fast``: up to the first
-    failure), with ``builder`` as the reference entry's implementation."""
+    failure, unshrunk: ``tests/fixtures/catch.py``), with ``builder`` as the reference entry's implementation."""
     matrix = tmp_path / "matrix.yaml"
     named = naming_matrix(load_matrix(None), builder)
     matrix.write_text(yaml.safe_dump(named.model_dump(mode="json", exclude_none=True)))
-    return api.verify("reference", matrix=matrix, fail_fast=fail_fast)
+    return api.verify("reference", matrix=matrix, **(CATCH if fail_fast else {}))
 
 
 @pytest.mark.parametrize("builder", [NoKvWrite, NoAttentionOutput], ids=lambda b: b.__name__)

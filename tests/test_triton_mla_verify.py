@@ -17,6 +17,7 @@ from speccheck.checks.selftest.latent_mutants import (
     claiming_matrix,
 )
 from speccheck.contract.matrix_loader import load_matrix
+from tests.fixtures.catch import CATCH
 
 SMALL_MLA = {"kv_lora_rank": 32, "qk_rope_head_dim": 16, "head_size": 16, "num_heads": 2,
              "max_model_len": 32}
@@ -39,7 +40,7 @@ def test_cached_dcp_local_lengths_are_caught_naming_the_field(tmp_path: Path) ->
     # (no cells); the first failure names the field, so the search may end there.
     report = verify(StaleDcpLocalLens, matrix=matrix,
                     config={**SMALL_MLA, "dcp_world_size": 2}, examples=12, cells=False,
-                    fail_fast=True)
+                    **CATCH)
     (backend,) = report.backends
     assert backend.fused_allowed and not report.passed
     stale = [f for f in backend.failures if f.check == "step_metadata"]
