@@ -25,7 +25,13 @@ from speccheck.checks.mutate.equivalents import (
     argument_for,
     load_equivalents,
 )
-from speccheck.checks.mutate.mutants import Mutant, generate_mutants, sample_mutants, unbound_names
+from speccheck.checks.mutate.mutants import (
+    Mutant,
+    generate_mutants,
+    sample_mutants,
+    unbound_attributes,
+    unbound_names,
+)
 from speccheck.checks.mutate.operators import OPERATORS, Operator, apply_edit
 from speccheck.checks.mutate.report import MutationReport, SurvivorClass, summary_line
 from speccheck.checks.mutate.runner import (
@@ -183,6 +189,32 @@ def test_a_deleted_only_binding_makes_a_stillborn_mutant_not_run() -> None:
     assert unbound_names(source.replace("    print(other)", "    pass"), "m.py") == frozenset()
 
 
+def test_a_deleted_only_binding_of_an_attribute_makes_a_stillborn_mutant() -> None:
+    """An attribute a method reads from ``self`` whose only binding the edit deleted, in a
+    class whose bases are all known; a class with a base from elsewhere is not judged."""
+    source = (
+        "class Base:\n"
+        "    def __init__(self):\n"
+        "        self.kept = 1\n"
+        "class Share(Base):\n"
+        "    limit: int\n"
+        "    def __init__(self, n):\n"
+        "        super().__init__()\n"
+        "        self.n = n\n"
+        "    def total(self):\n"
+        "        return self.n + self.kept + self.limit\n"
+        "class Elsewhere(Exception):\n"
+        "    def f(self):\n"
+        "        return self.args\n"
+    )
+    assert unbound_attributes(source) == frozenset()
+    assert unbound_attributes(source.replace("        self.n = n", "        pass")) == {
+        "Share.self.n"}
+    assert unbound_attributes(source.replace("        self.kept = 1", "        pass")) == {
+        "Share.self.kept"}
+    assert unbound_attributes(source.replace("    limit: int\n", "")) == {"Share.self.limit"}
+
+
 def test_stillborn_mutants_are_invalid_and_their_reason_names_the_names(
     reference_mutants: list[Mutant],
 ) -> None:
@@ -320,9 +352,9 @@ def test_shipped_equivalence_arguments_match_mutants_and_leave_the_score(
 @pytest.mark.parametrize(("text", "message"), [
     ("builder.py: [1]", "builder.py[0]: Input should be a valid dictionary"),
     ("nope.py: []", "'nope.py' is not a module in"),
-    ("builder.py:\n  - {operator: bogus, original: a, mutated: b, argument: c}",
+    ("builder.py:\n  - {function: f, operator: bogus, original: a, mutated: b, argument: c}",
      "builder.py[0].operator: Input should be"),
-    ("builder.py:\n  - {operator: off_by_one, original: a, mutated: b}",
+    ("builder.py:\n  - {function: f, operator: off_by_one, original: a, mutated: b}",
      "builder.py[0].argument: Field required"),
     ("[unclosed", "not YAML"),
 ])

@@ -6,15 +6,17 @@ that counts it says less than it seems. Its author argues it once, in
 ``equivalent_mutants.yaml`` in the mutated module's folder, keyed by the module's file name::
 
     dcp.py:
-      - operator: statement_deleted
+      - function: DcpLocalShare.for_builder
+        operator: statement_deleted
         original: dcp.check_group()
         mutated: pass
         argument: >-
           A consistency check of the process group against the rank; on correct input it
           never raises, so deleting it changes nothing a gate can observe.
 
-An entry names the operator and the original and mutated lines (stripped), not a line
-number, so it holds while the code around it moves. ``speccheck mutate`` reports a survivor
+An entry names the function (qualified: ``Class.method``), the operator and the original
+and mutated lines (stripped), not a line number, so it holds while the code around it
+moves. ``speccheck mutate`` reports a survivor
 an entry matches as argued equivalent, with the argument, and leaves it out of the score's
 denominator; an argued mutant that is killed is reported as a refuted argument (and scored
 as killed).
@@ -48,6 +50,8 @@ class ArguedEquivalent(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+    function: str = Field(min_length=1)
+    """The qualified name of the function holding the line (``Class.method``)."""
     operator: Operator
     original: str = Field(min_length=1)
     """The original source line, stripped."""
@@ -57,8 +61,8 @@ class ArguedEquivalent(BaseModel):
     """Why no input can tell the mutant from the original."""
 
 
-Key = tuple[Path, Operator, str, str]
-"""(module path, operator, original line, mutated line)."""
+Key = tuple[Path, str, Operator, str, str]
+"""(module path, function, operator, original line, mutated line)."""
 
 
 def load_equivalents(targets: Iterable[TargetModule]) -> dict[Key, str]:
@@ -70,7 +74,8 @@ def load_equivalents(targets: Iterable[TargetModule]) -> dict[Key, str]:
         if not path.is_file():
             continue
         for module, entry in _entries(path):
-            key = (folder / module, entry.operator, entry.original, entry.mutated)
+            key = (folder / module, entry.function, entry.operator, entry.original,
+                   entry.mutated)
             arguments[key] = " ".join(entry.argument.split())
     return arguments
 
@@ -106,5 +111,5 @@ def _entries(path: Path) -> list[tuple[str, ArguedEquivalent]]:
 
 def argument_for(mutant: Mutant, arguments: Mapping[Key, str]) -> str | None:
     """The argument that ``mutant`` is equivalent, or ``None``."""
-    return arguments.get((mutant.target.path, mutant.operator, mutant.original_line,
-                          mutant.mutated_line))
+    return arguments.get((mutant.target.path, mutant.function, mutant.operator,
+                          mutant.original_line, mutant.mutated_line))

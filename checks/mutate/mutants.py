@@ -35,12 +35,15 @@ class Mutant:
     """The whole mutated module."""
     clipped: bool
     """The edit changes an argument of ``min``/``max``/``clamp`` (an equivalence hint)."""
+    function: str
+    """The qualified name of the innermost function holding the edit (``Class.method``)."""
     compiles: bool
     """Whether the mutated module compiles."""
     unbound: tuple[str, ...] = ()
-    """Names the mutated module reads where nothing binds them any more (the edit deleted
-    their only binding): a name checker (mypy, pyflakes) rejects such a module before it
-    runs, as a compiler rejects a stillborn mutant."""
+    """Names (and ``Class.self.attr`` attributes) the mutated module reads where nothing
+    binds them any more (the edit deleted their only binding): a name checker (mypy,
+    pyflakes) rejects such a module before it runs, as a compiler rejects a stillborn
+    mutant."""
 
     @property
     def valid(self) -> bool:
@@ -74,18 +77,41 @@ def generate_mutants(
     for target in targets:
         source = target.path.read_text(encoding="utf-8")
         tree = ast.parse(source, filename=str(target.path))
+        functions = function_spans(tree)
         for operator in chosen:
             for edit in OPERATORS[operator](tree, source):
                 mutated = apply_edit(source, edit)
                 if mutated == source or (target, mutated) in seen:
                     continue
                 seen.add((target, mutated))
-                mutants.append(_mutant(len(mutants) + 1, operator, target, source, mutated, edit))
+                function = next((name for first, last, name in functions
+                                 if first <= edit.line <= last), "")
+                mutants.append(_mutant(len(mutants) + 1, operator, target, source, mutated,
+                                       edit, function))
     return mutants
 
 
+def function_spans(tree: ast.Module) -> list[tuple[int, int, str]]:
+    """``(first line, last line, qualified name)`` of every function in ``tree``, innermost
+    first (a line's first match is the function that holds it)."""
+    spans: list[tuple[int, int, str]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                visit(child, f"{name}.")
+                if not isinstance(child, ast.ClassDef):
+                    spans.append((child.lineno, child.end_lineno or child.lineno, name))
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return spans
+
+
 def _mutant(number: int, operator: Operator, target: TargetModule, source: str, mutated: str,
-            edit: Edit) -> Mutant:
+            edit: Edit, function: str) -> Mutant:
     try:
         compile(mutated, str(target.path), "exec", dont_inherit=True)
         compiles = True
@@ -93,15 +119,78 @@ def _mutant(number: int, operator: Operator, target: TargetModule, source: str, 
         compiles = False
     unbound: tuple[str, ...] = ()
     if compiles:
-        newly = unbound_names(mutated, str(target.path)) - unbound_names(source, str(target.path))
-        unbound = tuple(sorted(newly))
+        before = unbound_names(source, str(target.path)) | unbound_attributes(source)
+        after = unbound_names(mutated, str(target.path)) | unbound_attributes(mutated)
+        unbound = tuple(sorted(after - before))
     return Mutant(
         number=number, operator=operator, target=target, line=edit.line,
         end_line=edit.end_line, description=edit.description,
         original_line=source.splitlines()[edit.line - 1].strip(),
         mutated_line=mutated.splitlines()[edit.line - 1].strip(), source=mutated,
-        clipped=edit.clipped, compiles=compiles, unbound=unbound,
+        clipped=edit.clipped, function=function, compiles=compiles, unbound=unbound,
     )
+
+
+TRIVIAL_BASES = frozenset({"object", "Protocol", "Generic"})
+"""Base classes that bind no instance attribute."""
+
+
+def unbound_attributes(source: str) -> frozenset[str]:
+    """``Class.self.attr`` for each attribute a method of ``Class`` reads from ``self`` that
+    nothing binds: no method of the class or of its bases in ``source`` stores it, and no
+    class body assigns, annotates or defines it. Only classes whose bases are all in
+    ``source`` (or bind nothing: ``object``, ``Protocol``, ``Generic``) are judged: a base
+    from elsewhere may bind anything."""
+    tree = ast.parse(source)
+    classes = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+
+    def base_names(cls: ast.ClassDef) -> list[str] | None:
+        names = []
+        for base in cls.bases:
+            node = base.value if isinstance(base, ast.Subscript) else base
+            if not isinstance(node, ast.Name):
+                return None
+            names.append(node.id)
+        return names
+
+    def bound(cls: ast.ClassDef, seen: frozenset[str] = frozenset()) -> set[str] | None:
+        bases = base_names(cls)
+        if bases is None or cls.name in seen:
+            return None
+        names: set[str] = set()
+        for base in bases:
+            if base in TRIVIAL_BASES:
+                continue
+            if base not in classes:
+                return None
+            inherited = bound(classes[base], seen | {cls.name})
+            if inherited is None:
+                return None
+            names |= inherited
+        for statement in cls.body:
+            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(statement.name)
+            elif isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+                names.add(statement.target.id)
+            elif isinstance(statement, ast.Assign):
+                names |= {t.id for t in statement.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(cls):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del))
+                    and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                names.add(node.attr)
+        return names
+
+    found: set[str] = set()
+    for cls in classes.values():
+        names = bound(cls)
+        if names is None:
+            continue
+        for node in ast.walk(cls):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+                    and isinstance(node.value, ast.Name) and node.value.id == "self"
+                    and node.attr not in names):
+                found.add(f"{cls.name}.self.{node.attr}")
+    return frozenset(found)
 
 
 def unbound_names(source: str, filename: str) -> frozenset[str]:
