@@ -476,3 +476,14 @@ def test_a_bad_equivalents_file_beside_a_module_exits_2_with_one_line(tmp_path: 
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = proc.stderr.splitlines()
     assert line.startswith(f"{package / EQUIVALENTS_FILE}: builder.py: expected a list"), line
+
+
+def test_the_recorded_command_repeats_the_modules_operators_and_sample() -> None:
+    """The command a status record keeps names everything that chose the mutants."""
+    from speccheck.checks.cli.mutate import _command
+
+    assert _command("reference", [Path("backends/dcp.py"), Path("my dir/b.py")], "off_by_one",
+                    24, 2, 3) == (
+        "speccheck mutate --backend reference --module backends/dcp.py --module 'my dir/b.py' "
+        "--operators off_by_one --max-mutants 24 --seed 2 --examples 3")
+    assert _command("reference", [], None, None, 0, None) == "speccheck mutate --backend reference"

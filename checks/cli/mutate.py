@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -130,7 +131,7 @@ def mutate_command(
     report_json = report.to_json()
     if status is not None and tier is not None:
         _write_status(status, backend, tier, report_json,
-                      _command(backend, max_mutants, seed, examples))
+                      _command(backend, modules or [], operators, max_mutants, seed, examples))
     if json_path == STDOUT_PATH:
         sys.stdout.write(json.dumps(report_json, indent=2) + "\n")
         render(report, err)
@@ -146,11 +147,19 @@ def mutate_command(
         err.print(f"wrote {json_path}", markup=False)
 
 
-def _command(backend: str, max_mutants: int | None, seed: int, examples: int | None) -> str:
-    """The command that repeats this run's sample."""
-    sample = f" --max-mutants {max_mutants} --seed {seed}" if max_mutants is not None else ""
-    return (f"speccheck mutate --backend {backend}{sample}"
-            + (f" --examples {examples}" if examples is not None else ""))
+def _command(backend: str, modules: list[Path], operators: str | None,
+             max_mutants: int | None, seed: int, examples: int | None) -> str:
+    """The command that repeats this run's sample (its modules and operators included)."""
+    parts = ["speccheck", "mutate", "--backend", backend]
+    for module in modules:
+        parts += ["--module", str(module)]
+    if operators is not None:
+        parts += ["--operators", operators]
+    if max_mutants is not None:
+        parts += ["--max-mutants", str(max_mutants), "--seed", str(seed)]
+    if examples is not None:
+        parts += ["--examples", str(examples)]
+    return shlex.join(parts)
 
 
 def _status_tier(folder: Path, backend: str) -> str:
