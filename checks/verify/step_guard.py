@@ -44,7 +44,8 @@ from speccheck.speculator.batch import DraftBatch
 
 
 class StepCheckFailed(Exception):
-    """An armed run's step failed its check before the step ran: ``outcome`` is that
+    """An armed run ended at a step that failed its check: on a GPU before the step ran, on
+    the CPU when the run then raised (the outcome says what was raised). ``outcome`` is that
     failure, ``None`` on a DCP rank stopped because another rank's step failed."""
 
     def __init__(self, outcome: Outcome | None) -> None:
