@@ -8,21 +8,20 @@ the CPU or an illegal memory access on a GPU, which takes the worker's CUDA cont
 it. The report then says "crashed" where the cause was a field the verifier knows.
 
 A :class:`StepGuard` is the speculator's step observer: it records each step as the recorder
-does and, for a run armed with :meth:`StepGuard.arm`, checks the step right away, on the
-host, before the speculator runs the step's forward: for a candidate, every field and host
-value against the oracle's same step first (a stale field is named as stale), then every
-declared field against its meaning for the batch. Only steps observed outside a capture are
-checked (a captured body runs no Python at replay; its steps are checked after the run as
-before); an eager run pays one host read-back per step. What a failure does depends on the
-device:
+does and checks the eagerly observed steps of a run armed with :meth:`StepGuard.arm`: for a
+candidate, every field and host value against the oracle's same step first (a stale field is
+named as stale), then every declared field against its meaning for the batch. Steps inside
+a replayed graph run no Python; they are checked after the run, as every step also is. When
+the checks run depends on the device:
 
-- on a GPU the run stops there (:class:`StepCheckFailed`): a kernel launched with metadata
-  known to be wrong may fault, and an illegal memory access takes the worker's CUDA context
-  with it, so the run's outputs are not compared;
-- on the CPU the run goes on, so its outputs are compared and the after-run checks report
-  the failure with its consequences as before; only where the run then raises is the
-  exception replaced by :class:`StepCheckFailed` with the first failure, which names the
-  field instead of a crash.
+- on a GPU, each step as it is recorded, before its forward (one host read-back per step),
+  and the run stops at the first failure (:class:`StepCheckFailed`): a kernel launched with
+  metadata known to be wrong may fault, and an illegal memory access takes the worker's
+  CUDA context with it, so the run's outputs are not compared;
+- on the CPU, only if the run raises: the steps it recorded are checked then, and the
+  exception becomes :class:`StepCheckFailed` with the first failure, which names the field
+  instead of a crash. A run that does not raise pays nothing, and its outputs are compared
+  and its failures reported with their consequences by the after-run checks, as before.
 
 Under DCP every rank runs the same steps in lockstep and the attention all-gathers across
 ranks, so on a GPU one rank may not stop alone: the ranks agree at each checked step (one
@@ -32,10 +31,13 @@ all-reduce) and all stop when any failed; a rank that did not fail stops with no
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import torch
 
 from speccheck.checks.verify.comparisons import Outcome, compare_step
 from speccheck.checks.verify.field_meanings import DeclaredMeanings
@@ -75,10 +77,11 @@ class GuardedRun:
 
 class StepGuard:
     """The step observer of one speculator: records every step into ``recorder`` and checks
-    the eagerly observed steps of an armed run (see the module docstring): ``stop`` at the
-    first failure (a GPU) or keep it for an exception that follows (the CPU). ``agree``,
-    under DCP with ``stop``, tells whether any rank's step failed (called at every checked
-    step, by every rank)."""
+    the eagerly observed steps of an armed run (see the module docstring): each as it comes,
+    stopping at the first failure, with ``stop`` (a GPU); otherwise (the CPU) only once the
+    run raised, over the steps it recorded, so a run that does not raise pays nothing.
+    ``agree``, under DCP with ``stop``, tells whether any rank's step failed (called at
+    every checked step, by every rank)."""
 
     def __init__(
         self, recorder: StepMetadataRecorder, *, stop: bool,
@@ -88,20 +91,21 @@ class StepGuard:
         self.stop = stop
         self.agree = agree if stop else None
         self._run: GuardedRun | None = None
-        self._failed: Outcome | None = None
+        self._observed: list[tuple[int, int]] = []
+        """(lanes, step) of each step the armed run recorded eagerly, in order."""
 
     @contextmanager
     def arm(self, run: GuardedRun) -> Iterator[None]:
         """Check the steps observed within the block against ``run``; an exception raised
-        in the block after a step failed its check becomes :class:`StepCheckFailed` with
-        that failure."""
-        self._run, self._failed = run, None
+        in the block, where one of the steps recorded before it fails its check, becomes
+        :class:`StepCheckFailed` with that failure (the first)."""
+        self._run, self._observed = run, []
         try:
             yield
         except StepCheckFailed:
             raise
         except Exception as exc:
-            failed = self._failed
+            failed = None if self.stop else self._first_failure(run)
             if failed is None:
                 raise
             raised = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
@@ -109,7 +113,7 @@ class StepGuard:
                 failed, diagnosis=f"{failed.diagnosis}; the run then raised {raised}")
             raise StepCheckFailed(outcome) from exc
         finally:
-            self._run, self._failed = None, None
+            self._run, self._observed = None, []
 
     def __call__(
         self, lanes: int, step: int, group_metadata: Sequence[Any],
@@ -117,20 +121,36 @@ class StepGuard:
     ) -> None:
         self.recorder(lanes, step, group_metadata, launched_with)
         run = self._run
-        if run is None or capturing() or (self._failed is not None and not self.stop):
+        if run is None or capturing():
             return
-        failed = self._check(run, step)
+        self._observed.append((lanes, step))
+        if not self.stop:
+            return
+        tensors, host = self.recorder.latest()
+        failed = self._check(run, step, tensors, host)
         if self.agree is not None:
             if self.agree(failed is not None):
                 raise StepCheckFailed(failed)
         elif failed is not None:
-            if self.stop:
-                raise StepCheckFailed(failed)
-            self._failed = failed
+            raise StepCheckFailed(failed)
 
-    def _check(self, run: GuardedRun, step: int) -> Outcome | None:
-        """The first failure of the step the recorder just recorded, or ``None``."""
-        tensors, host = self.recorder.latest()
+    def _first_failure(self, run: GuardedRun) -> Outcome | None:
+        """The first failure among the steps the armed run recorded, in order."""
+        recorded = {lanes: self.recorder.collect(lanes)
+                    for lanes in dict.fromkeys(lanes for lanes, _ in self._observed)}
+        for lanes, step in self._observed:
+            steps = recorded[lanes]
+            failed = self._check(run, step, steps[step], steps.host.get(step, {}))
+            if failed is not None:
+                return failed
+        return None
+
+    def _check(
+        self, run: GuardedRun, step: int, tensors: Mapping[str, torch.Tensor],
+        host: Mapping[str, np.ndarray],
+    ) -> Outcome | None:
+        """The first failure of ``run``'s step ``step`` (``tensors`` and ``host``: what it
+        held), or ``None``."""
         if run.oracle is not None and step in run.oracle:
             failed = compare_step(run.oracle, step, tensors, host, run.name,
                                   metadata_only=run.metadata_only)
