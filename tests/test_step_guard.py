@@ -1,20 +1,31 @@
-"""Each eager step's metadata is checked before the step runs (``checks/verify/step_guard``):
-a builder whose refresh leaves a block table pointing past the cache used to end the run in
-the attention's index error (a crash, no field named); it now fails ``field_meanings`` on
-the block table before the first step it refreshes runs (the fused candidate's padded
-first pass), while the oracle (which
-builds each step) passes."""
+"""Each eager step's metadata is guarded (``checks/verify/step_guard``): a builder whose
+refresh leaves a block table pointing past the cache used to end the run in the attention's
+index error (a crash, no field named). On the CPU the run now fails ``field_meanings`` on
+the block table of the first step it refreshed (the fused candidate's padded first pass),
+with the error appended, while the oracle (which builds each step) passes; with a GPU's
+guard (``stop``) the run ends at the first draft step so refreshed, before its forward
+reads the block table."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
 from speccheck.checks.selftest.run import verify_at_defaults
 from speccheck.checks.verify.comparisons import Outcome
-from speccheck.checks.verify.step_guard import StepCheckFailed
+from speccheck.checks.verify.field_meanings import DeclaredMeanings
+from speccheck.checks.verify.kv_share import WHOLE_CACHE
+from speccheck.checks.verify.step_guard import GuardedRun, StepCheckFailed, StepGuard
+from speccheck.checks.verify.step_recorder import StepMetadataRecorder
 from speccheck.checks.verify.vocabulary import Check, Result, Status
 from speccheck.contract.matrix_loader import load_matrix
+from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
+from speccheck.speculator.base import SpeculatorOptions
+from speccheck.speculator.batch import DraftBatch
+from speccheck.speculator.factory import create_speculator
+from speccheck.speculator.model import DrafterConfig
+from tests.fixtures.configs import CPU_CONFIG
 
 FAR_PAST_THE_CACHE = 1 << 24
 
@@ -43,3 +54,30 @@ def test_a_stop_carries_its_failure_and_a_peer_rank_stop_carries_none() -> None:
     failed = Outcome(Check.FIELD_MEANINGS, Result.FAILED, "x", "fused_eager", 2, "f")
     assert StepCheckFailed(failed).outcomes == [failed]
     assert StepCheckFailed(None).outcomes == []
+
+
+def test_a_stopping_guard_ends_the_run_before_the_step_reads_the_field() -> None:
+    """The GPU's guard, on the CPU: the fused run stops at the first draft step whose
+    refreshed block table points past the cache, before that step's forward would raise."""
+    config = CPU_CONFIG.model_copy(update={"num_speculative_steps": 4})
+    matrix = load_matrix(None)
+    spec = create_speculator(
+        "autoregressive", ["reference"] * 2, config,
+        DrafterConfig.for_runtime(config, vocab_size=64), torch.device("cpu"),
+        SpeculatorOptions(capture_sizes=(2, 4), num_blocks=4 * (config.max_model_len // config.block_size) + 1,
+                          pad_to_capture_sizes=True),
+        matrix=matrix, builder_overrides={"reference": RefreshPointsPastTheCache},
+    )
+    assert isinstance(spec, AutoregressiveSpeculator)
+    guard = StepGuard(StepMetadataRecorder(spec.groups), stop=True)
+    spec.step_observer = guard
+    batch = DraftBatch((5,), ((7, 8),), ((3, 5, 6),), (1,))
+    run = GuardedRun(batch, "fused_eager",
+                     DeclaredMeanings.of(matrix, spec.groups, config, WHOLE_CACHE))
+    with pytest.raises(StepCheckFailed) as stopped, guard.arm(run):
+        spec.propose(batch, DecodePath.FUSED, use_graphs=False)
+    outcome = stopped.value.outcome
+    assert outcome is not None and outcome.check is Check.FIELD_MEANINGS
+    assert outcome.field == "reference.metadata.block_table" and outcome.step
+    assert outcome.candidate == "fused_eager"
+    assert "then raised" not in outcome.diagnosis  # nothing ran on the wrong table
