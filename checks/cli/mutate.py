@@ -98,11 +98,10 @@ def mutate_command(
     tier = _status_tier(status, backend) if status is not None else None
     targets = _targets(backend, modules or [])
     from speccheck.checks.mutate.coverage_run import run_unmutated
+    from speccheck.checks.mutate.equivalents import EquivalentsError, load_equivalents
     from speccheck.checks.mutate.mutants import generate_mutants, sample_mutants
     from speccheck.checks.mutate.report import MutationReport, render
     from speccheck.checks.mutate.runner import MutantResult, RunSettings, run_mutants
-
-    from speccheck.checks.mutate.equivalents import EquivalentsError, load_equivalents
 
     try:
         arguments = load_equivalents(targets)

@@ -78,6 +78,7 @@ def generate_mutants(
         source = target.path.read_text(encoding="utf-8")
         tree = ast.parse(source, filename=str(target.path))
         functions = function_spans(tree)
+        unbound_in_source = unbound_names(source, str(target.path)) | unbound_attributes(source)
         for operator in chosen:
             for edit in OPERATORS[operator](tree, source):
                 mutated = apply_edit(source, edit)
@@ -87,7 +88,7 @@ def generate_mutants(
                 function = next((name for first, last, name in functions
                                  if first <= edit.line <= last), "")
                 mutants.append(_mutant(len(mutants) + 1, operator, target, source, mutated,
-                                       edit, function))
+                                       edit, function, unbound_in_source))
     return mutants
 
 
@@ -111,7 +112,9 @@ def function_spans(tree: ast.Module) -> list[tuple[int, int, str]]:
 
 
 def _mutant(number: int, operator: Operator, target: TargetModule, source: str, mutated: str,
-            edit: Edit, function: str) -> Mutant:
+            edit: Edit, function: str, unbound_before: frozenset[str]) -> Mutant:
+    """One mutant of ``source``; ``unbound_before``: what ``source`` itself leaves unbound
+    (:func:`unbound_names`, :func:`unbound_attributes`), computed once per module."""
     try:
         compile(mutated, str(target.path), "exec", dont_inherit=True)
         compiles = True
@@ -119,9 +122,8 @@ def _mutant(number: int, operator: Operator, target: TargetModule, source: str, 
         compiles = False
     unbound: tuple[str, ...] = ()
     if compiles:
-        before = unbound_names(source, str(target.path)) | unbound_attributes(source)
         after = unbound_names(mutated, str(target.path)) | unbound_attributes(mutated)
-        unbound = tuple(sorted(after - before))
+        unbound = tuple(sorted(after - unbound_before))
     return Mutant(
         number=number, operator=operator, target=target, line=edit.line,
         end_line=edit.end_line, description=edit.description,

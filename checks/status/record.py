@@ -107,6 +107,12 @@ class MutationRecord(_Record):
     """``FILE:LINE OPERATOR (survivor class): - original / + mutated`` of each survivor."""
     seconds: float
 
+    @property
+    def scored(self) -> int:
+        """The mutants the score counts: the valid ones less the survivors argued
+        equivalent."""
+        return self.valid - self.argued_equivalent
+
     @classmethod
     def from_report(cls, report: dict[str, Any], *, command: str, commit: str,
                     date: str) -> MutationRecord:

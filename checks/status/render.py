@@ -115,7 +115,7 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
             score = "-" if mutation.score is None else f"{mutation.score:.0%}"
             kinds = ", ".join(f"{kind} {n}" for kind, n in mutation.kills_by_kind.items() if n)
             argued = mutation.argued_equivalent
-            scored = f"{mutation.killed} / {mutation.valid - argued}" + (
+            scored = f"{mutation.killed} / {mutation.scored}" + (
                 f", {argued} argued equivalent" if argued else "")
             row = [f"`{name}`", tier, score, f"{scored} ({mutation.generated})", kinds,
                    f"`{mutation.command}`", f"`{mutation.commit[:10]}`"]

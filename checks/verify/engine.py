@@ -338,7 +338,7 @@ class BackendVerifier:
             except StepCheckFailed as stopped:
                 h.discard_run(lanes, query_len)
                 outcomes += stopped.outcomes
-                continue  # its step failed before running: its outputs would follow from it
+                continue  # it stopped at a failed step: no outputs of it to compare
             finally:
                 spec.refresh_hook = None
                 if forward_probe is not None:

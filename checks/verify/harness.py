@@ -71,7 +71,8 @@ class Harness:
     """The metadata of the padded first pass (step 0), for the padding-lane check."""
     guard: StepGuard
     """The speculator's step observer: records into ``recorder`` and checks an armed run's
-    eager steps before they run."""
+    eager steps (:mod:`~speccheck.checks.verify.step_guard`: on a GPU before each runs, on
+    the CPU once the run raised)."""
     first_pass_guard: StepGuard
     """The same for the padded first pass (into ``first_pass_recorder``)."""
     reference: AutoregressiveSpeculator

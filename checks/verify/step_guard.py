@@ -1,4 +1,5 @@
-"""Each eagerly run step's metadata checked before the step's kernels run.
+"""Each eagerly run step's metadata checked: on a GPU before the step's kernels run, on the
+CPU once a run raised.
 
 The checks of a run's metadata (``field_meanings``, ``step_metadata``) read the snapshots
 the :class:`~speccheck.checks.verify.step_recorder.StepMetadataRecorder` took, after the run.
