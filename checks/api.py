@@ -474,10 +474,12 @@ class VerifyPlan:
         plain = [plan is not None and plan.dcp_ranks(name) == 1 for plan in plans]
         reports: list[BackendReport] = []
         rows: list[CellReport] = []
+        stopped_by: str | None = None
         for i, (cell, plan) in enumerate(zip(cells, plans, strict=True)):
-            if plan is None:
-                why = cell.not_run or (f"the {self.verify_run.examples} examples are spent on "
-                                       "the cells before it; raise --examples")
+            if plan is None or stopped_by is not None:
+                why = cell.not_run or stopped_by or (
+                    f"the {self.verify_run.examples} examples are spent on the cells before "
+                    "it; raise --examples")
                 rows.append(CellReport(cell.name, Status.SKIPPED, run=False, detail=why))
                 continue
             if plain[i] and any(plain[i + 1:]):
@@ -489,6 +491,8 @@ class VerifyPlan:
             rows.append(CellReport(cell.name, report.status, examples=report.examples,
                                    detail=report.detail or plan.dcp_note(name) or "",
                                    reproduce=report.reproduce))
+            if self.verify_run.fail_fast and report.status in (Status.FAILED, Status.CRASHED):
+                stopped_by = f"fail-fast: the run stopped at the {cell.name} cell's failure"
         merged = merge_shards(reports, time.perf_counter() - started)
         worst = next(r for r in reports if r.status is merged.status)
         merged.reproduced, merged.cells = worst.reproduced, rows

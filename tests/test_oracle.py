@@ -72,6 +72,13 @@ def test_a_reference_with_a_deleted_statement_fails_against_the_oracle(
     verdict = {v.check: v for v in report.verdicts("reference")}[Check.VS_FP32_REFERENCE]
     assert report.backend("reference").status is Status.FAILED, report.summary_lines()
     assert verdict.status is Status.FAILED, verdict
+    # fail_fast ends the run at the first failing cell: the cells after it are not run.
+    cells = report.backend("reference").cells
+    failing = next(i for i, cell in enumerate(cells) if cell.status is Status.FAILED)
+    assert failing < len(cells) - 1, cells  # the base cell fails: every example misses a write
+    assert all(not cell.run and cell.detail.startswith("fail-fast: the run stopped at the "
+                                                       f"{cells[failing].name} cell")
+               for cell in cells[failing + 1:]), cells
 
 
 def test_the_shipped_reference_passes_against_the_oracle(

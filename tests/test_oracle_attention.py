@@ -94,3 +94,17 @@ def test_the_oracle_matches_the_reference_attention_and_writes_its_slots(
         scale, causal, window)
     torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
     assert not output[t:].any(), "padding tokens' rows are left as they arrived"
+
+
+def test_requests_of_very_different_lengths_are_attended_in_chunks_of_their_own() -> None:
+    """Up to :data:`SIMILAR_LENGTHS` requests share a chunk whatever their spread; past it a
+    chunk takes a request only up to twice its shortest length, so one long request among
+    short ones does not pad them all to its length."""
+    from speccheck.checks.verify.oracle.chunks import SIMILAR_LENGTHS, plan_chunks
+    from speccheck.checks.verify.oracle.spans import RequestSpan
+
+    lengths = [1, 7, SIMILAR_LENGTHS, 3 * SIMILAR_LENGTHS, 5 * SIMILAR_LENGTHS, 33_000]
+    spans = [RequestSpan(r, r, 1, length) for r, length in enumerate(lengths)]
+    chunks = plan_chunks(spans[::-1], row_bytes=8, device=CPU)
+    assert [chunk.requests.tolist() for chunk in chunks] == [[0, 1, 2], [3, 4], [5]]
+    assert [chunk.length for chunk in chunks] == [SIMILAR_LENGTHS, 5 * SIMILAR_LENGTHS, 33_000]

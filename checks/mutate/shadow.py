@@ -102,7 +102,7 @@ def run_verify(
 ) -> VerifyOutcome:
     """Run ``speccheck verify --backend BACKEND`` at its defaults (``--examples`` when
     given; no shrinking, which only makes a failure's example smaller; ``--fail-fast`` when
-    ``fail_fast``, which ends each cell's search at its first failure) with ``root`` first
+    ``fail_fast``, which ends the run at its first failure) with ``root`` first
     on ``PYTHONPATH`` and as working directory. A run still going after ``timeout`` seconds,
     or when ``stop`` is set, is killed with its whole process group (its workers included)
     and counts as timed out."""

@@ -123,8 +123,10 @@ class VerifyRun(BaseModel):
     shrink_seconds: float = Field(DEFAULT_SHRINK_SECONDS, ge=0, allow_inf_nan=False)
     """Each worker's budget for shrinking a failure to a smaller example."""
     fail_fast: bool = False
-    """End each worker's search at its first failure; by default it searches on with the
-    examples left for failures of checks (and ``step_metadata`` fields) not yet failed."""
+    """End each worker's search at its first failure, and a backend's run at its first
+    failing configuration cell (the cells after it are listed as not run); by default it
+    searches on with the examples left for failures of checks (and ``step_metadata``
+    fields) not yet failed, in every cell."""
     jobs: int | None = Field(None, ge=1, le=MAX_JOBS)
     """Worker processes per single-rank backend; ``None``: the machine's default
     (:func:`~speccheck.checks.verify.scale.default_jobs`)."""

@@ -38,13 +38,22 @@ class AttentionChunk:
     ``cell_tokens`` flat at them are the call's rows they fill."""
 
 
+SIMILAR_LENGTHS = 1024
+"""Lengths up to which requests are attended together whatever their spread: past it a
+chunk takes a request only up to twice its shortest one's length, so that padding at most
+doubles a chunk's work (one request of 33 000 keys among short ones would otherwise pad
+them all to it)."""
+
+
 def plan_chunks(spans: Sequence[RequestSpan], row_bytes: int,
                 device: torch.device) -> tuple[AttentionChunk, ...]:
     """``spans`` in chunks, shortest requests first, each as many as fit
-    :data:`GATHER_BYTES` at ``row_bytes`` per gathered position (one request at least)."""
+    :data:`GATHER_BYTES` at ``row_bytes`` per gathered position (one request at least) and
+    are of similar length (:data:`SIMILAR_LENGTHS`)."""
     chunks: list[list[RequestSpan]] = []
     for span in sorted(spans, key=lambda s: s.seq_len):
-        if chunks and (len(chunks[-1]) + 1) * span.seq_len * row_bytes <= GATHER_BYTES:
+        if (chunks and (len(chunks[-1]) + 1) * span.seq_len * row_bytes <= GATHER_BYTES
+                and span.seq_len <= max(SIMILAR_LENGTHS, 2 * chunks[-1][0].seq_len)):
             chunks[-1].append(span)
         else:
             chunks.append([span])
