@@ -375,7 +375,8 @@ class VerifyPlan:
     def run(
         self, progress: ProgressDisplay | None = None, worker: WorkerProcess | None = None
     ) -> VerifyReport:
-        """Verify every backend: each in a worker process of its own, or, with
+        """Verify every backend: its single-rank configuration cells one after another in
+        a worker process (one process takes task after task while it stays idle), or, with
         ``dp_size > 1``, the DFlash drafter on that many rank processes, or, for a backend
         with a real DCP share at ``dcp_world_size > 1`` (:meth:`dcp_ranks`), on that many
         DCP rank processes (:func:`~speccheck.checks.verify.dcp_ranks.verify_dcp`; the
@@ -387,14 +388,14 @@ class VerifyPlan:
         ``crashed`` report: nothing is raised for a backend's failure. ``progress`` shows
         one task per worker (none shown when ``None``). ``worker``: a process started
         before planning (the command line starts one so that its imports overlap the
-        plan's), which the first backend verified in one plain worker takes; closed here
-        either way. Raises :class:`VerifyInputError` when a worker rejects the
+        plan's), which the first single-rank run takes; closed here either way, with every
+        idle worker. Raises :class:`VerifyInputError` when a worker rejects the
         ``reproduce`` example."""
         if progress is None:
             progress = Progress(console=Console(quiet=True), disable=True)
         notes: dict[str, str] = {}
         spare = [worker] if worker is not None else []
-        """Taken by the first plain single-worker run."""
+        """Idle worker processes, taken by the next single-rank run."""
         try:
             if self.config.dp_size > 1:
                 reports = [self._verify_data_parallel(name) for name in self.names]
@@ -456,12 +457,11 @@ class VerifyPlan:
         tallies merged and the worst status with its failure
         (:func:`~speccheck.checks.verify.report.merge_shards`), listing every cell's
         verdict. A cell the machine cannot run, or that the example budget does not reach,
-        is listed as not run, with the reason. While a cell runs in a worker started
-        earlier (``spare``), the next cell's worker starts, so that its imports overlap."""
+        is listed as not run, with the reason. The single-rank cells run one after another
+        in one worker process (``spare``: the idle ones), which pays its imports once."""
         import time
 
         from speccheck.checks.verify.report import merge_shards
-        from speccheck.checks.verify.worker_process import WorkerProcess
 
         cells = self.cells(name)
         if len(cells) == 1:
@@ -471,21 +471,16 @@ class VerifyPlan:
                                      sum(cell.not_run is None for cell in cells)))
         plans = [None if cell.not_run is not None or not (examples := next(shares))
                  else self.for_cell(cell, examples, i) for i, cell in enumerate(cells)]
-        plain = [plan is not None and plan.dcp_ranks(name) == 1 for plan in plans]
         reports: list[BackendReport] = []
         rows: list[CellReport] = []
         stopped_by: str | None = None
-        for i, (cell, plan) in enumerate(zip(cells, plans, strict=True)):
+        for cell, plan in zip(cells, plans, strict=True):
             if plan is None or stopped_by is not None:
                 why = cell.not_run or stopped_by or (
                     f"the {self.verify_run.examples} examples are spent on the cells before "
                     "it; raise --examples")
                 rows.append(CellReport(cell.name, Status.SKIPPED, run=False, detail=why))
                 continue
-            if plain[i] and any(plain[i + 1:]):
-                if not spare:
-                    spare.append(WorkerProcess())
-                spare.insert(0, WorkerProcess())  # the next plain cell's, importing meanwhile
             report = plan._verify_one(name, progress, notes, spare)
             reports.append(report)
             rows.append(CellReport(cell.name, report.status, examples=report.examples,
@@ -529,16 +524,22 @@ class VerifyPlan:
         from speccheck.checks.verify.examples import BadExample
         from speccheck.checks.verify.report import ClaimAudit
         from speccheck.checks.verify.runner import confirm_reproduce, run_worker
+        from speccheck.checks.verify.worker_process import WorkerProcess
 
         task = self.task(name)
+        worker = spare.pop() if spare else WorkerProcess()
         try:
             if self.shards(name) > 1:
-                report = self._verify_in_shards(name, progress, spare)
+                report = self._verify_in_shards(name, progress, worker)
             else:
-                report = run_worker(task, progress, self.tier,
-                                    worker=spare.pop() if spare else None)
+                report = run_worker(task, progress, self.tier, worker=worker)
         except BadExample as exc:
             raise VerifyInputError(str(exc)) from None
+        finally:
+            if worker.idle:
+                spare.append(worker)
+            else:
+                worker.close()
         why = confirm_reproduce(task, report, progress, self.tier)
         if why is not None:
             notes[name] = why
@@ -551,11 +552,12 @@ class VerifyPlan:
         return report
 
     def _verify_in_shards(
-        self, name: str, progress: ProgressDisplay, spare: list[WorkerProcess],
+        self, name: str, progress: ProgressDisplay, first: WorkerProcess,
     ) -> BackendReport:
         """Backend ``name`` in :meth:`shards` workers at once (:meth:`shard_tasks`), their
-        reports merged; the first takes a ``spare`` process when there is one. Each worker
-        holds its own drafters, graphs and KV caches on the device."""
+        reports merged; the first shard runs in ``first`` (left to the caller), the others
+        in fresh processes. Each worker holds its own drafters, graphs and KV caches on the
+        device."""
         import time
         from concurrent.futures import ThreadPoolExecutor
 
@@ -565,11 +567,9 @@ class VerifyPlan:
         tasks = self.shard_tasks(name)
         count = len(tasks)
 
-        started_early = spare.pop() if spare else None
-
         def shard(i: int) -> BackendReport:
             return run_worker(tasks[i], progress, self.tier, label=f"{name} [{i + 1}/{count}]",
-                              worker=started_early if i == 0 else None)
+                              worker=first if i == 0 else None)
 
         started = time.perf_counter()
         with ThreadPoolExecutor(count) as pool:

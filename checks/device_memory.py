@@ -13,8 +13,8 @@ def release_device_memory(device: torch.device) -> None:
     stays in reference cycles (hypothesis keeps the failing example's traceback, whose
     frames close over the verifier: KV caches and graph pools, gigabytes at serving scale),
     which only the cycle collector frees. Call it between speculators or verifiers run in
-    one process (the benchmark's cases, the self-test's verifiers, tests); a verify worker
-    needs none (its process ends)."""
+    one process (the benchmark's cases, the self-test's verifiers, a verify worker's tasks,
+    tests)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

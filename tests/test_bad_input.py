@@ -359,8 +359,8 @@ def test_unwritable_output_paths_are_problems(tmp_path: Path) -> None:
 # --- the verify runner ------------------------------------------------------------------
 
 CHATTY_WORKER = """
-import json, sys
-with open(sys.argv[3], "a") as progress:
+import json, os, sys
+with open(os.path.join(sys.argv[1], "progress-1.jsonl"), "a") as progress:
     progress.write(json.dumps({"index": 1, "example": "BLOB"}) + "\\n")
 chunk = "x" * 1023 + "\\n"
 for _ in range(8 * 1024):
@@ -377,7 +377,7 @@ def test_a_chatty_worker_never_blocks_on_its_output(monkeypatch: pytest.MonkeyPa
     popen = subprocess.Popen
 
     def chatty(command: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
-        return popen([sys.executable, "-c", CHATTY_WORKER, *command[-3:]], **kwargs)
+        return popen([sys.executable, "-c", CHATTY_WORKER, command[-1]], **kwargs)
 
     monkeypatch.setattr(worker_process.subprocess, "Popen", chatty)
     task = WorkerTask(run=VerifyRun(backend="chatty", example_timeout=30.0), backend="chatty",

@@ -72,17 +72,22 @@ def test_the_progress_bar_of_a_skipped_backend_ends_where_it_stopped() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a backend the CPU tier skips")
-def test_a_worker_started_before_its_request_takes_it_and_is_gone_after() -> None:
-    """The command line starts the first worker before it plans; the run hands it the
-    task (on its input), and the worker's process and files are gone afterwards."""
+def test_a_worker_started_before_its_request_takes_it_and_the_next_and_is_gone_after() -> None:
+    """The command line starts the first worker before it plans; the run hands it a task
+    (a line on its input), and another once the first is done (a backend's next cell); when
+    it is closed it ends on its own and its process and files are gone."""
     task = WorkerTask(run=VerifyRun(backend="fa3", steps=(2,), example_timeout=60.0),
                       backend="fa3", examples=3, seed=0)
-    early = WorkerProcess()
-    with Progress(console=Console(file=io.StringIO())) as progress:
-        report = run_worker(task, progress, Tier.CPU, worker=early)
-    assert report.status == "skipped" and report.backend == "fa3"
+    with WorkerProcess() as early, Progress(console=Console(file=io.StringIO())) as progress:
+        first = run_worker(task, progress, Tier.CPU, worker=early)
+        assert early.idle and early.tasks == 1
+        second = run_worker(task.model_copy(update={"backend": "flashinfer"}), progress,
+                            Tier.CPU, worker=early)
+        assert early.idle and early.tasks == 2
+    assert (first.status, first.backend) == ("skipped", "fa3")
+    assert (second.status, second.backend) == ("skipped", "flashinfer")
     assert early.proc.returncode == 0
-    assert not early.result.parent.exists()
+    assert not early.folder.exists()
 
 
 def test_a_worker_never_sent_a_request_is_killed_or_ends_on_its_closed_input() -> None:
@@ -90,7 +95,7 @@ def test_a_worker_never_sent_a_request_is_killed_or_ends_on_its_closed_input() -
     whatever it was doing, and a worker whose input closes empty exits 0 on its own."""
     waiting = WorkerProcess()
     waiting.close()
-    assert waiting.proc.returncode is not None and not waiting.result.parent.exists()
+    assert waiting.proc.returncode is not None and not waiting.folder.exists()
     with WorkerProcess() as idle:
         assert idle.proc.stdin is not None
         idle.proc.stdin.close()

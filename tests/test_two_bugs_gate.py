@@ -19,11 +19,11 @@ CHECKED = "reproduce (checked: fails the same way in a fresh worker): speccheck 
 
 
 def _gate(tmp_path: Path) -> tuple[str, dict[str, dict[str, str]]]:
-    """Two gates of the adapter, by default (shrinking each failure for 10 s, not 120) and
+    """Two gates of the adapter, by default (shrinking each failure for 2 s, not 120) and
     with ``fail_fast`` (unshrunk: ``tests/fixtures/catch.py``), in one pytest run: its
     output and, by gate, each JUnit case's outcome (``passed``, ``skipped`` or
     ``failure: MESSAGE TEXT``)."""
-    for name, options in (("test_default", ", shrink_seconds=10.0"),
+    for name, options in (("test_default", ", shrink_seconds=2.0"),
                           ("test_fail_fast", ", fail_fast=True, shrink_seconds=0.0")):
         (tmp_path / f"{name}.py").write_text(
             "import pytest\n\n\n"

@@ -17,6 +17,7 @@ reproduce command in a fresh worker before it is printed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -128,62 +129,68 @@ def run_worker(
     task: WorkerTask, progress: ProgressDisplay, tier: Tier, label: str | None = None,
     worker: WorkerProcess | None = None,
 ) -> BackendReport:
-    """Run a worker process on ``task`` and return its report, or a ``crashed`` report
+    """Run ``task`` in a worker process and return its report, or a ``crashed`` report
     that names the last example it started when it dies without one or makes no progress
     for the run's ``example_timeout`` seconds (then it is killed). The worker's output is
     drained as it runs; the last lines of it explain a crash. Raises
     :class:`~speccheck.checks.verify.examples.BadExample` when the worker rejects its
     ``reproduce`` example. ``label`` names the progress task (default: the backend); the
     task ends at the examples the worker ran, with the status in its description.
-    ``worker``: a process started earlier to take this task (closed here), else a fresh
-    one."""
+    ``worker``: an :attr:`~WorkerProcess.idle` process started earlier, left to the caller
+    afterwards (to take another task while it stays idle, or to close); else a fresh
+    process, closed here."""
+    with contextlib.ExitStack() as owned:
+        process = worker if worker is not None else owned.enter_context(WorkerProcess())
+        return _follow(process, task, progress, tier, label or task.backend)
+
+
+def _follow(process: WorkerProcess, task: WorkerTask, progress: ProgressDisplay, tier: Tier,
+            label: str) -> BackendReport:
+    """Send ``task`` to ``process`` and follow it to its report (see :func:`run_worker`)."""
     example_timeout = task.run.example_timeout
-    label = label or task.backend
     progress_task = progress.add_task(label, total=task.progress_total)
-    with worker or WorkerProcess() as process:
-        process.send(task)
-        proc = process.proc
-        last_change = time.monotonic()
-        hung = False
-        with process.progress.open("rb") as stream:
-            log = _ProgressLog(stream)
-            while proc.poll() is None:
-                time.sleep(_POLL_SECONDS)
-                if log.poll():
-                    last_change = time.monotonic()
-                    assert log.latest is not None
-                    progress.update(progress_task, completed=log.latest["index"] - 1)
-                elif time.monotonic() - last_change > example_timeout:
-                    proc.kill()
-                    proc.wait()
-                    hung = True
-                else:
-                    progress.update(progress_task)
-            log.poll()
-        tail = " | ".join(process.output.last_lines(3))
-        res = process.result
-        result = json.loads(res.read_text()) if res.exists() and not hung else None
-        if result is not None and "bad_input" in result:
-            _end_task(progress, progress_task, label, 0, "bad input")
-            raise BadExample(result["bad_input"])
-        raised = result.pop("raised", None) if result is not None else None
-        if raised is not None:
-            tail, result = raised, None
-        if result is not None:
-            report = BackendReport.from_json(result)
-            _end_task(progress, progress_task, label, report.examples, report.status.value)
-            return report
-        what = (f"no progress for {example_timeout:.0f}s (hang); killed" if hung
-                else f"worker exited with status {proc.returncode}: {tail}")
-        if log.latest is not None:
-            what += f" (during example {log.latest['index']})"
-        report = BackendReport(task.backend, tier, Status.CRASHED, detail=what)
-        started = 0
-        if log.latest is not None:
-            started = log.latest["index"]
-            report.reproduce = reproduce_command(task.reproduce_prefix, log.latest["example"])
-        _end_task(progress, progress_task, label, max(started - 1, 0), report.status.value)
+    process.send(task)
+    proc = process.proc
+    last_change = time.monotonic()
+    hung = False
+    with process.progress.open("rb") as stream:
+        log = _ProgressLog(stream)
+        while proc.poll() is None and not process.done:
+            time.sleep(_POLL_SECONDS)
+            if log.poll():
+                last_change = time.monotonic()
+                assert log.latest is not None
+                progress.update(progress_task, completed=log.latest["index"] - 1)
+            elif time.monotonic() - last_change > example_timeout:
+                proc.kill()
+                proc.wait()
+                hung = True
+            else:
+                progress.update(progress_task)
+        log.poll()
+    result = json.loads(process.result.read_text()) if process.done and not hung else None
+    if result is not None and "bad_input" in result:
+        _end_task(progress, progress_task, label, 0, "bad input")
+        raise BadExample(result["bad_input"])
+    raised = result.pop("raised", None) if result is not None else None
+    if result is not None and raised is None:
+        report = BackendReport.from_json(result)
+        _end_task(progress, progress_task, label, report.examples, report.status.value)
         return report
+    if proc.poll() is None:  # raised: the worker ends on its own, its traceback printed
+        proc.wait()
+    tail = raised or " | ".join(process.output.last_lines(3))
+    what = (f"no progress for {example_timeout:.0f}s (hang); killed" if hung
+            else f"worker exited with status {proc.returncode}: {tail}")
+    if log.latest is not None:
+        what += f" (during example {log.latest['index']})"
+    report = BackendReport(task.backend, tier, Status.CRASHED, detail=what)
+    started = 0
+    if log.latest is not None:
+        started = log.latest["index"]
+        report.reproduce = reproduce_command(task.reproduce_prefix, log.latest["example"])
+    _end_task(progress, progress_task, label, max(started - 1, 0), report.status.value)
+    return report
 
 
 def _end_task(progress: ProgressDisplay, task: TaskID, label: str, done: int, status: str) -> None:

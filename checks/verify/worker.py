@@ -1,19 +1,25 @@
-"""The process that verifies one backend: ``python -m speccheck.checks.verify.worker
-RESULT.json PROGRESS.jsonl``, its :class:`~speccheck.checks.verify.run.WorkerTask` (JSON) on
-its standard input, read once its imports are done. Run by
-:mod:`speccheck.checks.verify.runner`, which may start it before the task is known.
+"""The process that verifies backends: ``python -m speccheck.checks.verify.worker FOLDER``,
+one :class:`~speccheck.checks.verify.run.WorkerTask` (JSON) per line of its standard input,
+read once its imports are done, taken in turn until the input closes. Run by
+:mod:`speccheck.checks.verify.runner`, which may start it before the first task is known and
+hands it a backend's single-rank configuration cells one after another (each task's engine
+built afresh; device memory given back between tasks).
 
-Writes one JSON line per example to PROGRESS before running it (so a parent that kills a
-hung or crashed worker knows the last example), and the :class:`BackendReport` to RESULT.
-A ``--reproduce`` example it cannot take (not an example, or outside the harness's limits:
-``BackendVerifier.example_problem``) is no crash: RESULT is then ``{"bad_input": LINE}``
-and the exit status :data:`EXIT_BAD_INPUT`.
+For its ``n``-th task (:func:`~speccheck.checks.verify.worker_process.task_files`) it writes
+one JSON line per example to PROGRESS before running it (so a parent that kills a hung or
+crashed worker knows the last example), and the :class:`BackendReport` to RESULT, whole
+(renamed into place: a parent that sees RESULT reads all of it). A ``--reproduce`` example
+it cannot take (not an example, or outside the harness's limits:
+``BackendVerifier.example_problem``) is no crash: RESULT is then ``{"bad_input": LINE}``.
+A task that raises writes ``{"raised": ROOT CAUSE}`` and ends the process (status 1, the
+traceback in its output): nothing after it runs in a state the error left.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +34,7 @@ from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
 interpret_triton_without_cuda()
 
 from speccheck.backends.availability import BackendUnavailable
+from speccheck.checks.device_memory import release_device_memory
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.examples import (
@@ -41,12 +48,9 @@ from speccheck.checks.verify.examples import (
 from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
+from speccheck.checks.verify.worker_process import task_files
 from speccheck.contract.resolution import resolve_backend
 from speccheck.speculator.attention_setup import device_name, machine_platform, unrunnable_reason
-
-EXIT_BAD_INPUT = 2
-"""Exit status of a worker whose ``--reproduce`` example it cannot take."""
-
 
 def verify_backend(task: WorkerTask, progress_path: Path) -> BackendReport:
     """Run the verification ``task`` describes. Raises :class:`BadExample` for a
@@ -127,25 +131,32 @@ def root_cause(exc: BaseException) -> str:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
-    result_path, progress_path = map(Path, argv)
-    if torch.cuda.is_available():
+    (folder,) = map(Path, argv)
+    gpu = torch.cuda.is_available()
+    if gpu:
         torch.cuda.init()  # while the parent still plans (a worker may start before that)
-    raw = sys.stdin.buffer.read()
-    if not raw:  # input closed without a task: the worker started early was not needed
-        return 0
-    task = WorkerTask.model_validate_json(raw)
-    try:
-        report = verify_backend(task, progress_path)
-    except BadExample as exc:
-        result_path.write_text(json.dumps({"bad_input": str(exc)}))
-        return EXIT_BAD_INPUT
-    except Exception as exc:
-        # The traceback still goes to the log (re-raised); the report gets the root cause in
-        # one line, not the last lines of a traceback.
-        result_path.write_text(json.dumps({"raised": root_cause(exc)}))
-        raise
-    result_path.write_text(json.dumps(report.to_json()))
+    for number, line in enumerate(iter(sys.stdin.buffer.readline, b""), 1):
+        task = WorkerTask.model_validate_json(line)
+        result_path, progress_path = task_files(folder, number)
+        try:
+            result = verify_backend(task, progress_path).to_json()
+        except BadExample as exc:
+            result = {"bad_input": str(exc)}
+        except Exception as exc:
+            # The traceback still goes to the log (re-raised); the report gets the root
+            # cause in one line, not the last lines of a traceback.
+            _write_whole(result_path, {"raised": root_cause(exc)})
+            raise
+        _write_whole(result_path, result)
+        release_device_memory(torch.device("cuda" if gpu else "cpu"))
     return 0
+
+
+def _write_whole(path: Path, result: dict[str, object]) -> None:
+    """``result`` as JSON at ``path``, renamed into place once written."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(result))
+    os.replace(partial, path)
 
 
 if __name__ == "__main__":

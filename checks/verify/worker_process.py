@@ -55,24 +55,38 @@ class OutputTail:
         return [line for line in text.splitlines() if line.strip()][-count:]
 
 
+def task_files(folder: Path, number: int) -> tuple[Path, Path]:
+    """The RESULT and PROGRESS files of a worker's ``number``-th task (from 1) in its
+    ``folder``."""
+    return folder / f"result-{number}.json", folder / f"progress-{number}.jsonl"
+
+
+_EXIT_SECONDS = 30.0
+"""How long :meth:`WorkerProcess.close` waits for a worker that took a task to end on its
+closed input (its exit handlers run: a line tracer writes what it recorded) before it is
+killed."""
+
+
 class WorkerProcess:
-    """A worker process, ``python -m speccheck.checks.verify.worker RESULT PROGRESS``, that
-    reads its :class:`~speccheck.checks.verify.run.WorkerTask` from its standard input: it
-can start before the task is known,
-    so its imports (torch, Triton, the engine: seconds) overlap the parent's planning. Its
-    output is drained from the start (:class:`OutputTail`).
-    :func:`~speccheck.checks.verify.runner.run_worker` sends the task; :meth:`close`
-    kills a process still running (one never sent a task waits on its input) and
-    removes its files."""
+    """A worker process, ``python -m speccheck.checks.verify.worker FOLDER``, that reads
+    :class:`~speccheck.checks.verify.run.WorkerTask` lines from its standard input: it can
+    start before its first task is known, so its imports (torch, Triton, the engine:
+    seconds) overlap the parent's planning, and it takes task after task (a backend's
+    single-rank cells) while it is :attr:`idle` between them. Its output is drained from
+    the start (:class:`OutputTail`).
+    :func:`~speccheck.checks.verify.runner.run_worker` sends a task and follows it;
+    :meth:`close` ends the process (on its closed input, or killed) and removes its
+    files."""
 
     def __init__(self) -> None:
         self._directory = tempfile.TemporaryDirectory(prefix="speccheck-")
-        root = Path(self._directory.name)
-        self.result, self.progress = root / "result.json", root / "progress.jsonl"
-        self.progress.touch()
+        self.folder = Path(self._directory.name)
+        self.tasks = 0
+        """Tasks sent so far."""
+        self.result, self.progress = task_files(self.folder, 1)
+        """The files of the task sent last (of the first, before any)."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "speccheck.checks.verify.worker", str(self.result),
-             str(self.progress)],
+            [sys.executable, "-m", "speccheck.checks.verify.worker", str(self.folder)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env=WORKER_ENV | dict(os.environ),
         )
@@ -80,24 +94,45 @@ can start before the task is known,
         self.output = OutputTail(self.proc.stdout, OUTPUT_TAIL_BYTES)
 
     def send(self, task: WorkerTask) -> None:
-        """Write ``task`` (as JSON) to the worker's input and close it. A worker that already died
-        (during its imports) is left to its exit status and output to explain."""
+        """Write ``task`` (a JSON line) to the worker's input. A worker that already died
+        (during its imports, say) is left to its exit status and output to explain."""
         assert self.proc.stdin is not None
+        self.tasks += 1
+        self.result, self.progress = task_files(self.folder, self.tasks)
+        self.progress.touch()
         try:
-            with self.proc.stdin:
-                self.proc.stdin.write(task.model_dump_json().encode())
+            self.proc.stdin.write(task.model_dump_json().encode() + b"\n")
+            self.proc.stdin.flush()
         except BrokenPipeError:
             pass
 
+    @property
+    def done(self) -> bool:
+        """Whether the task sent last has its result (the worker may take another)."""
+        return self.result.exists()
+
+    @property
+    def idle(self) -> bool:
+        """Whether the process still runs and may be sent a task: none sent yet, or the
+        last one done."""
+        return self.proc.poll() is None and (self.tasks == 0 or self.done)
+
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        """End the process: one that took a task is given its closed input and
+        :data:`_EXIT_SECONDS` to exit on its own, any other is killed; then its files go."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.close()
             except BrokenPipeError:
                 pass
+        if self.proc.poll() is None and self.tasks and self.done:
+            try:
+                self.proc.wait(_EXIT_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
         self._directory.cleanup()
 
     def __enter__(self) -> Self:
