@@ -312,8 +312,8 @@ def test_selftest_failures_reproduce_alone_in_a_fresh_worker(
     """Known-bad builders of the self-test, run as a user's adapters (a matrix of one entry
     per mutant; sparse_swa's under copies of its shipped entry): the failing example the
     self-test found for each at the CPU tier's defaults (its row in ``selftest_catalogue``),
-    given to ``speccheck verify --reproduce`` at the same defaults, runs alone in a fresh
-    worker and fails the same checks, and the report says it reproduced. (triton_mla's,
+    given to ``speccheck verify --reproduce`` at the same defaults (the command run in this
+    process), runs alone in a fresh worker and fails the same checks, and the report says it reproduced. (triton_mla's,
     which needs DCP 2: see tests/test_triton_mla_verify.py.)"""
     matrix = tmp_path / "mutants.yaml"
     shipped = load_matrix(None)
@@ -332,9 +332,10 @@ def test_selftest_failures_reproduce_alone_in_a_fresh_worker(
         assert mutant.check.value in {f["check"] for f in row["failures"]}, row
         blob = encode_example(example_from_json(row["minimal_example"]))
         out = tmp_path / f"{mutant.name}.json"
-        proc = _speccheck("verify", "--backend", mutant.name, "--matrix", str(matrix),
-                          "--reproduce", blob, "--json", str(out))
-        assert proc.returncode == 1, (mutant.name, proc.stdout + proc.stderr)
+        # The command in this process (its worker is a fresh process either way).
+        result = CliRunner().invoke(app, ["verify", "--backend", mutant.name, "--matrix",
+                                          str(matrix), "--reproduce", blob, "--json", str(out)])
+        assert result.exit_code == 1, (mutant.name, result.output)
         (report,) = json.loads(out.read_text())["backends"]
         assert report["examples"] == 1 and report["reproduced"] is True, (mutant.name, report)
         assert {f["check"] for f in report["failures"]} == {
