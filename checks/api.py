@@ -457,8 +457,9 @@ class VerifyPlan:
         tallies merged and the worst status with its failure
         (:func:`~speccheck.checks.verify.report.merge_shards`), listing every cell's
         verdict. A cell the machine cannot run, or that the example budget does not reach,
-        is listed as not run, with the reason. The single-rank cells run one after another
-        in one worker process (``spare``: the idle ones), which pays its imports once."""
+        is listed as not run, with the reason, as are, with ``fail_fast``, the cells after
+        the first that fails or crashes. The single-rank cells run one after another in one
+        worker process (``spare``: the idle ones), which pays its imports once."""
         import time
 
         from speccheck.checks.verify.report import merge_shards
