@@ -313,8 +313,8 @@ def test_selftest_failures_reproduce_alone_in_a_fresh_worker(
     per mutant; sparse_swa's under copies of its shipped entry): the failing example the
     self-test found for each at the CPU tier's defaults (its row in ``selftest_catalogue``),
     given to ``speccheck verify --reproduce`` at the same defaults (the command run in this
-    process), runs alone in a fresh worker and fails the same checks, and the report says it reproduced. (triton_mla's,
-    which needs DCP 2: see tests/test_triton_mla_verify.py.)"""
+    process), runs alone in a fresh worker and fails the same checks, and the report says it
+    reproduced. (triton_mla's, which needs DCP 2: see tests/test_triton_mla_verify.py.)"""
     matrix = tmp_path / "mutants.yaml"
     shipped = load_matrix(None)
     swa = shipped.backend("sparse_swa")

@@ -52,6 +52,7 @@ from speccheck.checks.verify.worker_process import task_files
 from speccheck.contract.resolution import resolve_backend
 from speccheck.speculator.attention_setup import device_name, machine_platform, unrunnable_reason
 
+
 def verify_backend(task: WorkerTask, progress_path: Path) -> BackendReport:
     """Run the verification ``task`` describes. Raises :class:`BadExample` for a
     ``reproduce`` example the harness cannot take."""

@@ -83,8 +83,6 @@ class WorkerProcess:
         self.folder = Path(self._directory.name)
         self.tasks = 0
         """Tasks sent so far."""
-        self.result, self.progress = task_files(self.folder, 1)
-        """The files of the task sent last (of the first, before any)."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "speccheck.checks.verify.worker", str(self.folder)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -98,13 +96,22 @@ class WorkerProcess:
         (during its imports, say) is left to its exit status and output to explain."""
         assert self.proc.stdin is not None
         self.tasks += 1
-        self.result, self.progress = task_files(self.folder, self.tasks)
         self.progress.touch()
         try:
             self.proc.stdin.write(task.model_dump_json().encode() + b"\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass
+
+    @property
+    def result(self) -> Path:
+        """The RESULT file of the task sent last (of the first, before any is sent)."""
+        return task_files(self.folder, max(self.tasks, 1))[0]
+
+    @property
+    def progress(self) -> Path:
+        """The PROGRESS file of the task sent last (of the first, before any is sent)."""
+        return task_files(self.folder, max(self.tasks, 1))[1]
 
     @property
     def done(self) -> bool:
