@@ -1,9 +1,15 @@
 """Run a function on ``dp_size`` real processes joined by one default process group.
 
-Each rank is a fresh interpreter (``spawn``): ``fn`` and ``args`` travel pickled, so ``fn``
-must be a module-level function of a module the children can import (they inherit the
-parent's ``sys.path``), and classes in ``args`` likewise. Ranks meet over TCP on loopback
-(``GLOO_SOCKET_IFNAME=lo``, a free port found by binding port 0).
+Each rank is a process of its own, forked from this process's fork server
+(``multiprocessing``'s ``forkserver`` start method): a fresh interpreter, started once per
+parent process, that has imported torch (:data:`PRELOADED`, about 1.5 s a rank otherwise)
+and never touches a device, so each rank starts with nothing of the parent's state and no
+CUDA context. ``fn`` and ``args`` travel pickled, so ``fn`` must be a module-level function
+of a module the children can import (they get the parent's ``sys.path`` and working
+directory), and classes in ``args`` likewise; they are unpickled after the rank has taken
+the parent's environment of the moment of the call (the server's own is that of its start).
+Ranks meet over TCP on loopback (``GLOO_SOCKET_IFNAME=lo``, a free port found by binding
+port 0).
 
 The group's backends are a :class:`~speccheck.speculator.collectives.Collectives` decided
 once, in the parent (:func:`~speccheck.speculator.collectives.rank_collectives`): with at
@@ -21,6 +27,7 @@ ranks are terminated and :class:`RankFailed` or :class:`RanksTimedOut` names the
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import pickle
@@ -41,6 +48,12 @@ from speccheck.speculator.collectives import Collectives, rank_collectives
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+PRELOADED = ("torch", "torch.distributed", "numpy")
+"""What the fork server imports before it forks a rank: modules whose import reads no
+environment variable a rank could need changed (``TRITON_INTERPRET``, read by every Triton
+kernel's decorator, must reach the kernel modules with the caller's environment: they are
+imported in the rank)."""
 
 _DRAIN_S = 1.0
 """How long to keep reading results after a rank is seen dead (it may have reported first)."""
@@ -106,9 +119,9 @@ def run_ranks(
     threads_per_rank: int | None = None,
     collectives: Collectives | None = None,
 ) -> list[R]:
-    """``[fn(0, dp_size, *args), ..., fn(dp_size - 1, dp_size, *args)]``, each call in its
-    own spawned process, inside an initialised default process group of ``dp_size`` ranks
-    (destroyed afterwards). Results must be picklable.
+    """``[fn(0, dp_size, *args), ..., fn(dp_size - 1, dp_size, *args)]``, each call in a
+    process of its own (forked from the fork server), inside an initialised default process
+    group of ``dp_size`` ranks (destroyed afterwards). Results must be picklable.
 
     ``collectives`` picks the group's backends (default: :func:`rank_collectives` for
     ``dp_size``); under ``GLOO_CPU_NCCL_CUDA`` each rank runs with ``rank_device(rank)``
@@ -134,12 +147,15 @@ def run_ranks(
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // dp_size)
     payload = pickle.dumps((fn, tuple(args)))
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOADED))  # read when the server starts (once)
     results: mp.Queue = ctx.Queue()
+    environ = dict(os.environ)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, dp_size, port, payload, results, timeout_s, threads, chosen),
+            args=(rank, dp_size, port, payload, results, timeout_s, threads, chosen,
+                  environ),
             name=f"dp-rank-{rank}",
             daemon=True,
         )
@@ -148,7 +164,7 @@ def run_ranks(
     started = time.monotonic()
     for p in procs:
         p.start()
-    logger.info("spawned %d ranks on port %d: collectives %s, devices %s", dp_size, port,
+    logger.info("started %d ranks on port %d: collectives %s, devices %s", dp_size, port,
                 chosen.backend, ", ".join(str(rank_device(r)) for r in range(dp_size)))
     try:
         collected = _collect(procs, results, dp_size, started + timeout_s, timeout_s)
@@ -229,15 +245,17 @@ def _stop(procs: list[Any], grace_s: float) -> None:
 
 def _rank_main(
     rank: int, dp_size: int, port: int, payload: bytes, results: Any, timeout_s: float,
-    threads: int, collectives: Collectives,
+    threads: int, collectives: Collectives, environ: dict[str, str],
 ) -> None:
-    """Body of one rank process: (one GPU per rank: make ``rank_device(rank)`` current) join
-    the group, run the function, report.
+    """Body of one rank process: take the parent's ``environ``, (one GPU per rank: make
+    ``rank_device(rank)`` current) join the group, run the function, report.
 
     The report is flushed into the pipe *before* the process group is torn down: a peer
     blocked in a collective fails only once this rank's sockets close, so the parent reads
     the root cause before any error that it caused in other ranks.
     """
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if collectives.one_gpu_per_rank:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -261,3 +279,6 @@ def _rank_main(
         results.join_thread()
         if joined:
             dist.destroy_process_group()
+        # A forked process ends in os._exit, which skips the interpreter's exit handlers;
+        # run them as a spawned rank's exit would (a line tracer writes what it recorded).
+        atexit._run_exitfuncs()

@@ -172,7 +172,7 @@ class DPVerifyResult:
 
 @dataclass(frozen=True)
 class _RankPlan:
-    """What every rank runs (picklable: it travels to the spawned ranks)."""
+    """What every rank runs (picklable: it travels to the rank processes)."""
 
     backend: str
     config: RuntimeConfig
@@ -326,7 +326,7 @@ def _build(plan: _RankPlan, config: RuntimeConfig, device: torch.device) -> DFla
 
 
 def _verify_rank(dp_rank: int, dp_size: int, plan: _RankPlan) -> list[DPOutcome]:
-    """One rank's share of :func:`verify_dp` (runs in a spawned rank process). Under one GPU
+    """One rank's share of :func:`verify_dp` (runs in a rank process). Under one GPU
     per rank, ``rank_device(dp_rank)`` is the device :func:`run_ranks` made current; the rank
     refuses to run elsewhere."""
     device = rank_device(dp_rank)

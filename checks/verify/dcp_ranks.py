@@ -70,7 +70,7 @@ counts as hung (:func:`verify_dcp`)."""
 
 @dataclass(frozen=True)
 class DcpRankPlan:
-    """What every rank runs (picklable: it travels to the spawned ranks)."""
+    """What every rank runs (picklable: it travels to the rank processes)."""
 
     settings: VerifySettings
     examples: tuple[Example, ...]
@@ -203,7 +203,7 @@ def _merge(report: BackendReport, run: DcpRun, examples: Sequence[Example], pref
 
 
 def _verify_rank(rank: int, world: int, plan: DcpRankPlan) -> DcpRankResult:
-    """One rank's share of :func:`verify_dcp` (runs in a spawned rank process, in the
+    """One rank's share of :func:`verify_dcp` (runs in a rank process, in the
     default process group :func:`run_ranks` initialised, which is the DCP group)."""
     device = rank_device(rank)
     group = dist.group.WORLD
