@@ -4,9 +4,12 @@ and a check that a stopped run cut short never reads as passed."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from xml.etree import ElementTree
 
+import pytest
 from hypothesis import strategies as st
 
 from speccheck.checks.api import VerifyReport, _verdict
@@ -19,7 +22,13 @@ from speccheck.checks.verify.report import (
     merge_shards,
     write_junit,
 )
-from speccheck.checks.verify.search import ExampleRun, SearchBudget, record_failure, search_all
+from speccheck.checks.verify.search import (
+    ExampleRaised,
+    ExampleRun,
+    SearchBudget,
+    record_failure,
+    search_all,
+)
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
 from speccheck.checks.cli.verify import reproduced_example_line
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -163,3 +172,38 @@ def test_a_reproduce_run_names_its_own_example() -> None:
                                          (0, 1))))
     assert reproduced_example_line(blob) == (
         "reproducing one example: K = 3, 2 request(s), new tokens 1,2, context lengths 5,17")
+
+
+class _Held:
+    """Stands in for what an example's frames hold (a serving-scale KV snapshot)."""
+
+
+def test_an_example_that_raises_is_shrunk_to_the_smallest_and_keeps_none_of_its_frames() -> None:
+    """The measured bug: FlashInfer rejected the padded first pass of some batches, and every
+    candidate hypothesis shrank kept its frames (a 1 GiB KV snapshot each) until the H200 ran
+    out of memory, so the worker reported running out of memory instead of the error. Now the
+    search ends with :class:`ExampleRaised` naming the error, on the smallest raising
+    example (the last one ``on_example`` saw), and no example's locals outlive it."""
+    held: list[weakref.ref[_Held]] = []
+    alive: list[int] = []
+    seen: list[Example] = []
+
+    def run(example: Example) -> ExampleRun:
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in held))  # earlier examples' locals
+        snapshot = _Held()  # noqa: F841 - a local of the raising frame
+        held.append(weakref.ref(snapshot))
+        context = example[1].context_lens[0]
+        if context >= 20:
+            raise ValueError(f"q.shape[0] ({context}) does not match qo_indptr[-1]\nmore")
+        return _run(_example(0))
+
+    report = BackendReport("b", Tier.CPU, Status.PASSED)
+    with pytest.raises(ExampleRaised) as info:
+        search_all(st.integers(0, 60).map(_example), SearchBudget(EXAMPLES, 0, 30.0), run,
+                   report, lambda index, example: seen.append(example),
+                   lambda *args: pytest.fail("nothing failed a check"))
+    assert info.value.summary == "builtins.ValueError: q.shape[0] (20) does not match qo_indptr[-1]"
+    assert "Traceback" in str(info.value) and seen[-1] == _example(20)
+    assert report.examples <= EXAMPLES  # shrink candidates are no examples of the run
+    assert len(held) > 2 and not any(alive), alive

@@ -501,6 +501,20 @@ def test_flashinfer_decode_matches_reference(flashinfer: ModuleType) -> None:
     assert md.paged_kv_last_page_len.cpu().tolist() == [1, 16, 1, 4, 15, 16]
 
 
+def test_flashinfer_padded_prefill_runs_on_the_rows_its_requests_own(
+        flashinfer: ModuleType) -> None:
+    """A FULL-mode first pass padded to its bucket (3 requests of 3 tokens in 8 lanes: 24
+    rows, the padding requests owning none) runs eagerly on the 9 rows the plan gives
+    requests, as its replays do; FlashInfer rejected the 24 rows (``q.shape[0] (24) does
+    not match qo_indptr[-1] (9)``, measured on the H200)."""
+    layer = fi_layer()
+    builder = fi_builder(layer)
+    case = make_case(layer, query_lens=[3, 3, 3], seq_lens=[3, 40, 200], num_reqs_padded=8)
+    assert case.common.num_actual_tokens == 24
+    md, _ = run_and_compare(builder, case)
+    assert not md.use_decode and md.num_attended_tokens == 9
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 def test_flashinfer_prefill_matches_reference(flashinfer: ModuleType, causal: bool) -> None:
     layer = fi_layer()

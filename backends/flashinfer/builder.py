@@ -61,9 +61,12 @@ How the wrappers behave, and what this adapter does about it:
 - The decode wrapper serves uniform single-token batches (``max_query_len == 1`` and one
   token per request); everything else goes through the paged prefill wrapper, planned with
   the metadata's ``query_start_loc_cpu[:num_reqs + 1]`` and run on exactly
-  ``query[:num_actual_tokens]``. A mismatch is *not* repaired: FlashInfer raises its own
-  ``q.shape[0] (…) does not match qo_indptr[-1] (…)``, which is how a wrong attention token
-  count under data parallelism (seed 004) shows up.
+  ``query[:num_actual_tokens]``, except a FULL-mode pass padded to its bucket, whose
+  padding requests own no row: it runs on the real requests' rows
+  (``FlashInferMetadata.num_attended_tokens``), as its replays do. Any other mismatch is
+  *not* repaired: FlashInfer raises its own ``q.shape[0] (…) does not match
+  qo_indptr[-1] (…)``, which is how a wrong attention token count under data parallelism
+  (seed 004) shows up.
 
 KV layout ``NHD``; the cache is passed as the pair ``(key_cache, value_cache)``, each
 ``[num_blocks, block_size, num_kv_heads, head_size]`` with ``page_size = block_size``.
@@ -282,6 +285,11 @@ class FlashInferMetadata:
     """View of the speculator's persistent block table (``[num_reqs, max_blocks]``): what
     the page indices are gathered from."""
     num_actual_tokens: int
+    num_attended_tokens: int
+    """Query rows the wrapper runs on: ``num_actual_tokens``, but for a pass padded to its
+    bucket in FULL mode (padding requests, owning no token) planned with the real query
+    offsets, the rows the real requests own. A replay's kernels, launched for every row at
+    capture, skip the rows the plan gives no request; an eager run leaves them zero too."""
     num_reqs: int
     causal: bool
     sm_scale: float
@@ -296,8 +304,9 @@ class FlashInferMetadata:
 
 
 class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
-    """Writes the new keys/values with :func:`write_kv_cache`, then ``wrapper.run`` on
-    exactly ``query[:num_actual_tokens]`` into ``output``."""
+    """Writes the new keys/values of ``num_actual_tokens`` tokens with
+    :func:`write_kv_cache`, then ``wrapper.run`` on exactly ``query[:num_attended_tokens]``
+    into ``output``."""
 
     def forward(
         self,
@@ -318,9 +327,10 @@ class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
             )
         n = metadata.num_actual_tokens
         write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping)
-        if n == 0 or metadata.run is None:
+        rows = metadata.num_attended_tokens
+        if rows == 0 or metadata.run is None:
             return  # no request to attend: padding rows arrive zero
-        metadata.run(query[:n], (key_cache, value_cache), out=output[:n])
+        metadata.run(query[:rows], (key_cache, value_cache), out=output[:rows])
 
 
 def wrapper_buffer_name(kind: WrapperKind, batch_size: int, field: str) -> str:
@@ -614,6 +624,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         graph_wrapper = self._wrapper(wrapper_kind(use_decode), num_reqs)
         qo_indptr = None if use_decode else common.query_start_loc_cpu[: num_reqs + 1]
         self._upload_plan(graph_wrapper, seq_lens, lengths, qo_indptr, causal=common.causal)
+        rows = common.num_actual_tokens
+        if qo_indptr is not None and common.num_real_reqs < num_reqs:
+            rows = int(qo_indptr[-1])  # a padded pass: its padding requests own no row
         # The plan has queued the copy of indptr into the fixed buffer the kernel reads.
         write_paged_kv_indices(
             graph_wrapper.paged_kv_indices,
@@ -630,6 +643,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             paged_kv_last_page_len=graph_wrapper.paged_kv_last_page_len,
             qo_indptr=graph_wrapper.qo_indptr,
             draft_step=None,
+            num_attended_tokens=rows,
         )
 
     def plan_draft_steps(
@@ -793,7 +807,10 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         paged_kv_last_page_len: torch.Tensor,
         qo_indptr: torch.Tensor | None,
         draft_step: int | None,
+        num_attended_tokens: int | None = None,
     ) -> FlashInferMetadata:
+        """The metadata of ``common``'s call; the wrapper runs on ``num_attended_tokens``
+        query rows (default: ``num_actual_tokens``)."""
         return FlashInferMetadata(
             run=run,
             use_decode=use_decode,
@@ -806,6 +823,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             slot_mapping=common.slot_mapping,
             block_table=common.block_table,
             num_actual_tokens=common.num_actual_tokens,
+            num_attended_tokens=(common.num_actual_tokens if num_attended_tokens is None
+                                 else num_attended_tokens),
             num_reqs=common.num_reqs,
             causal=common.causal,
             sm_scale=self.sm_scale,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 
 from speccheck.checks.verify.comparisons import Outcome, mark_consequences
-from speccheck.checks.verify.examples import Example, example_json
+from speccheck.checks.verify.examples import BadExample, Example, example_json
 from speccheck.checks.verify.report import (
     BackendReport,
     Failure,
@@ -64,6 +65,22 @@ class FoundFailure:
     found_at: int
 
 
+class ExampleRaised(Exception):
+    """An example's run raised ``error`` (an adapter's kernel rejecting its input, say): what
+    the search raises in its place, as hypothesis shrinks the example and when the search
+    ends. It keeps the error as text only (:attr:`summary`, its traceback in the message),
+    so that no raising example's frames, nor the device memory their locals hold (the KV
+    snapshot of a serving-scale start state is a gigabyte), outlive the example: kept
+    alive, a shrink of a few hundred raising candidates filled an H200."""
+
+    def __init__(self, error: BaseException) -> None:
+        lines = str(error).strip().splitlines()
+        self.summary = (f"{type(error).__module__}.{type(error).__qualname__}: "
+                        f"{lines[0] if lines else ''}").strip()
+        """``module.Type: first line of the message`` of the error."""
+        super().__init__(f"{self.summary}\n{''.join(traceback.format_exception(error))}")
+
+
 class ExampleFailed(Exception):
     """An example failed a check: ends the hypothesis test case, so that it shrinks."""
 
@@ -92,10 +109,14 @@ def search(
     :func:`record_failure`).
 
     ``on_example(index, example)`` is called before every example runs, shrink candidates
-    included (same index): a worker killed mid-example names the right one.
+    included (same index): a worker killed mid-example names the right one. An example
+    whose run raises (but :class:`~speccheck.checks.verify.examples.BadExample`) is
+    shrunk within the same budget and ends the search as :class:`ExampleRaised`, its
+    smallest example the last one ``on_example`` was told.
     """
     shrinking, shrink_started, found_at = False, 0.0, 0
     smallest: list[tuple[Example, list[Outcome]]] = []
+    smallest_raised: list[tuple[Example, ExampleRaised]] = []
 
     @seed(budget.seed)
     @settings(
@@ -111,7 +132,18 @@ def search(
         elif time.monotonic() - shrink_started > budget.shrink_seconds:
             return  # budget spent: every further candidate "passes", ending the shrink
         on_example(report.examples, example)
-        run = run_example(example)
+        raised = None
+        try:
+            run = run_example(example)
+        except BadExample:
+            raise
+        except Exception as error:
+            raised = ExampleRaised(error)  # raised below, once the error's frames are gone
+        if raised is not None:
+            if not shrinking:
+                shrinking, shrink_started, found_at = True, time.monotonic(), report.examples
+            smallest_raised[:] = [(example, raised)]
+            raise raised
         target_derived_changes(run.derived_changes)
         if new_failures(run.outcomes, known):
             if not shrinking:
@@ -125,10 +157,15 @@ def search(
         check()
     except (ExampleFailed, Flaky):
         # Flaky: the final replay of the smallest failure passed because the shrink
-        # budget was spent; that failure is still the one to report.
-        if not smallest:
+        # budget was spent (or the error did not recur); that failure is still the one to
+        # report.
+        if smallest:
+            return FoundFailure(*smallest[0], found_at)
+        if not smallest_raised:
             raise
-        return FoundFailure(*smallest[0], found_at)
+        example, raised = smallest_raised[0]
+        on_example(report.examples, example)
+        raise raised from None
     return None
 
 

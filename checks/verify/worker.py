@@ -46,6 +46,7 @@ from speccheck.checks.verify.examples import (
     reproduce_command,
 )
 from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.search import ExampleRaised
 from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.checks.verify.worker_process import task_files
@@ -126,6 +127,8 @@ def root_cause(exc: BaseException) -> str:
     in exception groups."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
+    if isinstance(exc, ExampleRaised):
+        return exc.summary
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__module__}.{type(exc).__qualname__}: {lines[0] if lines else ''}".strip()
 
