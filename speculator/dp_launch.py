@@ -1,15 +1,12 @@
 """Run a function on ``dp_size`` real processes joined by one default process group.
 
 Each rank is a process of its own, forked from this process's fork server
-(``multiprocessing``'s ``forkserver`` start method): a fresh interpreter, started once per
-parent process, that has imported torch (:data:`PRELOADED`, about 1.5 s a rank otherwise)
-and never touches a device, so each rank starts with nothing of the parent's state and no
-CUDA context. ``fn`` and ``args`` travel pickled, so ``fn`` must be a module-level function
-of a module the children can import (they get the parent's ``sys.path`` and working
-directory), and classes in ``args`` likewise; they are unpickled after the rank has taken
-the parent's environment of the moment of the call (the server's own is that of its start).
-Ranks meet over TCP on loopback (``GLOO_SOCKET_IFNAME=lo``, a free port found by binding
-port 0).
+(:mod:`~speccheck.speculator.fork_server`: torch imported, no CUDA context, nothing of the
+parent's state). ``fn`` and ``args`` travel pickled, so ``fn`` must be a module-level
+function of a module the children can import (they get the parent's ``sys.path`` and
+working directory), and classes in ``args`` likewise; they are unpickled after the rank has
+taken the parent's environment of the moment of the call. Ranks meet over TCP on loopback
+(``GLOO_SOCKET_IFNAME=lo``, a free port found by binding port 0).
 
 The group's backends are a :class:`~speccheck.speculator.collectives.Collectives` decided
 once, in the parent (:func:`~speccheck.speculator.collectives.rank_collectives`): with at
@@ -27,7 +24,6 @@ ranks are terminated and :class:`RankFailed` or :class:`RanksTimedOut` names the
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import pickle
@@ -41,19 +37,13 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from speccheck.speculator.collectives import Collectives, rank_collectives
+from speccheck.speculator.fork_server import fork_context, run_exit_handlers, take_environment
 
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
-
-PRELOADED = ("torch", "torch.distributed", "numpy")
-"""What the fork server imports before it forks a rank: modules whose import reads no
-environment variable a rank could need changed (``TRITON_INTERPRET``, read by every Triton
-kernel's decorator, must reach the kernel modules with the caller's environment: they are
-imported in the rank)."""
 
 _DRAIN_S = 1.0
 """How long to keep reading results after a rank is seen dead (it may have reported first)."""
@@ -147,9 +137,8 @@ def run_ranks(
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // dp_size)
     payload = pickle.dumps((fn, tuple(args)))
     port = free_port()
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOADED))  # read when the server starts (once)
-    results: mp.Queue = ctx.Queue()
+    ctx = fork_context()
+    results = ctx.Queue()
     environ = dict(os.environ)
     procs = [
         ctx.Process(
@@ -254,8 +243,7 @@ def _rank_main(
     blocked in a collective fails only once this rank's sockets close, so the parent reads
     the root cause before any error that it caused in other ranks.
     """
-    os.environ.clear()
-    os.environ.update(environ)
+    take_environment(environ)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if collectives.one_gpu_per_rank:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -279,6 +267,4 @@ def _rank_main(
         results.join_thread()
         if joined:
             dist.destroy_process_group()
-        # A forked process ends in os._exit, which skips the interpreter's exit handlers;
-        # run them as a spawned rank's exit would (a line tracer writes what it recorded).
-        atexit._run_exitfuncs()
+        run_exit_handlers()

@@ -86,7 +86,7 @@ def test_a_worker_started_before_its_request_takes_it_and_the_next_and_is_gone_a
         assert early.idle and early.tasks == 2
     assert (first.status, first.backend) == ("skipped", "fa3")
     assert (second.status, second.backend) == ("skipped", "flashinfer")
-    assert early.proc.returncode == 0
+    assert early.exit_code == 0
     assert not early.folder.exists()
 
 
@@ -95,11 +95,10 @@ def test_a_worker_never_sent_a_request_is_killed_or_ends_on_its_closed_input() -
     whatever it was doing, and a worker whose input closes empty exits 0 on its own."""
     waiting = WorkerProcess()
     waiting.close()
-    assert waiting.proc.returncode is not None and not waiting.folder.exists()
+    assert waiting.exit_code is not None and not waiting.folder.exists()
     with WorkerProcess() as idle:
-        assert idle.proc.stdin is not None
-        idle.proc.stdin.close()
-        assert idle.proc.wait(timeout=120) == 0
+        idle.close_input()
+        assert idle.wait(timeout=120) == 0
         assert not idle.result.exists()
 
 

@@ -150,20 +150,18 @@ def _follow(process: WorkerProcess, task: WorkerTask, progress: ProgressDisplay,
     example_timeout = task.run.example_timeout
     progress_task = progress.add_task(label, total=task.progress_total)
     process.send(task)
-    proc = process.proc
     last_change = time.monotonic()
     hung = False
     with process.progress.open("rb") as stream:
         log = _ProgressLog(stream)
-        while proc.poll() is None and not process.done:
+        while process.exit_code is None and not process.done:
             time.sleep(_POLL_SECONDS)
             if log.poll():
                 last_change = time.monotonic()
                 assert log.latest is not None
                 progress.update(progress_task, completed=log.latest["index"] - 1)
             elif time.monotonic() - last_change > example_timeout:
-                proc.kill()
-                proc.wait()
+                process.kill()
                 hung = True
             else:
                 progress.update(progress_task)
@@ -177,11 +175,10 @@ def _follow(process: WorkerProcess, task: WorkerTask, progress: ProgressDisplay,
         report = BackendReport.from_json(result)
         _end_task(progress, progress_task, label, report.examples, report.status.value)
         return report
-    if proc.poll() is None:  # raised: the worker ends on its own, its traceback printed
-        proc.wait()
+    process.wait()  # raised: the worker ends on its own, its traceback printed
     tail = raised or " | ".join(process.output.last_lines(3))
     what = (f"no progress for {example_timeout:.0f}s (hang); killed" if hung
-            else f"worker exited with status {proc.returncode}: {tail}")
+            else f"worker exited with status {process.exit_code}: {tail}")
     if log.latest is not None:
         what += f" (during example {log.latest['index']})"
     report = BackendReport(task.backend, tier, Status.CRASHED, detail=what)

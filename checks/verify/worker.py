@@ -1,5 +1,7 @@
-"""The process that verifies backends: ``python -m speccheck.checks.verify.worker FOLDER``,
-one :class:`~speccheck.checks.verify.run.WorkerTask` (JSON) per line of its standard input,
+"""The process that verifies backends (:func:`main` on FOLDER, in a process forked from
+the fork server: :func:`~speccheck.checks.verify.worker_process.serve_tasks`; ``python -m
+speccheck.checks.verify.worker FOLDER`` runs it in a fresh interpreter), one
+:class:`~speccheck.checks.verify.run.WorkerTask` (JSON) per line of its standard input,
 read once its imports are done, taken in turn until the input closes. Run by
 :mod:`speccheck.checks.verify.runner`, which may start it before the first task is known and
 hands it a backend's single-rank configuration cells one after another (each task's engine

@@ -1,18 +1,20 @@
 """A verify worker's process, apart from the runner: this module imports neither torch nor
-the engine, so a command can start a worker before it imports them itself (their imports
-then overlap: seconds each)."""
+the engine, so a command can start a worker before it imports them itself (the fork
+server's imports then overlap the command's)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 import threading
+import traceback
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import IO, Self
 
 from speccheck.checks.verify.run import WorkerTask
+from speccheck.speculator.fork_server import fork_context, run_exit_handlers, take_environment
 
 WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 """Defaults for a worker's environment, below whatever the caller's environment sets: the
@@ -24,7 +26,7 @@ OUTPUT_TAIL_BYTES = 64 * 1024
 """How much of a worker's most recent output (stdout and stderr) is kept for the report."""
 
 _DRAIN_SECONDS = 5.0
-"""How long to wait, after a worker ends, for the rest of its output (a grandchild that
+"""How long to wait, after a worker ends, for the rest of its output (a process that
 inherited the pipe may hold it open for ever)."""
 
 
@@ -68,12 +70,14 @@ killed."""
 
 
 class WorkerProcess:
-    """A worker process, ``python -m speccheck.checks.verify.worker FOLDER``, that reads
-    :class:`~speccheck.checks.verify.run.WorkerTask` lines from its standard input: it can
-    start before its first task is known, so its imports (torch, Triton, the engine:
-    seconds) overlap the parent's planning, and it takes task after task (a backend's
-    single-rank cells) while it is :attr:`idle` between them. Its output is drained from
-    the start (:class:`OutputTail`).
+    """A worker process, forked from the fork server
+    (:mod:`~speccheck.speculator.fork_server`: torch and the other heavy libraries already
+    imported, no CUDA context), that runs :func:`serve_tasks`: it reads
+    :class:`~speccheck.checks.verify.run.WorkerTask` lines from its input pipe, which stands
+    in for its standard input, and writes its standard output and error to an output pipe
+    drained from the start (:class:`OutputTail`). It is started on a thread of its own, so
+    that the fork server's imports overlap the parent's planning, and it takes task after
+    task (a backend's single-rank cells) while it is :attr:`idle` between them.
     :func:`~speccheck.checks.verify.runner.run_worker` sends a task and follows it;
     :meth:`close` ends the process (on its closed input, or killed) and removes its
     files."""
@@ -83,23 +87,66 @@ class WorkerProcess:
         self.folder = Path(self._directory.name)
         self.tasks = 0
         """Tasks sent so far."""
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "speccheck.checks.verify.worker", str(self.folder)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=WORKER_ENV | dict(os.environ),
-        )
-        assert self.proc.stdout is not None
-        self.output = OutputTail(self.proc.stdout, OUTPUT_TAIL_BYTES)
+        task_read, task_write = os.pipe()
+        output_read, output_write = os.pipe()
+        self._input: IO[bytes] = os.fdopen(task_write, "wb")
+        self.output = OutputTail(os.fdopen(output_read, "rb"), OUTPUT_TAIL_BYTES)
+        child_ends = (Connection(task_read), Connection(output_write))
+        self.proc = fork_context().Process(
+            target=serve_tasks, name="speccheck-worker", daemon=True,
+            args=(str(self.folder), *child_ends, WORKER_ENV | dict(os.environ)))
+        self._start_failed = False
+        self._starting = threading.Thread(target=self._start, args=child_ends,
+                                          name="worker-start", daemon=True)
+        self._starting.start()
+
+    def _start(self, tasks: Connection, output: Connection) -> None:
+        """Start the process; the parent's copies of the child's pipe ends are closed
+        either way, and a start that fails writes why to the output pipe."""
+        try:
+            self.proc.start()
+        except Exception:
+            self._start_failed = True
+            os.write(output.fileno(), traceback.format_exc().encode())
+        finally:
+            tasks.close()
+            output.close()
+
+    @property
+    def exit_code(self) -> int | None:
+        """The process's exit status (negative: the signal that ended it; 1 for a process
+        that could not start), ``None`` while it runs."""
+        self._starting.join()
+        return 1 if self._start_failed else self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait up to ``timeout`` seconds (for ever: ``None``) for the process to end; its
+        :attr:`exit_code`."""
+        if self.exit_code is None:
+            self.proc.join(timeout)
+        return self.exit_code
+
+    def kill(self) -> None:
+        """Kill the process (``SIGKILL``) and reap it."""
+        if self.exit_code is None:
+            self.proc.kill()
+            self.proc.join()
 
     def send(self, task: WorkerTask) -> None:
         """Write ``task`` (a JSON line) to the worker's input. A worker that already died
         (during its imports, say) is left to its exit status and output to explain."""
-        assert self.proc.stdin is not None
         self.tasks += 1
         self.progress.touch()
         try:
-            self.proc.stdin.write(task.model_dump_json().encode() + b"\n")
-            self.proc.stdin.flush()
+            self._input.write(task.model_dump_json().encode() + b"\n")
+            self._input.flush()
+        except (BrokenPipeError, ValueError):  # ValueError: the input is closed
+            pass
+
+    def close_input(self) -> None:
+        """Close the worker's input: it ends once its current task is done."""
+        try:
+            self._input.close()
         except BrokenPipeError:
             pass
 
@@ -122,24 +169,15 @@ class WorkerProcess:
     def idle(self) -> bool:
         """Whether the process still runs and may be sent a task: none sent yet, or the
         last one done."""
-        return self.proc.poll() is None and (self.tasks == 0 or self.done)
+        return self.exit_code is None and (self.tasks == 0 or self.done)
 
     def close(self) -> None:
         """End the process: one that took a task is given its closed input and
         :data:`_EXIT_SECONDS` to exit on its own, any other is killed; then its files go."""
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
-        if self.proc.poll() is None and self.tasks and self.done:
-            try:
-                self.proc.wait(_EXIT_SECONDS)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        self.close_input()
+        if self.exit_code is None and self.tasks and self.done:
+            self.wait(_EXIT_SECONDS)
+        self.kill()
         self._directory.cleanup()
 
     def __enter__(self) -> Self:
@@ -147,3 +185,28 @@ class WorkerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def serve_tasks(folder: str, tasks: Connection, output: Connection,
+                environ: dict[str, str]) -> None:
+    """A worker process's body (forked from the fork server): take the parent's
+    ``environ``, make ``tasks`` its standard input and ``output`` its standard output and
+    error, and run :func:`speccheck.checks.verify.worker.main` on ``folder`` (imported
+    only now, under that environment: its first import sets ``TRITON_INTERPRET`` before any
+    Triton kernel is decorated); its status is the process's."""
+    take_environment(environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(output.fileno(), 1)
+    os.dup2(output.fileno(), 2)
+    os.dup2(tasks.fileno(), 0)
+    output.close()
+    tasks.close()
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - for the process's life
+    try:
+        from speccheck.checks.verify.worker import main
+
+        status = main([folder])
+    finally:
+        run_exit_handlers()
+    sys.exit(status)
