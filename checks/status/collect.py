@@ -41,6 +41,7 @@ from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.vocabulary import Status, Tier
 from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.attention_setup import device_name
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
         tier=tier.value,
         verdict=Verdict(report.status.value),
         detail=report.detail,
-        provenance=_provenance(report, matrices.matrix.backend(name).package.distribution),
+        provenance=_provenance(report, matrices.matrix.backend(name).package.distribution,
+                               device),
         verify_command=f"speccheck verify --backend {name} --examples {plan.examples}",
         examples=report.examples,
         examples_asked=plan.examples,
@@ -121,11 +123,14 @@ def with_bench(name: str, matrices: MatrixContext, record: TierStatus,
     return record.model_copy(update={"bench": bench, "bench_command": command})
 
 
-def _provenance(report: BackendReport, distribution: str) -> Provenance:
+def _provenance(report: BackendReport, distribution: str,
+                device: torch.device) -> Provenance:
+    """Where ``report`` was made; the device is this machine's where the report names none
+    (a worker that crashed before reporting)."""
     return Provenance(commit=commit_under_test(), commit_index=commit_index(),
                       tree_dirty=tree_dirty(),
                       date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
-                      device=report.device or "CPU",
+                      device=report.device or device_name(device),
                       versions=library_versions(distribution))
 
 
