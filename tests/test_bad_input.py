@@ -14,6 +14,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TypeVar
 
@@ -358,28 +359,25 @@ def test_unwritable_output_paths_are_problems(tmp_path: Path) -> None:
 
 # --- the verify runner ------------------------------------------------------------------
 
-CHATTY_WORKER = """
-import json, os, sys
-with open(os.path.join(sys.argv[1], "progress-1.jsonl"), "a") as progress:
-    progress.write(json.dumps({"index": 1, "example": "BLOB"}) + "\\n")
-chunk = "x" * 1023 + "\\n"
-for _ in range(8 * 1024):
-    sys.stdout.write(chunk)
-    sys.stderr.write(chunk)
-print("last words")
-sys.exit(3)
-"""
+def _chatty_worker(folder: str, tasks: Connection, output: Connection,
+                   environ: dict[str, str]) -> None:
+    """A worker body that reports example 1, writes 16 MiB to each of its output streams
+    and exits 3."""
+    worker_process.attach_streams(tasks, output, environ)
+    with open(os.path.join(folder, "progress-1.jsonl"), "a") as progress:
+        progress.write(json.dumps({"index": 1, "example": "BLOB"}) + "\n")
+    chunk = "x" * 1023 + "\n"
+    for _ in range(8 * 1024):
+        sys.stdout.write(chunk)
+        sys.stderr.write(chunk)
+    print("last words")
+    sys.exit(3)
 
 
 def test_a_chatty_worker_never_blocks_on_its_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """16 MiB of output, far past a pipe buffer: drained while the worker runs, so it ends
     on its own and the crash report quotes its last line."""
-    popen = subprocess.Popen
-
-    def chatty(command: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
-        return popen([sys.executable, "-c", CHATTY_WORKER, command[-1]], **kwargs)
-
-    monkeypatch.setattr(worker_process.subprocess, "Popen", chatty)
+    monkeypatch.setattr(worker_process, "serve_tasks", _chatty_worker)
     task = WorkerTask(run=VerifyRun(backend="chatty", example_timeout=30.0), backend="chatty",
                       examples=2, seed=0)
     with Progress(console=Console(file=io.StringIO())) as progress:

@@ -189,11 +189,23 @@ class WorkerProcess:
 
 def serve_tasks(folder: str, tasks: Connection, output: Connection,
                 environ: dict[str, str]) -> None:
-    """A worker process's body (forked from the fork server): take the parent's
-    ``environ``, make ``tasks`` its standard input and ``output`` its standard output and
-    error, and run :func:`speccheck.checks.verify.worker.main` on ``folder`` (imported
-    only now, under that environment: its first import sets ``TRITON_INTERPRET`` before any
-    Triton kernel is decorated); its status is the process's."""
+    """A worker process's body (forked from the fork server): :func:`attach_streams`, then
+    :func:`speccheck.checks.verify.worker.main` on ``folder`` (imported only now, under the
+    parent's environment: its first import sets ``TRITON_INTERPRET`` before any Triton
+    kernel is decorated); its status is the process's."""
+    attach_streams(tasks, output, environ)
+    try:
+        from speccheck.checks.verify.worker import main
+
+        status = main([folder])
+    finally:
+        run_exit_handlers()
+    sys.exit(status)
+
+
+def attach_streams(tasks: Connection, output: Connection, environ: dict[str, str]) -> None:
+    """Make a forked worker what a worker is: the parent's ``environ`` its environment,
+    ``tasks`` its standard input, ``output`` its standard output and error."""
     take_environment(environ)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -203,10 +215,3 @@ def serve_tasks(folder: str, tasks: Connection, output: Connection,
     output.close()
     tasks.close()
     sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 - for the process's life
-    try:
-        from speccheck.checks.verify.worker import main
-
-        status = main([folder])
-    finally:
-        run_exit_handlers()
-    sys.exit(status)
