@@ -53,19 +53,30 @@ case "$cmd" in
         "$venv/bin/speccheck" schema --check
         # mypy must see the tree as the `speccheck` package (the editable install's import
         # hook is invisible to it): a symlink in a scratch folder gives it that view.
+        # mypy runs beside the tests, its report printed after theirs: a cold mypy is
+        # about 20 s of one core, which the tests' workers would otherwise wait for.
         typeroot=$(mktemp -d)
         ln -s "$root" "$typeroot/speccheck"
         (cd "$typeroot" && "$py" -m mypy --config-file "$root/pyproject.toml" \
-            -p speccheck.contract -p speccheck.backends -p speccheck.speculator -p speccheck.checks)
-        rm -rf "$typeroot"
+            -p speccheck.contract -p speccheck.backends -p speccheck.speculator \
+            -p speccheck.checks) > "$typeroot/mypy.txt" 2>&1 &
+        mypy_pid=$!
         set +e
         # One pytest worker per core, at most four (each imports torch): the suite is
         # mostly single-threaded CPU work, so two cores take about half the time of one.
         "$py" -m pytest -q -n auto --maxprocesses 4 --dist worksteal "$@"
         status=$?
+        wait "$mypy_pid"
+        mypy_status=$?
         set -e
+        cat "$typeroot/mypy.txt"
+        rm -rf "$typeroot"
         if [ "$status" -eq 5 ]; then
             echo "pytest collected no tests: failing" >&2
+            exit 1
+        fi
+        if [ "$mypy_status" -ne 0 ]; then
+            echo "mypy found errors (above): failing" >&2
             exit 1
         fi
         exit "$status"
