@@ -92,7 +92,7 @@ class WorkerProcess:
         self._input: IO[bytes] = os.fdopen(task_write, "wb")
         self.output = OutputTail(os.fdopen(output_read, "rb"), OUTPUT_TAIL_BYTES)
         child_ends = (Connection(task_read), Connection(output_write))
-        self.proc = fork_context().Process(
+        self._process = fork_context().Process(
             target=serve_tasks, name="speccheck-worker", daemon=True,
             args=(str(self.folder), *child_ends, WORKER_ENV | dict(os.environ)))
         self._start_failed = False
@@ -104,7 +104,7 @@ class WorkerProcess:
         """Start the process; the parent's copies of the child's pipe ends are closed
         either way, and a start that fails writes why to the output pipe."""
         try:
-            self.proc.start()
+            self._process.start()
         except Exception:
             self._start_failed = True
             os.write(output.fileno(), traceback.format_exc().encode())
@@ -117,20 +117,20 @@ class WorkerProcess:
         """The process's exit status (negative: the signal that ended it; 1 for a process
         that could not start), ``None`` while it runs."""
         self._starting.join()
-        return 1 if self._start_failed else self.proc.exitcode
+        return 1 if self._start_failed else self._process.exitcode
 
     def wait(self, timeout: float | None = None) -> int | None:
         """Wait up to ``timeout`` seconds (for ever: ``None``) for the process to end; its
         :attr:`exit_code`."""
         if self.exit_code is None:
-            self.proc.join(timeout)
+            self._process.join(timeout)
         return self.exit_code
 
     def kill(self) -> None:
         """Kill the process (``SIGKILL``) and reap it."""
         if self.exit_code is None:
-            self.proc.kill()
-            self.proc.join()
+            self._process.kill()
+            self._process.join()
 
     def send(self, task: WorkerTask) -> None:
         """Write ``task`` (a JSON line) to the worker's input. A worker that already died
