@@ -121,9 +121,9 @@ def run_mutants(
     through verify with ``--fail-fast`` (a mutant is killed, and its kind decided, by the
     first failure of its first failing cell, which the default search finds the same way
     before it would search on), ``settings.jobs`` at a time; once ``settings.budget`` is
-    spent the ones not started are :attr:`Outcome.NOT_RUN`. ``on_result`` sees each result as it comes
-    (from the worker threads, one at a time). Interrupted (``KeyboardInterrupt``), it
-    kills the verify runs under way before it re-raises."""
+    spent the ones not started are :attr:`Outcome.NOT_RUN`. ``on_result`` sees each result
+    as it comes (from the worker threads, one at a time). Interrupted
+    (``KeyboardInterrupt``), it kills the verify runs under way before it re-raises."""
     lock = threading.Lock()
     stop = threading.Event()
 

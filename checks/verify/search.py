@@ -65,6 +65,14 @@ class FoundFailure:
     found_at: int
 
 
+def error_line(error: BaseException) -> str:
+    """``module.Type: first line of the message`` of ``error``: how a report names an error
+    in one line."""
+    lines = str(error).strip().splitlines()
+    return (f"{type(error).__module__}.{type(error).__qualname__}: "
+            f"{lines[0] if lines else ''}").strip()
+
+
 class ExampleRaised(Exception):
     """An example's run raised ``error`` (an adapter's kernel rejecting its input, say): what
     the search raises in its place, as hypothesis shrinks the example and when the search
@@ -74,10 +82,8 @@ class ExampleRaised(Exception):
     alive, a shrink of a few hundred raising candidates filled an H200."""
 
     def __init__(self, error: BaseException) -> None:
-        lines = str(error).strip().splitlines()
-        self.summary = (f"{type(error).__module__}.{type(error).__qualname__}: "
-                        f"{lines[0] if lines else ''}").strip()
-        """``module.Type: first line of the message`` of the error."""
+        self.summary = error_line(error)
+        """:func:`error_line` of the error."""
         super().__init__(f"{self.summary}\n{''.join(traceback.format_exception(error))}")
 
 

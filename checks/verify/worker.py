@@ -48,7 +48,7 @@ from speccheck.checks.verify.examples import (
     reproduce_command,
 )
 from speccheck.checks.verify.report import BackendReport
-from speccheck.checks.verify.search import ExampleRaised
+from speccheck.checks.verify.search import ExampleRaised, error_line
 from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.checks.verify.worker_process import task_files
@@ -129,10 +129,7 @@ def root_cause(exc: BaseException) -> str:
     in exception groups."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
-    if isinstance(exc, ExampleRaised):
-        return exc.summary
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__module__}.{type(exc).__qualname__}: {lines[0] if lines else ''}".strip()
+    return exc.summary if isinstance(exc, ExampleRaised) else error_line(exc)
 
 
 def main(argv: list[str]) -> int:
