@@ -13,6 +13,7 @@ import datetime
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -98,7 +99,7 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
                 for check, tally in report.checks.items()],
         failures=[FailureRecord(check=f.check.value, diagnosis=f.diagnosis, step=f.step,
                                 field=f.field) for f in report.failures],
-        breakpoints=report.breakpoints,
+        breakpoints=_merged_breakpoints(report.breakpoints),
         cells=[CellRecord(name=c.name, verdict=c.verdict, examples=c.examples, detail=c.detail)
                for c in report.cells],
         selftest=[SelftestRecord(name=r.name, expected_check=r.expected_check,
@@ -107,6 +108,15 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
     if plan.bench and tier is Tier.GPU and report.status is not Status.SKIPPED:
         record = with_bench(name, matrices, record, on_phase)
     return record
+
+
+def _merged_breakpoints(breakpoints: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The report's breakpoints less each batch size's sweep (``batches``): the merged and
+    per-field lengths the draw aimed at. The sweeps (FlashInfer's: 50 kB) stay in
+    ``verify --json``'s report."""
+    if breakpoints is None:
+        return None
+    return {key: value for key, value in breakpoints.items() if key != "batches"}
 
 
 def with_bench(name: str, matrices: MatrixContext, record: TierStatus,

@@ -162,6 +162,8 @@ class TierStatus(_Record):
     checks: list[CheckResult]
     failures: list[FailureRecord]
     breakpoints: dict[str, object] | None = None
+    """The merged and per-field breakpoint lengths the run's draw aimed at (its report's
+    ``breakpoints`` less the per-batch sweeps)."""
     cells: list[CellRecord] = Field(default_factory=list)
     """The configuration cells verified, base first (empty: the run's config alone, or a
     record written before cells)."""
