@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
 
 import torch
 
@@ -12,6 +15,59 @@ def interpret_triton_without_cuda() -> None:
     run before the process first imports Triton: ``triton.language`` decorates its own
     helpers (``tl.cdiv``, ...) then, and every kernel module (the speculator's, a
     backend's) is decorated when it is imported. Every command that runs kernels in its
-    own process calls it first."""
+    own process calls it first; it also :func:`patch_language_once_per_launch`."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    patch_language_once_per_launch()
+
+
+def patch_language_once_per_launch() -> None:
+    """Make Triton's interpreter patch ``triton.language`` once per kernel launch instead of
+    at every nested ``@triton.jit`` call as well (``tl.cdiv``, ``tl.sum``, a kernel's own
+    helpers): each such call re-walks the whole module with ``inspect.getmembers`` and
+    re-installs the same interpreted members, a third of an interpreted kernel's time here.
+    A nested call whose ``triton.language`` modules the launch has patched already skips the
+    walk; one that sees a module not yet patched patches it as before, and the launch
+    restores what it patched as before. Idempotent; does nothing unless
+    ``TRITON_INTERPRET=1``, nor where the interpreter's internals differ from what this
+    expects (another Triton). Any time before the first launch (a process that imported its
+    kernels already, a forked rank, calls it too)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang", None)
+    launch = getattr(interpreter, "GridExecutor", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    if original is None or launch is None or scope_type is None:
+        return
+    if getattr(original, "_speccheck_once_per_launch", False):
+        return
+    patched: set[int] = set()
+    """``id`` of each language module patched since the current launch began."""
+
+    @wraps(original)
+    def patch_lang(fn: Any) -> Any:
+        langs = {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+        if langs and langs <= patched:
+            return scope_type()  # nothing changed, nothing to restore
+        scope = original(fn)
+        patched.update(langs)
+        return scope
+
+    def launch_call(call: Callable[..., Any]) -> Callable[..., Any]:
+        @wraps(call)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            patched.clear()
+            try:
+                return call(self, *args, **kwargs)
+            finally:
+                patched.clear()
+        return run
+
+    patch_lang._speccheck_once_per_launch = True  # type: ignore[attr-defined]
+    interpreter._patch_lang = patch_lang
+    launch.__call__ = launch_call(launch.__call__)

@@ -19,8 +19,9 @@ import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
+
+interpret_triton_without_cuda()
 
 import pytest
 from hypothesis import HealthCheck, settings

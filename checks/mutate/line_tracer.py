@@ -8,8 +8,9 @@ the shadow copy is importable). It does nothing unless :data:`TRACE_DIR_ENV` and
 :data:`TRACE_FILES_ENV` are set; then it traces, on every thread, the lines executed in the
 files named there (``os.pathsep``-separated absolute paths, compared with each code
 object's ``co_filename``) and at exit writes them to ``<dir>/<pid>.json`` as
-``{path: [line, ...]}``. Frames of other files are not traced line by line, so the cost is
-one call per Python function call. A process that ends with ``os._exit`` records nothing.
+``{path: [line, ...]}`` (whole: a partial file has another name). Frames of other files are
+not traced line by line, so the cost is one call per Python function call. A process that
+ends with ``os._exit`` records nothing.
 """
 
 from __future__ import annotations
@@ -49,8 +50,12 @@ def start_from_environment() -> None:
     def write() -> None:
         sys.settrace(None)
         lines = {path: sorted(numbers) for path, numbers in executed.items()}
-        with open(os.path.join(directory, f"{os.getpid()}.json"), "w", encoding="utf-8") as out:
+        # Whole files only: a reader may list the folder while a process still writes (the
+        # fork server's handlers run as the command that reads is returning).
+        path = os.path.join(directory, f"{os.getpid()}.json")
+        with open(f"{path}.partial", "w", encoding="utf-8") as out:
             json.dump(lines, out)
+        os.replace(f"{path}.partial", path)
 
     atexit.register(write)
     threading.settrace(trace_calls)
