@@ -37,7 +37,11 @@ from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import FieldMeaning
 from speccheck.speculator.batch import DraftBatch
-from tests.fixtures.adapters.field_meaning_mutants import DCP_LENGTH_MUTANTS, SnapshotBlockTable
+from tests.fixtures.adapters.field_meaning_mutants import (
+    DCP_LENGTH_MUTANTS,
+    DcpLengthsShortView,
+    SnapshotBlockTable,
+)
 from tests.fixtures.catch import CATCH_ARGS
 from tests.fixtures.reference_at_defaults import VerifyCommandRun
 
@@ -187,6 +191,17 @@ def test_dcp_local_length_mutants_are_caught_at_the_defaults_field_named(
     named = [f for f in backend["failures"] if f["check"] == "field_meanings"]
     assert named and named[0]["field"] == "reference.metadata.dcp_local_seq_lens"
     assert "its meaning gives" in named[0]["diagnosis"]
+
+
+@CPU_ONLY
+@pytest.mark.slow
+def test_a_local_lengths_view_a_row_short_raises_at_the_defaults(tmp_path: Path) -> None:
+    """No value is wrong (``out=`` resizes the short view), but the defaults' DCP 2 cell
+    turns PyTorch's deprecated resize into an error."""
+    proc, backend = _verify_mutant(tmp_path, DcpLengthsShortView, *CATCH_ARGS)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert backend["status"] in ("failed", "crashed")
+    assert "An output with one or more elements was resized" in json.dumps(backend)
 
 
 @CPU_ONLY

@@ -340,68 +340,6 @@ def test_a_restore_of_some_blocks_converts_them_and_leaves_the_others() -> None:
     assert all(torch.equal(k, ks.float()) for (k, _), (ks, _) in zip(cache.layers, start))
 
 
-def _host_lengths_speculator(k: int) -> AutoregressiveSpeculator:
-    """The reference speculator as the verifier's fp32 reference builds it."""
-    from speccheck.backends.reference.builder import HostLengthsReferenceBuilder
-
-    spec = create_speculator("autoregressive", ["reference"] * 2, _config(k), DRAFTER, DEVICE,
-                             OPTIONS, matrix=MATRIX,
-                             builder_overrides={"reference": HostLengthsReferenceBuilder})
-    assert isinstance(spec, AutoregressiveSpeculator)
-    return spec
-
-
-@settings(max_examples=20, deadline=None)
-@given(data=st.data(), k=st.integers(1, 6))
-def test_the_host_lengths_reference_reads_nothing_back_and_drafts_what_the_reference_does(
-    data, k
-) -> None:
-    """The verifier's fp32 reference queues a whole propose without waiting for the device:
-    its builder hands the attention each build's host lengths. Its drafts and KV writes are
-    the plain reference builder's, prefills and decode groups of several lengths alike."""
-    from speccheck.checks.probes import HostSyncRecorder
-
-    plain = _speculator(k)
-    eager = _host_lengths_speculator(k)
-    batch = data.draw(draft_batches(_limits(k)))
-    plain.kv_cache.fill_random_(k)
-    eager.kv_cache.restore(plain.kv_cache.snapshot())
-    with HostSyncRecorder() as syncs:
-        r = eager.launch(batch, DecodePath.PER_STEP)
-    # (on the CPU the recorder also lists the build's reads of its host tensors)
-    reads = [e for e in syncs.events if "reference/attention.py" in e.site and e.op in (
-        "Tensor.tolist", "Tensor.item", "Tensor.__int__", "Tensor.__bool__", "Tensor.__float__",
-        "Tensor.__index__", "Tensor.cpu", "Tensor.numpy")]
-    assert reads == []
-    with HostSyncRecorder() as plain_syncs:
-        expected = plain.propose(batch, DecodePath.PER_STEP)
-    # the plain reference reads its lengths back
-    assert any("reference/attention.py" in e.site for e in plain_syncs.events)
-    assert torch.equal(eager.draft_tokens[:r].cpu(), expected.draft_tokens)
-    assert torch.equal(eager.draft_logits[:r].cpu(), expected.logits)
-    for (k1, v1), (k2, v2) in zip(eager.kv_cache.layers, plain.kv_cache.layers, strict=True):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
-
-
-@pytest.mark.cuda
-def test_on_cuda_the_host_lengths_reference_queues_a_propose_without_a_synchronisation() -> None:
-    """Under the sync debug mode "error", any read-back of the propose would raise."""
-    eager = _host_lengths_speculator(4)
-    batches = [DraftBatch((5, 9), ((1,), (2, 3)), ((1, 2, 3), (4, 5, 6, 7)), (11, 12)),
-               DraftBatch((2, 17, 30), ((1,), (2,), (3,)), ((8, 9), (10, 11, 12, 13, 14, 15),
-                          (16, 17, 18, 19, 20, 21, 22, 23, 24)), (1, 2, 3))]
-    for batch in batches:
-        eager.launch(batch, DecodePath.PER_STEP)  # first use: allocations, pinned blocks
-    torch.cuda.synchronize()
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for batch in batches:
-            eager.launch(batch, DecodePath.PER_STEP)
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-
-
 def _padded_first_pass_speculator(k: int, mode: str,
                                   backend: str = "reference") -> AutoregressiveSpeculator:
     options = SpeculatorOptions(OPTIONS.capture_sizes, OPTIONS.max_num_prefill_tokens,

@@ -17,7 +17,6 @@ fixed-shape path, the whole cache being its one-rank case.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 
 import torch
 
@@ -79,7 +78,6 @@ def paged_attention_reference(
     scale: float,
     causal: bool,
     window: int = 0,
-    host: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` (``[T, H, D]``) over the paged cache, in fp32.
 
@@ -93,17 +91,11 @@ def paged_attention_reference(
     for a latent MLA cache, whose keys are the whole entry and whose values are its first
     ``kv_lora_rank`` channels (pass ``latent`` and ``latent[..., :kv_lora_rank]``). Returns
     ``[T, H, Dv]`` in ``query.dtype``.
-
-    ``host``: ``query_start_loc`` and ``seq_lens`` as host sequences, when the caller has
-    them (an eager build's): then nothing is read back from the device and the call never
-    waits for it. They must equal the device tensors; they are not read while capturing.
     """
     if query.shape[0] and seq_lens.shape[0] and not capturing():
-        if host is None:
-            # One read-back for both: each is a wait for every launch before it.
-            joined = torch.cat((query_start_loc.long(), seq_lens.long())).tolist()
-            host = joined[: len(query_start_loc)], joined[len(query_start_loc):]
-        offsets, lengths = list(host[0]), list(host[1])
+        # One read-back for both: each is a wait for every launch before it.
+        joined = torch.cat((query_start_loc.long(), seq_lens.long())).tolist()
+        offsets, lengths = joined[: len(query_start_loc)], joined[len(query_start_loc):]
         if window > 0 and max(b - a for a, b in itertools.pairwise(offsets)) > 1:
             return _per_request(query, key_cache, value_cache, offsets, lengths,
                                 block_table, scale, causal, window)

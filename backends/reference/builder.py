@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -53,15 +53,6 @@ class ReferenceMetadata:
     ``seq_lens`` itself (the same tensor)."""
 
 
-@dataclass(kw_only=True)
-class HostLengthsMetadata(ReferenceMetadata):
-    """:class:`ReferenceMetadata` with each request's query offsets and sequence length on
-    the host, as the build saw them: exact for the call it was built for, never refreshed."""
-
-    host_query_start_loc: list[int]
-    host_seq_lens: list[int]
-
-
 class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
     """fp32 attention for both cache layouts of :class:`AttentionLayerSpec`: grouped-query
     over keys and values (``NHD``), or multi-query over the MLA latent cache (``latent``:
@@ -100,9 +91,6 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
             write_kv_cache(key[:n], value[:n], key_cache, value_cache, metadata.slot_mapping,
                            kernel=False)
         if self.dcp is None:
-            host = None
-            if isinstance(metadata, HostLengthsMetadata):
-                host = (metadata.host_query_start_loc, metadata.host_seq_lens)
             output[:n] = paged_attention_reference(
                 query[:n],
                 key_cache,
@@ -113,7 +101,6 @@ class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
                 self.scale,
                 metadata.causal,
                 self.layer.sliding_window,
-                host=host,
             )
             return
         out, lse = paged_attention_reference_partial(
@@ -177,26 +164,3 @@ class ReferenceMetadataBuilder(HoldsDcpShare[ReferenceMetadata], AttentionMetada
         """The impl, given this builder's DCP rank (it all-gathers the partials)."""
         dcp = self.dcp_share.dcp if self.dcp_share is not None else None
         return self.impl_cls(self.layer, scale, dcp)
-
-
-class HostLengthsReferenceBuilder(ReferenceMetadataBuilder):
-    """The reference builder for eager per-step runs only (the verifier's fp32 reference
-    speculator): its metadata also carries the build's host offsets and lengths
-    (:class:`HostLengthsMetadata`), so the attention groups requests without reading them
-    back from the device, and a whole propose queues on its stream without waiting for it.
-    Never captured and never refreshed (host values go stale in both); without DCP only."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.dcp_share is not None:
-            raise ValueError(f"{type(self).__name__} runs without decode context parallelism")
-
-    def build(self, common: CommonAttentionMetadata) -> HostLengthsMetadata:
-        fields = vars(super().build(common))
-        return HostLengthsMetadata(**fields,
-                                   host_query_start_loc=common.query_start_loc_cpu.tolist(),
-                                   host_seq_lens=common.seq_lens_cpu_upper_bound.tolist())
-
-    def update_draft_decode_metadata(self, metadata: ReferenceMetadata) -> None:
-        raise NotImplementedError(f"{type(self).__name__} builds every step eagerly; its "
-                                  "host lengths cannot be refreshed")

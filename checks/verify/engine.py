@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,6 +149,13 @@ PROBED_CANDIDATE = Candidate(DecodePath.FUSED, graphs=False)
 RefreshProbe`): the eager fused loop, where every refresh call runs on the host's watch."""
 
 
+RESIZED_OUTPUT = r"An output with one or more elements was resized"
+"""PyTorch's warning when an ``out=`` tensor of the wrong shape is resized to the result's
+(deprecated: a later release raises). In a builder it hides a view sized for another batch:
+``torch.sub(lengths, c, out=buffer[:n - 1])`` quietly re-views ``n`` rows, so a wrong
+slice bound passes every check; an example that triggers it raises instead."""
+
+
 class BackendVerifier:
     """Verifies ``settings.backend`` under ``settings.config`` on ``device``.
 
@@ -245,7 +253,13 @@ class BackendVerifier:
 
     def examine(self, example: Example) -> ExampleRun:
         """Run ``example``'s oracle, fp32 reference and candidates from its start state and
-        check them."""
+        check them. PyTorch's deprecated resize of a mis-sized ``out=`` tensor raises
+        (:data:`RESIZED_OUTPUT`)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=RESIZED_OUTPUT, category=UserWarning)
+            return self._examine(example)
+
+    def _examine(self, example: Example) -> ExampleRun:
         k, batch = example
         h = self.harnesses.harness(k)
         if h.capture_error is not None:
