@@ -2,7 +2,7 @@
 
 Contract, with ``N = dcp_world_size``: token position ``p`` of every request lives on rank
 ``p % N`` at local position ``p // N`` (interleaved shares), so a request of ``L`` tokens
-holds :func:`dcp_local_lengths` of them on each rank. Queries are replicated: every rank
+holds ``max(0, ceil((L - rank) / N))`` of them on rank ``rank``. Queries are replicated: every rank
 attends them over its own share only and yields a *partial* output, normalised over the keys
 it saw, with the natural-log log-sum-exp of those keys' scaled scores (``-inf`` where it saw
 none); :func:`merge_partials` combines the ranks' partials into the attention over all keys.
@@ -47,29 +47,12 @@ from speccheck.contract.dcp import DcpRank
 from speccheck.contract.metadata import CommonAttentionMetadata
 
 
-def _held(lengths: torch.Tensor, rank: torch.Tensor | int, world: int) -> torch.Tensor:
-    """Positions ``< lengths`` that ``rank`` holds: ``max(0, ceil((L - rank) / world))``."""
-    return ((lengths - rank + world - 1) // world).clamp(min=0)
-
-
-def dcp_local_lengths(seq_lens: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """How many of each request's positions ``< seq_lens`` rank ``rank`` of ``world`` holds:
-    ``max(0, ceil((L - rank) / world))``, in ``seq_lens``' dtype and device.
-
-    ``rank`` and ``world`` are host integers (configuration, not data); a new tensor is
-    returned, so a builder that keeps the field persistent copies it into its buffer.
-    """
-    if not 0 <= rank < world:
-        raise ValueError(f"dcp rank {rank} is not in [0, {world})")
-    return _held(seq_lens, rank, world).to(seq_lens.dtype)
-
-
 def dcp_local_length_table(seq_lens: torch.Tensor, world: int) -> torch.Tensor:
-    """:func:`dcp_local_lengths` of every rank at once: ``[num_reqs, world]``, column ``r``
-    rank ``r``'s (rank 0 holds ``ceil(L / world)``), for a process that simulates all the
-    ranks (``triton_mla``)."""
+    """Every rank's local lengths at once: ``[num_reqs, world]``, column ``r`` rank ``r``'s
+    (``max(0, ceil((L - r) / world))``; rank 0 holds ``ceil(L / world)``), for a process that
+    simulates all the ranks (``triton_mla``)."""
     ranks = torch.arange(world, device=seq_lens.device, dtype=seq_lens.dtype)
-    return _held(seq_lens[:, None], ranks[None, :], world)
+    return ((seq_lens[:, None] - ranks[None, :] + world - 1) // world).clamp(min=0)
 
 
 def merge_partials(outputs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
@@ -132,8 +115,8 @@ def _cuda_backend(config: str) -> str | None:
 def write_dcp_local_lengths(
     seq_lens: torch.Tensor, rank: int, world: int, out: torch.Tensor
 ) -> None:
-    """:func:`dcp_local_lengths` of ``seq_lens`` written into ``out`` (same shape, integer
-    dtype), in place and without temporaries: ``(L - rank + world - 1) // world`` (never
+    """How many of each request's positions ``< seq_lens`` rank ``rank`` of ``world`` holds,
+    written into ``out`` (same shape, integer dtype), in place and without temporaries: ``(L - rank + world - 1) // world`` (never
     negative for ``L >= 0``). Capture-safe."""
     torch.sub(seq_lens, rank - world + 1, out=out)
     out.floor_divide_(world)
@@ -181,7 +164,7 @@ class DcpLocalShare:
     they are guarded) and whose tails past the batch stay zero:
 
     - ``dcp_local_seq_lens`` ``[max_num_reqs]`` int32: positions each request holds on this
-      rank (:func:`dcp_local_lengths` of the global ``seq_lens``);
+      rank (:func:`write_dcp_local_lengths` of the global ``seq_lens``);
     - ``dcp_slot_mapping`` ``[max_num_tokens]`` int64: where each token writes its KV in
       this rank's cache (:func:`write_dcp_slot_mapping`; the sink, slot 0, in the tail).
 

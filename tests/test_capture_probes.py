@@ -117,13 +117,15 @@ def test_reference_backend_refresh_passes_every_probe() -> None:
         BuilderLimits(4, 4),
         supports_draft_decode_metadata_update=True,
     )
+    seq_lens = torch.tensor([3, 4, 5, 6], dtype=torch.int32)
     md = ReferenceMetadata(
         query_start_loc=torch.arange(5, dtype=torch.int32),
-        seq_lens=torch.tensor([3, 4, 5, 6], dtype=torch.int32),
+        seq_lens=seq_lens,
         block_table=torch.zeros(4, 8, dtype=torch.int32),
         slot_mapping=torch.arange(4),
         num_actual_tokens=4,
         causal=True,
+        dcp_local_seq_lens=seq_lens,
     )
     roots = {"metadata": md, "builder": builder}
     with HostSyncRecorder() as syncs, AllocationRecorder() as allocs, IdentityGuard(roots) as ids:

@@ -21,12 +21,13 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from speccheck.backends.dcp import dcp_local_lengths, merge_partials
+from speccheck.backends.dcp import merge_partials, write_dcp_local_lengths
 from speccheck.backends.reference.attention import (
     paged_attention_reference,
     paged_attention_reference_partial,
 )
 from speccheck.speculator.dp_launch import run_ranks
+from tests.fixtures.dcp_lengths import held_positions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,14 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_local_lengths_count_the_positions_each_rank_owns(world: int) -> None:
     seq_lens = torch.arange(0, 23, dtype=torch.int32)
     for rank in range(world):
-        got = dcp_local_lengths(seq_lens, rank, world)
+        got = torch.full_like(seq_lens, -1)
+        write_dcp_local_lengths(seq_lens, rank, world, got)
         assert got.dtype == torch.int32
-        assert got.tolist() == [sum(1 for p in range(n) if p % world == rank) for n in range(23)]
-
-
-def test_local_lengths_refuse_a_rank_outside_the_world() -> None:
-    with pytest.raises(ValueError, match="dcp rank 2 is not in"):
-        dcp_local_lengths(torch.zeros(1, dtype=torch.int32), 2, 2)
+        assert torch.equal(got, held_positions(seq_lens, rank, world))
 
 
 # ---------------------------------------------------------------- the merge
@@ -147,7 +144,8 @@ def _partial(case: dict[str, Any], share: tuple[torch.Tensor, ...], rank: int, w
     """This rank's partial; ``stale``: with the previous step's local lengths (one token
     fewer on the rank that holds each request's newest position)."""
     keys, values, table = share
-    local = dcp_local_lengths((case["seq_lens"] - 1).clamp(min=0), rank, world) if stale else None
+    lengths = (case["seq_lens"] - 1).clamp(min=0) if stale else case["seq_lens"]
+    local = held_positions(lengths, rank, world)
     return paged_attention_reference_partial(
         case["query"], keys, values, case["query_start_loc"], case["seq_lens"], table,
         case["scale"], causal, window, dcp_rank=rank, dcp_world=world, local_seq_lens=local)

@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from speccheck.backends.dcp import (
     DcpLocalShare,
-    dcp_local_lengths,
     write_dcp_local_lengths,
     write_dcp_slot_mapping,
 )
@@ -42,8 +41,8 @@ from speccheck.backends.kv_cache_write import SINK_SLOT
 from speccheck.backends.reference.builder import ReferenceMetadataBuilder
 from speccheck.backends.triton_attn.builder import TritonAttnMetadataBuilder
 from speccheck.checks.probes import HostSyncRecorder, IdentityGuard, check_zero_tail
-from speccheck.checks.selftest.dcp_mutants import DCP_LOCAL_FIELD, STALE_DCP_BUILDERS
 from speccheck.checks.probes.state_walk import walk_tensors
+from speccheck.checks.selftest.dcp_mutants import DCP_LOCAL_FIELD, STALE_DCP_BUILDERS
 from speccheck.contract.builder import AttentionLayerSpec, AttentionMetadataBuilder, BuilderLimits
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.dcp import DcpRank
@@ -55,6 +54,7 @@ from speccheck.contract.token_count import (
 )
 from speccheck.speculator.dp_launch import run_ranks
 from speccheck.speculator.kv_cache import PAD_SLOT, SINK_BLOCK, compute_slot_mapping
+from tests.fixtures.dcp_lengths import held_positions
 from tests.fixtures.kernel_batches import shuffled_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,8 +329,8 @@ def test_refresh_advances_the_local_lengths_in_place(two_ranks, dtype) -> None:
         assert trace.probe_findings == [], trace.probe_findings
         assert trace.stale_fields == [[]] * (STEPS - 1), trace.stale_fields
         for step, lens in enumerate(trace.local_lens, 1):
-            want = dcp_local_lengths(torch.tensor(_step_lengths(step) + [0] * PAD_REQS),
-                                     rank, WORLD).tolist()
+            want = held_positions(torch.tensor(_step_lengths(step) + [0] * PAD_REQS),
+                                  rank, WORLD).tolist()
             assert lens == want, f"{backend} rank {rank} step {step}"
 
 
@@ -402,7 +402,7 @@ def test_local_slots_and_lengths_follow_the_interleaved_layout() -> None:
         lens = torch.tensor([0, 1, 2, 3, 31], dtype=torch.int32)
         local = torch.full_like(lens, -1)
         write_dcp_local_lengths(lens, rank, world, local)
-        assert torch.equal(local, dcp_local_lengths(lens, rank, world))
+        assert torch.equal(local, held_positions(lens, rank, world))
 
 
 def test_a_dcp_rank_must_match_the_config() -> None:

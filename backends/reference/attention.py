@@ -21,7 +21,6 @@ import itertools
 import torch
 
 from speccheck.backends.batch_layout import token_request_index
-from speccheck.backends.dcp import dcp_local_lengths
 from speccheck.contract.builder import blocks_for
 from speccheck.contract.capture_state import capturing
 from speccheck.contract.host_copy import int64_on
@@ -211,16 +210,15 @@ def paged_attention_reference_partial(
     *,
     dcp_rank: int,
     dcp_world: int,
-    local_seq_lens: torch.Tensor | None = None,
+    local_seq_lens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode-context-parallel rank ``dcp_rank`` of ``dcp_world``'s share of
     :func:`paged_attention_reference` (the layout of :mod:`speccheck.backends.dcp`).
 
     ``key_cache``, ``value_cache`` and ``block_table`` hold only this rank's positions: local
     position ``j`` of a request is its global position ``j * dcp_world + dcp_rank``.
-    ``seq_lens`` are the global lengths, ``local_seq_lens`` this rank's (default
-    :func:`~speccheck.backends.dcp.dcp_local_lengths` of ``seq_lens``, the right value; a
-    builder's own field may be passed instead, stale or not). A token sees the local keys
+    ``seq_lens`` are the global lengths, ``local_seq_lens`` this rank's (the builder's
+    field, stale or not: the attention trusts it). A token sees the local keys
     ``j < local_seq_lens[r]`` that :func:`paged_attention_reference`'s rules (causal,
     window) let it see at their global positions. Queries are replicated on every rank.
 
@@ -231,8 +229,6 @@ def paged_attention_reference_partial(
     partials merged by :func:`~speccheck.backends.dcp.merge_partials` are the attention over
     the whole cache.
     """
-    if local_seq_lens is None:
-        local_seq_lens = dcp_local_lengths(seq_lens, dcp_rank, dcp_world)
     out, lse = _masked_attention(query, key_cache, value_cache, query_start_loc, seq_lens,
                                  local_seq_lens, block_table, scale, causal, window,
                                  rank=dcp_rank, world=dcp_world, with_lse=True)

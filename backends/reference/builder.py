@@ -46,11 +46,11 @@ class ReferenceMetadata:
     """Where each token writes its KV in the cache this process holds."""
     num_actual_tokens: int
     causal: bool
-    positions: torch.Tensor | None = None
-    """The tokens' global positions (a view of the speculator's buffer)."""
-    dcp_local_seq_lens: torch.Tensor | None = None
+    dcp_local_seq_lens: torch.Tensor
     """``[num_reqs]`` int32: positions of each request this rank's cache holds; without DCP
     ``seq_lens`` itself (the same tensor)."""
+    positions: torch.Tensor | None = None
+    """The tokens' global positions (a view of the speculator's buffer)."""
 
 
 class ReferenceAttentionImpl(AttentionImpl[ReferenceMetadata]):
