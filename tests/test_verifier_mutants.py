@@ -19,7 +19,7 @@ from speccheck.checks.selftest.mutants import (
     StaleRefresh,
     naming_matrix,
 )
-from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS
+from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS, ProcessMutant
 from speccheck.checks.selftest.run import CONTROL_RESULT, verify_builder
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.examples import decode_example, encode_example, example_from_json
@@ -198,3 +198,14 @@ def test_a_process_mutant_the_worker_cannot_run_is_skipped(monkeypatch) -> None:
     result = selftest_run.verify_process_mutant(PROCESS_MUTANTS[0])
     assert result.outcome == "skipped", result
     assert "CUDA" in result.detail or "cuda" in result.detail, result.detail
+
+
+@pytest.mark.parametrize("mutant", PROCESS_MUTANTS, ids=lambda m: m.name)
+def test_a_crash_catches_a_process_mutant_only_where_allowed_and_never_by_running_out_of_memory(
+    mutant: ProcessMutant,
+) -> None:
+    fault = "worker crashed: CUDA error: an illegal memory access was encountered"
+    oom = ("worker crashed: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+           "1.00 GiB")
+    assert mutant.caught_by_crash(fault) is mutant.crash_catches
+    assert mutant.caught_by_crash(oom) is False

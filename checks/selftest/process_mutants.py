@@ -44,6 +44,19 @@ class ProcessMutant:
     def backend(self) -> str:
         return str(self.builder.backend_name)
 
+    def caught_by_crash(self, detail: str) -> bool:
+        """Whether a crash whose report says ``detail`` catches this mutant: where
+        :attr:`crash_catches`, unless the crash is the verifier running out of a resource
+        (:data:`RESOURCE_CRASHES`), which says nothing about the builder."""
+        lowered = detail.lower()
+        return self.crash_catches and not any(m in lowered for m in RESOURCE_CRASHES)
+
+
+RESOURCE_CRASHES = ("out of memory",)
+"""Phrases of a crash report (lower case) that blame the machine, not the builder: a CUDA
+or host allocation that failed (a verifier that kept too much alive crashed the
+flashinfer row this way at dc4032f, and the row was counted as caught)."""
+
 
 PROCESS_MUTANTS: tuple[ProcessMutant, ...] = (
     ProcessMutant(

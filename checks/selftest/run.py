@@ -177,7 +177,7 @@ def verify_process_mutant(mutant: ProcessMutant,
     """Verify ``mutant`` as ``speccheck verify --backend B --matrix M`` does by default,
     under the shipped matrix naming it (written to a temporary file), in worker processes:
     caught when its check fails naming :attr:`~ProcessMutant.names`, or where
-    :attr:`~ProcessMutant.crash_catches`, when a worker crashes; skipped, with the reason,
+    :meth:`~ProcessMutant.caught_by_crash`, when a worker crashes; skipped, with the reason,
     where this machine cannot run the backend."""
     shipped = load_matrix(None)
     reason = unrunnable_reason(mutant.backend, machine_platform(), shipped)
@@ -192,7 +192,7 @@ def verify_process_mutant(mutant: ProcessMutant,
         if report.status is Status.SKIPPED:
             reason = report.detail
         elif report.status is Status.CRASHED:
-            outcome = Outcome.CAUGHT if mutant.crash_catches else Outcome.MISSED
+            outcome = Outcome.CAUGHT if mutant.caught_by_crash(report.detail) else Outcome.MISSED
             return SelftestResult(mutant.name, mutant.check, outcome,
                                   f"crashed: {report.detail}", mutant.recreates)
         else:
