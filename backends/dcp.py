@@ -116,8 +116,8 @@ def write_dcp_local_lengths(
     seq_lens: torch.Tensor, rank: int, world: int, out: torch.Tensor
 ) -> None:
     """How many of each request's positions ``< seq_lens`` rank ``rank`` of ``world`` holds,
-    written into ``out`` (same shape, integer dtype), in place and without temporaries: ``(L - rank + world - 1) // world`` (never
-    negative for ``L >= 0``). Capture-safe."""
+    written into ``out`` (same shape, integer dtype), in place and without temporaries:
+    ``(L - rank + world - 1) // world`` (never negative for ``L >= 0``). Capture-safe."""
     torch.sub(seq_lens, rank - world + 1, out=out)
     out.floor_divide_(world)
     out.clamp_(min=0)
