@@ -173,7 +173,8 @@ def test_stalling_worker_is_killed_after_the_example_timeout() -> None:
     proc = _verify("--backend", "stalling", "--matrix", str(FAULTY_MATRIX), "--examples", "3",
                    "--example-timeout", "4", "--no-cells", "--fail-fast")
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "stalling: crashed: no progress for 4s (hang); killed" in proc.stdout
+    assert ("stalling: crashed: no progress for 4s (hang: the example timeout); killed"
+            in proc.stdout)
 
 
 def test_unknown_backend_is_a_clear_error() -> None:

@@ -184,6 +184,10 @@ class BackendReport:
     """``--fail-fast``: the example at which the run stopped, short of
     :attr:`examples_asked` (``None``: it ran them all, or stopped on its last)."""
     detail: str = ""
+    hang_seconds: float | None = None
+    """A crash by hang: the seconds without progress after which the worker was killed
+    (:class:`~speccheck.checks.verify.hang.HangClock`); the reproduce check holds its
+    example to the same bound. ``None``: no hang."""
     capture_seconds: float = 0.0
     seconds: float = 0.0
     device: str = ""
@@ -282,7 +286,7 @@ def merge_shards(shards: Sequence[BackendReport], seconds: float) -> BackendRepo
         checks=checks, failures=failures, findings=findings,
         minimal_example=findings[0].example if findings else worst.minimal_example,
         reproduce=findings[0].reproduce if findings else worst.reproduce, reproduced=None,
-        detail=worst.detail,
+        detail=worst.detail, hang_seconds=worst.hang_seconds,
         capture_seconds=sum(report.capture_seconds for report in shards), seconds=seconds)
 
 

@@ -119,7 +119,9 @@ class VerifyRun(BaseModel):
     """For a backend the matrix does not allow to fuse, also run the fused path in a
     worker of its own and report whether the claim is too strict."""
     example_timeout: float = Field(300.0, gt=0, allow_inf_nan=False)
-    """Seconds without progress before a worker counts as hung."""
+    """Seconds without progress before a worker counts as hung; once it has finished
+    examples, less: 20 times its slowest, at least 120 s (:mod:`~speccheck.checks.verify.
+    hang`)."""
     shrink_seconds: float = Field(DEFAULT_SHRINK_SECONDS, ge=0, allow_inf_nan=False)
     """Each worker's budget for shrinking a failure to a smaller example."""
     fail_fast: bool = False

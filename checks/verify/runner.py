@@ -1,12 +1,14 @@
 """Runs each backend's verification in a process of its own and collects the reports.
 
 A worker that exits without a report (an illegal memory access, a segfault) or that makes
-no progress for ``example_timeout`` seconds (a hang) is killed and reported as ``crashed``
-with the last example it started; the run then goes on with the next backend. A worker's
-output is drained while it runs (:class:`~speccheck.checks.verify.worker_process.
-WorkerProcess`), so however much it prints it never blocks on a full pipe. A worker given
-a ``--reproduce`` example it cannot take writes ``{"bad_input": LINE}`` as its result;
-:func:`run_worker` raises it as :class:`~speccheck.checks.verify.examples.BadExample`.
+no progress for ``example_timeout`` seconds, or for 20 times its slowest example once it
+has finished some (a hang, :mod:`~speccheck.checks.verify.hang`), is killed and reported
+as ``crashed`` with the last example it started; the run then goes on with the next
+backend. A worker's output is drained while it runs (:class:`~speccheck.checks.verify.
+worker_process.WorkerProcess`), so however much it prints it never blocks on a full pipe.
+A worker given a ``--reproduce`` example it cannot take writes ``{"bad_input": LINE}`` as
+its result; :func:`run_worker` raises it as :class:`~speccheck.checks.verify.examples.
+BadExample`.
 
 Progress goes to a :class:`ProgressDisplay`: rich's live bar on a terminal, or
 :class:`PlainProgress`, which prints a line per backend every few seconds for CI logs.
@@ -29,6 +31,7 @@ from rich.console import Console
 from rich.progress import TaskID
 
 from speccheck.checks.verify.examples import BadExample, reproduce_blob, reproduce_command
+from speccheck.checks.verify.hang import HangClock
 from speccheck.checks.verify.report import BackendReport, Finding
 from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.vocabulary import Status, Tier
@@ -127,11 +130,13 @@ class _ProgressLog:
 
 def run_worker(
     task: WorkerTask, progress: ProgressDisplay, tier: Tier, label: str | None = None,
-    worker: WorkerProcess | None = None,
+    worker: WorkerProcess | None = None, example_bound: float | None = None,
 ) -> BackendReport:
     """Run ``task`` in a worker process and return its report, or a ``crashed`` report
     that names the last example it started when it dies without one or makes no progress
-    for the run's ``example_timeout`` seconds (then it is killed). The worker's output is
+    for longer than a :class:`~speccheck.checks.verify.hang.HangClock` allows (the run's
+    ``example_timeout``, less once the worker has finished examples; ``example_bound``
+    where given), then it is killed. The worker's output is
     drained as it runs; the last lines of it explain a crash. Raises
     :class:`~speccheck.checks.verify.examples.BadExample` when the worker rejects its
     ``reproduce`` example. ``label`` names the progress task (default: the backend); the
@@ -141,26 +146,25 @@ def run_worker(
     process, closed here."""
     with contextlib.ExitStack() as owned:
         process = worker if worker is not None else owned.enter_context(WorkerProcess())
-        return _follow(process, task, progress, tier, label or task.backend)
+        return _follow(process, task, progress, tier, label or task.backend, example_bound)
 
 
 def _follow(process: WorkerProcess, task: WorkerTask, progress: ProgressDisplay, tier: Tier,
-            label: str) -> BackendReport:
+            label: str, example_bound: float | None = None) -> BackendReport:
     """Send ``task`` to ``process`` and follow it to its report (see :func:`run_worker`)."""
-    example_timeout = task.run.example_timeout
     progress_task = progress.add_task(label, total=task.progress_total)
     process.send(task)
-    last_change = time.monotonic()
+    clock = HangClock(task.run.example_timeout, example_bound)
     hung = False
     with process.progress.open("rb") as stream:
         log = _ProgressLog(stream)
         while process.exit_code is None and not process.done:
             time.sleep(_POLL_SECONDS)
             if log.poll():
-                last_change = time.monotonic()
+                clock.progressed(time.monotonic())
                 assert log.latest is not None
                 progress.update(progress_task, completed=log.latest["index"] - 1)
-            elif time.monotonic() - last_change > example_timeout:
+            elif clock.hung(time.monotonic()):
                 process.kill()
                 hung = True
             else:
@@ -177,11 +181,12 @@ def _follow(process: WorkerProcess, task: WorkerTask, progress: ProgressDisplay,
         return report
     process.wait()  # raised: the worker ends on its own, its traceback printed
     tail = raised or " | ".join(process.output.last_lines(3))
-    what = (f"no progress for {example_timeout:.0f}s (hang); killed" if hung
+    what = (f"no progress for {clock.bound:.0f}s (hang: {clock.why()}); killed" if hung
             else f"worker exited with status {process.exit_code}: {tail}")
     if log.latest is not None:
         what += f" (during example {log.latest['index']})"
-    report = BackendReport(task.backend, tier, Status.CRASHED, detail=what)
+    report = BackendReport(task.backend, tier, Status.CRASHED, detail=what,
+                           hang_seconds=clock.bound if hung else None)
     started = 0
     if log.latest is not None:
         started = log.latest["index"]
@@ -216,7 +221,7 @@ def confirm_reproduce(
         return None
     if not report.findings:
         why = _run_again(task, report.reproduce, progress, tier, report.backend,
-                         lambda again: _difference(report, again))
+                         lambda again: _difference(report, again), report.hang_seconds)
         report.reproduced = why is None
         return why
     problems = []
@@ -235,13 +240,15 @@ def confirm_reproduce(
 
 def _run_again(
     task: WorkerTask, command: str, progress: ProgressDisplay, tier: Tier, backend: str,
-    difference: Callable[[BackendReport], str | None],
+    difference: Callable[[BackendReport], str | None], example_bound: float | None = None,
 ) -> str | None:
-    """Run the example of reproduce ``command`` in a fresh worker; how it ended other than
-    expected (``difference`` of its report), or ``None``."""
+    """Run the example of reproduce ``command`` in a fresh worker, the example held to
+    ``example_bound`` seconds where given (a hang's); how it ended other than expected
+    (``difference`` of its report), or ``None``."""
     again_task = task.model_copy(update={"reproduce": reproduce_blob(command)})
     try:
-        again = run_worker(again_task, progress, tier, label=f"{backend} reproduce check")
+        again = run_worker(again_task, progress, tier, label=f"{backend} reproduce check",
+                           example_bound=example_bound)
     except BadExample as exc:
         return f"the fresh worker rejected the example ({exc})"
     return difference(again)
