@@ -8,7 +8,9 @@
 # docs/status back (unpack it over the checkout, then `speccheck status --render`);
 # OUTDIR/console.txt holds what the commands printed.
 #   EXAMPLES   examples of each verify run (200)
-#   SELFTEST   0 leaves the self-test rows out (1)
+#   SELFTEST   0 leaves the self-test rows out (1); "only" runs just the rows, into the
+#              records an earlier SELFTEST=0 call wrote at this commit (a long row then
+#              gets a call of its own), and no bench
 #   BENCH      0 leaves the bench out (1)
 #   PYTEST     1 also runs the suite's CUDA tests into OUTDIR/pytest-cuda.txt (0)
 #   LIMIT      seconds each backend's status may take (540)
@@ -61,6 +63,7 @@ if [ "${PYTEST:-0}" = 1 ]; then
 fi
 flags=(--examples "${EXAMPLES:-200}")
 [ "${SELFTEST:-1}" = 0 ] && flags+=(--no-selftest)
+if [ "${SELFTEST:-1}" = only ]; then flags=(--selftest-only); BENCH=0; fi
 # Verify and the self-test rows of every backend run side by side (JOBS at a time); the
 # benches run afterwards one at a time, alone on the machine (--bench-only completes the
 # record each backend's run wrote).

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from speccheck.checks.cli.app import app
@@ -139,6 +140,39 @@ def test_bad_input_is_exit_2_before_any_run(tmp_path: Path) -> None:
                                       "--out", str(tmp_path), "--bench-page",
                                       str(tmp_path / "absent.md")])
     assert bench_alone.exit_code == 2 and "--bench-only: " in bench_alone.output
+    rows_alone = runner.invoke(app, ["status", "--backend", "reference", "--selftest-only",
+                                     "--out", str(tmp_path), "--bench-page",
+                                     str(tmp_path / "absent.md")])
+    assert rows_alone.exit_code == 2 and "--selftest-only: " in rows_alone.output
+    assert "run `speccheck status --backend reference --no-selftest` first" in rows_alone.output
+    both = runner.invoke(app, ["status", "--backend", "reference", "--selftest-only",
+                               "--bench-only", "--out", str(tmp_path)])
+    assert both.exit_code == 2 and "--bench-only and --selftest-only" in both.output
+
+
+def test_selftest_only_completes_the_record_of_this_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--selftest-only`` runs the backend's rows alone and puts them into the record a
+    ``--no-selftest`` run wrote at this commit, leaving the rest of it as it was."""
+    from speccheck.checks.selftest.run import Outcome, SelftestResult, SelftestRow
+    from speccheck.checks.status import collect
+
+    monkeypatch.setenv("SPECCHECK_COMMIT", "abcdef1234567")
+    tier = "gpu" if torch.cuda.is_available() else "cpu"
+    write_tier_status(tmp_path, "reference", _record(tier))
+    result = SelftestResult("stale_row", "step_metadata", Outcome.CAUGHT, "caught it", "a bug")
+    monkeypatch.setattr(collect, "selftest_rows", lambda device: [
+        SelftestRow("stale_row", "reference", lambda: result),
+        SelftestRow("other_row", "triton_attn", lambda: pytest.fail("another backend's row"))])
+    done = CliRunner().invoke(app, ["status", "--backend", "reference", "--selftest-only",
+                                    "--out", str(tmp_path), "--bench-page",
+                                    str(tmp_path / "absent.md")])
+    assert done.exit_code == 0, done.output
+    record = read_statuses(tmp_path)["reference"].tiers[tier]
+    assert [(r.name, r.outcome, r.detail) for r in record.selftest] == [
+        ("stale_row", "caught", "caught it")]
+    assert record.verify_command == _record(tier).verify_command
 
 
 def test_a_status_run_records_what_verify_found(tmp_path: Path) -> None:

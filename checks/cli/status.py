@@ -42,6 +42,8 @@ EXIT_STALE = 1
 EXIT_BAD_INPUT = 2
 DEFAULT_STATUS_DIR = Path("docs/status")
 DEFAULT_BENCH_PAGE = Path("docs/benchmarks/README.md")
+BENCH_ONLY = "--bench-only"
+SELFTEST_ONLY = "--selftest-only"
 
 
 def _stderr() -> Console:
@@ -61,6 +63,7 @@ def status_command(
     selftest: Annotated[bool, typer.Option("--selftest/--no-selftest", help="Run the backend's self-test rows.")] = True,
     bench: Annotated[bool, typer.Option("--bench/--no-bench", help="Run the bench (CUDA only).")] = True,
     bench_only: Annotated[bool, typer.Option("--bench-only", help="Only run the bench (CUDA) and put it into this machine's record of the backend, which a run with --no-bench at this commit wrote (so that backends can be verified side by side and benched alone).")] = False,
+    selftest_only: Annotated[bool, typer.Option("--selftest-only", help="Only run the self-test rows and put them into this machine's record of the backend, which a run with --no-selftest at this commit wrote (so that a GPU session's calls can split a backend's evidence).")] = False,
     render: Annotated[bool, typer.Option("--render", help="Only re-render the pages from the status files.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Exit 1 if a page differs from what the status files render to.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the status records this run wrote (a JSON list, one backend's record each) to this file, or to stdout with '-' (everything else then goes to stderr).", dir_okay=False)] = None,  # noqa: UP045
@@ -73,6 +76,9 @@ def status_command(
                         "give --json to a run")
         _render(out, bench_page, check=check, json_path=None)
         return
+    if bench_only and selftest_only:
+        raise _fail(EXIT_BAD_INPUT, "--bench-only and --selftest-only: give one (a run without "
+                    "either does both)")
     if (unwritable := json_path_problem(json_path)) is not None:
         raise _fail(EXIT_BAD_INPUT, f"--json: {unwritable}")
     shipped = load_matrix(None)
@@ -86,7 +92,12 @@ def status_command(
     from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
 
     interpret_triton_without_cuda()  # before anything imports Triton
-    from speccheck.checks.status.collect import StatusPlan, collect_tier_status, with_bench
+    from speccheck.checks.status.collect import (
+        StatusPlan,
+        collect_tier_status,
+        with_bench,
+        with_selftest,
+    )
     from speccheck.checks.verify.context import MatrixContext
 
     matrices = MatrixContext.load(None)
@@ -97,7 +108,11 @@ def status_command(
     for name in names:
         progress = lambda line: stderr.print(f"status: {line}", markup=False)  # noqa: E731
         if bench_only:
-            record = with_bench(name, matrices, _record_to_bench(out, name), progress)
+            record = with_bench(name, matrices, _record_to_complete(out, name, BENCH_ONLY),
+                                progress)
+        elif selftest_only:
+            record = with_selftest(name, _record_to_complete(out, name, SELFTEST_ONLY),
+                                   progress)
         else:
             record = collect_tier_status(name, matrices, plan, progress)
         written.append(write_tier_status(out, name, record))
@@ -113,21 +128,26 @@ def status_command(
         raise typer.Exit(1)
 
 
-def _record_to_bench(out: Path, name: str) -> TierStatus:
-    """The GPU record of ``name`` that ``--bench-only`` completes: written at this commit,
-    on this machine's tier. Exit 2 where there is none."""
+def _record_to_complete(out: Path, name: str, flag: str) -> TierStatus:
+    """The record of ``name`` on this machine's tier that ``flag`` (``--bench-only`` or
+    ``--selftest-only``) completes: written at this commit. Exit 2 where there is none, or
+    where the bench has no CUDA device."""
     import torch
 
     from speccheck.checks.provenance import commit_under_test
 
-    record = _existing(out).get(name)
-    gpu = record.tiers.get(Tier.GPU.value) if record is not None else None
-    if not torch.cuda.is_available():
-        raise _fail(EXIT_BAD_INPUT, "--bench-only: the bench needs a CUDA device")
-    if gpu is None or gpu.provenance.commit != commit_under_test():
-        raise _fail(EXIT_BAD_INPUT, f"--bench-only: {out / (name + '.json')} has no GPU record "
-                    f"at this commit; run `speccheck status --backend {name} --no-bench` first")
-    return gpu
+    gpu = torch.cuda.is_available()
+    if flag == BENCH_ONLY and not gpu:
+        raise _fail(EXIT_BAD_INPUT, f"{flag}: the bench needs a CUDA device")
+    tier = Tier.GPU if gpu else Tier.CPU
+    status = _existing(out).get(name)
+    record = status.tiers.get(tier.value) if status is not None else None
+    if record is None or record.provenance.commit != commit_under_test():
+        skipped = "--no-bench" if flag == BENCH_ONLY else "--no-selftest"
+        raise _fail(EXIT_BAD_INPUT, f"{flag}: {out / (name + '.json')} has no {tier.value} "
+                    f"record at this commit; run `speccheck status --backend {name} {skipped}` "
+                    "first")
+    return record
 
 
 def _existing(out: Path) -> dict[str, BackendStatus]:

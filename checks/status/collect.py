@@ -75,12 +75,6 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
     tier = Tier.GPU if device.type == "cuda" else Tier.CPU
     on_phase(f"{name}: verify, {plan.examples} examples ({tier.value} tier)")
     report = verify(name, examples=plan.examples).backend(name)
-    selftest: list[SelftestResult] = []
-    if plan.selftest:
-        rows = [row for row in selftest_rows(device) if row.backend == name]
-        for number, row in enumerate(rows, start=1):
-            on_phase(f"{name}: self-test row {number}/{len(rows)}: {row.name}")
-            selftest.append(row.run())
     record = TierStatus(
         tier=tier.value,
         verdict=Verdict(report.status.value),
@@ -102,12 +96,26 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
         breakpoints=_merged_breakpoints(report.breakpoints),
         cells=[CellRecord(name=c.name, verdict=c.verdict, examples=c.examples, detail=c.detail)
                for c in report.cells],
-        selftest=[SelftestRecord(name=r.name, expected_check=r.expected_check,
-                                 outcome=r.outcome.value, detail=r.detail) for r in selftest],
     )
+    if plan.selftest:
+        record = with_selftest(name, record, on_phase)
     if plan.bench and tier is Tier.GPU and report.status is not Status.SKIPPED:
         record = with_bench(name, matrices, record, on_phase)
     return record
+
+
+def with_selftest(name: str, record: TierStatus, on_phase: Observer) -> TierStatus:
+    """``record`` (this machine's tier's) with ``name``'s self-test rows run now, in this
+    process, as ``speccheck selftest`` runs them."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = [row for row in selftest_rows(device) if row.backend == name]
+    results: list[SelftestResult] = []
+    for number, row in enumerate(rows, start=1):
+        on_phase(f"{name}: self-test row {number}/{len(rows)}: {row.name}")
+        results.append(row.run())
+    return record.model_copy(update={"selftest": [
+        SelftestRecord(name=r.name, expected_check=r.expected_check, outcome=r.outcome.value,
+                       detail=r.detail) for r in results]})
 
 
 def _merged_breakpoints(breakpoints: dict[str, Any] | None) -> dict[str, Any] | None:
