@@ -96,6 +96,7 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
         breakpoints=_merged_breakpoints(report.breakpoints),
         cells=[CellRecord(name=c.name, verdict=c.verdict, examples=c.examples, detail=c.detail)
                for c in report.cells],
+        selftest=[],
     )
     if plan.selftest:
         record = with_selftest(name, record, on_phase)
