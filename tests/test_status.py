@@ -247,3 +247,34 @@ def test_a_mutation_score_joins_its_tier_record_and_survives_a_rewrite(tmp_path:
     page = render_status_readme(read_statuses(tmp_path))
     assert ("| `reference` | cpu | 80% | 12 / 15, 1 argued equivalent (445) | other_check 3, "
             "crash 9 |") in page
+
+
+def test_a_row_that_raises_is_an_error_row_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row whose verification raises (a device out of memory: the GPU run of 66d2bd0,
+    several backends side by side on an H100) is recorded as an error, the run goes on to
+    the next row, and the command exits 1."""
+    from speccheck.checks.selftest.run import Outcome, SelftestResult, SelftestRow
+    from speccheck.checks.status import collect
+
+    def exhausted() -> SelftestResult:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB.\nmore")
+
+    monkeypatch.setenv("SPECCHECK_COMMIT", "abcdef1234567")
+    tier = "gpu" if torch.cuda.is_available() else "cpu"
+    write_tier_status(tmp_path, "reference", _record(tier))
+    caught = SelftestResult("next_row", "step_metadata", Outcome.CAUGHT, "caught it", "a bug")
+    monkeypatch.setattr(collect, "selftest_rows", lambda device: [
+        SelftestRow("control", "reference", exhausted),
+        SelftestRow("next_row", "reference", lambda: caught)])
+    done = CliRunner().invoke(app, ["status", "--backend", "reference", "--selftest-only",
+                                    "--out", str(tmp_path), "--bench-page",
+                                    str(tmp_path / "absent.md")])
+    assert done.exit_code == 1 and "Traceback" not in done.output, done.output
+    record = read_statuses(tmp_path)["reference"].tiers[tier]
+    assert [(r.name, r.outcome, r.detail) for r in record.selftest] == [
+        ("control", "error", "raised OutOfMemoryError: CUDA out of memory. Tried to allocate "
+         "64.00 MiB."),
+        ("next_row", "caught", "caught it")]
+    assert record.selftest_caught == (1, 2)

@@ -51,7 +51,8 @@ def selftest_command(
     table = Table(title=f"speccheck selftest ({tier})")
     for column in ("mutant", "must be caught by", "result", "re-creates"):
         table.add_column(column)
-    shown = {Outcome.CAUGHT: "ok", Outcome.MISSED: "MISSED", Outcome.SKIPPED: "skipped"}
+    shown = {Outcome.CAUGHT: "ok", Outcome.MISSED: "MISSED", Outcome.SKIPPED: "skipped",
+             Outcome.ERROR: "ERROR"}
     for r in results:
         table.add_row(r.name, r.expected_check, shown[r.outcome], r.recreates)
     console.print(table)
@@ -60,5 +61,5 @@ def selftest_command(
             console.print(f"{shown[r.outcome]} {r.name}: {r.detail}", markup=False)
     if json_path:
         write_json_text(json_path, json.dumps([asdict(r) for r in results], indent=2))
-    if any(r.outcome is Outcome.MISSED for r in results):
+    if any(r.outcome in (Outcome.MISSED, Outcome.ERROR) for r in results):
         raise typer.Exit(1)

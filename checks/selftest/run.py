@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import Matrix
 from speccheck.speculator.attention_setup import machine_platform, unrunnable_reason
 
+logger = logging.getLogger(__name__)
+
 
 class Outcome(enum.StrEnum):
     """What the self-test found for one builder."""
@@ -54,6 +57,9 @@ class Outcome(enum.StrEnum):
     """A mutant got through, or was caught by another check (the control: it failed)."""
     SKIPPED = "skipped"
     """This machine cannot run the mutant's backend (no CUDA, no kernel package)."""
+    ERROR = "error"
+    """The row's verification raised (the machine ran out of memory, say): no verdict on
+    the builder either way."""
 
 
 @dataclass
@@ -226,6 +232,20 @@ class SelftestRow:
     the status of that backend lists the row."""
     run: Callable[[], SelftestResult]
 
+    def result(self) -> SelftestResult:
+        """:attr:`run`'s result; where the row's verification raises, an
+        :attr:`Outcome.ERROR` result naming the exception in one line (its traceback
+        logged at debug level), so one row that cannot run ends neither the self-test nor
+        a status run."""
+        try:
+            return self.run()
+        except Exception as exc:  # noqa: BLE001 - any row error is that row's result
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            detail = f"raised {type(exc).__name__}: {first}".rstrip(": ")
+            logger.warning("self-test row %s %s", self.name, detail)
+            logger.debug("self-test row %s", self.name, exc_info=True)
+            return SelftestResult(self.name, "-", Outcome.ERROR, detail, "")
+
 
 class UnknownSelftestRow(ValueError):
     """``--only`` named no row; ``str()`` is one line listing the rows."""
@@ -314,4 +334,4 @@ def run_selftest(
         if name not in names:
             raise UnknownSelftestRow(f"no self-test row is named {name!r}; the rows are: "
                                      f"{', '.join(names)}")
-    return [row.run() for row in rows if not only or row.name in only]
+    return [row.result() for row in rows if not only or row.name in only]

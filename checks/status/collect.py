@@ -113,7 +113,7 @@ def with_selftest(name: str, record: TierStatus, on_phase: Observer) -> TierStat
     results: list[SelftestResult] = []
     for number, row in enumerate(rows, start=1):
         on_phase(f"{name}: self-test row {number}/{len(rows)}: {row.name}")
-        results.append(row.run())
+        results.append(row.result())
     return record.model_copy(update={"selftest": [
         SelftestRecord(name=r.name, expected_check=r.expected_check, outcome=r.outcome.value,
                        detail=r.detail) for r in results]})
