@@ -15,7 +15,9 @@
 #   PYTEST     1 also runs the suite's CUDA tests into OUTDIR/pytest-cuda.txt (0)
 #   LIMIT      seconds each backend's status may take (540)
 #   JOBS       backends verified side by side (2: each verify's workers hold serving-scale
-#              caches, ~25 GiB per backend); the benches run afterwards, one at a time
+#              caches, ~25 GiB per backend); the benches run afterwards, one at a time.
+#              On a card under 100 GiB (an H100) the default is 1, and the CUDA tests
+#              wait for the backends: side by side they ran the device out of memory
 #   BENCH_UNTIL  seconds into the script after which no further bench is started
 set -uo pipefail
 usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer [BACKEND ...]"
@@ -51,14 +53,22 @@ read -r commit index < .evidence-commit 2>/dev/null || { commit=unknown; index=;
 export SPECCHECK_COMMIT=$commit SPECCHECK_COMMIT_INDEX=$index
 console=$out/console.txt
 { echo "commit $commit ($index), suite $suite: ${backends[*]}"; date -u; nvidia-smi -L; } > "$console" 2>&1
-pytest_pid=
-if [ "${PYTEST:-0}" = 1 ]; then
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+small_card=0
+[ "${gpu_mib:-0}" -lt 100000 ] && small_card=1
+[ "$small_card" = 1 ] && : "${JOBS:=1}"
+cuda_tests() {
+  local tests
   case $suite in
     core) tests=(tests/test_gpu_kernels.py tests/test_speculator.py tests/test_gpu_verifier.py -k "not flashinfer") ;;
     flashinfer) tests=(tests/test_gpu_kernels.py tests/test_flashinfer_page_indices.py tests/test_host_preplanned.py -k flashinfer) ;;
   esac
   { timeout 300 python3 -m pytest -q -m cuda "${tests[@]}"; echo "pytest exit $?"; } \
-    > "$out/pytest-cuda.txt" 2>&1 &
+    > "$out/pytest-cuda.txt" 2>&1
+}
+pytest_pid=
+if [ "${PYTEST:-0}" = 1 ] && [ "$small_card" = 0 ]; then
+  cuda_tests &
   pytest_pid=$!
 fi
 flags=(--examples "${EXAMPLES:-200}")
@@ -79,6 +89,7 @@ for backend in "${backends[@]}"; do
 done
 for pid in $(jobs -rp); do [ "$pid" = "$pytest_pid" ] || wait "$pid"; done
 [ -n "$pytest_pid" ] && wait "$pytest_pid"
+[ "${PYTEST:-0}" = 1 ] && [ "$small_card" = 1 ] && cuda_tests
 for backend in "${backends[@]}"; do cat "$out/console-$backend.txt" >> "$console"; done
 tar -czf "$out/status.tar.gz" docs/status  # what came back so far, should the call be cut
 if [ "${BENCH:-1}" = 1 ]; then
