@@ -235,7 +235,7 @@ def test_gpu_candidates_run_the_per_step_graphs_first() -> None:
 
     assert names(DecodePath.HOST_PREPLANNED, gpu=True) == ["per_step_graph", "host_preplanned_graph", "host_preplanned_eager"]
     assert names(DecodePath.HOST_PREPLANNED, gpu=False) == ["host_preplanned_eager"]
-    assert names(DecodePath.FUSED, gpu=True) == ["fused_graph", "fused_eager"]
+    assert names(DecodePath.FUSED, gpu=True) == ["fused_eager", "fused_graph"]
     assert names(None, gpu=True) == ["per_step_graph"]
     assert names(None, gpu=False) == []
 

@@ -12,13 +12,15 @@ import pytest
 import torch
 
 from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
-from speccheck.checks.selftest.run import verify_at_defaults
+from speccheck.checks.selftest.run import settings_at_defaults, verify_at_defaults
 from speccheck.checks.verify.comparisons import Outcome
+from speccheck.checks.verify.engine import BackendVerifier, candidates_for
 from speccheck.checks.verify.field_meanings import DeclaredMeanings
 from speccheck.checks.verify.kv_share import WHOLE_CACHE
 from speccheck.checks.verify.step_guard import GuardedRun, StepCheckFailed, StepGuard
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder
-from speccheck.checks.verify.vocabulary import Check, Result, Status
+from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Status, Tier
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
 from speccheck.speculator.base import SpeculatorOptions
@@ -81,3 +83,26 @@ def test_a_stopping_guard_ends_the_run_before_the_step_reads_the_field() -> None
     assert outcome.field == "reference.metadata.block_table" and outcome.step
     assert outcome.candidate == "fused_eager"
     assert "then raised" not in outcome.diagnosis  # nothing ran on the wrong table
+
+
+class _EagerThenGraph(BackendVerifier):
+    """The GPU's fused candidates, in the GPU's order, on the CPU (where a graph replay
+    cannot run: reaching it would raise)."""
+
+    def candidates(self, k: int | None = None) -> list[Candidate]:
+        return [] if k == 1 else candidates_for(DecodePath.FUSED, gpu=True)
+
+
+def test_the_fused_graph_is_not_replayed_on_metadata_its_eager_run_stopped_on() -> None:
+    """On the GPU the eager fused run goes first, and a run its guard stopped leaves its
+    graph replay out for that example (the replay would run the same refresh's metadata,
+    into a device fault: FA3 without its schedule refresh, on H100 and H200)."""
+    assert [c.name for c in candidates_for(DecodePath.FUSED, gpu=True)] == [
+        "fused_eager", "fused_graph"]
+    settings = settings_at_defaults("reference", RefreshPointsPastTheCache, torch.device("cpu"),
+                                    load_matrix(None), examples=4, fail_fast=True)
+    report = BackendReport("reference", Tier.CPU, Status.PASSED)
+    _EagerThenGraph(settings, torch.device("cpu")).run(report, lambda i, e: None)
+    assert report.status is Status.FAILED, report.detail
+    assert {f.candidate for f in report.failures} == {"fused_eager"}, report.failures
+    assert report.failures[0].field == "reference.metadata.block_table"

@@ -135,13 +135,24 @@ def candidates_for(multi_step: DecodePath | None, gpu: bool) -> list[Candidate]:
     and they run first: their step comparison covers every persistent buffer, and a
     host_preplanned candidate rewrites its per-step buffers, which the oracle saw holding the
     previous example's plans.
+
+    The fused body runs eagerly before its graph replay: both run the same refresh, and
+    the eager run's step guard stops before a forward whose metadata is wrong
+    (:mod:`~speccheck.checks.verify.step_guard`), where a replay would run into it (FA3
+    without its schedule refresh faulted the device in the replay, before any check, on
+    H100 and H200). The host_preplanned body's eager loop plans through another hook than
+    its replay (``plan_draft_steps``, ``replan_draft_steps``), so its graph keeps going
+    first.
     """
     fallback = ([Candidate(DecodePath.PER_STEP, graphs=True)]
                 if gpu and multi_step is not DecodePath.FUSED else [])
     if multi_step is None:
         return fallback
-    body = [Candidate(multi_step, graphs=True)] if gpu else []
-    return fallback + body + [Candidate(multi_step, graphs=False)]
+    eager = Candidate(multi_step, graphs=False)
+    if not gpu:
+        return fallback + [eager]
+    graph = Candidate(multi_step, graphs=True)
+    return fallback + ([eager, graph] if multi_step is DecodePath.FUSED else [graph, eager])
 
 
 PROBED_CANDIDATE = Candidate(DecodePath.FUSED, graphs=False)
@@ -334,8 +345,11 @@ class BackendVerifier:
 
         probe: RefreshProbe | None = None
         forward_probe: ForwardProbe | None = None
+        stopped: set[DecodePath] = set()
         for candidate in candidates:
             name = candidate.name
+            if candidate.graphs and candidate.path in stopped:
+                continue  # its eager run's refresh was stopped on wrong metadata
             spec.kv_cache.restore(start)
             if candidate == PROBED_CANDIDATE:
                 probe = RefreshProbe(
@@ -349,9 +363,11 @@ class BackendVerifier:
                     result = spec.propose(batch, candidate.path, use_graphs=candidate.graphs)
             except RefreshRaised:
                 continue  # reported by the probe; nothing else of this candidate to compare
-            except StepCheckFailed as stopped:
+            except StepCheckFailed as failed_step:
                 h.discard_run(lanes, query_len)
-                outcomes += stopped.outcomes
+                outcomes += failed_step.outcomes
+                if candidate.path is DecodePath.FUSED:
+                    stopped.add(candidate.path)  # its replay would run the same metadata
                 continue  # it stopped at a failed step: no outputs of it to compare
             finally:
                 spec.refresh_hook = None
