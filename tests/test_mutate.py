@@ -487,3 +487,25 @@ def test_the_recorded_command_repeats_the_modules_operators_and_sample() -> None
         "speccheck mutate --backend reference --module backends/dcp.py --module 'my dir/b.py' "
         "--operators off_by_one --max-mutants 24 --seed 2 --examples 3")
     assert _command("reference", [], None, None, 0, None) == "speccheck mutate --backend reference"
+
+
+def test_a_crash_reading_a_deleted_binding_first_is_a_stillborn_mutant() -> None:
+    """Deleting ``m_i = tl.full(...)`` in the triton_mla kernel leaves ``m_i`` bound later
+    (the loop rebinds it), so no name checker of the symbol table rejects it, but the
+    kernel reads it before that: the interpreter's ``UnboundLocalError`` naming it makes
+    the mutant invalid (stillborn), not a kill; a crash naming another name stays a kill."""
+    targets = backend_targets("speccheck.backends.triton_mla.builder:TritonMLAMetadataBuilder")
+    (mutant,) = [m for m in generate_mutants(targets, [Operator.STATEMENT_DELETED])
+                 if m.original_line.startswith("m_i = tl.full(")]
+    assert mutant.valid and mutant.deleted_bindings == ("m_i",)
+
+    def crashed(detail: str) -> VerifyOutcome:
+        return VerifyOutcome(1, {"status": "crashed", "detail": detail}, 1.0, ["last line"])
+
+    unbound = ("worker exited with status 1: triton.runtime.errors.InterpreterError: "
+               "UnboundLocalError(\"cannot access local variable 'm_i' where it is not "
+               "associated with a value\") (during example 1)")
+    stillborn = judge(mutant, crashed(unbound))
+    assert stillborn.outcome is Outcome.INVALID and "reads m_i before" in stillborn.detail
+    other = judge(mutant, crashed(unbound.replace("'m_i'", "'l_i'")))
+    assert other.outcome is Outcome.KILLED_BY_CRASH

@@ -8,6 +8,7 @@ import ast
 import builtins
 import random
 import symtable
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -44,6 +45,11 @@ class Mutant:
     binds them any more (the edit deleted their only binding): a name checker (mypy,
     pyflakes) rejects such a module before it runs, as a compiler rejects a stillborn
     mutant."""
+    deleted_bindings: tuple[str, ...] = ()
+    """The local names a deleted statement bound (``statement_deleted``): where the run
+    then reads one before any other binding (an ``UnboundLocalError`` naming it), the
+    mutant is as stillborn as :attr:`unbound` (:func:`~speccheck.checks.mutate.runner.
+    judge`)."""
 
     @property
     def valid(self) -> bool:
@@ -130,7 +136,23 @@ def _mutant(number: int, operator: Operator, target: TargetModule, source: str, 
         original_line=source.splitlines()[edit.line - 1].strip(),
         mutated_line=mutated.splitlines()[edit.line - 1].strip(), source=mutated,
         clipped=edit.clipped, function=function, compiles=compiles, unbound=unbound,
+        deleted_bindings=(bound_names(source, edit) if operator is Operator.STATEMENT_DELETED
+                          else ()),
     )
+
+
+def bound_names(source: str, edit: Edit) -> tuple[str, ...]:
+    """The plain names the statements of ``source`` that ``edit`` replaces bind
+    (assignment, loop and ``with`` targets), in order; none where that span does not
+    parse on its own."""
+    lines = source.splitlines()[edit.line - 1:edit.end_line]
+    try:
+        tree = ast.parse(textwrap.dedent("\n".join(lines)))
+    except SyntaxError:
+        return ()
+    stored = (node.id for node in ast.walk(tree)
+              if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store))
+    return tuple(dict.fromkeys(stored))
 
 
 TRIVIAL_BASES = frozenset({"object", "Protocol", "Generic"})

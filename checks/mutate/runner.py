@@ -5,7 +5,9 @@ once, and no new one started once the budget is spent; and what each run's endin
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +31,8 @@ class Outcome(enum.StrEnum):
     SURVIVED = "survived"
     """Verify passed."""
     INVALID = "invalid"
-    """The mutated module does not compile or leaves a name unbound (never run)."""
+    """The mutated module does not compile or leaves a name unbound (never run), or its run
+    crashed reading a name whose binding it deleted (:func:`stillborn_read`)."""
     NOT_RUN = "not_run"
     """Not started: the budget was spent."""
 
@@ -76,8 +79,37 @@ class MutantResult:
         return KillKind.OTHER_CHECK
 
 
+UNBOUND_READ = re.compile(
+    r"UnboundLocalError\W+(?:cannot access local variable|local variable) '(\w+)'")
+"""How Python reports a local read before any binding (3.11+, and older wording)."""
+
+
+def stillborn_read(mutant: Mutant, detail: str) -> str | None:
+    """The name a crash's ``detail`` says was read before any binding, where ``mutant``
+    deleted a binding of it: the deletion left no binding on the path the code always
+    takes (a flow-sensitive name checker, e.g. pyright's possibly-unbound check, rejects
+    it), so the mutant is stillborn, not caught. ``None`` otherwise."""
+    found = UNBOUND_READ.search(detail)
+    if found is None or found.group(1) not in mutant.deleted_bindings:
+        return None
+    return found.group(1)
+
+
 def judge(mutant: Mutant, run: VerifyOutcome) -> MutantResult:
-    """The outcome of ``mutant`` from its verify run."""
+    """The outcome of ``mutant`` from its verify run: a crash that reads a name whose
+    binding the mutant deleted is :attr:`Outcome.INVALID` (:func:`stillborn_read`)."""
+    result = _judged(mutant, run)
+    if result.outcome is Outcome.KILLED_BY_CRASH:
+        name = stillborn_read(mutant, result.detail)
+        if name is not None:
+            return dataclasses.replace(
+                result, outcome=Outcome.INVALID,
+                detail=f"reads {name} before any other binding (stillborn: a flow-sensitive "
+                       "name checker rejects it)")
+    return result
+
+
+def _judged(mutant: Mutant, run: VerifyOutcome) -> MutantResult:
     if run.timed_out:
         return MutantResult(mutant, Outcome.KILLED_BY_TIMEOUT, seconds=run.seconds,
                             detail=f"verify ran past {run.seconds:.0f} s")

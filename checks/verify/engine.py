@@ -345,10 +345,10 @@ class BackendVerifier:
 
         probe: RefreshProbe | None = None
         forward_probe: ForwardProbe | None = None
-        stopped: set[DecodePath] = set()
+        stopped_paths: set[DecodePath] = set()
         for candidate in candidates:
             name = candidate.name
-            if candidate.graphs and candidate.path in stopped:
+            if candidate.graphs and candidate.path in stopped_paths:
                 continue  # its eager run's refresh was stopped on wrong metadata
             spec.kv_cache.restore(start)
             if candidate == PROBED_CANDIDATE:
@@ -367,7 +367,7 @@ class BackendVerifier:
                 h.discard_run(lanes, query_len)
                 outcomes += failed_step.outcomes
                 if candidate.path is DecodePath.FUSED:
-                    stopped.add(candidate.path)  # its replay would run the same metadata
+                    stopped_paths.add(candidate.path)  # its replay would run the same metadata
                 continue  # it stopped at a failed step: no outputs of it to compare
             finally:
                 spec.refresh_hook = None
