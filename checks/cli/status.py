@@ -10,6 +10,7 @@ Importing this module does not import torch; running backends does.
 
 from __future__ import annotations
 
+import enum
 import json
 from pathlib import Path
 from typing import Annotated, Optional
@@ -42,8 +43,22 @@ EXIT_STALE = 1
 EXIT_BAD_INPUT = 2
 DEFAULT_STATUS_DIR = Path("docs/status")
 DEFAULT_BENCH_PAGE = Path("docs/benchmarks/README.md")
-BENCH_ONLY = "--bench-only"
-SELFTEST_ONLY = "--selftest-only"
+
+
+class AddedPhase(enum.Enum):
+    """A phase run alone into the record a run without it wrote at the same commit: its
+    flag, and the flag of the run that left it out."""
+
+    BENCH = ("--bench-only", "--no-bench")
+    SELFTEST = ("--selftest-only", "--no-selftest")
+
+    @property
+    def flag(self) -> str:
+        return self.value[0]
+
+    @property
+    def left_out_by(self) -> str:
+        return self.value[1]
 
 
 def _stderr() -> Console:
@@ -108,10 +123,10 @@ def status_command(
     for name in names:
         progress = lambda line: stderr.print(f"status: {line}", markup=False)  # noqa: E731
         if bench_only:
-            record = with_bench(name, matrices, _record_to_complete(out, name, BENCH_ONLY),
-                                progress)
+            record = with_bench(name, matrices,
+                                _record_to_complete(out, name, AddedPhase.BENCH), progress)
         elif selftest_only:
-            record = with_selftest(name, _record_to_complete(out, name, SELFTEST_ONLY),
+            record = with_selftest(name, _record_to_complete(out, name, AddedPhase.SELFTEST),
                                    progress)
         else:
             record = collect_tier_status(name, matrices, plan, progress)
@@ -128,25 +143,23 @@ def status_command(
         raise typer.Exit(1)
 
 
-def _record_to_complete(out: Path, name: str, flag: str) -> TierStatus:
-    """The record of ``name`` on this machine's tier that ``flag`` (``--bench-only`` or
-    ``--selftest-only``) completes: written at this commit. Exit 2 where there is none, or
-    where the bench has no CUDA device."""
+def _record_to_complete(out: Path, name: str, phase: AddedPhase) -> TierStatus:
+    """The record of ``name`` on this machine's tier that ``phase`` completes: written at
+    this commit. Exit 2 where there is none, or where the bench has no CUDA device."""
     import torch
 
     from speccheck.checks.provenance import commit_under_test
 
     gpu = torch.cuda.is_available()
-    if flag == BENCH_ONLY and not gpu:
-        raise _fail(EXIT_BAD_INPUT, f"{flag}: the bench needs a CUDA device")
+    if phase is AddedPhase.BENCH and not gpu:
+        raise _fail(EXIT_BAD_INPUT, f"{phase.flag}: the bench needs a CUDA device")
     tier = Tier.GPU if gpu else Tier.CPU
     status = _existing(out).get(name)
     record = status.tiers.get(tier.value) if status is not None else None
     if record is None or record.provenance.commit != commit_under_test():
-        skipped = "--no-bench" if flag == BENCH_ONLY else "--no-selftest"
-        raise _fail(EXIT_BAD_INPUT, f"{flag}: {out / (name + '.json')} has no {tier.value} "
-                    f"record at this commit; run `speccheck status --backend {name} {skipped}` "
-                    "first")
+        raise _fail(EXIT_BAD_INPUT, f"{phase.flag}: {out / (name + '.json')} has no "
+                    f"{tier.value} record at this commit; run `speccheck status --backend "
+                    f"{name} {phase.left_out_by}` first")
     return record
 
 
