@@ -37,6 +37,7 @@ from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS, SWAMutant
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.dcp_ranks import verify_dcp
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
+from speccheck.checks.verify.one_line import exception_line
 from speccheck.checks.verify.report import BackendReport, CheckTally, Failure
 from speccheck.checks.verify.scale import DEFAULT_SHRINK_SECONDS, TIER_SCALE
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
@@ -240,8 +241,7 @@ class SelftestRow:
         try:
             return self.run()
         except Exception as exc:  # noqa: BLE001 - any row error is that row's result
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            detail = f"raised {type(exc).__name__}: {first}".rstrip(": ")
+            detail = f"raised {exception_line(exc)}".rstrip(": ")
             logger.warning("self-test row %s %s", self.name, detail)
             logger.debug("self-test row %s", self.name, exc_info=True)
             return SelftestResult(self.name, "-", Outcome.ERROR, detail, "")

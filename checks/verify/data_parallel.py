@@ -42,6 +42,7 @@ from speccheck.checks.triton_interpreter import patch_language_once_per_launch
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import TOLERANCE
 from speccheck.checks.verify.examples import example_json
+from speccheck.checks.verify.one_line import exception_line
 from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.strategies import BatchLimits, draft_batches, draw_values
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
@@ -401,8 +402,7 @@ def _attempt(call: Callable[..., T], *args: Any) -> tuple[T | None, str | None]:
         return call(*args), None
     except Exception as exc:  # a raising propose is a finding, not a crash
         logger.debug("propose raised", exc_info=True)
-        first_line = (str(exc).splitlines() or [""])[0]
-        return None, f"{type(exc).__name__}: {first_line}"
+        return None, exception_line(exc)
 
 
 def _compare_drafts(alone: DraftResult, padded: DraftResult, tol: float) -> tuple[Result, str]:

@@ -24,6 +24,7 @@ import logging
 import typing
 from dataclasses import dataclass
 
+from speccheck.checks.verify.one_line import exception_line
 from speccheck.contract.adapter_status import missing_class
 from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_model import BackendEntry, Matrix
@@ -59,9 +60,8 @@ def fragment_mistake(entry: BackendEntry, matrix: Matrix) -> FragmentMistake | N
         missing = missing_class(declared) if isinstance(exc, AttributeError) else None
         if missing is not None:  # the module imports; the class part is a typo
             return FragmentMistake(("implementation",), f"{declared!r}: {missing}")
-        first = (str(exc).splitlines() or [""])[0]
         return FragmentMistake(("implementation",), f"{declared!r} cannot be imported: "
-                               f"{type(exc).__name__}: {first}")
+                               f"{exception_line(exc)}")
     if not (isinstance(found, type) and issubclass(found, AttentionMetadataBuilder)):
         return FragmentMistake(("implementation",),
                                f"{declared!r} is not an AttentionMetadataBuilder subclass")

@@ -42,6 +42,7 @@ import torch
 
 from speccheck.checks.verify.comparisons import Outcome, compare_step
 from speccheck.checks.verify.field_meanings import DeclaredMeanings
+from speccheck.checks.verify.one_line import exception_line
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder, StepSnapshots, capturing
 from speccheck.speculator.batch import DraftBatch
 
@@ -109,7 +110,7 @@ class StepGuard:
             failed = None if self.stop else self._first_failure(run)
             if failed is None:
                 raise
-            raised = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            raised = exception_line(exc)[:200]
             outcome = dataclasses.replace(
                 failed, diagnosis=f"{failed.diagnosis}; the run then raised {raised}")
             raise StepCheckFailed(outcome) from exc
