@@ -345,10 +345,10 @@ class BackendVerifier:
 
         probe: RefreshProbe | None = None
         forward_probe: ForwardProbe | None = None
-        stopped_paths: set[DecodePath] = set()
+        eager_fused_stopped = False
         for candidate in candidates:
             name = candidate.name
-            if candidate.graphs and candidate.path in stopped_paths:
+            if candidate.graphs and candidate.path is DecodePath.FUSED and eager_fused_stopped:
                 continue  # its eager run's refresh was stopped on wrong metadata
             spec.kv_cache.restore(start)
             if candidate == PROBED_CANDIDATE:
@@ -366,8 +366,8 @@ class BackendVerifier:
             except StepCheckFailed as failed_step:
                 h.discard_run(lanes, query_len)
                 outcomes += failed_step.outcomes
-                if candidate.path is DecodePath.FUSED:
-                    stopped_paths.add(candidate.path)  # its replay would run the same metadata
+                if candidate == PROBED_CANDIDATE:  # the fused replay after it would run
+                    eager_fused_stopped = True  # the same metadata
                 continue  # it stopped at a failed step: no outputs of it to compare
             finally:
                 spec.refresh_hook = None

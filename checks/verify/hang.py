@@ -52,11 +52,7 @@ class HangClock:
     @property
     def bound(self) -> float:
         """Seconds without a progress line after which the worker counts as hung."""
-        if self.lines and self.example_bound is not None:
-            return min(self.limit, self.example_bound)
-        if self.lines < 2:
-            return self.limit
-        return min(self.limit, max(HANG_FLOOR_SECONDS, HANG_FACTOR * self.slowest_example))
+        return self._bound_and_reason()[0]
 
     def hung(self, now: float) -> bool:
         """Whether the worker has made no progress for longer than :attr:`bound` at
@@ -64,10 +60,17 @@ class HangClock:
         return now - self.last_progress > self.bound
 
     def why(self) -> str:
-        """How the bound that declared the hang came about, for the crash report."""
+        """How :attr:`bound` came about, for the crash report."""
+        return self._bound_and_reason()[1]
+
+    def _bound_and_reason(self) -> tuple[float, str]:
         if self.lines and self.example_bound is not None and self.example_bound < self.limit:
-            return f"the bound that ended the original run, {self.bound:.0f}s"
-        if self.lines >= 2 and self.bound < self.limit:
-            return (f"{HANG_FACTOR:.0f}x its slowest example ({self.slowest_example:.1f}s), "
-                    f"at least {HANG_FLOOR_SECONDS:.0f}s")
-        return "the example timeout"
+            return self.example_bound, (
+                f"the bound that ended the original run, {self.example_bound:.0f}s")
+        if self.lines >= 2 and self.example_bound is None:
+            adaptive = max(HANG_FLOOR_SECONDS, HANG_FACTOR * self.slowest_example)
+            if adaptive < self.limit:
+                return adaptive, (f"{HANG_FACTOR:.0f}x its slowest example "
+                                  f"({self.slowest_example:.1f}s), at least "
+                                  f"{HANG_FLOOR_SECONDS:.0f}s")
+        return self.limit, "the example timeout"
