@@ -41,6 +41,7 @@ from speccheck.checks.verify.cells import (
     claimed_cells,
     example_shares,
     narrowed,
+    simulates_dcp,
 )
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, CellReport, Failure, Finding, cut_short
@@ -369,6 +370,10 @@ class VerifyPlan:
         if self.dcp_ranks(name) > 1:
             return (f"decode context parallelism on {world} real ranks, each holding its "
                     "interleaved share of the KV cache")
+        if simulates_dcp(self.matrices.matrix.backend(name)):
+            return (f"decode context parallelism of {world} ranks simulated in one process "
+                    "(its builder holds every rank's local lengths; its attention merges the "
+                    "ranks' partial results)")
         return (f"dcp_world_size={world} is a configuration value only (its builder holds no "
                 "DCP share: one process attends the whole KV cache)")
 
@@ -484,8 +489,12 @@ class VerifyPlan:
                 continue
             report = plan._verify_one(name, progress, notes, spare)
             reports.append(report)
+            said = [report.detail or plan.dcp_note(name) or ""]
+            if not report.fused_allowed:
+                said.append("fused not allowed here: the per-step path it falls back to "
+                             "is verified")
             rows.append(CellReport(cell.name, report.status, examples=report.examples,
-                                   detail=report.detail or plan.dcp_note(name) or "",
+                                   detail="; ".join(part for part in said if part),
                                    reproduce=report.reproduce))
             if self.verify_run.fail_fast and report.status in (Status.FAILED, Status.CRASHED):
                 stopped_by = f"fail-fast: the run stopped at the {cell.name} cell's failure"

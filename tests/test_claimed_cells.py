@@ -201,3 +201,15 @@ def test_the_k1_harness_poisons_its_builders_zero_tail_buffers() -> None:
     assert h.tail_buffers, "no zero-tail buffer found for K = 1"
     (derived,) = h.tail_buffers
     assert not bool((derived == 0).any()), "the K = 1 harness left its buffer unpoisoned"
+
+
+@CPU_ONLY
+def test_an_entry_simulating_dcp_gets_a_dcp_cell_on_its_per_step_path() -> None:
+    """triton_mla claims fused decoding at DCP 1 only, but runs at DCP 2 (every rank's
+    share in one process): its DCP build and kernel branch are verified per-step there."""
+    plan = plan_verification("triton_mla")
+    (dcp,) = [cell for cell in plan.cells("triton_mla") if cell.axis is CellAxis.DCP]
+    cell_plan = plan.for_cell(dcp, 5)
+    assert cell_plan.dcp_ranks("triton_mla") == 1
+    assert "simulated in one process" in (cell_plan.dcp_note("triton_mla") or "")
+    assert CellAxis.DCP not in _axes(plan_verification("sparse_swa").cells("sparse_swa"))

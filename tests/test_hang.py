@@ -1,5 +1,6 @@
-"""When a verify worker counts as hung (:mod:`speccheck.checks.verify.hang`), and the
-reproduce check of a hang holding its example to the bound that killed the original."""
+"""When a verify worker counts as hung (:mod:`speccheck.checks.verify.hang`), the
+reproduce check of a hang holding its example to the bound that killed the original, and
+what the report of a worker that died keeps of its output."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from speccheck.checks.verify import runner
 from speccheck.checks.verify.hang import HANG_FACTOR, HANG_FLOOR_SECONDS, HangClock
 from speccheck.checks.verify.report import BackendReport
 from speccheck.checks.verify.run import VerifyRun, WorkerTask
+from speccheck.checks.verify.worker_process import cause_lines
 from speccheck.checks.verify.vocabulary import Status, Tier
 
 
@@ -76,3 +78,24 @@ def test_the_reproduce_check_of_a_hang_is_held_to_the_original_bound(
     assert runner.confirm_reproduce(task, hung, progress, Tier.CPU) is None
     assert seen == {"bound": 130.0, "reproduce": "AAAA"} and hung.reproduced is True
 
+
+
+C10_ABORT = """progress: example 5
+terminate called after throwing an instance of 'c10::AcceleratorError'
+  what():  CUDA error: an illegal memory access was encountered
+Search for `cudaErrorIllegalAddress' in https://docs.nvidia.com/cuda/ for more information.
+Exception raised from c10_cuda_check_implementation at /pytorch/c10/cuda/CUDAException.cpp:44
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f in libc10.so)
+frame #31: __libc_start_main + 0x8b (0x7faf59a2a28b in /lib/x86_64-linux-gnu/libc.so.6)
+frame #32: _start + 0x25 (0x657a05 in /opt/torch/.venv/bin/python3)
+"""
+
+
+def test_a_dead_workers_report_keeps_the_lines_that_say_why_not_its_backtrace() -> None:
+    lines = cause_lines(C10_ABORT, 3)
+    assert any("illegal memory access" in line for line in lines)
+    assert not any(line.startswith("frame #") for line in lines)
+
+
+def test_output_naming_no_cause_keeps_its_last_lines() -> None:
+    assert cause_lines("a\n\nb\nc\n", 2) == ["b", "c"]

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from speccheck.checks.verify.vocabulary import Tier
-from speccheck.contract.matrix_model import BackendEntry, CudaGraphSupport, KvLayout
+from speccheck.contract.constraints import constraint_failures, platform_failures
+from speccheck.contract.matrix_model import BackendEntry, CudaGraphSupport, FieldMeaning, KvLayout
 from speccheck.contract.resolution import backend_failures
 from speccheck.contract.runtime_config import RuntimeConfig
 
@@ -129,8 +130,11 @@ def claimed_cells(
     draft-decode condition allow them fused
     (:func:`~speccheck.contract.resolution.backend_failures` empty):
 
-    - DCP: ``dcp_world_size`` 2 where the builder holds a real share (``holds_dcp_share``)
-      and ``config`` runs without DCP;
+    - DCP: ``dcp_world_size`` 2 where ``config`` runs without DCP and the adapter holds a
+      real share (``holds_dcp_share``) or simulates every rank's in one process
+      (:func:`simulates_dcp`). Kept wherever the entry runs there (platform and constraints), fused or not:
+      where its draft-decode condition excludes DCP, the cell verifies the per-step path
+      it falls back to, whose DCP code the base cell never runs;
     - layout: the latent layout where the entry states no ``kv_layout`` (it reads both)
       and the run's layers are not latent;
     - window: ``sliding_window`` of a quarter of ``max_model_len`` where ``config`` has
@@ -154,8 +158,8 @@ def claimed_cells(
     if backend_failures(entry, config):
         return (base,)
     wanted: list[Cell] = []
-    if holds_dcp_share and config.dcp_world_size == 1:
-        wanted.append(Cell(CellAxis.DCP, {"dcp_world_size": DCP_CELL_WORLD_SIZE}))
+    dcp = Cell(CellAxis.DCP, {"dcp_world_size": DCP_CELL_WORLD_SIZE})
+    runs_dcp = (holds_dcp_share or simulates_dcp(entry)) and config.dcp_world_size == 1 and _runs(entry, config, dcp)
     if entry.constraints.kv_layout is None:
         wanted.append(Cell(CellAxis.LAYOUT, kv_layout=KvLayout.LATENT))
     if config.sliding_window == 0 and config.max_model_len >= 8:
@@ -175,12 +179,9 @@ def claimed_cells(
                       else Cell(CellAxis.LONG, {"max_model_len": LONG_MAX_MODEL_LEN},
                                 not_run=not_run))
     claimed = [cell for cell in wanted if _claimed(entry, config, cell)]
-    alone = [cell for cell in claimed
-             if cell.axis in (CellAxis.DCP, CellAxis.LONG) or cell.not_run is not None]
+    alone = [cell for cell in claimed if cell.axis is CellAxis.LONG or cell.not_run is not None]
     packable = [cell for cell in claimed if not any(cell is other for other in alone)]
-    return (base, *[c for c in alone if c.axis is CellAxis.DCP],
-            *_packed(entry, config, packable),
-            *[c for c in alone if c.axis is not CellAxis.DCP])
+    return (base, *([dcp] if runs_dcp else []), *_packed(entry, config, packable), *alone)
 
 
 def _packed(entry: BackendEntry, config: RuntimeConfig, cells: Sequence[Cell]) -> list[Cell]:
@@ -204,6 +205,20 @@ def _packed(entry: BackendEntry, config: RuntimeConfig, cells: Sequence[Cell]) -
 def _claimed(entry: BackendEntry, config: RuntimeConfig, cell: Cell) -> bool:
     """Whether ``entry`` allows fusing under ``config`` changed as ``cell`` says."""
     return not backend_failures(entry, config.model_copy(update=dict(cell.config)))
+
+
+def simulates_dcp(entry: BackendEntry) -> bool:
+    """Whether ``entry``'s adapter runs every DCP rank's share in one process: it declares
+    a field of every rank's local lengths
+    (:attr:`~speccheck.contract.matrix_model.FieldMeaning.LOCAL_SEQ_LEN_TABLE`)."""
+    return FieldMeaning.LOCAL_SEQ_LEN_TABLE in entry.draft_decode.field_meanings.values()
+
+
+def _runs(entry: BackendEntry, config: RuntimeConfig, cell: Cell) -> bool:
+    """Whether ``entry`` runs at all (fused or per-step) under ``config`` changed as
+    ``cell`` says: its platform and constraints hold."""
+    changed = config.model_copy(update=dict(cell.config))
+    return not (platform_failures(entry, changed) or constraint_failures(entry, changed))
 
 
 def _interpreted_on(entry: BackendEntry, tier: Tier) -> bool:

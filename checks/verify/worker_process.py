@@ -5,6 +5,7 @@ server's imports then overlap the command's)."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -50,11 +51,29 @@ class OutputTail:
                 del self._tail[: -self._limit]
 
     def last_lines(self, count: int) -> list[str]:
-        """The last ``count`` non-empty lines, once the pipe is closed (or after
-        :data:`_DRAIN_SECONDS`)."""
+        """The last ``count`` lines that say why the worker ended (:func:`cause_lines`),
+        once the pipe is closed (or after :data:`_DRAIN_SECONDS`)."""
         self._thread.join(_DRAIN_SECONDS)
-        text = bytes(self._tail).decode("utf-8", errors="replace")
-        return [line for line in text.splitlines() if line.strip()][-count:]
+        return cause_lines(bytes(self._tail).decode("utf-8", errors="replace"), count)
+
+
+_BACKTRACE_LINE = re.compile(r"^\s*(frame #\d+:|Exception raised from )")
+"""A line of a C++ backtrace (c10's), which says where, never why."""
+
+_CAUSE_LINE = re.compile(r"what\(\):|Error\b|error:|[Aa]ssertion|[Aa]borted|[Ss]egmentation")
+"""A line that names why a process ended: an exception's message, a CUDA error, a failed
+assertion, a signal."""
+
+
+def cause_lines(output: str, count: int) -> list[str]:
+    """The last ``count`` lines of a dead worker's ``output`` that name why it ended,
+    backtrace frames left out (a device fault aborts the process with c10's error message
+    followed by some 30 frames); its last ``count`` other non-empty lines where none
+    does."""
+    lines = [line for line in output.splitlines()
+             if line.strip() and not _BACKTRACE_LINE.match(line)]
+    causes = [line.strip() for line in lines if _CAUSE_LINE.search(line)]
+    return (causes or lines)[-count:]
 
 
 def task_files(folder: Path, number: int) -> tuple[Path, Path]:
