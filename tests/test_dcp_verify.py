@@ -107,9 +107,12 @@ def test_dcp_with_data_parallelism_is_one_line_of_bad_input() -> None:
 def test_too_many_dcp_ranks_is_bad_input_and_a_backend_without_a_share_runs_alone() -> None:
     with pytest.raises(VerifyInputError, match=f"at most {MAX_DCP_RANKS}$"):
         plan_verification("triton_attn", config={"dcp_world_size": MAX_DCP_RANKS + 1})
-    plan = plan_verification("triton_mla", config={"dcp_world_size": 2})
-    assert plan.dcp_ranks("triton_mla") == 1
-    assert plan.dcp_note("triton_mla").startswith("dcp_world_size=2 is a configuration value only")
+    plan = plan_verification("sparse_swa", config={"dcp_world_size": 2})
+    assert plan.dcp_ranks("sparse_swa") == 1
+    assert plan.dcp_note("sparse_swa").startswith("dcp_world_size=2 is a configuration value only")
+    simulated = plan_verification("triton_mla", config={"dcp_world_size": 2})
+    assert simulated.dcp_ranks("triton_mla") == 1
+    assert "simulated in one process" in (simulated.dcp_note("triton_mla") or "")
 
 
 def test_a_gloo_group_cannot_be_captured() -> None:
