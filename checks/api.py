@@ -46,10 +46,11 @@ from speccheck.checks.verify.cells import (
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, CellReport, Failure, Finding, cut_short
 from speccheck.checks.verify.run import VerifyRun, WorkerTask, bound_problem
-from speccheck.checks.verify.scale import HarnessScale, default_jobs
+from speccheck.checks.verify.scale import HarnessScale, default_jobs, memory_jobs
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, Matrix
+from speccheck.contract.resolution import backend_failures
 from speccheck.contract.runtime_config import RuntimeConfig
 
 if TYPE_CHECKING:
@@ -490,7 +491,7 @@ class VerifyPlan:
             report = plan._verify_one(name, progress, notes, spare)
             reports.append(report)
             said = [report.detail or plan.dcp_note(name) or ""]
-            if not report.fused_allowed:
+            if backend_failures(self.matrices.matrix.backend(name), plan.config_for(name)):
                 said.append("fused not allowed here: the per-step path it falls back to "
                              "is verified")
             rows.append(CellReport(cell.name, report.status, examples=report.examples,
@@ -505,11 +506,17 @@ class VerifyPlan:
 
     def shards(self, name: str) -> int:
         """How many workers verify backend ``name`` at once: :attr:`jobs` (at most one per
-        example) for a single-rank run drawing its own examples, else 1."""
+        example) for a single-rank run drawing its own examples, else 1. An automatic
+        ``--jobs`` is held to what the device holds at this configuration's dtype
+        (:func:`~speccheck.checks.verify.scale.memory_jobs`: an fp32 cell's workers need
+        twice the memory)."""
         if (self.reproduce is not None or self.config.dp_size > 1
                 or self.dcp_ranks(name) > 1):
             return 1
-        return min(self.jobs, self.examples)
+        jobs = min(self.jobs, self.examples)
+        if self.verify_run.jobs is None and self.tier is Tier.GPU:
+            jobs = min(jobs, memory_jobs(_device_gib(self.tier), self.config_for(name).dtype))
+        return jobs
 
     def shard_tasks(self, name: str) -> list[WorkerTask]:
         """The :meth:`task` of each of backend ``name``'s :meth:`shards` workers: the

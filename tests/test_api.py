@@ -19,7 +19,7 @@ from speccheck.checks.api import (
     plan_verification,
 )
 from speccheck.checks.verify.report import BackendReport, Failure, merge_shards
-from speccheck.checks.verify.scale import default_jobs
+from speccheck.checks.verify.scale import default_jobs, memory_jobs
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.runtime_config import RuntimeConfig
 from tests.fixtures.adapters.out_of_tree import PlusOneBuilder
@@ -240,6 +240,16 @@ def test_jobs_default_to_two_workers_where_the_gpu_tier_machine_holds_them(
     """Two workers on the GPU tier where each gets 50 examples, two CPU cores and 32 GiB of
     the device; one otherwise, and always one on the CPU tier."""
     assert default_jobs(tier, examples, cpus, gib) == jobs
+
+
+@pytest.mark.parametrize(("gib", "dtype", "jobs"), [
+    (79.2, "bfloat16", 2), (79.2, "float32", 1), (139.8, "float32", 2), (24.0, "float32", 1),
+])
+def test_an_fp32_configurations_workers_ask_twice_the_device_memory(
+    gib: float, dtype: str, jobs: int
+) -> None:
+    """Two fp32 workers ran an 80 GiB H100 out of memory (34 and 44 GiB)."""
+    assert memory_jobs(gib, dtype) == jobs
 
 
 def test_jobs_split_the_examples_and_seeds_as_the_workers_draw_them() -> None:

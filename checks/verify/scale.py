@@ -75,10 +75,16 @@ cost (imports, breakpoint discovery, graph capture: about 10 s on the H200) outw
 share of the examples."""
 
 DEVICE_GIB_PER_JOB = 32
-"""Device memory an automatic ``--jobs`` asks per worker: each holds a serving-scale KV
-cache and its fp32 reference's (at the GPU tier's defaults about 4 and 8 GiB), the
-snapshots the comparisons take of them, and the graph pools. A margin, not a measured
-peak: two workers ran side by side on a 140 GiB H200."""
+"""Device memory an automatic ``--jobs`` asks per worker at 16-bit activations: each holds
+a serving-scale KV cache and its fp32 reference's (at the GPU tier's defaults about 4 and
+8 GiB), the snapshots the comparisons take of them, and the graph pools. A margin, not a
+measured peak: two workers ran side by side on a 140 GiB H200. At fp32 a worker asks twice
+as much (:func:`memory_jobs`): two fp32 workers held 34 and 44 GiB and ran an 80 GiB H100
+out of memory (the reference's and triton_attn's ``dtype=float32`` cells, 4ea21a5)."""
+
+_ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of each activation dtype (torch-free: planning runs before torch is
+imported)."""
 
 
 def default_jobs(tier: Tier, examples: int, cpus: int, device_gib: float) -> int:
@@ -92,4 +98,12 @@ def default_jobs(tier: Tier, examples: int, cpus: int, device_gib: float) -> int
     if tier is not Tier.GPU:
         return 1
     return max(1, min(AUTO_JOBS, examples // EXAMPLES_PER_JOB, cpus // 2,
-                      int(device_gib // DEVICE_GIB_PER_JOB)))
+                      memory_jobs(device_gib, "bfloat16")))
+
+
+def memory_jobs(device_gib: float, dtype: str) -> int:
+    """Workers a device of ``device_gib`` GiB holds side by side at activations of
+    ``dtype``: :data:`DEVICE_GIB_PER_JOB` each at 16 bits, in proportion above (at least
+    one)."""
+    per_job = DEVICE_GIB_PER_JOB * _ACTIVATION_BYTES[dtype] / 2
+    return max(1, int(device_gib // per_job))
