@@ -340,6 +340,7 @@ class BackendVerifier:
         outcomes = kv_untouched(batch, written, bs, start, oracle_kv, "oracle", oracle_steps,
                                 oracle_first_pass, self.share)
         outcomes += meanings.check(batch, oracle_steps, "oracle", oracle_first_pass)
+        outcomes += zero_tails(spec.groups, h.recorder.last_metadata, "oracle")
         if self.graphs:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 

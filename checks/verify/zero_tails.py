@@ -1,6 +1,9 @@
 """The zero-tail check: after a run, every persistent buffer's rows past what the last
 metadata uses are zero (each builder declares the used extents,
-``persistent_buffer_extents``)."""
+``persistent_buffer_extents``). It runs after the oracle's per-step run as well as after
+each candidate's: a configuration that falls back to the per-step path (triton_mla under
+DCP) has no candidate on the CPU tier, and its builds' tails are read by the per-step
+graphs on the GPU."""
 
 from __future__ import annotations
 
