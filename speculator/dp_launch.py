@@ -47,6 +47,11 @@ R = TypeVar("R")
 
 _DRAIN_S = 1.0
 """How long to keep reading results after a rank is seen dead (it may have reported first)."""
+_BLAME_GRACE_S = 1.0
+"""How long a rank's reported error waits for another rank to be seen dead before it is
+raised: a dead rank's sockets close as it exits, so a peer's collective can fail, and the
+peer report it, before the parent can reap the dead one (seen on a loaded 2-core CI
+machine: the peer was blamed)."""
 _JOIN_S = 5.0
 """How long ranks that all reported get to tear down before they are terminated."""
 
@@ -175,6 +180,11 @@ def _collect(
     def died() -> list[int]:
         return [r for r, p in enumerate(procs) if r not in collected and p.exitcode is not None]
 
+    def crashed(reporter: int) -> list[int]:
+        """Ranks other than ``reporter`` that died with a non-zero exit code and no report
+        (a rank that reported its own error exits with 0, its report still in the pipe)."""
+        return [r for r in died() if r != reporter and procs[r].exitcode != 0]
+
     def exited(rank: int, then: str = "") -> RankFailed:
         return RankFailed(
             rank, dp_size, "ProcessExited",
@@ -188,7 +198,11 @@ def _collect(
             collected[rank] = message[2]
             return
         error = RankFailed(rank, dp_size, *message[2:])
-        dead = [r for r in died() if r != rank]
+        settled = time.monotonic() + _BLAME_GRACE_S
+        dead = crashed(rank)
+        while not dead and time.monotonic() < settled:
+            time.sleep(0.05)
+            dead = crashed(rank)
         if dead:
             raise exited(dead[0], f"; then rank {rank} failed: {error.exc_type}: {error.message}")
         raise error
