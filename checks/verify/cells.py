@@ -132,9 +132,9 @@ def claimed_cells(
 
     - DCP: ``dcp_world_size`` 2 where ``config`` runs without DCP and the adapter holds a
       real share (``holds_dcp_share``) or simulates every rank's in one process
-      (:func:`simulates_dcp`). Kept wherever the entry runs there (platform and constraints), fused or not:
-      where its draft-decode condition excludes DCP, the cell verifies the per-step path
-      it falls back to, whose DCP code the base cell never runs;
+      (:func:`simulates_dcp`). Kept wherever the entry runs there (platform and
+      constraints), fused or not: where its draft-decode condition excludes DCP, the cell
+      verifies the per-step path it falls back to, whose DCP code the base cell never runs;
     - layout: the latent layout where the entry states no ``kv_layout`` (it reads both)
       and the run's layers are not latent;
     - window: ``sliding_window`` of a quarter of ``max_model_len`` where ``config`` has
@@ -159,7 +159,8 @@ def claimed_cells(
         return (base,)
     wanted: list[Cell] = []
     dcp = Cell(CellAxis.DCP, {"dcp_world_size": DCP_CELL_WORLD_SIZE})
-    runs_dcp = (holds_dcp_share or simulates_dcp(entry)) and config.dcp_world_size == 1 and _runs(entry, config, dcp)
+    runs_dcp = ((holds_dcp_share or simulates_dcp(entry)) and config.dcp_world_size == 1
+                and _runs(entry, config, dcp))
     if entry.constraints.kv_layout is None:
         wanted.append(Cell(CellAxis.LAYOUT, kv_layout=KvLayout.LATENT))
     if config.sliding_window == 0 and config.max_model_len >= 8:
