@@ -198,7 +198,8 @@ class BackendVerifier:
         self.side_lane = SideLane(device)
         """Where each example's fp32 reference runs, beside its oracle and candidates."""
         self.latent_fields = LatentFields()
-        """The once-per-run probe of fields that reach no output (one process only)."""
+        """The probe of fields that reach no output, on the run's first clean examples (one
+        process only)."""
 
     # ------------------------------------------------------------ set-up
     @property
@@ -387,14 +388,15 @@ class BackendVerifier:
             outcomes += meanings.check(batch, steps, name, candidate_first_pass)
             outcomes += zero_tails(spec.groups, h.recorder.last_metadata, name)
         outcomes += declared_fields(spec.groups, oracle_steps, oracle_storage, inputs)
-        if PROBED_CANDIDATE in candidates and self.share.world == 1:
-            outcomes += self.latent_fields.probe_once(
-                spec, self.settings.matrices.matrix, batch, k,
-                lambda: spec.kv_cache.restore(start), self.tol)
         if probe is not None:
             outcomes += probe.outcomes()
         if forward_probe is not None:
             outcomes += forward_probe.outcomes()
+        if (PROBED_CANDIDATE in candidates and self.share.world == 1
+                and all(o.result is not Result.FAILED for o in outcomes)):
+            outcomes += self.latent_fields.probe(
+                spec, self.settings.matrices.matrix, batch, k,
+                lambda: spec.kv_cache.restore(start), self.tol)
         outcomes += guard_bands(self.harnesses.guards)
         tokens, logits = reference.result()
         expected = DraftResult(tokens.cpu(), logits.cpu())

@@ -90,9 +90,9 @@ class Check(enum.StrEnum):
     )
     LATENT_FIELDS = (
         "latent_fields",
-        "(informational) once per run, each declared refreshed field is perturbed after every "
-        "refresh of the eager fused candidate (its value before the refresh, or one more where "
-        "the refresh left it unchanged); a field whose perturbation changes no draft token and "
+        "(informational) on the run's first clean examples, each declared refreshed field is "
+        "put back to its value before every refresh of the eager fused candidate (stale, as a "
+        "forgotten refresh leaves it); a field whose stale value changes no draft token and "
         "no logit is listed as latent in the report (`latent_fields`): its value is checked by "
         "`field_meanings` only; never a failure",
     )
