@@ -1,8 +1,9 @@
 """Each eager step's metadata is guarded (``checks/verify/step_guard``): a builder whose
 refresh leaves a block table pointing past the cache used to end the run in the attention's
-index error (a crash, no field named). On the CPU the run now fails ``field_meanings`` on
-the block table of the first step it refreshed (the fused candidate's padded first pass),
-with the error appended, while the oracle (which builds each step) passes; with a GPU's
+index error (a crash, no field named). On the CPU the run now fails ``step_metadata`` on
+the block table of the first step it refreshed (the fused candidate's padded first pass,
+against the oracle's), with the error appended, while the oracle (which builds each step)
+passes; with a GPU's
 guard (``stop``) the run ends at the first draft step so refreshed, before its forward
 reads the block table."""
 
@@ -45,9 +46,9 @@ def test_a_step_whose_block_table_points_past_the_cache_fails_its_field_before_r
                                 load_matrix(None))
     assert report.status is Status.FAILED
     first = report.failures[0]
-    assert first.check is Check.FIELD_MEANINGS, report.failures
+    assert first.check is Check.STEP_METADATA, report.failures
     assert first.field == "reference.metadata.block_table"
-    assert first.candidate == "fused_eager" and first.step is not None
+    assert first.candidate == "fused_eager" and first.step == 0
     assert str(FAR_PAST_THE_CACHE) in first.diagnosis
     assert "; the run then raised " in first.diagnosis  # the crash the field explains
 

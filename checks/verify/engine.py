@@ -361,7 +361,9 @@ class BackendVerifier:
                 forward_probe = None if self.gpu else ForwardProbe(name, spec)
             metadata_only = candidate.path is DecodePath.HOST_PREPLANNED
             try:
-                with h.armed(GuardedRun(batch, name, meanings, oracle_steps, metadata_only)):
+                with h.armed(GuardedRun(
+                        batch, name, meanings, oracle_steps, metadata_only,
+                        None if oracle_first_pass is None else oracle_first_pass.snapshots)):
                     result = spec.propose(batch, candidate.path, use_graphs=candidate.graphs)
             except RefreshRaised:
                 continue  # reported by the probe; nothing else of this candidate to compare

@@ -201,7 +201,8 @@ class HarnessSet:
             agree = functools.partial(any_rank, group=self.dcp.group)
         stop = self.device.type == "cuda"
         guard = StepGuard(recorder, stop=stop, agree=agree)
-        first_pass_guard = StepGuard(first_pass_recorder, stop=stop, agree=agree)
+        first_pass_guard = StepGuard(first_pass_recorder, stop=stop, agree=agree,
+                                     first_pass=True)
         spec.step_observer = guard
         spec.first_pass_observer = first_pass_guard
         start = time.perf_counter()

@@ -75,10 +75,17 @@ class GuardedRun:
     metadata_only: bool = False
     """As :func:`~speccheck.checks.verify.comparisons.compare_steps`' (a host_preplanned
     candidate)."""
+    oracle_first_pass: StepSnapshots | None = None
+    """The oracle's padded first pass (step 0), for a candidate whose first pass is padded
+    too: a candidate that rebuilds its metadata in place (``refresh_rebuilds``) runs the
+    pass on metadata built before its inputs existed, then refreshed, and a refresh that
+    leaves a field of that build (or the verifier's poison in it) would launch the pass's
+    kernels on it."""
 
 
 class StepGuard:
-    """The step observer of one speculator: records every step into ``recorder`` and checks
+    """The step observer of one speculator (or, with ``first_pass``, its first-pass
+    observer): records every step into ``recorder`` and checks
     the eagerly observed steps of an armed run (see the module docstring): each as it comes,
     stopping at the first failure, with ``stop`` (a GPU); otherwise (the CPU) only once the
     run raised, over the steps it recorded, so a run that does not raise pays nothing.
@@ -87,10 +94,13 @@ class StepGuard:
 
     def __init__(
         self, recorder: StepMetadataRecorder, *, stop: bool,
-        agree: Callable[[bool], bool] | None = None,
+        agree: Callable[[bool], bool] | None = None, first_pass: bool = False,
     ) -> None:
         self.recorder = recorder
         self.stop = stop
+        self.first_pass = first_pass
+        """Whether this guard observes the padded first pass (checked against the run's
+        :attr:`GuardedRun.oracle_first_pass`) rather than the decode steps."""
         self.agree = agree if stop else None
         self._run: GuardedRun | None = None
         self._observed: list[tuple[int, int]] = []
@@ -153,8 +163,9 @@ class StepGuard:
     ) -> Outcome | None:
         """The first failure of ``run``'s step ``step`` (``tensors`` and ``host``: what it
         held), or ``None``."""
-        if run.oracle is not None and step in run.oracle:
-            failed = compare_step(run.oracle, step, tensors, host, run.name,
+        oracle = run.oracle_first_pass if self.first_pass else run.oracle
+        if oracle is not None and step in oracle:
+            failed = compare_step(oracle, step, tensors, host, run.name,
                                   metadata_only=run.metadata_only)
             if failed is not None:
                 return failed
