@@ -247,6 +247,14 @@ def test_a_mutation_score_joins_its_tier_record_and_survives_a_rewrite(tmp_path:
     page = render_status_readme(read_statuses(tmp_path))
     assert ("| `reference` | cpu | 80% | 12 / 15, 1 argued equivalent (445) | other_check 3, "
             "crash 9 |") in page
+    kinds = {"named_field_check": 2, "other_check": 1, "crash": 0}
+    by_role = MutationRecord.from_report(
+        {**MUTATE_REPORT, "kills_by_role": {"builder": kinds, "refresh": kinds,
+                                            "attention": {"crash": 9}}},
+        command="speccheck mutate", commit="abc", date="2026-12-05")
+    write_mutation(tmp_path, "reference", "cpu", by_role)
+    page = render_status_readme(read_statuses(tmp_path))
+    assert "crash 9; named field 4 of 6 builder/refresh kills |" in page
 
 
 def test_a_row_that_raises_is_an_error_row_not_a_traceback(

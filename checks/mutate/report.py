@@ -18,7 +18,7 @@ from rich.text import Text
 from speccheck.checks.mutate.coverage_run import CoverageRun, never_executed
 from speccheck.checks.mutate.equivalents import Key, argument_for
 from speccheck.checks.mutate.runner import KillKind, MutantResult, Outcome
-from speccheck.checks.mutate.targets import TargetModule
+from speccheck.checks.mutate.targets import Role, TargetModule
 
 EQUIVALENCE_HEURISTIC = (
     "heuristic: the mutated line was executed and the mutation changes an argument of "
@@ -98,6 +98,14 @@ class MutationReport:
         kinds = Counter(result.kill_kind for result in self.results)
         return {kind: kinds[kind] for kind in KillKind}
 
+    def kills_by_role(self) -> dict[Role, dict[KillKind, int]]:
+        """:meth:`kills_by_kind` per role of the mutated module (a builder's mutants can
+        be named by a field check; an attention kernel's change no field)."""
+        kinds = Counter((r.mutant.target.role, r.kill_kind) for r in self.results
+                        if r.kill_kind is not None)
+        roles = dict.fromkeys(target.role for target in self.targets)
+        return {role: {kind: kinds[role, kind] for kind in KillKind} for role in roles}
+
     def survivor_class(self, result: MutantResult) -> SurvivorClass:
         mutant = result.mutant
         if self.argument(result) is not None:
@@ -132,6 +140,8 @@ class MutationReport:
             "score": self.score,
             "counts": {outcome.value: self.count(outcome) for outcome in Outcome},
             "kills_by_kind": {kind.value: n for kind, n in self.kills_by_kind().items()},
+            "kills_by_role": {role.value: {kind.value: n for kind, n in kinds.items()}
+                              for role, kinds in self.kills_by_role().items()},
             "argued_equivalent": self.argued_survivors,
             "refuted_equivalence": [r.mutant.location for r in self.refuted()],
             "equivalence_heuristic": EQUIVALENCE_HEURISTIC,

@@ -103,6 +103,9 @@ class MutationRecord(_Record):
     """Survivors argued equivalent (``equivalent_mutants.yaml``): out of the score."""
     score: float | None
     kills_by_kind: dict[str, int]
+    kills_by_role: dict[str, dict[str, int]] = Field(default_factory=dict)
+    """:attr:`kills_by_kind` per role of the mutated module (``builder``, ``refresh``,
+    ``attention``, ``helper``); empty in a record made before it was kept."""
     survivors: list[str]
     """``FILE:LINE OPERATOR (survivor class): - original / + mutated`` of each survivor."""
     seconds: float
@@ -126,6 +129,8 @@ class MutationRecord(_Record):
                    valid=valid, killed=sum(n for n in report["kills_by_kind"].values()),
                    argued_equivalent=report.get("argued_equivalent", 0),
                    score=report["score"], kills_by_kind=dict(report["kills_by_kind"]),
+                   kills_by_role={role: dict(kinds) for role, kinds
+                                  in report.get("kills_by_role", {}).items()},
                    survivors=survivors, seconds=report["seconds"])
 
 

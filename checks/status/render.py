@@ -49,6 +49,21 @@ def _selftest_cell(record: TierStatus) -> str:
     return f"{caught}/{run}" + (f" ({skipped} skipped)" if skipped else "")
 
 
+METADATA_ROLES = ("builder", "refresh")
+"""Roles of mutated modules whose mutants change metadata, which a field check can name."""
+
+
+def _metadata_kills(kills_by_role: dict[str, dict[str, int]]) -> str:
+    """``named field N of M metadata-code kills`` over the builder and refresh modules'
+    kills, or ``""`` where the record keeps no roles or they killed none."""
+    kinds = [kills_by_role[role] for role in METADATA_ROLES if role in kills_by_role]
+    total = sum(sum(k.values()) for k in kinds)
+    if not total:
+        return ""
+    named = sum(k.get("named_field_check", 0) for k in kinds)
+    return f"named field {named} of {total} builder/refresh kills"
+
+
 def _table_row(cells: list[str]) -> str:
     """One Markdown table row, pipes inside cells escaped."""
     return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
@@ -114,6 +129,9 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
         for name, tier, mutation in mutated:
             score = "-" if mutation.score is None else f"{mutation.score:.0%}"
             kinds = ", ".join(f"{kind} {n}" for kind, n in mutation.kills_by_kind.items() if n)
+            metadata = _metadata_kills(mutation.kills_by_role)
+            if metadata:
+                kinds += f"; {metadata}"
             argued = mutation.argued_equivalent
             scored = f"{mutation.killed} / {mutation.scored}" + (
                 f", {argued} argued equivalent" if argued else "")
