@@ -35,6 +35,7 @@ from speccheck.checks.mutate.mutants import (
 from speccheck.checks.mutate.operators import OPERATORS, Operator, apply_edit
 from speccheck.checks.mutate.report import MutationReport, SurvivorClass, summary_line
 from speccheck.checks.mutate.runner import (
+    UNREACHED_DETAIL,
     KillKind,
     MutantResult,
     Outcome,
@@ -410,6 +411,27 @@ def test_a_spent_budget_starts_nothing_and_invalid_mutants_never_run(
                           on_result=lambda result: seen.append(result.outcome))
     assert [r.outcome for r in results] == [Outcome.INVALID, Outcome.NOT_RUN]
     assert seen == [Outcome.INVALID]
+
+
+def test_a_mutant_whose_lines_never_ran_survives_without_a_run(
+    reference_mutants: list[Mutant],
+) -> None:
+    """Only an edit starting at a function-body statement the unmutated gate never executed
+    is unreached; an executed one, or one on a ``def`` line (defaults run at import, which
+    the tracer does not see), is run."""
+    mutant = next(m for m in reference_mutants if m.valid and m.line == m.end_line)
+    target = mutant.target
+    unrun = CoverageRun(VerifyOutcome(0, None, 1.0, []), {}, 2)
+    assert unrun.never_reached(target, mutant.line, mutant.end_line)
+    ran = CoverageRun(VerifyOutcome(0, None, 1.0, []), {target.path: frozenset({mutant.line})}, 2)
+    assert not ran.never_reached(target, mutant.line, mutant.end_line)
+    tree = ast.parse(target.path.read_text(encoding="utf-8"))
+    def_line = next(node.lineno for node in ast.walk(tree) if isinstance(node, ast.FunctionDef))
+    assert not unrun.never_reached(target, def_line, def_line)
+    settings = RunSettings(backend="reference", examples=1, jobs=1, budget=1, timeout=60,
+                           started=time.monotonic() - 10, unreached=frozenset({mutant.number}))
+    [result] = run_mutants([mutant], settings)
+    assert (result.outcome, result.detail) == (Outcome.SURVIVED, UNREACHED_DETAIL)
 
 
 def test_a_stopped_verify_run_ends_at_once_as_timed_out(tmp_path: Path) -> None:

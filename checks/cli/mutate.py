@@ -121,8 +121,11 @@ def mutate_command(
         err.print(f"#{result.mutant.number} {result.mutant.location} "
                   f"{result.mutant.operator.value}: {result.outcome.value}{checks}", markup=False)
 
+    unreached = frozenset(m.number for m in chosen
+                          if coverage.never_reached(m.target, m.line, m.end_line))
     settings = RunSettings(backend=backend, examples=examples, jobs=jobs or default_jobs(),
-                           budget=budget, timeout=timeout, started=started)
+                           budget=budget, timeout=timeout, started=started,
+                           unreached=unreached)
     results = run_mutants(chosen, settings, on_result=show)
     report = MutationReport(backend, examples, targets, [o.value for o in chosen_operators],
                             len(generated), results, coverage, time.monotonic() - started,

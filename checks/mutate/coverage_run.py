@@ -9,6 +9,7 @@ the copy's paths only if the workers imported the copy."""
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import shutil
@@ -41,6 +42,14 @@ class CoverageRun:
         lines = self.executed.get(target.path, frozenset())
         return any(line in lines for line in range(first, last + 1))
 
+    def never_reached(self, target: TargetModule, first: int, last: int) -> bool:
+        """Whether an edit of lines ``first`` to ``last`` of ``target`` starts at a statement
+        of a function body and the unmutated run executed none of them: a mutant there
+        runs exactly as the unmutated gate did (same draws, same code path), so it
+        survives without a run. An edit elsewhere (a ``def`` line's defaults, a class
+        body: run at import, which the tracer does not see) is never said to be."""
+        return first in _body_statement_lines(target.path) and not self.ran(target, first, last)
+
     def ran_function_bodies(self, targets: Sequence[TargetModule]) -> bool:
         """Whether any statement inside a function of ``targets`` was executed (importing a
         module runs none: the proof that the processes which call the adapter, verify's
@@ -51,6 +60,13 @@ class CoverageRun:
             if any(statement.lineno in lines for statement in function_statements(tree)):
                 return True
         return False
+
+
+@functools.cache
+def _body_statement_lines(path: Path) -> frozenset[int]:
+    """The first lines of the function-body statements of the module at ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return frozenset(statement.lineno for statement in function_statements(tree))
 
 
 def run_unmutated(

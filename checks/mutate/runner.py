@@ -143,25 +143,36 @@ class RunSettings:
     timeout: float
     """Seconds one mutant's verify may take."""
     started: float = field(default_factory=time.monotonic)
+    unreached: frozenset[int] = frozenset()
+    """Numbers of the mutants whose lines the unmutated gate never executed
+    (:meth:`~speccheck.checks.mutate.coverage_run.CoverageRun.never_reached`): they
+    survive without a run."""
+
+
+UNREACHED_DETAIL = "the unmutated gate never executed its lines: it survives without a run"
+"""What an unreached mutant's result says (:attr:`RunSettings.unreached`)."""
 
 
 def run_mutants(
     mutants: Sequence[Mutant], settings: RunSettings,
     on_result: Callable[[MutantResult], None] | None = None,
 ) -> list[MutantResult]:
-    """Every mutant's result, in ``mutants``' order: invalid ones without running, the rest
-    through verify with ``--fail-fast`` (a mutant is killed, and its kind decided, by the
-    first failure of its first failing cell, which the default search finds the same way
-    before it would search on), ``settings.jobs`` at a time; once ``settings.budget`` is
-    spent the ones not started are :attr:`Outcome.NOT_RUN`. ``on_result`` sees each result
-    as it comes (from the worker threads, one at a time). Interrupted
-    (``KeyboardInterrupt``), it kills the verify runs under way before it re-raises."""
+    """Every mutant's result, in ``mutants``' order: invalid and unreached ones without
+    running, the rest through verify with ``--fail-fast`` (a mutant is killed, and its kind
+    decided, by the first failure of its first failing cell, which the default search finds
+    the same way before it would search on), ``settings.jobs`` at a time; once
+    ``settings.budget`` is spent the ones not started are :attr:`Outcome.NOT_RUN`.
+    ``on_result`` sees each result as it comes (from the worker threads, one at a time).
+    Interrupted (``KeyboardInterrupt``), it kills the verify runs under way before it
+    re-raises."""
     lock = threading.Lock()
     stop = threading.Event()
 
     def one(mutant: Mutant) -> MutantResult:
         if not mutant.valid:
             result = MutantResult(mutant, Outcome.INVALID, detail=mutant.invalid_reason)
+        elif mutant.number in settings.unreached:
+            result = MutantResult(mutant, Outcome.SURVIVED, detail=UNREACHED_DETAIL)
         elif time.monotonic() - settings.started > settings.budget:
             result = MutantResult(mutant, Outcome.NOT_RUN)
         else:
