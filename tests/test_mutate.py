@@ -282,7 +282,7 @@ def test_a_run_shadows_the_installed_package_in_verify_workers_and_reports_each_
     assert payload["counts"]["killed"] == 1 and payload["counts"]["survived"] == 1
     assert set(payload["kills_by_kind"]) == {kind.value for kind in KillKind}
     assert payload["kills_by_role"]["builder"]["named_field_check"] == 1
-    assert sum(payload["kills_by_role"]["attention"].values()) == 0
+    assert sum(payload["kills_by_role"]["helper"].values()) == 0  # attention.py
     entry = payload["mutants"][1]
     assert (entry["file"], entry["line"], entry["outcome"], entry["survivor"], entry["executed"]) \
         == ("backends/reference/attention.py", survivor.line, "survived",
