@@ -105,7 +105,8 @@ class MutationRecord(_Record):
     kills_by_kind: dict[str, int]
     kills_by_role: dict[str, dict[str, int]] = Field(default_factory=dict)
     """:attr:`kills_by_kind` per role of the mutated module (``builder``, ``refresh``,
-    ``attention``, ``helper``); empty in a record made before it was kept."""
+    ``attention``, ``helper``, ``chosen``: :class:`~speccheck.checks.mutate.targets.Role`); empty
+    in a record made before it was kept."""
     survivors: list[str]
     """``FILE:LINE OPERATOR (survivor class): - original / + mutated`` of each survivor."""
     seconds: float
