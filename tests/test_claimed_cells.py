@@ -6,6 +6,7 @@ shapes expose are caught at the defaults."""
 
 from __future__ import annotations
 
+import dataclasses
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -22,15 +23,26 @@ from speccheck.checks.verify.cells import (
     claimed_batch_classes,
     example_shares,
 )
+from speccheck.checks.verify.comparisons import Outcome
+from speccheck.checks.verify.examples import Example
 from speccheck.checks.verify.report import BackendReport, CellReport, write_junit
+from speccheck.checks.verify.search import (
+    Coverage,
+    ExampleRun,
+    SearchBudget,
+    record_failure,
+    search_all,
+)
 from speccheck.checks.verify.strategies import (
     FIRST_REFRESHED_K,
     BatchLimits,
     draft_batches,
     draft_step_counts,
     draw_values,
+    has_shape,
+    of_shape,
 )
-from speccheck.checks.verify.vocabulary import Status, Tier
+from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
 from speccheck.contract.matrix_model import CudaGraphSupport, KvLayout
 from tests.fixtures.catch import CATCH
 
@@ -109,7 +121,7 @@ def test_cells_travel_in_the_json_and_junit_reports(tmp_path: Path) -> None:
 def test_the_claimed_batch_classes_follow_the_cudagraph_support() -> None:
     assert claimed_batch_classes(CudaGraphSupport.ALWAYS) == tuple(BatchClass)
     assert claimed_batch_classes(CudaGraphSupport.UNIFORM_BATCH) == (
-        BatchClass.SINGLE_TOKEN_DECODE, BatchClass.UNIFORM_PADDED)
+        BatchClass.SINGLE_TOKEN_DECODE, BatchClass.UNIFORM_PADDED, BatchClass.FULL)
     assert claimed_batch_classes(CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE) == (
         BatchClass.SINGLE_TOKEN_DECODE,)
 
@@ -125,15 +137,57 @@ def _uniform_padded(batch) -> bool:  # type: ignore[no-untyped-def]
     return batch.num_reqs >= 2 and len(widths) == 1 and batch.num_reqs not in (1, 2, 4, 8)
 
 
-def test_every_claimed_batch_class_is_drawn_often() -> None:
-    """At the CPU tier's scale, a tenth of any 50 examples at least is uniform with padding
-    lanes, and as many are single-token decode batches of several requests (the draw
-    before item 6 gave none of the first in 50)."""
+def _shapes_run(examples: int, seed_value: int, failing: BatchClass | None) -> set[BatchClass]:
+    """The batch classes a search of ``examples`` examples over :data:`LIMITS` ran (any
+    example, a shrink candidate's too), where only batches of ``failing`` fail a check."""
+    ran: set[BatchClass] = set()
+    classes = LIMITS.batch_classes
+
+    def of(limits: BatchLimits) -> st.SearchStrategy[Example]:
+        return st.tuples(st.just(3), draft_batches(limits))
+
+    def run(example: Example) -> ExampleRun:
+        shapes = {c for c in classes if has_shape(c, example[1], LIMITS)}
+        ran.update(shapes)
+        result = Result.FAILED if failing in shapes else Result.PASSED
+        return ExampleRun([Outcome(Check.KV_CACHE, result, "stray write")], 0)
+
+    coverage = [Coverage(c.value, lambda e, c=c: has_shape(c, e[1], LIMITS),
+                         of(of_shape(LIMITS, c))) for c in classes]
+    report = BackendReport("b", Tier.CPU, Status.PASSED)
+    search_all(of(LIMITS), SearchBudget(examples, seed_value, 5.0), run, report,
+               lambda index, example: None,
+               lambda r, example, outcomes, found_at, known: record_failure(
+                   r, example, outcomes, lambda e: "", found_at, known),
+               coverage)
+    assert report.examples == examples
+    if failing is not None:
+        assert [f.check for f in report.failures] == [Check.KV_CACHE]
+    return ran
+
+
+@pytest.mark.parametrize("examples", [4, 5, 10, 50])
+def test_every_run_includes_every_claimed_batch_class(examples: int) -> None:
+    """Whatever the draw favours (hypothesis' draws are clumpy: one seed's 50 examples held
+    one uniform batch with padding lanes, another's four full batches), the examples a
+    cell is given hold every claimed class, and a class that fails is found."""
     for seed_value in range(3):
-        batches = draw_values(draft_batches(LIMITS), 50, seed_value)
-        assert sum(map(_uniform_padded, batches)) >= 5
-        assert sum(b.num_reqs >= 2 and all(len(r) == 1 for r in b.new_tokens)
-                   for b in batches) >= 5
+        assert _shapes_run(examples, seed_value, None) == set(LIMITS.batch_classes)
+        assert BatchClass.FULL in _shapes_run(examples, seed_value, BatchClass.FULL)
+
+
+def test_full_batches_fill_the_prefill_budget_where_few_blocks_are_live() -> None:
+    """A full batch (the largest bucket's requests, each of the most new tokens: a first
+    pass of ``max_num_prefill_tokens``, past one 16-token chunk) keeps every request where
+    the live blocks hold only two full rows: earlier requests leave later ones their
+    blocks, and no batch takes more blocks than are live."""
+    tight = dataclasses.replace(LIMITS, num_blocks=2 * 16 + 1)
+    for limits in (LIMITS, tight):
+        for seed_value in range(3):
+            full = draw_values(draft_batches(of_shape(limits, BatchClass.FULL)), 20, seed_value)
+            assert all(has_shape(BatchClass.FULL, b, limits) for b in full)
+            for batch in full + draw_values(draft_batches(limits), 50, seed_value):
+                assert sum(map(len, batch.block_table)) <= limits.num_blocks - 1
 
 
 def test_k_of_two_or_more_is_drawn_in_most_examples() -> None:
@@ -163,7 +217,9 @@ def test_the_first_request_of_a_long_cell_batch_is_past_int16() -> None:
 
 @CPU_ONLY
 @pytest.mark.parametrize(("backend", "cell"), [("padded_lanes_as_real", None),
-                                               ("int16_lengths", CellAxis.LONG)])
+                                               ("int16_lengths", CellAxis.LONG),
+                                               ("chunk_offset_lost", None),
+                                               ("full_pass_last_token_lost", None)])
 def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
     backend: str, cell: CellAxis | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

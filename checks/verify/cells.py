@@ -110,6 +110,10 @@ class BatchClass(enum.StrEnum):
     """Every request brings one token."""
     UNIFORM_PADDED = "uniform_padded"
     """Several requests of one query width, fewer than their bucket: padding lanes."""
+    FULL = "full"
+    """As many requests as the largest bucket, each bringing the most new tokens: the first
+    pass fills the drafter's prefill budget (``max_num_prefill_tokens``), so every buffer
+    sized by it is full and every token-chunked loop runs past its first chunk."""
 
 
 def claimed_batch_classes(support: CudaGraphSupport) -> tuple[BatchClass, ...]:
@@ -118,8 +122,8 @@ def claimed_batch_classes(support: CudaGraphSupport) -> tuple[BatchClass, ...]:
     if support is CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE:
         return (BatchClass.SINGLE_TOKEN_DECODE,)
     if support is CudaGraphSupport.UNIFORM_BATCH:
-        return (BatchClass.SINGLE_TOKEN_DECODE, BatchClass.UNIFORM_PADDED)
-    return (BatchClass.MIXED, BatchClass.SINGLE_TOKEN_DECODE, BatchClass.UNIFORM_PADDED)
+        return (BatchClass.SINGLE_TOKEN_DECODE, BatchClass.UNIFORM_PADDED, BatchClass.FULL)
+    return tuple(BatchClass)
 
 
 def claimed_cells(

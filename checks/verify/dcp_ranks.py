@@ -34,6 +34,7 @@ fused candidate runs the fused loop with its in-place refresh eagerly, and the r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ from hypothesis import strategies as st
 from speccheck.backends.availability import BackendUnavailable
 from speccheck.backends.dcp import group_capturable
 from speccheck.checks.triton_interpreter import patch_language_once_per_launch
+from speccheck.checks.verify.cells import BatchClass
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.examples import (
     Example,
@@ -55,7 +57,12 @@ from speccheck.checks.verify.examples import (
 )
 from speccheck.checks.verify.rank_agreement import any_rank
 from speccheck.checks.verify.report import BackendReport, Failure
-from speccheck.checks.verify.strategies import draft_batches, draw_values
+from speccheck.checks.verify.strategies import (
+    draft_batches,
+    draw_values,
+    has_shape,
+    of_shape,
+)
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.contract.dcp import DcpRank
 from speccheck.contract.resolution import resolve_backend
@@ -116,12 +123,31 @@ def draw_examples(settings: VerifySettings) -> list[Example]:
     """``settings.examples`` examples drawn with hypothesis from ``settings.seed`` (generation
     only, no shrinking): a K from ``settings.steps`` and a batch within the harness's limits
     for it, as the single-process verifier draws them but without aiming at probed
-    breakpoints (under DCP the local lengths change at every length on some rank).
-    Deterministic in the seed."""
+    breakpoints (under DCP the local lengths change at every length on some rank), and
+    with every claimed batch class among them (as :func:`~speccheck.checks.verify.search.
+    search_all` holds back examples for those the draw missed). Deterministic in the
+    seed."""
     limits = BackendVerifier(settings, torch.device("cpu")).limits
-    strategy = st.sampled_from(settings.steps).flatmap(
-        lambda k: st.tuples(st.just(k), draft_batches(limits(k))))
-    return draw_values(strategy, settings.examples, settings.seed)
+    classes = limits(settings.steps[0]).batch_classes
+
+    def strategy(shape: BatchClass | None) -> st.SearchStrategy[Example]:
+        return st.sampled_from(settings.steps).flatmap(
+            lambda k: st.tuples(st.just(k), draft_batches(of_shape(limits(k), shape))))
+
+    def covers(shape: BatchClass, example: Example) -> bool:
+        return has_shape(shape, example[1], limits(example[0]))
+
+    total = settings.examples
+    held_back = min(len(classes), total)
+    drawn = [] if held_back == total else draw_values(strategy(None), total - held_back,
+                                                      settings.seed)
+    for shape in classes:
+        if len(drawn) < total and not any(covers(shape, example) for example in drawn):
+            drawn += draw_values(strategy(shape).filter(functools.partial(covers, shape)), 1,
+                                 settings.seed)
+    if len(drawn) < total:
+        drawn += draw_values(strategy(None), total - len(drawn), settings.seed + 1)
+    return drawn
 
 
 def verify_dcp(

@@ -19,6 +19,7 @@ of its own: an illegal memory access breaks a CUDA context for good.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import torch
 from hypothesis import strategies as st
 
 from speccheck.checks.verify.breakpoints import Breakpoints, discover_breakpoints
+from speccheck.checks.verify.cells import BatchClass
 from speccheck.checks.verify.comparisons import (
     FirstPassSnapshot,
     KVSnapshot,
@@ -60,7 +62,13 @@ from speccheck.checks.verify.scale import (
     DEFAULT_SHRINK_SECONDS,
     DEFAULT_STEPS,
 )
-from speccheck.checks.verify.search import ExampleRun, SearchBudget, record_failure, search_all
+from speccheck.checks.verify.search import (
+    Coverage,
+    ExampleRun,
+    SearchBudget,
+    record_failure,
+    search_all,
+)
 from speccheck.checks.verify.side_lane import SideLane, SideRun
 from speccheck.checks.verify.step_guard import GuardedRun, StepCheckFailed
 from speccheck.checks.verify.strategies import (
@@ -68,6 +76,8 @@ from speccheck.checks.verify.strategies import (
     derived_step_changes,
     draft_batches,
     draft_step_counts,
+    has_shape,
+    of_shape,
 )
 from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Tier
 from speccheck.checks.verify.zero_tails import zero_tails
@@ -421,14 +431,26 @@ class BackendVerifier:
             logger.info("%s", self._breakpoints.describe())
         return self._breakpoints
 
-    def example_strategy(self) -> st.SearchStrategy[Example]:
-        """A K from ``settings.steps`` and a batch within :meth:`limits`, aimed across the
-        :attr:`breakpoints`."""
+    def example_strategy(self, shape: BatchClass | None = None) -> st.SearchStrategy[Example]:
+        """A K from ``settings.steps`` and a batch within :meth:`limits` (of ``shape`` only,
+        where given), aimed across the :attr:`breakpoints`."""
         lengths = self.breakpoints.lengths
         return draft_step_counts(self.settings.steps).flatmap(
-            lambda k: st.tuples(st.just(k), draft_batches(
-                dataclasses.replace(self.limits(k), breakpoints=lengths)))
-        )
+            lambda k: st.tuples(st.just(k), draft_batches(of_shape(
+                dataclasses.replace(self.limits(k), breakpoints=lengths), shape))))
+
+    def coverage(self) -> list[Coverage]:
+        """The batch classes every run includes: those the entry's CUDA-graph claim covers
+        (:attr:`BatchLimits.batch_classes`)."""
+        classes = self.limits(self.settings.steps[0]).batch_classes
+        return [Coverage(shape.value,
+                         functools.partial(self._has_shape, shape),
+                         self.example_strategy(shape))
+                for shape in classes]
+
+    def _has_shape(self, shape: BatchClass, example: Example) -> bool:
+        k, batch = example
+        return has_shape(shape, batch, self.limits(k))
 
     def run(self, report: BackendReport, on_example: Callable[[int, Example], None]) -> None:
         """Draw ``settings.examples`` examples; shrink each failure (within
@@ -443,7 +465,7 @@ class BackendVerifier:
         budget = SearchBudget(self.settings.examples, self.settings.seed,
                               self.settings.shrink_seconds, self.settings.fail_fast)
         search_all(self.example_strategy(), budget, self.examine, report, on_example,
-                   self.record_failure)
+                   self.record_failure, self.coverage())
         report.latent_fields = list(self.latent_fields.latent)
 
     def record_failure(

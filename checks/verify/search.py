@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -30,8 +30,9 @@ from speccheck.checks.verify.strategies import target_derived_changes
 from speccheck.checks.verify.vocabulary import Check, Result, Status
 
 ROUND_SEED_STRIDE = 2**32
-"""Search round ``i`` (after ``i`` findings) draws from ``seed + i * ROUND_SEED_STRIDE``:
-never the seed of another worker's first round (``--jobs``: ``seed + worker``)."""
+"""Search round ``i`` (after ``i`` earlier rounds: one per finding, one per coverage search)
+draws from ``seed + i * ROUND_SEED_STRIDE``: never the seed of another worker's first round
+(``--jobs``: ``seed + worker``)."""
 
 
 @dataclass(frozen=True)
@@ -181,34 +182,71 @@ Record = Callable[[BackendReport, Example, list[Outcome], int, frozenset[Failure
 record_failure>`)."""
 
 
+@dataclass(frozen=True)
+class Coverage:
+    """A shape every run must include (a claimed batch class): whether an example has it,
+    and a strategy that draws only such examples."""
+
+    name: str
+    covers: Callable[[Example], bool]
+    strategy: st.SearchStrategy[Example]
+
+
 def search_all(
     strategy: st.SearchStrategy[Example], budget: SearchBudget,
     run_example: Callable[[Example], ExampleRun], report: BackendReport,
     on_example: Callable[[int, Example], None], record: Record,
+    coverage: Sequence[Coverage] = (),
 ) -> None:
     """Search rounds (:func:`search`) until ``budget.examples`` examples ran, each round
     drawing the examples left from a seed of its own (:data:`ROUND_SEED_STRIDE`) and
     looking for what no earlier finding failed; each round's failure goes to ``record``.
     With ``budget.fail_fast`` the first failure ends the run (``report.stopped_at`` says
-    where, when examples were left)."""
+    where, when examples were left).
+
+    Every ``coverage`` shape is run, whatever the draw and ``target()`` favour: the last
+    ``len(coverage)`` examples (all, where the budget is smaller) are held back, and once
+    the others ran, each shape none of the examples run so far had gets one of them, a
+    search of its own strategy kept to examples it covers (shrunk within that shape like
+    any failure); examples held
+    back and not needed go to the main strategy."""
     report.examples_asked = budget.examples
-    known: frozenset[FailureKey] = frozenset()
-    rounds = 0
-    while report.examples < budget.examples:
-        left = budget.examples - report.examples
-        found = search(
-            strategy, dataclasses.replace(budget, examples=left,
-                                          seed=budget.seed + rounds * ROUND_SEED_STRIDE),
-            run_example, report, on_example, known)
-        if found is None:
-            return
-        record(report, found.example, found.outcomes, found.found_at, known)
-        known |= report.findings[-1].keys
-        rounds += 1
-        if budget.fail_fast:
-            if report.examples < budget.examples:
-                report.stopped_at = report.examples
-            return
+    known: list[frozenset[FailureKey]] = [frozenset()]
+    covered: set[str] = set()
+    calls = [0]
+
+    def seen(index: int, example: Example) -> None:
+        covered.update(shape.name for shape in coverage if shape.covers(example))
+        on_example(index, example)
+
+    def rounds_until(drawn: st.SearchStrategy[Example], total: int) -> bool:
+        """Rounds of ``drawn`` until ``total`` examples ran; ``False`` where a
+        ``fail_fast`` failure ended the run."""
+        while report.examples < total:
+            left = total - report.examples
+            found = search(
+                drawn, dataclasses.replace(
+                    budget, examples=left, seed=budget.seed + calls[0] * ROUND_SEED_STRIDE),
+                run_example, report, seen, known[0])
+            calls[0] += 1
+            if found is None:
+                return True
+            record(report, found.example, found.outcomes, found.found_at, known[0])
+            known[0] |= report.findings[-1].keys
+            if budget.fail_fast:
+                if report.examples < budget.examples:
+                    report.stopped_at = report.examples
+                return False
+        return True
+
+    held_back = min(len(coverage), budget.examples)
+    if not rounds_until(strategy, budget.examples - held_back):
+        return
+    for shape in coverage:
+        if shape.name not in covered and report.examples < budget.examples:
+            if not rounds_until(shape.strategy.filter(shape.covers), report.examples + 1):
+                return
+    rounds_until(strategy, budget.examples)
 
 
 def record_failure(

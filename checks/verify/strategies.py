@@ -4,6 +4,7 @@ between draft steps."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -73,14 +74,21 @@ CONTEXT_KINDS = ("anywhere", "boundary", "clamp")
 carry breakpoints. Hypothesis shrinks towards the first kind."""
 
 
-def _context_len(draw: st.DrawFn, limits: BatchLimits, q: int, first: bool = False) -> int:
+def _context_len(
+    draw: st.DrawFn, limits: BatchLimits, q: int, room: int, first: bool = False
+) -> int | None:
     """A context length of one of these kinds: anywhere, just before a block boundary (so
-    the draft steps cross it), near ``max_model_len`` (so the steps hit the clamp), or just
-    below a breakpoint (so the refreshes between draft steps cross it: see
-    :func:`_below_breakpoint`). Where ``max_model_len`` reaches past :data:`~speccheck.
-    checks.verify.cells.INT16_MAX` (the long cell), the ``first`` request of every batch
-    starts past it (a length an int16 cannot hold)."""
+    the draft steps cross it), near the top (so the steps hit the ``max_model_len``
+    clamp), or just below a breakpoint (so the refreshes between draft steps cross it: see
+    :func:`_below_breakpoint`); every position the request writes stays below ``room``
+    (the positions its share of the live blocks holds), ``None`` where none fits. Where
+    the top reaches past :data:`~speccheck.checks.verify.cells.INT16_MAX` (the long cell),
+    the ``first`` request of every batch starts past it (a length an int16 cannot hold)."""
     top = limits.max_model_len - q - (limits.extra_positions if limits.room_for_block else 0)
+    if room < limits.max_model_len:
+        top = min(top, room - q - limits.extra_positions)
+    if top < 0:
+        return None
     if first and top > INT16_MAX:
         return draw(st.integers(INT16_MAX + 1 - q, top))
     kind = draw(st.sampled_from(CONTEXT_KINDS + (("breakpoint",) if limits.breakpoints else ())))
@@ -120,9 +128,11 @@ def _below_breakpoint(draw: st.DrawFn, limits: BatchLimits, q: int, top: int) ->
 def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
     """A batch of 1..``max_num_reqs`` requests of one of ``limits.batch_classes``, whose
     block tables are a shuffled, disjoint draw from the live blocks: mixed widths (each
-    request's drawn on its own), single-token decode (one new token each), or uniform with
-    padding (:attr:`BatchLimits.padded_counts` requests of one drawn width). A batch ends
-    early where the live blocks run out.
+    request's drawn on its own), single-token decode (one new token each), uniform with
+    padding (:attr:`BatchLimits.padded_counts` requests of one drawn width), or full
+    (``max_num_reqs`` requests of ``max_new_tokens`` each). Each request leaves the live
+    blocks the shortest later requests need (:func:`reserved_blocks`); a batch ends early
+    only where even those run out.
 
     Shrinks towards the first class, one request, short contexts, one new token, token 0,
     seed 0.
@@ -137,30 +147,62 @@ def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
         n = draw(st.sampled_from(limits.padded_counts))
         widths = [w for w in limits.padded_widths if w <= limits.max_new_tokens]
         width: int | None = draw(st.sampled_from(widths or range(1, limits.max_new_tokens + 1)))
+    elif shape is BatchClass.FULL:
+        n, width = limits.max_num_reqs, limits.max_new_tokens
     else:
         n = draw(st.integers(1, limits.max_num_reqs))
         width = 1 if shape is BatchClass.SINGLE_TOKEN_DECODE else None
+    reserve = reserved_blocks(limits, width or limits.max_new_tokens)
     contexts: list[int] = []
     news: list[tuple[int, ...]] = []
     rows_needed: list[int] = []
     for i in range(n):
         q = width if width is not None else draw(st.integers(1, limits.max_new_tokens))
-        ctx = _context_len(draw, limits, q, first=i == 0)
+        room = budget - sum(rows_needed) - (n - 1 - i) * reserve
+        ctx = _context_len(draw, limits, q, room * bs, first=i == 0)
+        if ctx is None:
+            break
         last = min(ctx + q - 1 + limits.extra_positions, limits.max_model_len - 1)
         needed = last // bs + 1
-        if sum(rows_needed) + needed > budget:
-            break
         contexts.append(ctx)
         news.append(_tokens(draw, limits.vocab_size, q))
-        free = budget - sum(rows_needed)
-        rows_needed.append(draw(st.integers(needed, max(needed, min(max_blocks, free)))))
-    layout = np.random.default_rng(draw(st.integers(0, 2**16))).permutation(np.arange(1, limits.num_blocks))
+        rows_needed.append(draw(st.integers(needed, max(needed, min(max_blocks, room)))))
+    layout = np.random.default_rng(draw(st.integers(0, 2**16))).permutation(
+        np.arange(1, limits.num_blocks))
     rows, start = [], 0
     for count in rows_needed:
         rows.append(tuple(layout[start : start + count].tolist()))
         start += count
     seeds = tuple(draw(st.integers(0, 2**31 - 1)) for _ in contexts)
     return DraftBatch(tuple(contexts), tuple(news), tuple(rows), seeds)
+
+
+def of_shape(limits: BatchLimits, shape: BatchClass | None) -> BatchLimits:
+    """``limits`` drawing ``shape`` only (all its classes where ``None``)."""
+    return limits if shape is None else dataclasses.replace(limits, batch_classes=(shape,))
+
+
+def has_shape(shape: BatchClass, batch: DraftBatch, limits: BatchLimits) -> bool:
+    """Whether ``batch`` is of ``shape`` within ``limits`` (a batch may be of several):
+    requests of two widths or more (mixed), one new token each, one padded width over a
+    request count that runs padding lanes, or the largest bucket's requests each of the
+    most new tokens (full)."""
+    widths = {len(tokens) for tokens in batch.new_tokens}
+    if shape is BatchClass.MIXED:
+        return len(widths) >= 2
+    if shape is BatchClass.SINGLE_TOKEN_DECODE:
+        return widths == {1}
+    if shape is BatchClass.FULL:
+        return batch.num_reqs == limits.max_num_reqs and widths == {limits.max_new_tokens}
+    padded = [w for w in limits.padded_widths if w <= limits.max_new_tokens]
+    return (batch.num_reqs in limits.padded_counts and len(widths) == 1
+            and (not padded or widths <= set(padded)))
+
+
+def reserved_blocks(limits: BatchLimits, q: int) -> int:
+    """The blocks a request of ``q`` new tokens and no context needs: what each request of
+    a batch leaves for each one after it."""
+    return min(q - 1 + limits.extra_positions, limits.max_model_len - 1) // limits.block_size + 1
 
 
 def _tokens(draw: st.DrawFn, vocab_size: int, count: int) -> tuple[int, ...]:
