@@ -34,6 +34,7 @@ from speccheck.checks.mutate.mutants import (
 )
 from speccheck.checks.mutate.operators import OPERATORS, Operator, apply_edit
 from speccheck.checks.mutate.report import MutationReport, SurvivorClass, summary_line
+from speccheck.checks.mutate.rescore import RescoreError, read_report, rescored
 from speccheck.checks.mutate.runner import (
     UNREACHED_DETAIL,
     KillKind,
@@ -352,6 +353,46 @@ def test_shipped_equivalence_arguments_match_mutants_and_leave_the_score(
         check_group.location]
 
 
+def test_a_saved_run_is_rescored_with_the_arguments_of_the_checkout(
+    reference_mutants: list[Mutant], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--rescore``: a saved report's survivor argued after the run leaves the score, its
+    kills stay the run's, and a report whose mutant this checkout does not generate (the
+    code under test changed) is refused in one line."""
+    monkeypatch.chdir(ROOT)
+    targets = backend_targets(REFERENCE)
+    arguments = load_equivalents(targets)
+    check_group = _pick(reference_mutants, "dcp.py", Operator.STATEMENT_DELETED,
+                        "dcp.check_group()")
+    other = next(m for m in reference_mutants if m.valid and argument_for(m, arguments) is None)
+    results = [MutantResult(check_group, Outcome.SURVIVED, seconds=2.0),
+               MutantResult(other, Outcome.KILLED, ("field_meanings",), ("seq_lens",), 3.0)]
+    coverage = CoverageRun(VerifyOutcome(0, None, 9.0, []),
+                           {check_group.target.path: frozenset({check_group.line})}, 2)
+    run = MutationReport("reference", None, targets, [o.value for o in Operator],
+                         len(reference_mutants), results, coverage, 5.0, {},
+                         "speccheck mutate --backend reference", "abc123")
+    assert run.score == 0.5
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(run.to_json()))
+    again = rescored(saved, read_report(saved), "reference", targets, arguments)
+    assert again.score == 1.0 and again.argued_survivors == 1
+    assert again.to_json()["kills_by_kind"] == run.to_json()["kills_by_kind"]
+    assert (again.command, again.commit, again.coverage.processes) == (
+        run.command, "abc123", 2)
+    assert again.survivor_class(again.results[0]) is SurvivorClass.ARGUED_EQUIVALENT
+    changed = run.to_json()
+    changed["mutants"][0]["diff"]["-"] = "dcp.check_group(again)"
+    saved.write_text(json.dumps(changed))
+    with pytest.raises(RescoreError, match=rf"mutant #{check_group.number} \(backends/dcp.py:"
+                       rf"{check_group.line}\) is not the one this checkout generates"):
+        rescored(saved, read_report(saved), "reference", targets, arguments)
+    del changed["executed_lines"]
+    saved.write_text(json.dumps(changed))
+    with pytest.raises(RescoreError, match="executed_lines: Field required"):
+        rescored(saved, read_report(saved), "reference", targets, arguments)
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("builder.py: [1]", "builder.py[0]: Input should be a valid dictionary"),
     ("nope.py: []", "'nope.py' is not a module in"),
@@ -481,6 +522,8 @@ def speccheck(*args: str) -> subprocess.CompletedProcess[str]:
     (["--max-mutants", "0"], "speccheck mutate: Invalid value for '--max-mutants'"),
     (["--status", "/nonexistent-dir"],
      "--status: /nonexistent-dir/reference.json: no "),
+    (["--rescore", "/nonexistent.json"], "--rescore: /nonexistent.json: cannot read it"),
+    (["--rescore", "README.md"], "--rescore: README.md: not JSON"),
 ])
 def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
     proc = speccheck("mutate", *args)

@@ -31,7 +31,11 @@ from speccheck.checks.cli.paths import output_path_problem
 from speccheck.checks.mutate.operators import Operator
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from speccheck.checks.mutate.coverage_run import CoverageRun
+    from speccheck.checks.mutate.equivalents import Key
+    from speccheck.checks.mutate.report import MutationReport
     from speccheck.checks.mutate.targets import TargetModule
 
 EXIT_GATE_BROKEN = 1
@@ -83,6 +87,7 @@ def mutate_command(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the --max-mutants sample.")] = 0,
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here ('-': stdout, and the summary goes to stderr).")] = None,  # noqa: UP045
     status: Annotated[Optional[Path], typer.Option("--status", help="Also put the score into this machine tier's record of the backend in this status folder (docs/status; `speccheck status` writes the record).", file_okay=False)] = None,  # noqa: UP045
+    rescore: Annotated[Optional[Path], typer.Option("--rescore", help="Run nothing: score this saved --json report again with the checkout's equivalence arguments (its code under test must be unchanged).", dir_okay=False)] = None,  # noqa: UP045
 ) -> None:
     """Mutate a backend's adapter (builder, refresh, attention call) and measure how many
     mutants `speccheck verify --backend NAME` kills at its defaults."""
@@ -100,13 +105,17 @@ def mutate_command(
     from speccheck.checks.mutate.coverage_run import run_unmutated
     from speccheck.checks.mutate.equivalents import EquivalentsError, load_equivalents
     from speccheck.checks.mutate.mutants import generate_mutants, sample_mutants
-    from speccheck.checks.mutate.report import MutationReport, render
+    from speccheck.checks.mutate.report import MutationReport
     from speccheck.checks.mutate.runner import MutantResult, RunSettings, run_mutants
 
     try:
         arguments = load_equivalents(targets)
     except EquivalentsError as exc:
         raise _fail(EXIT_BAD_INPUT, str(exc)) from None
+    if rescore is not None:
+        _finish(_rescored(rescore, backend, targets, arguments), status, tier, json_path,
+                rescored=True)
+        return
     generated = generate_mutants(targets, chosen_operators)
     chosen = sample_mutants(generated, max_mutants, seed)
     err = _stderr()
@@ -127,13 +136,39 @@ def mutate_command(
                            budget=budget, timeout=timeout, started=started,
                            unreached=unreached)
     results = run_mutants(chosen, settings, on_result=show)
+    from speccheck.checks.provenance import commit_under_test
+
     report = MutationReport(backend, examples, targets, [o.value for o in chosen_operators],
                             len(generated), results, coverage, time.monotonic() - started,
-                            arguments)
+                            arguments,
+                            _command(backend, modules or [], operators, max_mutants, seed,
+                                     examples),
+                            commit_under_test())
+    _finish(report, status, tier, json_path, rescored=False)
+
+
+def _rescored(path: Path, backend: str, targets: list[TargetModule],
+              arguments: Mapping[Key, str]) -> MutationReport:
+    """The saved report at ``path`` scored with ``arguments``; exit 2 with one line where
+    it cannot be (:mod:`~speccheck.checks.mutate.rescore`)."""
+    from speccheck.checks.mutate.rescore import RescoreError, read_report, rescored
+
+    try:
+        return rescored(path, read_report(path), backend, targets, arguments)
+    except RescoreError as exc:
+        raise _fail(EXIT_BAD_INPUT, f"--rescore: {exc}") from None
+
+
+def _finish(report: MutationReport, status: Path | None, tier: str | None,
+            json_path: str | None, *, rescored: bool) -> None:
+    """Write ``report`` into the status record (``--status``) and the JSON report
+    (``--json``), and show it."""
+    from speccheck.checks.mutate.report import render
+
+    err = _stderr()
     report_json = report.to_json()
     if status is not None and tier is not None:
-        _write_status(status, backend, tier, report_json,
-                      _command(backend, modules or [], operators, max_mutants, seed, examples))
+        _write_status(status, report.backend, tier, report_json, rescored=rescored)
     if json_path == STDOUT_PATH:
         sys.stdout.write(json.dumps(report_json, indent=2) + "\n")
         render(report, err)
@@ -180,18 +215,20 @@ def _status_tier(folder: Path, backend: str) -> str:
     return tier
 
 
-def _write_status(folder: Path, backend: str, tier: str, report: dict[str, Any],
-                  command: str) -> None:
+def _write_status(folder: Path, backend: str, tier: str, report: dict[str, Any], *,
+                  rescored: bool) -> None:
     """Put the run's :class:`~speccheck.checks.status.record.MutationRecord` into
-    ``tier``'s record of ``backend`` in ``folder`` (checked by :func:`_status_tier`)."""
+    ``tier``'s record of ``backend`` in ``folder`` (checked by :func:`_status_tier`); a
+    ``rescored`` report's record names the commit whose arguments scored it."""
     import datetime
 
     from speccheck.checks.provenance import commit_under_test
     from speccheck.checks.status.record import MutationRecord, write_mutation
 
     record = MutationRecord.from_report(
-        report, command=command, commit=commit_under_test(),
-        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"))
+        report, command=report["command"], commit=report["commit"],
+        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        scored_at=commit_under_test() if rescored else None)
     write_mutation(folder, backend, tier, record)
     _stderr().print(f"wrote the mutation score into {folder / (backend + '.json')} ({tier})",
                     markup=False)

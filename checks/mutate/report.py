@@ -56,6 +56,10 @@ class MutationReport:
     arguments: Mapping[Key, str] = field(default_factory=dict)
     """The equivalents files' arguments beside the targets (:func:`~speccheck.checks.mutate.
     equivalents.load_equivalents`)."""
+    command: str = ""
+    """The command that repeats the run (its sample, modules and operators)."""
+    commit: str = ""
+    """The commit the mutants were made from and run at."""
 
     def count(self, outcome: Outcome) -> int:
         return sum(result.outcome is outcome for result in self.results)
@@ -147,8 +151,13 @@ class MutationReport:
             "equivalence_heuristic": EQUIVALENCE_HEURISTIC,
             "never_executed": self.never_executed(),
             "mutants": [self._mutant_json(result) for result in self.results],
+            "executed_lines": {t.shown: sorted(self.coverage.executed.get(t.path, ()))
+                               for t in self.targets},
+            "processes": self.coverage.processes,
             "baseline_seconds": round(self.coverage.outcome.seconds, 1),
             "seconds": round(self.seconds, 1),
+            "command": self.command,
+            "commit": self.commit,
         }
 
     def _mutant_json(self, result: MutantResult) -> dict[str, Any]:

@@ -110,6 +110,9 @@ class MutationRecord(_Record):
     survivors: list[str]
     """``FILE:LINE OPERATOR (survivor class): - original / + mutated`` of each survivor."""
     seconds: float
+    scored_at: str | None = None
+    """The commit whose equivalence arguments scored the run, where it was scored again
+    later (``speccheck mutate --rescore``); ``None``: scored by the run itself."""
 
     @property
     def scored(self) -> int:
@@ -119,7 +122,7 @@ class MutationRecord(_Record):
 
     @classmethod
     def from_report(cls, report: dict[str, Any], *, command: str, commit: str,
-                    date: str) -> MutationRecord:
+                    date: str, scored_at: str | None = None) -> MutationRecord:
         """The record of a ``speccheck mutate --json`` report."""
         counts = report["counts"]
         valid = sum(counts.values()) - counts.get("not_run", 0) - counts.get("invalid", 0)
@@ -132,7 +135,7 @@ class MutationRecord(_Record):
                    score=report["score"], kills_by_kind=dict(report["kills_by_kind"]),
                    kills_by_role={role: dict(kinds) for role, kinds
                                   in report.get("kills_by_role", {}).items()},
-                   survivors=survivors, seconds=report["seconds"])
+                   survivors=survivors, seconds=report["seconds"], scored_at=scored_at)
 
 
 class Provenance(_Record):

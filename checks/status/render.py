@@ -137,8 +137,11 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
             argued = mutation.argued_equivalent
             scored = f"{mutation.killed} / {mutation.scored}" + (
                 f", {argued} argued equivalent" if argued else "")
+            commit = f"`{mutation.commit[:10]}`" + (
+                "" if mutation.scored_at is None
+                else f", scored with the arguments of `{mutation.scored_at[:10]}`")
             row = [f"`{name}`", tier, score, f"{scored} ({mutation.generated})", kinds,
-                   f"`{mutation.command}`", f"`{mutation.commit[:10]}`"]
+                   f"`{mutation.command}`", commit]
             lines.append(_table_row(row))
     failing = [(name, tier, record) for name, status in sorted(statuses.items())
                for tier, record in status.tiers.items() if record.verdict.value != "passed"]

@@ -1,0 +1,132 @@
+"""Scoring a saved run again: a ``speccheck mutate --json`` report read back with the
+equivalence arguments of the checkout (``equivalent_mutants.yaml`` grows after a run, as
+its survivors are read), so that adding an argument never needs the run repeated, and a
+record scored so says which commit's arguments scored it.
+
+The kills are the run's; only the survivors' classes and the score are computed again. A
+report is rescored only against the very mutants the checkout generates: every mutant it
+holds must be generated here with the same number, place and diff (otherwise the code under
+test changed, and the run says nothing about it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from speccheck.checks.mutate.coverage_run import CoverageRun
+from speccheck.checks.mutate.equivalents import Key
+from speccheck.checks.mutate.mutants import Mutant, generate_mutants
+from speccheck.checks.mutate.operators import Operator
+from speccheck.checks.mutate.report import MutationReport
+from speccheck.checks.mutate.runner import MutantResult, Outcome
+from speccheck.checks.mutate.shadow import VerifyOutcome
+from speccheck.checks.mutate.targets import TargetModule
+
+MAX_REPORT_BYTES = 64 << 20
+"""Largest saved report read (a full run of a few hundred mutants is well under 1 MiB)."""
+
+
+class RescoreError(ValueError):
+    """A saved report that cannot be rescored here (one line)."""
+
+
+class _SavedMutant(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    number: int
+    file: str
+    line: int
+    diff: dict[str, str]
+    outcome: Outcome
+    failed_checks: list[str]
+    named_fields: list[str]
+    seconds: float
+    detail: str
+
+
+class _SavedReport(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    backend: str
+    examples: int | None
+    targets: list[dict[str, str]]
+    operators: list[Operator]
+    generated: int
+    mutants: list[_SavedMutant]
+    executed_lines: dict[str, list[int]]
+    processes: int
+    baseline_seconds: float
+    seconds: float
+    command: str
+    commit: str
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; :class:`RescoreError` naming the file otherwise."""
+    try:
+        if path.stat().st_size > MAX_REPORT_BYTES:
+            raise RescoreError(f"{path}: larger than {MAX_REPORT_BYTES >> 20} MiB; not a "
+                               "mutation report")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise RescoreError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RescoreError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise RescoreError(f"{path}: not a mutation report (a JSON object)")
+    return data
+
+
+def rescored(
+    path: Path, data: Mapping[str, Any], backend: str, targets: list[TargetModule],
+    arguments: Mapping[Key, str],
+) -> MutationReport:
+    """The report saved in ``data`` (read from ``path``), scored with ``arguments``.
+
+    Raises :class:`RescoreError` where ``data`` is not a full report of ``backend`` over
+    ``targets`` (a report written before it kept ``executed_lines`` cannot be rescored),
+    or where a mutant it holds is not the one ``targets`` generate now."""
+    try:
+        saved = _SavedReport.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise RescoreError(f"{path}: {where}: {error['msg']} (a `speccheck mutate --json` "
+                           "report of this version is needed)") from None
+    if saved.backend != backend:
+        raise RescoreError(f"{path}: a report of {saved.backend!r}, not of {backend!r}")
+    files = sorted(target.shown for target in targets)
+    if sorted(t.get("file", "") for t in saved.targets) != files:
+        raise RescoreError(f"{path}: its modules are not {', '.join(files)} (give the run's "
+                           "--module options)")
+    generated = {m.number: m for m in generate_mutants(targets, saved.operators)}
+    if len(generated) != saved.generated:
+        raise RescoreError(f"{path}: the run generated {saved.generated} mutants, this "
+                           f"checkout {len(generated)}: the code under test changed; run "
+                           "speccheck mutate again")
+    results = [_result(path, m, generated.get(m.number)) for m in saved.mutants]
+    by_file = {target.shown: target.path for target in targets}
+    executed = {by_file[shown]: frozenset(lines) for shown, lines in saved.executed_lines.items()
+                if shown in by_file}
+    baseline = VerifyOutcome(0, None, saved.baseline_seconds, [])
+    return MutationReport(
+        backend, saved.examples, targets, [o.value for o in saved.operators], saved.generated,
+        results, CoverageRun(baseline, executed, saved.processes), saved.seconds, arguments,
+        command=saved.command, commit=saved.commit)
+
+
+def _result(path: Path, saved: _SavedMutant, mutant: Mutant | None) -> MutantResult:
+    same = (mutant is not None and mutant.target.shown == saved.file
+            and mutant.line == saved.line and mutant.original_line == saved.diff.get("-")
+            and mutant.mutated_line == saved.diff.get("+"))
+    if mutant is None or not same:
+        raise RescoreError(f"{path}: mutant #{saved.number} ({saved.file}:{saved.line}) is not "
+                           "the one this checkout generates: the code under test changed; "
+                           "run speccheck mutate again")
+    return MutantResult(mutant, saved.outcome, tuple(saved.failed_checks),
+                        tuple(saved.named_fields), saved.seconds, saved.detail)
