@@ -208,12 +208,11 @@ def search_all(
     ``len(coverage)`` examples (all, where the budget is smaller) are held back, and once
     the others ran, each shape none of the examples run so far had gets one of them, a
     search of its own strategy kept to examples it covers (shrunk within that shape like
-    any failure); examples held
-    back and not needed go to the main strategy."""
+    any failure); examples held back and not needed go to the main strategy."""
     report.examples_asked = budget.examples
-    known: list[frozenset[FailureKey]] = [frozenset()]
+    known: frozenset[FailureKey] = frozenset()
     covered: set[str] = set()
-    calls = [0]
+    calls = 0
 
     def seen(index: int, example: Example) -> None:
         covered.update(shape.name for shape in coverage if shape.covers(example))
@@ -222,17 +221,18 @@ def search_all(
     def rounds_until(drawn: st.SearchStrategy[Example], total: int) -> bool:
         """Rounds of ``drawn`` until ``total`` examples ran; ``False`` where a
         ``fail_fast`` failure ended the run."""
+        nonlocal known, calls
         while report.examples < total:
             left = total - report.examples
             found = search(
                 drawn, dataclasses.replace(
-                    budget, examples=left, seed=budget.seed + calls[0] * ROUND_SEED_STRIDE),
-                run_example, report, seen, known[0])
-            calls[0] += 1
+                    budget, examples=left, seed=budget.seed + calls * ROUND_SEED_STRIDE),
+                run_example, report, seen, known)
+            calls += 1
             if found is None:
                 return True
-            record(report, found.example, found.outcomes, found.found_at, known[0])
-            known[0] |= report.findings[-1].keys
+            record(report, found.example, found.outcomes, found.found_at, known)
+            known |= report.findings[-1].keys
             if budget.fail_fast:
                 if report.examples < budget.examples:
                     report.stopped_at = report.examples
