@@ -267,3 +267,19 @@ def test_an_entry_simulating_dcp_gets_a_dcp_cell_on_its_per_step_path() -> None:
     (dcp,) = [cell for cell in plan.cells("triton_mla") if cell.axis is CellAxis.DCP]
     assert plan.for_cell(dcp, 5).config_for("triton_mla").dcp_world_size == 2
     assert CellAxis.DCP not in _axes(plan_verification("sparse_swa").cells("sparse_swa"))
+
+
+@pytest.mark.parametrize("examples", [4, 10])
+def test_the_dcp_ranks_draw_holds_every_claimed_batch_class(examples: int) -> None:
+    """The examples drawn once for every DCP rank hold each claimed class too."""
+    from speccheck.checks.verify.dcp_ranks import draw_examples
+    from speccheck.checks.verify.engine import BackendVerifier
+
+    settings = plan_verification("reference", examples=examples).settings_for("reference")
+    limits = BackendVerifier(settings, torch.device("cpu")).limits
+    drawn = draw_examples(settings)
+    assert len(drawn) == examples
+    classes = limits(settings.steps[0]).batch_classes
+    assert len(classes) == 4
+    for shape in classes:
+        assert any(has_shape(shape, batch, limits(k)) for k, batch in drawn), shape
