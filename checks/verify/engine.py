@@ -52,7 +52,7 @@ from speccheck.checks.verify.harness import Harness, HarnessSet
 from speccheck.checks.verify.input_fit import ExampleDoesNotFit, check_fits
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KvShare, whole_cache_start
 from speccheck.checks.verify.latent_fields import LatentFields
-from speccheck.checks.verify.localise import localise_reference_divergence
+from speccheck.checks.verify.localise import FirstRunTokens, localise_reference_divergence
 from speccheck.checks.verify.refresh_probe import RefreshProbe, RefreshRaised
 from speccheck.checks.verify.report import BackendReport, FailureKey, misfit_line
 from speccheck.checks.verify.run import WorkerTask
@@ -210,6 +210,9 @@ class BackendVerifier:
         self.latent_fields = LatentFields()
         """The probe of fields that reach no output, on the run's first clean examples (one
         process only)."""
+        self._reference_divergence: tuple[Example, FirstRunTokens] | None = None
+        """The last example whose oracle parted from the fp32 reference, with both runs'
+        draft tokens: what the localiser's re-run is compared with."""
 
     # ------------------------------------------------------------ set-up
     @property
@@ -412,11 +415,14 @@ class BackendVerifier:
         outcomes += guard_bands(self.harnesses.guards)
         tokens, logits = reference.result()
         expected = DraftResult(tokens.cpu(), logits.cpu())
-        outcomes += compare_drafts(
+        versus = compare_drafts(
             expected, oracle, "oracle vs fp32 reference", self.reference_tol,
             token_check=Check.VS_FP32_REFERENCE, logit_check=Check.VS_FP32_REFERENCE,
         )
-        return ExampleRun(outcomes, derived_changes)
+        if any(o.result is Result.FAILED for o in versus):
+            self._reference_divergence = (example, FirstRunTokens(
+                oracle.draft_tokens.clone(), expected.draft_tokens.clone()))
+        return ExampleRun(outcomes + versus, derived_changes)
 
     # ------------------------------------------------------------ the run
     @property
@@ -483,6 +489,8 @@ class BackendVerifier:
         state (:func:`~speccheck.checks.verify.localise.localise_reference_divergence`)."""
         k, batch = example
         h = self.harnesses.harness(k)
+        divergence = self._reference_divergence
+        first_run = divergence[1] if divergence is not None and divergence[0] == example else None
         return localise_reference_divergence(
             h.spec, h.reference, batch, k, lambda: self.harnesses.start_state(h, example),
-            self.config.block_size, self.config.max_model_len, self.reference_tol)
+            self.config.block_size, self.config.max_model_len, self.reference_tol, first_run)

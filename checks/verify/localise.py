@@ -263,15 +263,24 @@ def localise(
             f"output differs (at draft step {step})")
 
 
+@dataclass(frozen=True)
+class FirstRunTokens:
+    """The draft tokens of the run whose oracle parted from the fp32 reference (host)."""
+
+    oracle: torch.Tensor
+    reference: torch.Tensor
+
+
 def localise_reference_divergence(
     spec: AutoregressiveSpeculator, reference: AutoregressiveSpeculator, batch: DraftBatch,
     k: int, start_state: Callable[[], KVSnapshot], block_size: int, max_model_len: int,
-    tol: float,
+    tol: float, first_run: FirstRunTokens | None = None,
 ) -> str:
     """Re-run ``batch`` (of ``k`` draft steps) on the oracle ``spec`` and the fp32
     ``reference`` from its start state and say where and why they part (:func:`localise`).
     ``start_state()`` puts ``spec`` in the example's start state and returns its KV
-    snapshot; it is called once per re-run."""
+    snapshot; it is called once per re-run. Where the re-runs agree, ``first_run`` (the
+    failing run's tokens) tells which side drafted otherwise the first time."""
     start = start_state()
     oracle = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
     reference.kv_cache.restore(start)
@@ -280,13 +289,29 @@ def localise_reference_divergence(
     if divergence is None:
         return ("not localised: re-run from the same start state, the oracle agrees with "
                 "the fp32 reference (the divergence depends on state the start state does "
-                "not set)")
+                f"not set){_which_run_changed(first_run, oracle, expected)}")
     slots = traced_slots(batch, *divergence, k, block_size, max_model_len)
     start = start_state()
     oracle_trace = trace_run(spec, batch, start, slots)
     reference_trace = trace_run(reference, batch, start, slots)
     return localise(batch, k, block_size, max_model_len, divergence, oracle_trace,
                     reference_trace, tol)
+
+
+def _which_run_changed(first_run: FirstRunTokens | None, oracle: DraftResult,
+                       expected: DraftResult) -> str:
+    """Which side's re-run drafted otherwise than its failing run: that side's first run
+    was the odd one."""
+    if first_run is None:
+        return ""
+    changed = [f"{name}'s ({int((then != now).sum())} of {now.numel()} tokens)"
+               for name, then, now in (("the oracle", first_run.oracle, oracle.draft_tokens),
+                                       ("the fp32 reference", first_run.reference,
+                                        expected.draft_tokens))
+               if then.shape != now.shape or bool((then != now).any())]
+    if not changed:
+        return "; each re-run drafted the tokens of its first run (they parted in the logits)"
+    return f"; the first run differs from the re-run in {' and '.join(changed)} draft tokens"
 
 
 def _differing_slots(
