@@ -130,9 +130,9 @@ def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
     block tables are a shuffled, disjoint draw from the live blocks: mixed widths (each
     request's drawn on its own), single-token decode (one new token each), uniform with
     padding (:attr:`BatchLimits.padded_counts` requests of one drawn width), or full
-    (``max_num_reqs`` requests of ``max_new_tokens`` each). Each request leaves the live
-    blocks the shortest later requests need (:func:`reserved_blocks`); a batch ends early
-    only where even those run out.
+    (``max_num_reqs`` requests of ``max_new_tokens`` each). Each request leaves every later
+    one the live blocks it needs with no context (:func:`reserved_blocks`, at the batch's
+    widest width); a batch ends early only where even those run out.
 
     Shrinks towards the first class, one request, short contexts, one new token, token 0,
     seed 0.
