@@ -34,7 +34,6 @@ fused candidate runs the fused loop with its in-place refresh eagerly, and the r
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -57,12 +56,8 @@ from speccheck.checks.verify.examples import (
 )
 from speccheck.checks.verify.rank_agreement import any_rank
 from speccheck.checks.verify.report import BackendReport, Failure
-from speccheck.checks.verify.strategies import (
-    draft_batches,
-    draw_values,
-    has_shape,
-    of_shape,
-)
+from speccheck.checks.verify.search import Coverage, draw_covering
+from speccheck.checks.verify.strategies import draft_batches, of_shape
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.contract.dcp import DcpRank
 from speccheck.contract.resolution import resolve_backend
@@ -134,20 +129,8 @@ def draw_examples(settings: VerifySettings) -> list[Example]:
         return st.sampled_from(settings.steps).flatmap(
             lambda k: st.tuples(st.just(k), draft_batches(of_shape(limits(k), shape))))
 
-    def covers(shape: BatchClass, example: Example) -> bool:
-        return has_shape(shape, example[1], limits(example[0]))
-
-    total = settings.examples
-    held_back = min(len(classes), total)
-    drawn = [] if held_back == total else draw_values(strategy(None), total - held_back,
-                                                      settings.seed)
-    for shape in classes:
-        if len(drawn) < total and not any(covers(shape, example) for example in drawn):
-            drawn += draw_values(strategy(shape).filter(functools.partial(covers, shape)), 1,
-                                 settings.seed)
-    if len(drawn) < total:
-        drawn += draw_values(strategy(None), total - len(drawn), settings.seed + 1)
-    return drawn
+    coverage = [Coverage(shape, limits, strategy(shape)) for shape in classes]
+    return draw_covering(strategy(None), coverage, settings.examples, settings.seed)
 
 
 def verify_dcp(

@@ -19,7 +19,6 @@ of its own: an illegal memory access breaks a CUDA context for good.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import warnings
 from collections.abc import Callable
@@ -76,7 +75,6 @@ from speccheck.checks.verify.strategies import (
     derived_step_changes,
     draft_batches,
     draft_step_counts,
-    has_shape,
     of_shape,
 )
 from speccheck.checks.verify.vocabulary import Candidate, Check, Result, Tier
@@ -449,14 +447,7 @@ class BackendVerifier:
         """The batch classes every run includes: those the entry's CUDA-graph claim covers
         (:attr:`BatchLimits.batch_classes`)."""
         classes = self.limits(self.settings.steps[0]).batch_classes
-        return [Coverage(shape.value,
-                         functools.partial(self._has_shape, shape),
-                         self.example_strategy(shape))
-                for shape in classes]
-
-    def _has_shape(self, shape: BatchClass, example: Example) -> bool:
-        k, batch = example
-        return has_shape(shape, batch, self.limits(k))
+        return [Coverage(shape, self.limits, self.example_strategy(shape)) for shape in classes]
 
     def run(self, report: BackendReport, on_example: Callable[[int, Example], None]) -> None:
         """Draw ``settings.examples`` examples; shrink each failure (within

@@ -26,7 +26,13 @@ from speccheck.checks.verify.report import (
     Finding,
     failure_key,
 )
-from speccheck.checks.verify.strategies import target_derived_changes
+from speccheck.checks.verify.cells import BatchClass
+from speccheck.checks.verify.strategies import (
+    BatchLimits,
+    draw_values,
+    has_shape,
+    target_derived_changes,
+)
 from speccheck.checks.verify.vocabulary import Check, Result, Status
 
 ROUND_SEED_STRIDE = 2**32
@@ -184,12 +190,41 @@ record_failure>`)."""
 
 @dataclass(frozen=True)
 class Coverage:
-    """A shape every run must include (a claimed batch class): whether an example has it,
-    and a strategy that draws only such examples."""
+    """A claimed batch class every run must include: ``strategy`` draws examples from that
+    class (a K and a batch), and ``limits_for(k)`` gives the limits an example of ``k``
+    draft steps is judged in."""
 
-    name: str
-    covers: Callable[[Example], bool]
+    shape: BatchClass
+    limits_for: Callable[[int], BatchLimits]
     strategy: st.SearchStrategy[Example]
+
+    def covers(self, example: Example) -> bool:
+        """Whether ``example``'s batch is of the class (:func:`~speccheck.checks.verify.
+        strategies.has_shape`)."""
+        k, batch = example
+        return has_shape(self.shape, batch, self.limits_for(k))
+
+    @property
+    def examples(self) -> st.SearchStrategy[Example]:
+        """:attr:`strategy` kept to examples the class covers (a draw of the mixed class can
+        give requests of one width)."""
+        return self.strategy.filter(self.covers)
+
+
+def draw_covering(strategy: st.SearchStrategy[Example], coverage: Sequence[Coverage],
+                  total: int, seed_value: int) -> list[Example]:
+    """``total`` examples drawn once (generation only, :func:`~speccheck.checks.verify.
+    strategies.draw_values`, deterministic in ``seed_value``) under :func:`search_all`'s
+    rule: one example per ``coverage`` class is held back and goes to a class none of the
+    others had, the rest to ``strategy``."""
+    held_back = min(len(coverage), total)
+    drawn = [] if held_back == total else draw_values(strategy, total - held_back, seed_value)
+    for shape in coverage:
+        if len(drawn) < total and not any(shape.covers(example) for example in drawn):
+            drawn += draw_values(shape.examples, 1, seed_value)
+    if len(drawn) < total:
+        drawn += draw_values(strategy, total - len(drawn), seed_value + 1)
+    return drawn
 
 
 def search_all(
@@ -211,11 +246,11 @@ def search_all(
     any failure); examples held back and not needed go to the main strategy."""
     report.examples_asked = budget.examples
     known: frozenset[FailureKey] = frozenset()
-    covered: set[str] = set()
+    covered: set[BatchClass] = set()
     calls = 0
 
     def seen(index: int, example: Example) -> None:
-        covered.update(shape.name for shape in coverage if shape.covers(example))
+        covered.update(shape.shape for shape in coverage if shape.covers(example))
         on_example(index, example)
 
     def rounds_until(drawn: st.SearchStrategy[Example], total: int) -> bool:
@@ -243,8 +278,8 @@ def search_all(
     if not rounds_until(strategy, budget.examples - held_back):
         return
     for shape in coverage:
-        if shape.name not in covered and report.examples < budget.examples:
-            if not rounds_until(shape.strategy.filter(shape.covers), report.examples + 1):
+        if shape.shape not in covered and report.examples < budget.examples:
+            if not rounds_until(shape.examples, report.examples + 1):
                 return
     rounds_until(strategy, budget.examples)
 
