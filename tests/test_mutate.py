@@ -533,6 +533,16 @@ def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
     assert line.startswith(message), line
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_given_to_rescore_is_refused_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "run.json"
+    os.mkfifo(fifo)
+    proc = speccheck("mutate", "--rescore", str(fifo))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line == f"--rescore: {fifo}: cannot read it: it is a FIFO, not a regular file"
+
+
 def test_a_bad_equivalents_file_beside_a_module_exits_2_with_one_line(tmp_path: Path) -> None:
     package = tmp_path / "adapter"
     package.mkdir()

@@ -26,6 +26,7 @@ from speccheck.checks.mutate.report import MutationReport
 from speccheck.checks.mutate.runner import MutantResult, Outcome
 from speccheck.checks.mutate.shadow import VerifyOutcome
 from speccheck.checks.mutate.targets import TargetModule
+from speccheck.contract.bounded_read import UnreadableFile, read_regular_file
 
 MAX_REPORT_BYTES = 64 << 20
 """Largest saved report read (a full run of a few hundred mutants is well under 1 MiB)."""
@@ -67,14 +68,18 @@ class _SavedReport(BaseModel):
 
 
 def read_report(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; :class:`RescoreError` naming the file otherwise."""
+    """The JSON object in ``path`` (a regular file, read no further than
+    :data:`MAX_REPORT_BYTES`: a FIFO is refused, never waited on); :class:`RescoreError`
+    naming the file otherwise."""
     try:
-        if path.stat().st_size > MAX_REPORT_BYTES:
-            raise RescoreError(f"{path}: larger than {MAX_REPORT_BYTES >> 20} MiB; not a "
-                               "mutation report")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise RescoreError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+        raw = read_regular_file(path, MAX_REPORT_BYTES)
+    except UnreadableFile as exc:
+        raise RescoreError(f"{path}: cannot read it: {exc}") from None
+    if len(raw) > MAX_REPORT_BYTES:
+        raise RescoreError(f"{path}: larger than {MAX_REPORT_BYTES >> 20} MiB; not a "
+                           "mutation report")
+    try:
+        data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RescoreError(f"{path}: not JSON ({exc})") from None
     if not isinstance(data, dict):
