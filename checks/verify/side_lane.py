@@ -28,6 +28,14 @@ import torch
 
 T = TypeVar("T")
 
+SIDE_STREAM_PRIORITY = -1
+"""The side stream's priority. ``torch.cuda.Stream()`` hands default-priority streams out
+round-robin from a small per-device pool, so a default-priority side stream can be a stream
+the speculator under test warmed its CUDA graphs up on; memory that PyTorch keys by stream
+(the caching allocator's blocks, cuBLAS workspaces) would then be shared between the
+reference's work and what the graphs hold. A high-priority stream comes from another pool,
+which nothing else in the verifier draws from."""
+
 
 class SideRun(Generic[T]):
     """One submitted piece of work: queued on the side stream (``done`` is recorded after
@@ -59,8 +67,8 @@ class SideRun(Generic[T]):
 
 
 class SideLane:
-    """Queues work on a CUDA stream of its own (created on first use and kept), or defers it
-    where the device is not CUDA."""
+    """Queues work on a CUDA stream of its own (high-priority, :data:`SIDE_STREAM_PRIORITY`;
+    created on first use and kept), or defers it where the device is not CUDA."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -70,7 +78,7 @@ class SideLane:
         if self.device.type != "cuda":
             return SideRun(work=work)
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream = torch.cuda.Stream(self.device, priority=SIDE_STREAM_PRIORITY)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             value = work()
