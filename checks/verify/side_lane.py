@@ -29,12 +29,13 @@ import torch
 T = TypeVar("T")
 
 SIDE_STREAM_PRIORITY = -1
-"""The side stream's priority. ``torch.cuda.Stream()`` hands default-priority streams out
-round-robin from a small per-device pool, so a default-priority side stream can be a stream
-the speculator under test warmed its CUDA graphs up on; memory that PyTorch keys by stream
-(the caching allocator's blocks, cuBLAS workspaces) would then be shared between the
-reference's work and what the graphs hold. A high-priority stream comes from another pool,
-which nothing else in the verifier draws from."""
+"""The side stream's priority: a high one, drawn from PyTorch's pool of high-priority
+streams, which nothing else in the verifier or the speculator draws from.
+``torch.cuda.Stream()`` hands default-priority streams out round-robin from a small
+per-device pool that the speculator's graph warm-ups draw from, and the caching allocator
+keys its free blocks by stream: a side stream from that pool would share them with the
+warm-ups, and with any memory a captured graph still writes after it was freed (a step
+recorder that replaced its buffers once did: ``tests/test_step_recorder.py``)."""
 
 
 class SideRun(Generic[T]):

@@ -4,9 +4,16 @@ Installed as a speculator's ``step_observer``, which the speculator calls right 
 draft step's forward, with the metadata that step runs with.
 
 Tensors: each call copies them into buffers the recorder owns, keyed by (lanes, step,
-path), with ``copy_``: capture-safe, so inside a captured fused body the copies are recorded
-into the graph and every replay refreshes the snapshots. Buffers are allocated on first
-sight (eagerly, or in the warm-up that precedes a capture), never during a capture.
+path, shape, dtype), with ``copy_``: capture-safe, so inside a captured fused body the copies
+are recorded into the graph and every replay refreshes the snapshots. Buffers are allocated
+on first sight (eagerly, or in the warm-up that precedes a capture), never during a capture,
+and never freed: a captured graph writes into the buffers it was captured with on every
+replay, so a buffer dropped for a field of another shape under the same key (padded first
+passes of 32 requests of 2 tokens and of 64 of 1 both run 64 lanes) would be memory the
+allocator hands to someone else while replays still write it. :meth:`StepMetadataRecorder.
+collect` reads, per (step, path), the buffer of the shape last observed over those lanes:
+the oracle's eager run of the example, which precedes its candidates' replays of the same
+geometry.
 
 Host values (:func:`~speccheck.checks.probes.state_walk.walk_host_values`) cannot be
 recorded into a graph: a replay runs no Python, and the kernels it replays were launched,
@@ -105,8 +112,10 @@ class StepMetadataRecorder:
 
     def __init__(self, groups: Sequence[AttentionGroup]) -> None:
         self.groups = list(groups)
-        self._buffers: dict[tuple[int, int, str], torch.Tensor] = {}
-        self._seen: dict[int, dict[tuple[int, str], None]] = {}
+        self._buffers: dict[tuple[int, int, str, torch.Size, torch.dtype], torch.Tensor] = {}
+        """Every snapshot buffer ever allocated (none is freed: see the module docstring)."""
+        self._seen: dict[int, dict[tuple[int, str], tuple[torch.Size, torch.dtype]]] = {}
+        """Per lane count, each (step, path) observed and the shape and dtype it last had."""
         self._host: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         """Host values last observed outside a capture, per (lanes, step)."""
         self._captured_host: dict[tuple[int, int], dict[str, np.ndarray]] = {}
@@ -117,7 +126,8 @@ class StepMetadataRecorder:
         """The group metadata of the latest observed step."""
         self._plans: dict[int, tuple[list[tuple[int, str]], HostCopyPlan]] = {}
         """Per lane count, the snapshot keys in step order and the plan that reads their
-        buffers back; dropped when a buffer of that lane count is added or replaced."""
+        buffers back; dropped when a (step, path) of that lane count is first observed or
+        observed with another shape or dtype."""
         self._latest: tuple[dict[str, torch.Tensor], dict[str, np.ndarray]] = ({}, {})
         """The buffers and host values of the step last observed outside a capture."""
         self.storage_of: dict[str, int] = {}
@@ -138,22 +148,22 @@ class StepMetadataRecorder:
         if host_source is not group_metadata:
             host = reachable_state(self.groups, host_source)[1]
         targets = []
+        seen = self._seen.setdefault(lanes, {})
         for path, tensor in tensors.items():
-            key = (lanes, step, path)
+            signature = (tensor.shape, tensor.dtype)
+            key = (lanes, step, path, *signature)
             buf = self._buffers.get(key)
-            if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+            if buf is None:
                 if in_capture:
                     raise RuntimeError(
                         f"snapshot buffer for {path} (step {step}) first seen during capture"
                     )
                 buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
                 self._buffers[key] = buf
-                self._plans.pop(lanes, None)
             targets.append(buf)
             self.storage_of[path] = tensor.untyped_storage().data_ptr()
-            seen = self._seen.setdefault(lanes, {})
-            if (step, path) not in seen:
-                seen[(step, path)] = None
+            if seen.get((step, path)) != signature:
+                seen[(step, path)] = signature
                 self._plans.pop(lanes, None)
         if targets:
             # one multi-tensor copy, not a launch per field (capturable: device copies only)
@@ -180,8 +190,10 @@ class StepMetadataRecorder:
         replay). Ends the run: the next ``collect`` reports only what is observed after
         this one."""
         if lanes not in self._plans:
-            keys = sorted(self._seen.get(lanes, {}), key=lambda key: key[0])
-            buffers = [self._buffers[(lanes, step, path)] for step, path in keys]
+            seen = self._seen.get(lanes, {})
+            keys = sorted(seen, key=lambda key: key[0])
+            buffers = [self._buffers[(lanes, step, path, *seen[step, path])]
+                       for step, path in keys]
             self._plans[lanes] = (keys, HostCopyPlan(buffers))
         keys, plan = self._plans[lanes]
         copies = plan.copies()
