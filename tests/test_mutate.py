@@ -34,7 +34,12 @@ from speccheck.checks.mutate.mutants import (
 )
 from speccheck.checks.mutate.operators import OPERATORS, Operator, apply_edit
 from speccheck.checks.mutate.report import MutationReport, SurvivorClass, summary_line
-from speccheck.checks.mutate.rescore import RescoreError, read_report, rescored
+from speccheck.checks.mutate.rescore import (
+    RescoreError,
+    arguments_changed,
+    read_report,
+    rescored,
+)
 from speccheck.checks.mutate.runner import (
     UNREACHED_DETAIL,
     KillKind,
@@ -377,6 +382,11 @@ def test_a_saved_run_is_rescored_with_the_arguments_of_the_checkout(
     saved.write_text(json.dumps(run.to_json()))
     again = rescored(saved, read_report(saved), "reference", targets, arguments)
     assert again.score == 1.0 and again.argued_survivors == 1
+    assert arguments_changed(read_report(saved), again)  # the record names who scored it
+    saved_again = tmp_path / "again.json"
+    saved_again.write_text(json.dumps(again.to_json()))
+    same = rescored(saved_again, read_report(saved_again), "reference", targets, arguments)
+    assert not arguments_changed(read_report(saved_again), same)  # scored as the run was
     assert again.to_json()["kills_by_kind"] == run.to_json()["kills_by_kind"]
     assert (again.command, again.commit, again.coverage.processes) == (
         run.command, "abc123", 2)

@@ -113,8 +113,8 @@ def mutate_command(
     except EquivalentsError as exc:
         raise _fail(EXIT_BAD_INPUT, str(exc)) from None
     if rescore is not None:
-        _finish(_rescored(rescore, backend, targets, arguments), status, tier, json_path,
-                rescored=True)
+        report, changed = _rescored(rescore, backend, targets, arguments)
+        _finish(report, status, tier, json_path, rescored=changed)
         return
     generated = generate_mutants(targets, chosen_operators)
     chosen = sample_mutants(generated, max_mutants, seed)
@@ -148,15 +148,23 @@ def mutate_command(
 
 
 def _rescored(path: Path, backend: str, targets: list[TargetModule],
-              arguments: Mapping[Key, str]) -> MutationReport:
-    """The saved report at ``path`` scored with ``arguments``; exit 2 with one line where
-    it cannot be (:mod:`~speccheck.checks.mutate.rescore`)."""
-    from speccheck.checks.mutate.rescore import RescoreError, read_report, rescored
+              arguments: Mapping[Key, str]) -> tuple[MutationReport, bool]:
+    """The saved report at ``path`` scored with ``arguments``, and whether they argue any
+    mutant otherwise than the run did; exit 2 with one line where it cannot be scored
+    (:mod:`~speccheck.checks.mutate.rescore`)."""
+    from speccheck.checks.mutate.rescore import (
+        RescoreError,
+        arguments_changed,
+        read_report,
+        rescored,
+    )
 
     try:
-        return rescored(path, read_report(path), backend, targets, arguments)
+        data = read_report(path)
+        report = rescored(path, data, backend, targets, arguments)
     except RescoreError as exc:
         raise _fail(EXIT_BAD_INPUT, f"--rescore: {exc}") from None
+    return report, arguments_changed(data, report)
 
 
 def _finish(report: MutationReport, status: Path | None, tier: str | None,
@@ -219,7 +227,8 @@ def _write_status(folder: Path, backend: str, tier: str, report: dict[str, Any],
                   rescored: bool) -> None:
     """Put the run's :class:`~speccheck.checks.status.record.MutationRecord` into
     ``tier``'s record of ``backend`` in ``folder`` (checked by :func:`_status_tier`); a
-    ``rescored`` report's record names the commit whose arguments scored it."""
+    ``rescored`` report (one the checkout's arguments score otherwise than its run did)
+    names the commit whose arguments scored it."""
     import datetime
 
     from speccheck.checks.provenance import commit_under_test

@@ -135,3 +135,11 @@ def _result(path: Path, saved: _SavedMutant, mutant: Mutant | None) -> MutantRes
                            "run speccheck mutate again")
     return MutantResult(mutant, saved.outcome, tuple(saved.failed_checks),
                         tuple(saved.named_fields), saved.seconds, saved.detail)
+
+
+def arguments_changed(data: Mapping[str, Any], report: MutationReport) -> bool:
+    """Whether ``report``, rescored from the saved ``data``, argues any mutant equivalent
+    otherwise than the saved run did (a record then names the commit that scored it)."""
+    saved = {m.get("number"): m.get("argument") for m in data.get("mutants", [])
+             if isinstance(m, Mapping)}
+    return any(saved.get(r.mutant.number) != report.argument(r) for r in report.results)

@@ -112,7 +112,8 @@ class MutationRecord(_Record):
     seconds: float
     scored_at: str | None = None
     """The commit whose equivalence arguments scored the run, where it was scored again
-    later (``speccheck mutate --rescore``); ``None``: scored by the run itself."""
+    later (``speccheck mutate --rescore``) with arguments that differ from the run's own;
+    ``None``: scored as the run itself scored it."""
 
     @property
     def scored(self) -> int:
