@@ -459,8 +459,9 @@ def test_a_rebuilding_refresh_must_zero_its_tails(tmp_path: Path) -> None:
     assert runs["zeroed"][1].returncode == 0, outputs["zeroed"]
     assert reports["zeroed"]["checks"]["zero_tails"]["passed"] > 0
     assert runs["unzeroed"][1].returncode == 1, outputs["unzeroed"]
-    failed = {f["check"] for f in reports["unzeroed"]["failures"]}
+    failed = {f["check"]: f for f in reports["unzeroed"]["failures"]}
     assert "zero_tails" in failed, outputs["unzeroed"]
+    assert failed["zero_tails"]["field"] == "rebuilding.buffers['slots']"  # names its buffer
 
 
 # --- 6. capture (CUDA) ------------------------------------------------------------------

@@ -33,7 +33,12 @@ from speccheck.checks.mutate.mutants import (
     unbound_names,
 )
 from speccheck.checks.mutate.operators import OPERATORS, Operator, apply_edit
-from speccheck.checks.mutate.report import MutationReport, SurvivorClass, summary_line
+from speccheck.checks.mutate.report import (
+    MutationReport,
+    SurvivorClass,
+    metadata_kills_line,
+    summary_line,
+)
 from speccheck.checks.mutate.rescore import (
     RescoreError,
     arguments_changed,
@@ -289,6 +294,10 @@ def test_a_run_shadows_the_installed_package_in_verify_workers_and_reports_each_
     assert set(payload["kills_by_kind"]) == {kind.value for kind in KillKind}
     assert payload["kills_by_role"]["builder"]["named_field_check"] == 1
     assert sum(payload["kills_by_role"]["helper"].values()) == 0  # attention.py
+    # ReferenceMetadataBuilder.build ran it; the survivor's line ran in the impl's forward
+    assert payload["kills_by_phase"]["metadata"]["named_field_check"] == 1
+    assert [m["phase"] for m in payload["mutants"]] == ["metadata", "attention"]
+    assert "named field 1 of 1 metadata-code kills" in (metadata_kills_line(report) or "")
     entry = payload["mutants"][1]
     assert (entry["file"], entry["line"], entry["outcome"], entry["survivor"], entry["executed"]) \
         == ("backends/reference/attention.py", survivor.line, "survived",
@@ -512,8 +521,36 @@ def test_the_line_tracer_records_every_process_it_reaches(tmp_path: Path) -> Non
     subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=tmp_path, timeout=60)
     recorded = [json.loads(p.read_text()) for p in sorted(records.glob("*.json"))]
     assert len(recorded) == 2
-    lines = sorted(tuple(r[str(traced)]) for r in recorded)
+    lines = sorted(tuple(r[str(traced)]["other"]) for r in recorded)
     assert lines == sorted([(1, 2, 3, 6), (1, 6, 7)])
+
+
+def test_the_line_tracer_tells_metadata_code_from_attention_code(tmp_path: Path) -> None:
+    """A helper's line is metadata code when a builder's method called it, attention code
+    when an impl's did (the innermost of them on the stack), other code otherwise."""
+    (tmp_path / "sitecustomize.py").write_text(Path(line_tracer.__file__).read_text())
+    traced = tmp_path / "traced.py"
+    traced.write_text(
+        "def helper():\n"
+        "    return 1\n"
+        "class AttentionMetadataBuilder:\n"
+        "    def build(self, impl):\n"
+        "        return helper() + impl.forward()\n"
+        "class AttentionImpl:\n"
+        "    def forward(self):\n"
+        "        return helper()\n"
+        "class MyBuilder(AttentionMetadataBuilder):\n"
+        "    pass\n")
+    records = tmp_path / "records"
+    records.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), line_tracer.TRACE_DIR_ENV: str(records),
+           line_tracer.TRACE_FILES_ENV: str(traced)}
+    script = "import traced; traced.helper(); traced.MyBuilder().build(traced.AttentionImpl())"
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=tmp_path, timeout=60)
+    (record,) = [json.loads(p.read_text()) for p in records.glob("*.json")]
+    phases = record[str(traced)]
+    assert (phases["metadata"], phases["attention"]) == ([2, 5], [2, 8])
+    assert 2 in phases["other"] and 5 not in phases["other"]  # the module ran the rest
 
 
 def speccheck(*args: str) -> subprocess.CompletedProcess[str]:

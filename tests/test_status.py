@@ -255,6 +255,14 @@ def test_a_mutation_score_joins_its_tier_record_and_survives_a_rewrite(tmp_path:
     write_mutation(tmp_path, "reference", "cpu", by_role)
     page = render_status_readme(read_statuses(tmp_path))
     assert "crash 9; named field 4 of 6 builder/refresh kills |" in page
+    by_phase = MutationRecord.from_report(
+        {**MUTATE_REPORT, "kills_by_role": {"builder": kinds},
+         "kills_by_phase": {"metadata": {"named_field_check": 3, "crash": 1},
+                            "attention": {"crash": 8}}},
+        command="speccheck mutate", commit="abc", date="2026-12-05")
+    write_mutation(tmp_path, "reference", "cpu", by_phase)
+    page = render_status_readme(read_statuses(tmp_path))
+    assert "crash 9; named field 3 of 4 metadata-code kills |" in page  # phases, not modules
 
 
 def test_a_row_that_raises_is_an_error_row_not_a_traceback(

@@ -9,13 +9,14 @@ the copy's paths only if the workers imported the copy."""
 from __future__ import annotations
 
 import ast
+import enum
 import functools
 import json
 import os
 import shutil
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from speccheck.checks.mutate import line_tracer
@@ -27,6 +28,18 @@ TRACER_FOLDER = "line-tracer"
 """The folder, beside the shadow copies, holding the tracer as ``sitecustomize.py``."""
 
 
+class CodePhase(enum.StrEnum):
+    """What the adapter was doing when a line ran (:func:`~speccheck.checks.mutate.
+    line_tracer.phase_of`), in the order a line's phases are judged."""
+
+    METADATA = "metadata"
+    """Under a metadata builder's method: a mutant there changes a field a check can name."""
+    ATTENTION = "attention"
+    """Under an attention impl's method: a mutant there changes only what attention
+    computes, which outputs show and no field check can name."""
+    OTHER = line_tracer.OTHER_PHASE
+
+
 @dataclass(frozen=True)
 class CoverageRun:
     """What the unmutated run executed."""
@@ -36,6 +49,19 @@ class CoverageRun:
     """Lines executed in each target module (by its original path)."""
     processes: int
     """How many processes recorded lines (the command and its workers)."""
+    phases: dict[Path, dict[CodePhase, frozenset[int]]] = field(default_factory=dict)
+    """The lines of each target module executed in each :class:`CodePhase` (empty for a run
+    recorded before phases were kept)."""
+
+    def phase(self, target: TargetModule, first: int, last: int) -> CodePhase | None:
+        """The phase of lines ``first`` to ``last`` of ``target``: metadata where any ran
+        building or refreshing metadata, else attention where any ran in an attention impl,
+        else other where any ran; ``None`` where none ran (or no phases were recorded)."""
+        lines = self.phases.get(target.path, {})
+        for phase in CodePhase:
+            if any(line in lines.get(phase, ()) for line in range(first, last + 1)):
+                return phase
+        return None
 
     def ran(self, target: TargetModule, first: int, last: int) -> bool:
         """Whether any line from ``first`` to ``last`` of ``target`` was executed."""
@@ -92,13 +118,17 @@ def run_unmutated(
         }
         outcome = run_verify(root, backend, examples=examples, timeout=timeout,
                              fail_fast=False, extra_env=env)
-        executed: dict[Path, set[int]] = {}
+        phases: dict[Path, dict[CodePhase, set[int]]] = {}
         files = sorted(records.glob("*.json"))
         for record in files:
-            for path, lines in json.loads(record.read_text(encoding="utf-8")).items():
+            for path, by_phase in json.loads(record.read_text(encoding="utf-8")).items():
                 if Path(path) in copies:
-                    executed.setdefault(copies[Path(path)], set()).update(lines)
-        return CoverageRun(outcome, {p: frozenset(s) for p, s in executed.items()}, len(files))
+                    mine = phases.setdefault(copies[Path(path)], {})
+                    for phase, lines in by_phase.items():
+                        mine.setdefault(CodePhase(phase), set()).update(lines)
+        return CoverageRun(
+            outcome, {p: frozenset().union(*by.values()) for p, by in phases.items()},
+            len(files), {p: {ph: frozenset(s) for ph, s in by.items()} for p, by in phases.items()})
 
 
 def never_executed(target: TargetModule, run: CoverageRun) -> list[tuple[int, int]]:

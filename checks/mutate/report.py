@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from speccheck.checks.mutate.coverage_run import CoverageRun, never_executed
+from speccheck.checks.mutate.coverage_run import CodePhase, CoverageRun, never_executed
 from speccheck.checks.mutate.equivalents import Key, argument_for
 from speccheck.checks.mutate.runner import KillKind, MutantResult, Outcome
 from speccheck.checks.mutate.targets import Role, TargetModule
@@ -110,6 +110,21 @@ class MutationReport:
         roles = dict.fromkeys(target.role for target in self.targets)
         return {role: {kind: kinds[role, kind] for kind in KillKind} for role in roles}
 
+    def phase(self, result: MutantResult) -> CodePhase | None:
+        """The phase of the code ``result``'s mutant changed, as the unmutated run ran it
+        (:meth:`~speccheck.checks.mutate.coverage_run.CoverageRun.phase`)."""
+        mutant = result.mutant
+        return self.coverage.phase(mutant.target, mutant.line, mutant.end_line)
+
+    def kills_by_phase(self) -> dict[CodePhase, dict[KillKind, int]]:
+        """:meth:`kills_by_kind` per phase of the mutated code (only a metadata line's
+        mutant changes a field a check can name); empty where the run kept no phases."""
+        if not self.coverage.phases:
+            return {}
+        kinds = Counter((self.phase(r), r.kill_kind) for r in self.results
+                        if r.kill_kind is not None)
+        return {phase: {kind: kinds[phase, kind] for kind in KillKind} for phase in CodePhase}
+
     def survivor_class(self, result: MutantResult) -> SurvivorClass:
         mutant = result.mutant
         if self.argument(result) is not None:
@@ -146,6 +161,8 @@ class MutationReport:
             "kills_by_kind": {kind.value: n for kind, n in self.kills_by_kind().items()},
             "kills_by_role": {role.value: {kind.value: n for kind, n in kinds.items()}
                               for role, kinds in self.kills_by_role().items()},
+            "kills_by_phase": {phase.value: {kind.value: n for kind, n in kinds.items()}
+                               for phase, kinds in self.kills_by_phase().items()},
             "argued_equivalent": self.argued_survivors,
             "refuted_equivalence": [r.mutant.location for r in self.refuted()],
             "equivalence_heuristic": EQUIVALENCE_HEURISTIC,
@@ -153,6 +170,9 @@ class MutationReport:
             "mutants": [self._mutant_json(result) for result in self.results],
             "executed_lines": {t.shown: sorted(self.coverage.executed.get(t.path, ()))
                                for t in self.targets},
+            "executed_phases": {t.shown: {phase.value: sorted(lines) for phase, lines
+                                          in self.coverage.phases.get(t.path, {}).items()}
+                                for t in self.targets if t.path in self.coverage.phases},
             "processes": self.coverage.processes,
             "baseline_seconds": round(self.coverage.outcome.seconds, 1),
             "seconds": round(self.seconds, 1),
@@ -178,9 +198,25 @@ class MutationReport:
                          if result.outcome is Outcome.SURVIVED else None),
             "argument": self.argument(result),
             "executed": self.coverage.ran(mutant.target, mutant.line, mutant.end_line),
+            "phase": None if (phase := self.phase(result)) is None else phase.value,
             "seconds": round(result.seconds, 1),
             "detail": result.detail,
         }
+
+
+def metadata_kills_line(report: MutationReport) -> str | None:
+    """``named field N of M metadata-code kills (...)``: how many kills of mutants of code
+    that built or refreshed metadata a field check named; ``None`` without phases."""
+    kinds = report.kills_by_phase().get(CodePhase.METADATA)
+    if kinds is None:
+        return None
+    total = sum(kinds.values())
+    others = ", ".join(f"{kind.value} {n}" for kind, n in kinds.items()
+                       if n and kind is not KillKind.NAMED_FIELD)
+    attention = sum(report.kills_by_phase()[CodePhase.ATTENTION].values())
+    return (f"named field {kinds[KillKind.NAMED_FIELD]} of {total} metadata-code kills"
+            + (f" ({others})" if others else "")
+            + f"; {attention} kills of attention code (outputs only: no field to name)")
 
 
 def summary_line(report: MutationReport) -> str:
@@ -195,6 +231,9 @@ def summary_line(report: MutationReport) -> str:
 def render(report: MutationReport, console: Console) -> None:
     """The report for people: tables on a terminal, plain lines otherwise."""
     kinds = ", ".join(f"{kind.value} {n}" for kind, n in report.kills_by_kind().items())
+    metadata = metadata_kills_line(report)
+    if metadata is not None:
+        kinds += f"; {metadata}"
     survivors = report.survivors()
     missed = report.never_executed()
     if not console.is_terminal:

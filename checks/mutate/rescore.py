@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from speccheck.checks.mutate.coverage_run import CoverageRun
+from speccheck.checks.mutate.coverage_run import CodePhase, CoverageRun
 from speccheck.checks.mutate.equivalents import Key
 from speccheck.checks.mutate.mutants import Mutant, generate_mutants
 from speccheck.checks.mutate.operators import Operator
@@ -60,6 +60,7 @@ class _SavedReport(BaseModel):
     generated: int
     mutants: list[_SavedMutant]
     executed_lines: dict[str, list[int]]
+    executed_phases: dict[str, dict[CodePhase, list[int]]] = {}
     processes: int
     baseline_seconds: float
     seconds: float
@@ -118,11 +119,13 @@ def rescored(
     by_file = {target.shown: target.path for target in targets}
     executed = {by_file[shown]: frozenset(lines) for shown, lines in saved.executed_lines.items()
                 if shown in by_file}
+    phases = {by_file[shown]: {phase: frozenset(lines) for phase, lines in by_phase.items()}
+              for shown, by_phase in saved.executed_phases.items() if shown in by_file}
     baseline = VerifyOutcome(0, None, saved.baseline_seconds, [])
     return MutationReport(
         backend, saved.examples, targets, [o.value for o in saved.operators], saved.generated,
-        results, CoverageRun(baseline, executed, saved.processes), saved.seconds, arguments,
-        command=saved.command, commit=saved.commit)
+        results, CoverageRun(baseline, executed, saved.processes, phases), saved.seconds,
+        arguments, command=saved.command, commit=saved.commit)
 
 
 def _result(path: Path, saved: _SavedMutant, mutant: Mutant | None) -> MutantResult:

@@ -107,6 +107,10 @@ class MutationRecord(_Record):
     """:attr:`kills_by_kind` per role of the mutated module (``builder``, ``refresh``,
     ``attention``, ``helper``, ``chosen``: :class:`~speccheck.checks.mutate.targets.Role`); empty
     in a record made before it was kept."""
+    kills_by_phase: dict[str, dict[str, int]] = Field(default_factory=dict)
+    """:attr:`kills_by_kind` per phase of the mutated code as the unmutated run ran it
+    (``metadata``, ``attention``, ``other``: :class:`~speccheck.checks.mutate.coverage_run.
+    CodePhase`); empty in a record made before phases were traced."""
     survivors: list[str]
     """``FILE:LINE OPERATOR (survivor class): - original / + mutated`` of each survivor."""
     seconds: float
@@ -136,6 +140,8 @@ class MutationRecord(_Record):
                    score=report["score"], kills_by_kind=dict(report["kills_by_kind"]),
                    kills_by_role={role: dict(kinds) for role, kinds
                                   in report.get("kills_by_role", {}).items()},
+                   kills_by_phase={phase: dict(kinds) for phase, kinds
+                                   in report.get("kills_by_phase", {}).items()},
                    survivors=survivors, seconds=report["seconds"], scored_at=scored_at)
 
 

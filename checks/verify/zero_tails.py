@@ -46,7 +46,8 @@ def zero_tails(
             if problem:
                 out.append(Outcome(Check.ZERO_TAILS, Result.FAILED,
                                    f"{candidate}: {group.backend_name}: {problem} (every "
-                                   "example starts with this buffer poisoned whole)", candidate))
+                                   "example starts with this buffer poisoned whole)", candidate,
+                                   field=f"{group.backend_name}.buffers[{buffer_name!r}]"))
             else:
                 out.append(Outcome(Check.ZERO_TAILS, Result.PASSED, candidate=candidate))
     return out
