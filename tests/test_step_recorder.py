@@ -7,7 +7,8 @@ The recorder used to replace a buffer whose field came with another shape. A gra
 with the old buffer writes into it on every replay, so the allocator handed that memory to
 whatever was allocated next on the warm-up stream's pool: on an H100 the fp32 reference's
 draft tokens, read back as zeros (triton_attn, dtype=float32 cell). Each shape now keeps its
-own buffer for the recorder's lifetime, and a collect reads the shape last observed."""
+own buffer for the recorder's lifetime once a capture wrote into it, and a collect reads the
+shape last observed."""
 
 from __future__ import annotations
 

@@ -6,14 +6,15 @@ draft step's forward, with the metadata that step runs with.
 Tensors: each call copies them into buffers the recorder owns, keyed by (lanes, step,
 path, shape, dtype), with ``copy_``: capture-safe, so inside a captured fused body the copies
 are recorded into the graph and every replay refreshes the snapshots. Buffers are allocated
-on first sight (eagerly, or in the warm-up that precedes a capture), never during a capture,
-and never freed: a captured graph writes into the buffers it was captured with on every
-replay, so a buffer dropped for a field of another shape under the same key (padded first
-passes of 32 requests of 2 tokens and of 64 of 1 both run 64 lanes) would be memory the
-allocator hands to someone else while replays still write it. :meth:`StepMetadataRecorder.
-collect` reads, per (step, path), the buffer of the shape last observed over those lanes:
-the oracle's eager run of the example, which precedes its candidates' replays of the same
-geometry.
+on first sight (eagerly, or in the warm-up that precedes a capture), never during a capture.
+A buffer a capture wrote into is never freed: the graph writes into it on every replay, so
+a buffer dropped when the field comes with another shape under the same (lanes, step,
+path) (padded first passes of 32 requests of 2 tokens and of 64 of 1 both run 64 lanes)
+would be memory the allocator hands to someone else while replays still write it. Any
+other buffer is dropped when its field comes with another shape (eager runs size some
+fields by the batch). :meth:`StepMetadataRecorder.collect` reads, per (step, path), the
+buffer of the shape last observed over those lanes: the oracle's eager run of the example,
+which precedes its candidates' replays of the same geometry.
 
 Host values (:func:`~speccheck.checks.probes.state_walk.walk_host_values`) cannot be
 recorded into a graph: a replay runs no Python, and the kernels it replays were launched,
@@ -113,7 +114,10 @@ class StepMetadataRecorder:
     def __init__(self, groups: Sequence[AttentionGroup]) -> None:
         self.groups = list(groups)
         self._buffers: dict[tuple[int, int, str, torch.Size, torch.dtype], torch.Tensor] = {}
-        """Every snapshot buffer ever allocated (none is freed: see the module docstring)."""
+        """The snapshot buffers: each one a capture wrote into, and the one of each (lanes,
+        step, path) observed last (see the module docstring)."""
+        self._captured: set[tuple[int, int, str, torch.Size, torch.dtype]] = set()
+        """The keys of the buffers a capture wrote into: never freed."""
         self._seen: dict[int, dict[tuple[int, str], tuple[torch.Size, torch.dtype]]] = {}
         """Per lane count, each (step, path) observed and the shape and dtype it last had."""
         self._host: dict[tuple[int, int], dict[str, np.ndarray]] = {}
@@ -161,10 +165,15 @@ class StepMetadataRecorder:
                 buf = torch.empty_like(tensor, memory_format=torch.contiguous_format)
                 self._buffers[key] = buf
             targets.append(buf)
+            if in_capture:
+                self._captured.add(key)
             self.storage_of[path] = tensor.untyped_storage().data_ptr()
-            if seen.get((step, path)) != signature:
+            previous = seen.get((step, path))
+            if previous != signature:
                 seen[(step, path)] = signature
                 self._plans.pop(lanes, None)
+                if previous is not None and (lanes, step, path, *previous) not in self._captured:
+                    del self._buffers[lanes, step, path, *previous]
         if targets:
             # one multi-tensor copy, not a launch per field (capturable: device copies only)
             torch._foreach_copy_(targets, list(tensors.values()))
