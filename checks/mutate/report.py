@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,18 +204,26 @@ class MutationReport:
         }
 
 
+def named_field_share(kinds: Sequence[Mapping[str, int]], scope: str) -> str:
+    """``named field N of M {scope} kills`` over ``kinds`` (kills by kind, keyed by
+    :class:`~speccheck.checks.mutate.runner.KillKind` value), summed."""
+    total = sum(sum(k.values()) for k in kinds)
+    named = sum(k.get(KillKind.NAMED_FIELD.value, 0) for k in kinds)
+    return f"named field {named} of {total} {scope} kills"
+
+
 def metadata_kills_line(report: MutationReport) -> str | None:
     """``named field N of M metadata-code kills (...)``: how many kills of mutants of code
     that built or refreshed metadata a field check named; ``None`` without phases."""
-    kinds = report.kills_by_phase().get(CodePhase.METADATA)
-    if kinds is None:
+    by_phase = report.kills_by_phase()
+    if not by_phase:
         return None
-    total = sum(kinds.values())
+    kinds = by_phase[CodePhase.METADATA]
     others = ", ".join(f"{kind.value} {n}" for kind, n in kinds.items()
                        if n and kind is not KillKind.NAMED_FIELD)
-    attention = sum(report.kills_by_phase()[CodePhase.ATTENTION].values())
-    return (f"named field {kinds[KillKind.NAMED_FIELD]} of {total} metadata-code kills"
-            + (f" ({others})" if others else "")
+    attention = sum(by_phase[CodePhase.ATTENTION].values())
+    share = named_field_share([{kind.value: n for kind, n in kinds.items()}], "metadata-code")
+    return (share + (f" ({others})" if others else "")
             + f"; {attention} kills of attention code (outputs only: no field to name)")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from speccheck.checks.mutate.coverage_run import CodePhase
-from speccheck.checks.mutate.runner import KillKind
+from speccheck.checks.mutate.report import named_field_share
 from speccheck.checks.mutate.targets import Role
 from speccheck.checks.status.record import BackendStatus, MutationRecord, TierStatus, Verdict
 
@@ -65,12 +65,9 @@ def _metadata_kills(mutation: MutationRecord) -> str:
     kinds = ([metadata] if metadata is not None else
              [mutation.kills_by_role[role.value] for role in METADATA_ROLES
               if role.value in mutation.kills_by_role])
-    total = sum(sum(k.values()) for k in kinds)
-    if not total:
+    if not any(sum(k.values()) for k in kinds):
         return ""
-    named = sum(k.get(KillKind.NAMED_FIELD.value, 0) for k in kinds)
-    scope = "metadata-code" if metadata is not None else "builder/refresh"
-    return f"named field {named} of {total} {scope} kills"
+    return named_field_share(kinds, "metadata-code" if metadata is not None else "builder/refresh")
 
 
 def _table_row(cells: list[str]) -> str:
