@@ -27,6 +27,7 @@ from speccheck.checks.mutate.equivalents import (
 )
 from speccheck.checks.mutate.mutants import (
     Mutant,
+    Shard,
     generate_mutants,
     sample_mutants,
     unbound_attributes,
@@ -42,6 +43,7 @@ from speccheck.checks.mutate.report import (
 from speccheck.checks.mutate.rescore import (
     RescoreError,
     arguments_changed,
+    merged_shards,
     read_report,
     rescored,
 )
@@ -412,6 +414,48 @@ def test_a_saved_run_is_rescored_with_the_arguments_of_the_checkout(
         rescored(saved, read_report(saved), "reference", targets, arguments)
 
 
+def test_the_shards_of_a_run_merge_into_the_whole_run(
+    reference_mutants: list[Mutant], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--shard I/N`` parts are disjoint and cover the run; ``--rescore`` with every part
+    scores the whole run (the command without the shard, coverage united), and refuses a
+    missing part, a part twice and parts of different runs in one line."""
+    monkeypatch.chdir(ROOT)
+    targets = backend_targets(REFERENCE)
+    valid = [m for m in reference_mutants if m.valid][:5]
+    parts = [Shard.parse(f"{i}/2") for i in (1, 2)]
+    assert sorted(m.number for p in parts for m in p.of(valid)) == [m.number for m in valid]
+    with pytest.raises(ValueError, match="INDEX must be 1 to COUNT"):
+        Shard.parse("3/2")
+    paths = []
+    for part in parts:
+        mine = part.of(valid)
+        coverage = CoverageRun(VerifyOutcome(0, None, 9.0, []),
+                               {mine[0].target.path: frozenset({mine[0].line})}, 1)
+        run = MutationReport("reference", None, targets, [o.value for o in Operator],
+                             len(reference_mutants),
+                             [MutantResult(m, Outcome.KILLED, ("step_metadata",), ("seq_lens",),
+                                           1.0) for m in mine],
+                             coverage, 10.0, {}, f"speccheck mutate --backend reference --shard "
+                             f"{part}", "abc123")
+        paths.append(tmp_path / f"part{part.index}.json")
+        paths[-1].write_text(json.dumps(run.to_json()))
+    data = [read_report(path) for path in paths]
+    whole = rescored(paths[0], merged_shards(paths, data), "reference", targets, {})
+    assert [r.mutant.number for r in whole.results] == [m.number for m in valid]
+    assert whole.command == "speccheck mutate --backend reference"
+    assert (whole.seconds, whole.coverage.processes, whole.score) == (20.0, 2, 1.0)
+    assert all(whole.coverage.ran(m.target, m.line, m.end_line) for m in
+               (p.of(valid)[0] for p in parts))
+    with pytest.raises(RescoreError, match="missing --shard 2/2"):
+        merged_shards(paths[:1], data[:1])
+    with pytest.raises(RescoreError, match="shard 1/2 again"):
+        merged_shards([paths[0], paths[0]], [data[0], data[0]])
+    other = {**data[1], "commit": "def456"}
+    with pytest.raises(RescoreError, match="not a part of the run of"):
+        merged_shards(paths, [data[0], other])
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("builder.py: [1]", "builder.py[0]: Input should be a valid dictionary"),
     ("nope.py: []", "'nope.py' is not a module in"),
@@ -571,6 +615,8 @@ def speccheck(*args: str) -> subprocess.CompletedProcess[str]:
      "--status: /nonexistent-dir/reference.json: no "),
     (["--rescore", "/nonexistent.json"], "--rescore: /nonexistent.json: cannot read it"),
     (["--rescore", "README.md"], "--rescore: README.md: not JSON"),
+    (["--shard", "0/2"], "--shard: '0/2': INDEX must be 1 to COUNT"),
+    (["--shard", "half"], "--shard: 'half' is not INDEX/COUNT"),
 ])
 def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
     proc = speccheck("mutate", *args)

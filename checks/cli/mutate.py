@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
     from speccheck.checks.mutate.coverage_run import CoverageRun
     from speccheck.checks.mutate.equivalents import Key
+    from speccheck.checks.mutate.mutants import Shard
     from speccheck.checks.mutate.report import MutationReport
     from speccheck.checks.mutate.targets import TargetModule
 
@@ -85,9 +86,10 @@ def mutate_command(
     jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, max=64, help="Mutants run at once, each in its own verify process.", show_default="half the CPU cores, at least 1")] = None,  # noqa: UP045
     examples: Annotated[Optional[int], typer.Option("--examples", min=1, help="Examples of each verify run.", show_default="verify's default")] = None,  # noqa: UP045
     seed: Annotated[int, typer.Option("--seed", help="Seed of the --max-mutants sample.")] = 0,
+    shard: Annotated[Optional[str], typer.Option("--shard", metavar="INDEX/COUNT", help="Run only this part of the mutants (every COUNT-th, from the INDEX-th), to spread one run over machines; --rescore with every part's --json merges them.", show_default="all")] = None,  # noqa: UP045
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here ('-': stdout, and the summary goes to stderr).")] = None,  # noqa: UP045
     status: Annotated[Optional[Path], typer.Option("--status", help="Also put the score into this machine tier's record of the backend in this status folder (docs/status; `speccheck status` writes the record).", file_okay=False)] = None,  # noqa: UP045
-    rescore: Annotated[Optional[Path], typer.Option("--rescore", help="Run nothing: score this saved --json report again with the checkout's equivalence arguments (its code under test must be unchanged).", dir_okay=False)] = None,  # noqa: UP045
+    rescore: Annotated[Optional[list[Path]], typer.Option("--rescore", help="Run nothing: score this saved --json report again with the checkout's equivalence arguments (its code under test must be unchanged); repeat it with every --shard part of one run to merge them.", dir_okay=False)] = None,  # noqa: UP045
 ) -> None:
     """Mutate a backend's adapter (builder, refresh, attention call) and measure how many
     mutants `speccheck verify --backend NAME` kills at its defaults."""
@@ -96,6 +98,7 @@ def mutate_command(
         if problem is not None:
             raise _fail(EXIT_BAD_INPUT, f"--json: {problem}")
     chosen_operators = _operators(operators)
+    part = _shard(shard)
     started = time.monotonic()
     from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
 
@@ -112,12 +115,14 @@ def mutate_command(
         arguments = load_equivalents(targets)
     except EquivalentsError as exc:
         raise _fail(EXIT_BAD_INPUT, str(exc)) from None
-    if rescore is not None:
+    if rescore:
         report, changed = _rescored(rescore, backend, targets, arguments)
         _finish(report, status, tier, json_path, rescored=changed)
         return
     generated = generate_mutants(targets, chosen_operators)
     chosen = sample_mutants(generated, max_mutants, seed)
+    if part is not None:
+        chosen = part.of(chosen)
     err = _stderr()
     err.print(f"{backend}: {len(generated)} mutants of {len(targets)} module(s), running "
               f"{len(chosen)}; first the unmutated gate, traced", markup=False)
@@ -142,26 +147,39 @@ def mutate_command(
                             len(generated), results, coverage, time.monotonic() - started,
                             arguments,
                             _command(backend, modules or [], operators, max_mutants, seed,
-                                     examples),
+                                     examples, part),
                             commit_under_test())
     _finish(report, status, tier, json_path, rescored=False)
 
 
-def _rescored(path: Path, backend: str, targets: list[TargetModule],
+def _shard(text: str | None) -> Shard | None:
+    from speccheck.checks.mutate.mutants import Shard
+
+    if text is None:
+        return None
+    try:
+        return Shard.parse(text)
+    except ValueError as exc:
+        raise _fail(EXIT_BAD_INPUT, f"--shard: {exc}") from None
+
+
+def _rescored(paths: list[Path], backend: str, targets: list[TargetModule],
               arguments: Mapping[Key, str]) -> tuple[MutationReport, bool]:
-    """The saved report at ``path`` scored with ``arguments``, and whether they argue any
-    mutant otherwise than the run did; exit 2 with one line where it cannot be scored
-    (:mod:`~speccheck.checks.mutate.rescore`)."""
+    """The saved report at ``paths`` (the parts of one sharded run, merged) scored with
+    ``arguments``, and whether they argue any mutant otherwise than the run did; exit 2
+    with one line where it cannot be scored (:mod:`~speccheck.checks.mutate.rescore`)."""
     from speccheck.checks.mutate.rescore import (
         RescoreError,
         arguments_changed,
+        merged_shards,
         read_report,
         rescored,
     )
 
     try:
-        data = read_report(path)
-        report = rescored(path, data, backend, targets, arguments)
+        parts = [read_report(path) for path in paths]
+        data = parts[0] if len(parts) == 1 else merged_shards(paths, parts)
+        report = rescored(paths[0], data, backend, targets, arguments)
     except RescoreError as exc:
         raise _fail(EXIT_BAD_INPUT, f"--rescore: {exc}") from None
     return report, arguments_changed(data, report)
@@ -193,8 +211,12 @@ def _finish(report: MutationReport, status: Path | None, tier: str | None,
 
 
 def _command(backend: str, modules: list[Path], operators: str | None,
-             max_mutants: int | None, seed: int, examples: int | None) -> str:
-    """The command that repeats this run's sample (its modules and operators included)."""
+             max_mutants: int | None, seed: int, examples: int | None,
+             shard: Shard | None) -> str:
+    """The command that repeats this run's sample (its modules, operators and shard
+    included)."""
+    from speccheck.checks.mutate.rescore import SHARD_OPTION
+
     parts = ["speccheck", "mutate", "--backend", backend]
     for module in modules:
         parts += ["--module", str(module)]
@@ -204,6 +226,8 @@ def _command(backend: str, modules: list[Path], operators: str | None,
         parts += ["--max-mutants", str(max_mutants), "--seed", str(seed)]
     if examples is not None:
         parts += ["--examples", str(examples)]
+    if shard is not None:
+        parts += [SHARD_OPTION, str(shard)]
     return shlex.join(parts)
 
 

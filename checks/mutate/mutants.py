@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import builtins
 import random
+import re
 import symtable
 import textwrap
 from collections.abc import Iterable
@@ -250,3 +251,31 @@ def sample_mutants(mutants: list[Mutant], limit: int | None, seed: int) -> list[
         return list(mutants)
     picked = random.Random(seed).sample(mutants, limit)
     return sorted(picked, key=lambda mutant: mutant.number)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One of ``count`` disjoint parts of a run's mutants (``--shard INDEX/COUNT``): every
+    ``count``-th of them in generation order, from the ``index``-th (1-based), so that runs
+    of all parts on several machines together cover the run once."""
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """``"2/4"`` as a shard; :class:`ValueError` (one line) for anything else."""
+        match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+        if match is None:
+            raise ValueError(f"{text!r} is not INDEX/COUNT (e.g. 1/4)")
+        index, count = int(match[1]), int(match[2])
+        if not 1 <= index <= count:
+            raise ValueError(f"{text!r}: INDEX must be 1 to COUNT")
+        return cls(index, count)
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    def of(self, mutants: list[Mutant]) -> list[Mutant]:
+        """This shard's part of ``mutants``."""
+        return mutants[self.index - 1::self.count]

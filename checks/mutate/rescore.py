@@ -12,7 +12,8 @@ test changed, and the run says nothing about it).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import shlex
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from speccheck.checks.mutate.shadow import VerifyOutcome
 from speccheck.checks.mutate.targets import TargetModule
 from speccheck.contract.bounded_read import UnreadableFile, read_regular_file
 
+SHARD_OPTION = "--shard"
 MAX_REPORT_BYTES = 64 << 20
 """Largest saved report read (a full run of a few hundred mutants is well under 1 MiB)."""
 
@@ -88,6 +90,76 @@ def read_report(path: Path) -> dict[str, Any]:
     return data
 
 
+def merged_shards(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The saved reports ``parts`` (read from ``paths``) of every ``--shard`` of one run,
+    merged into the report of the whole run: the same command but the shard, the same
+    commit, every part ``1/N`` to ``N/N`` once. Its ``seconds`` are the parts' summed (time
+    on all machines, not wall time); :class:`RescoreError` naming the file otherwise."""
+    saved = [_validated(path, part) for path, part in zip(paths, parts, strict=True)]
+    whole: set[str] = set()
+    shards: dict[str, Path] = {}
+    for path, report in zip(paths, saved, strict=True):
+        command, shard = _without_shard(report.command)
+        if shard is None:
+            raise RescoreError(f"{path}: not the report of a --shard run ({report.command})")
+        if shard in shards:
+            raise RescoreError(f"{path}: shard {shard} again (also {shards[shard]})")
+        shards[shard] = path
+        whole.add(command)
+        same = (report.backend, report.commit, report.generated, report.examples,
+                report.operators, report.targets)
+        first = saved[0]
+        if same != (first.backend, first.commit, first.generated, first.examples,
+                    first.operators, first.targets):
+            raise RescoreError(f"{path}: not a part of the run of {paths[0]} (another backend, "
+                               "commit, operators, modules or examples)")
+    if len(whole) != 1:
+        raise RescoreError(f"{paths[-1]}: its command differs from {paths[0]}'s beyond "
+                           "--shard: parts of different runs")
+    counts = {int(shard.split("/")[1]) for shard in shards}
+    expected = {f"{i}/{n}" for n in counts for i in range(1, n + 1)}
+    if len(counts) != 1 or set(shards) != expected:
+        missing = ", ".join(sorted(expected - set(shards))) or "(mixed counts)"
+        raise RescoreError(f"{paths[0]}: the parts do not make the whole run: missing "
+                           f"--shard {missing}")
+    merged = dict(parts[0])
+    merged["command"] = whole.pop()
+    merged["mutants"] = sorted((dict(m) for part in parts for m in part["mutants"]),
+                               key=lambda mutant: mutant["number"])
+    merged["executed_lines"] = {
+        shown: sorted({line for r in saved for line in r.executed_lines.get(shown, [])})
+        for shown in {shown for r in saved for shown in r.executed_lines}}
+    merged["executed_phases"] = {
+        shown: {phase.value: sorted({line for r in saved
+                                     for line in r.executed_phases.get(shown, {}).get(phase, [])})
+                for phase in CodePhase
+                if any(phase in r.executed_phases.get(shown, {}) for r in saved)}
+        for shown in {shown for r in saved for shown in r.executed_phases}}
+    merged["processes"] = sum(r.processes for r in saved)
+    merged["baseline_seconds"] = max(r.baseline_seconds for r in saved)
+    merged["seconds"] = round(sum(r.seconds for r in saved), 1)
+    return merged
+
+
+def _without_shard(command: str) -> tuple[str, str | None]:
+    """``command`` without its ``--shard INDEX/COUNT``, and that shard (``None``: none)."""
+    words = shlex.split(command)
+    if SHARD_OPTION not in words[:-1]:
+        return command, None
+    at = words.index(SHARD_OPTION)
+    return shlex.join(words[:at] + words[at + 2:]), words[at + 1]
+
+
+def _validated(path: Path, data: Mapping[str, Any]) -> _SavedReport:
+    try:
+        return _SavedReport.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise RescoreError(f"{path}: {where}: {error['msg']} (a `speccheck mutate --json` "
+                           "report of this version is needed)") from None
+
+
 def rescored(
     path: Path, data: Mapping[str, Any], backend: str, targets: list[TargetModule],
     arguments: Mapping[Key, str],
@@ -97,13 +169,7 @@ def rescored(
     Raises :class:`RescoreError` where ``data`` is not a full report of ``backend`` over
     ``targets`` (a report written before it kept ``executed_lines`` cannot be rescored),
     or where a mutant it holds is not the one ``targets`` generate now."""
-    try:
-        saved = _SavedReport.model_validate(data)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
-        raise RescoreError(f"{path}: {where}: {error['msg']} (a `speccheck mutate --json` "
-                           "report of this version is needed)") from None
+    saved = _validated(path, data)
     if saved.backend != backend:
         raise RescoreError(f"{path}: a report of {saved.backend!r}, not of {backend!r}")
     files = sorted(target.shown for target in targets)
