@@ -15,25 +15,55 @@ def interpret_triton_without_cuda() -> None:
     run before the process first imports Triton: ``triton.language`` decorates its own
     helpers (``tl.cdiv``, ...) then, and every kernel module (the speculator's, a
     backend's) is decorated when it is imported. Every command that runs kernels in its
-    own process calls it first; it also :func:`patch_language_once_per_launch`."""
+    own process calls it first; it also :func:`patch_interpreter`."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    patch_language_once_per_launch()
+    patch_interpreter()
 
 
-def patch_language_once_per_launch() -> None:
+def patch_interpreter() -> None:
+    """Patch Triton's interpreter (:func:`_walk_language_once_per_launch`,
+    :func:`_index_one_element_tensors`). Idempotent; does nothing unless
+    ``TRITON_INTERPRET=1``, nor where the interpreter's internals differ from what these
+    expect (another Triton). Any time before the first launch (a process that imported its
+    kernels already, a forked rank, calls it too)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    _walk_language_once_per_launch()
+    _index_one_element_tensors()
+
+
+def _index_one_element_tensors() -> None:
+    """Make an interpreted scalar usable as an index (``range(lo, hi)`` over values loaded
+    from memory) with numpy 2.4 or later: Triton 3.6's interpreter converts its
+    one-element array with ``int(array)``, which numpy 2.4 made an error ("only
+    0-dimensional arrays can be converted to Python scalars", every Triton backend's first
+    example on the CPU tier); Triton 3.7 squeezes the array first, as this does."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_speccheck_squeezed_index", False):
+        return
+
+    @wraps(original)
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor._speccheck_squeezed_index = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _walk_language_once_per_launch() -> None:
     """Make Triton's interpreter patch ``triton.language`` once per kernel launch instead of
     at every nested ``@triton.jit`` call as well (``tl.cdiv``, ``tl.sum``, a kernel's own
     helpers): each such call re-walks the whole module with ``inspect.getmembers`` and
     re-installs the same interpreted members, a third of an interpreted kernel's time here.
     A nested call whose ``triton.language`` modules the launch has patched already skips the
     walk; one that sees a module not yet patched patches it as before, and the launch
-    restores what it patched as before. Idempotent; does nothing unless
-    ``TRITON_INTERPRET=1``, nor where the interpreter's internals differ from what this
-    expects (another Triton). Any time before the first launch (a process that imported its
-    kernels already, a forked rank, calls it too)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
+    restores what it patched as before."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter

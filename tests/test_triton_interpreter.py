@@ -1,6 +1,7 @@
 """Triton's interpreter patched to walk ``triton.language`` once per launch: same results,
 the language restored after each launch, and the walk's cost independent of how many
-nested ``@triton.jit`` calls a kernel makes."""
+nested ``@triton.jit`` calls a kernel makes; and a loop bound loaded from memory usable
+whatever numpy is installed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter
 
-from speccheck.checks.triton_interpreter import patch_language_once_per_launch
+from speccheck.checks.triton_interpreter import patch_interpreter
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton's interpreter is off (a CUDA machine)")
@@ -31,6 +32,14 @@ def _nested_calls_kernel(out_ptr, CALLS: tl.constexpr, BLOCK: tl.constexpr):
     for _ in tl.static_range(CALLS):
         value = _halves(value) + 1
     tl.store(out_ptr + offsets, value)
+
+
+@triton.jit
+def _loaded_bound_kernel(bound_ptr, out_ptr):
+    total = 0
+    for i in range(0, tl.load(bound_ptr)):
+        total += i
+    tl.store(out_ptr, total)
 
 
 def _expected(calls: int) -> int:
@@ -61,8 +70,8 @@ def _launch(calls: int) -> torch.Tensor:
 
 
 def test_nested_calls_compute_what_they_did_and_the_language_is_restored() -> None:
-    patch_language_once_per_launch()
-    patch_language_once_per_launch()  # idempotent
+    patch_interpreter()
+    patch_interpreter()  # idempotent
     for calls in (1, 5):
         assert _launch(calls).tolist() == [_expected(calls)] * 8
     assert tl.core.is_builtin(tl.program_id)  # the launch's patches were undone
@@ -71,10 +80,19 @@ def test_nested_calls_compute_what_they_did_and_the_language_is_restored() -> No
 def test_the_language_is_walked_as_often_for_twenty_nested_calls_as_for_one(
     builtin_walks: list[str],
 ) -> None:
-    patch_language_once_per_launch()
+    patch_interpreter()
     _launch(1)
     one = len(builtin_walks)
     builtin_walks.clear()
     _launch(20)
     assert one > 0
     assert len(builtin_walks) == one
+
+
+def test_a_loop_bound_loaded_from_memory_indexes() -> None:
+    """``range`` over a loaded scalar: Triton 3.6's interpreter converts it with
+    ``int(one_element_array)``, an error from numpy 2.4 on, unless patched."""
+    patch_interpreter()
+    out = torch.zeros(1, dtype=torch.int32)
+    _loaded_bound_kernel[(1,)](torch.tensor([5], dtype=torch.int32), out)
+    assert out.item() == 0 + 1 + 2 + 3 + 4

@@ -38,7 +38,7 @@ import torch
 from hypothesis import strategies as st
 
 from speccheck.backends.availability import BackendUnavailable
-from speccheck.checks.triton_interpreter import patch_language_once_per_launch
+from speccheck.checks.triton_interpreter import patch_interpreter
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import TOLERANCE
 from speccheck.checks.verify.examples import example_json
@@ -331,7 +331,7 @@ def _verify_rank(dp_rank: int, dp_size: int, plan: _RankPlan) -> list[DPOutcome]
     """One rank's share of :func:`verify_dp` (runs in a rank process). Under one GPU
     per rank, ``rank_device(dp_rank)`` is the device :func:`run_ranks` made current; the rank
     refuses to run elsewhere."""
-    patch_language_once_per_launch()
+    patch_interpreter()
     device = rank_device(dp_rank)
     if plan.collectives.one_gpu_per_rank and torch.cuda.current_device() != device.index:
         raise RuntimeError(f"DP rank {dp_rank} runs on {device}, but "

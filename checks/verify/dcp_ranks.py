@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 
 from speccheck.backends.availability import BackendUnavailable
 from speccheck.backends.dcp import group_capturable
-from speccheck.checks.triton_interpreter import patch_language_once_per_launch
+from speccheck.checks.triton_interpreter import patch_interpreter
 from speccheck.checks.verify.cells import BatchClass
 from speccheck.checks.verify.engine import BackendVerifier, VerifySettings
 from speccheck.checks.verify.examples import (
@@ -215,7 +215,7 @@ def _merge(report: BackendReport, run: DcpRun, examples: Sequence[Example], pref
 def _verify_rank(rank: int, world: int, plan: DcpRankPlan) -> DcpRankResult:
     """One rank's share of :func:`verify_dcp` (runs in a rank process, in the
     default process group :func:`run_ranks` initialised, which is the DCP group)."""
-    patch_language_once_per_launch()
+    patch_interpreter()
     device = rank_device(rank)
     group = dist.group.WORLD
     assert group is not None
