@@ -451,6 +451,18 @@ def test_the_shards_of_a_run_merge_into_the_whole_run(
         merged_shards(paths[:1], data[:1])
     with pytest.raises(RescoreError, match="shard 1/2 again"):
         merged_shards([paths[0], paths[0]], [data[0], data[0]])
+    split = []  # part 2/2 run later as 2/4 and 4/4
+    for index in (2, 4):
+        numbers = {m.number for m in Shard(index, 4).of(valid)}
+        split.append({**data[1],
+                      "command": f"speccheck mutate --backend reference --shard {index}/4",
+                      "mutants": [m for m in data[1]["mutants"] if m["number"] in numbers]})
+    again = merged_shards([paths[0], tmp_path / "b", tmp_path / "c"], [data[0], *split])
+    assert [m["number"] for m in again["mutants"]] == [m.number for m in valid]
+    with pytest.raises(RescoreError, match="missing --shard 4/4"):
+        merged_shards([paths[0], tmp_path / "b"], [data[0], split[0]])
+    with pytest.raises(RescoreError, match="shard 2/4 overlaps shard 2/2"):
+        merged_shards([*paths, tmp_path / "b"], [*data, split[0]])
     other = {**data[1], "commit": "def456"}
     with pytest.raises(RescoreError, match="not a part of the run of"):
         merged_shards(paths, [data[0], other])

@@ -12,6 +12,7 @@ test changed, and the run says nothing about it).
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from speccheck.checks.mutate.coverage_run import CodePhase, CoverageRun
 from speccheck.checks.mutate.equivalents import Key
-from speccheck.checks.mutate.mutants import Mutant, generate_mutants
+from speccheck.checks.mutate.mutants import Mutant, Shard, generate_mutants
 from speccheck.checks.mutate.operators import Operator
 from speccheck.checks.mutate.report import MutationReport
 from speccheck.checks.mutate.runner import MutantResult, Outcome
@@ -93,7 +94,7 @@ def read_report(path: Path) -> dict[str, Any]:
 def merged_shards(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The saved reports ``parts`` (read from ``paths``) of every ``--shard`` of one run,
     merged into the report of the whole run: the same command but the shard, the same
-    commit, every part ``1/N`` to ``N/N`` once. Its ``seconds`` are the parts' summed (time
+    commit, every mutant in exactly one part (:func:`_check_partition`). Its ``seconds`` are the parts' summed (time
     on all machines, not wall time); :class:`RescoreError` naming the file otherwise."""
     saved = [_validated(path, part) for path, part in zip(paths, parts, strict=True)]
     whole: set[str] = set()
@@ -116,12 +117,7 @@ def merged_shards(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> 
     if len(whole) != 1:
         raise RescoreError(f"{paths[-1]}: its command differs from {paths[0]}'s beyond "
                            "--shard: parts of different runs")
-    counts = {int(shard.split("/")[1]) for shard in shards}
-    expected = {f"{i}/{n}" for n in counts for i in range(1, n + 1)}
-    if len(counts) != 1 or set(shards) != expected:
-        missing = ", ".join(sorted(expected - set(shards))) or "(mixed counts)"
-        raise RescoreError(f"{paths[0]}: the parts do not make the whole run: missing "
-                           f"--shard {missing}")
+    _check_partition(paths[0], shards)
     merged = dict(parts[0])
     merged["command"] = whole.pop()
     merged["mutants"] = sorted((dict(m) for part in parts for m in part["mutants"]),
@@ -139,6 +135,26 @@ def merged_shards(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> 
     merged["baseline_seconds"] = max(r.baseline_seconds for r in saved)
     merged["seconds"] = round(sum(r.seconds for r in saved), 1)
     return merged
+
+
+def _check_partition(path: Path, shards: Mapping[str, Path]) -> None:
+    """Refuse ``shards`` (``INDEX/COUNT`` to the report holding it) that overlap or leave a
+    mutant out. They may have different counts (``1/2`` beside ``2/4`` and ``4/4``: a part
+    split again later): mutant ``m`` is in ``I/N`` where ``m % N == I - 1``, so the parts
+    are compared on the residues modulo the counts' least common multiple."""
+    parts = {text: Shard.parse(text) for text in shards}
+    period = math.lcm(*(shard.count for shard in parts.values()))
+    owner: dict[int, str] = {}
+    for text, shard in parts.items():
+        for residue in range(shard.index - 1, period, shard.count):
+            if residue in owner:
+                raise RescoreError(f"{shards[text]}: shard {text} overlaps shard "
+                                   f"{owner[residue]} ({shards[owner[residue]]})")
+            owner[residue] = text
+    if len(owner) != period:
+        missing = [Shard(r % period + 1, period) for r in range(period) if r not in owner]
+        raise RescoreError(f"{path}: the parts do not make the whole run: missing --shard "
+                           f"{', '.join(str(shard) for shard in missing)}")
 
 
 def _without_shard(command: str) -> tuple[str, str | None]:
