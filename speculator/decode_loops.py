@@ -59,15 +59,17 @@ class DecodeLoops:
 
         Where the speculator's ``refresh_rebuilds_in_graph``, a replay follows the lanes
         directly: they hold every input step 1 reads, and the graph refreshes each step's
-        metadata in place, step 1's included. The eager body then runs on ``early``,
-        metadata built before the call's inputs existed. Otherwise step 1's metadata is
-        built here (this also writes the builders' persistent buffers the graph reads) and
-        the body refreshes between steps only."""
+        metadata in place, step 1's included. Otherwise step 1's metadata is built here
+        (this writes the builders' persistent buffers the graph reads) and the body
+        refreshes between steps only. The eager body runs on ``early`` where given:
+        metadata built before the call's inputs existed (for capture, without rebuild), as
+        a replay's was; else on the build here."""
         spec = self._spec
         num_lanes = desc.num_tokens
         group_metadata = early
         if not spec.refresh_rebuilds_in_graph:
-            group_metadata = spec.build_decode_metadata(desc, num_reqs, base_seq_lens, 1)
+            built = spec.build_decode_metadata(desc, num_reqs, base_seq_lens, 1)
+            group_metadata = built if group_metadata is None else group_metadata
         if not replay:
             assert group_metadata is not None
             spec.decode_steps.fused(num_lanes, group_metadata)

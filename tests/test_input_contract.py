@@ -180,13 +180,18 @@ def _builder(spec: AutoregressiveSpeculator) -> RecordingBuilder:
     return builder
 
 
-def _propose(spec: AutoregressiveSpeculator, batch: DraftBatch,
-             path: DecodePath) -> list[Received]:
-    """What the builder received during one ``propose``, in call order."""
+def _propose(spec: AutoregressiveSpeculator, batch: DraftBatch, path: DecodePath, *,
+             with_capture_build: bool = False) -> list[Received]:
+    """What the builder received during one ``propose``, in call order; without
+    ``with_capture_build``, less the capture build on dummy lanes that the eager fused loop
+    of a builder without ``refresh_rebuilds`` makes first (statement 12)."""
     builder = _builder(spec)
     builder.received.clear()
     spec.propose(batch, path)
-    return list(builder.received)
+    received = list(builder.received)
+    if not with_capture_build and received and received[0].hook is Hook.CAPTURE_BUILD:
+        return received[1:]
+    return received
 
 
 def _hooks(received: list[Received]) -> list[Hook]:
@@ -388,12 +393,20 @@ def test_refreshes_run_between_draft_steps_only(path: DecodePath) -> None:
     assert _hooks(_propose(_speculator(), BATCH, path)) == expected
 
 
-def test_the_refresh_gets_the_built_object_over_storage_that_never_moves() -> None:
+def test_the_refresh_gets_the_capture_object_over_storage_that_never_moves() -> None:
+    """Without ``refresh_rebuilds``, every refresh of the eager fused loop gets the object
+    built for capture on dummy lanes before the call's inputs existed (a replay refreshes
+    the one its graph was captured with); step 1's build, with the call's inputs, only
+    writes the storage that object views, which never moves."""
     spec = _speculator()
-    first = _propose(spec, BATCH, DecodePath.FUSED)
-    again = _propose(spec, BATCH, DecodePath.FUSED)
-    step_one = _decode_steps(first)[1]
-    assert {_decode_steps(first)[s].metadata for s in DECODE_STEPS} == {step_one.metadata}
+    first = _propose(spec, BATCH, DecodePath.FUSED, with_capture_build=True)
+    again = _propose(spec, BATCH, DecodePath.FUSED, with_capture_build=True)
+    capture, calls = first[0], first[1:]
+    assert capture.hook is Hook.CAPTURE_BUILD
+    assert capture["seq_lens"] == [1] * BUCKET  # dummy lanes, not the batch's
+    steps = _decode_steps(calls)
+    assert steps[1].hook is Hook.BUILD and steps[1].metadata != capture.metadata
+    assert {steps[s].metadata for s in DECODE_STEPS[1:]} == {capture.metadata}
     for name in INPUTS:
         assert len({seen.storage[name] for seen in first + again}) == 1, name
 

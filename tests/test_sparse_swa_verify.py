@@ -8,6 +8,7 @@ and the field (or buffer) it breaks. On a GPU the same runs capture real graphs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -16,6 +17,8 @@ import torch
 import speccheck
 from speccheck.backends.availability import BackendUnavailable
 from speccheck.backends.rocm_sparse_swa.builder import REFUSAL, RocmSparseSWAMetadataBuilder
+from speccheck.backends.sparse_swa.builder import SparseSWAMetadataBuilder
+from speccheck.backends.sparse_swa.metadata import SparseSWAMetadata
 from speccheck.checks.selftest.run import verify_at_defaults
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS, SWAMutant
 from speccheck.checks.verify.vocabulary import Check, Status
@@ -23,6 +26,7 @@ from speccheck.contract.builder import AttentionLayerSpec, BuilderLimits
 from speccheck.contract.constraints import ConstraintViolation, enforce_layer_constraints
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import KvLayout
+from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -64,6 +68,27 @@ def test_known_bad_builder_is_caught(mutant: SWAMutant) -> None:
     else:
         assert f"persistent buffer {mutant.names!r}" in hits[0].diagnosis
         assert all(f.check is Check.ZERO_TAILS for f in report.failures)
+
+
+class BlockTableSnapshot(SparseSWAMetadataBuilder):
+    """Copies the block table at build instead of viewing the speculator's buffer: a graph
+    replay reads the copy its capture made (the dummy lanes' sink blocks)."""
+
+    def build(self, common: CommonAttentionMetadata) -> SparseSWAMetadata:
+        return dataclasses.replace(super().build(common), block_table=common.block_table.clone())
+
+
+def test_a_field_copied_at_build_is_caught_on_the_cpu_tier() -> None:
+    """sparse_swa refreshes in place (no ``refresh_rebuilds``): its eager fused candidate
+    runs on metadata built for capture before the call's inputs exist, as a replay does,
+    so a copy made at build holds the capture's dummy values at step 1."""
+    report = verify_at_defaults("sparse_swa", BlockTableSnapshot, DEVICE, load_matrix(None),
+                                config_changes={"dtype": "float32", **SMALL_MLA},
+                                examples=1, shrink_seconds=0)
+    assert report.status is Status.FAILED
+    named = [(f.check, f.step, f.field) for f in report.failures if f.field]
+    assert (Check.STEP_METADATA, 1, "sparse_swa.metadata.block_table") in named, named
+    assert (Check.FIELD_MEANINGS, 1, "sparse_swa.metadata.block_table") in named, named
 
 
 def test_rocm_sparse_swa_is_skipped_for_its_platform() -> None:
