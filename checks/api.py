@@ -397,6 +397,11 @@ class VerifyPlan:
         plan's), which the first single-rank run takes; closed here either way, with every
         idle worker. Raises :class:`VerifyInputError` when a worker rejects the
         ``reproduce`` example."""
+        from speccheck.checks.triton_interpreter import interpret_triton_without_cuda
+
+        # Rank processes take this process's environment, and import their kernels under
+        # it: without CUDA it must say TRITON_INTERPRET=1 (workers set it themselves).
+        interpret_triton_without_cuda()
         if progress is None:
             progress = Progress(console=Console(quiet=True), disable=True)
         notes: dict[str, str] = {}
