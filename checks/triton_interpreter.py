@@ -1,4 +1,5 @@
-"""Triton on a machine without CUDA: kernels run in Triton's interpreter on CPU tensors."""
+"""Triton on a machine without CUDA: kernels run in Triton's interpreter on CPU tensors, which
+this module patches (:func:`patch_interpreter`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def interpret_triton_without_cuda() -> None:
 
 def patch_interpreter() -> None:
     """Patch Triton's interpreter (:func:`_walk_language_once_per_launch`,
-    :func:`_index_one_element_tensors`). Idempotent; does nothing unless
+    :func:`_index_one_element_tensors`, :func:`_alternate_program_order`). Idempotent; does nothing unless
     ``TRITON_INTERPRET=1``, nor where the interpreter's internals differ from what these
     expect (another Triton). Any time before the first launch (a process that imported its
     kernels already, a forked rank, calls it too)."""
@@ -31,6 +32,55 @@ def patch_interpreter() -> None:
         return
     _walk_language_once_per_launch()
     _index_one_element_tensors()
+    _alternate_program_order()
+
+
+def restart_program_order() -> None:
+    """Make the next launch run its programs in index order again
+    (:func:`_alternate_program_order`): called at the start of every example, so that each
+    launch's order is a function of the example alone, the same in a fresh worker."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "interpreter_builder", None)
+    if builder is not None:
+        builder._speccheck_reversed = True  # the next launch flips it to index order
+
+
+def _alternate_program_order() -> None:
+    """Run every other launch's programs in reverse index order. The interpreter runs a
+    grid's programs one after another, in index order, so a kernel whose programs race (two
+    write one address, and the value that must win is the later program's in index order)
+    is right on the CPU and wrong on a GPU, which promises no order. Alternating the order
+    from launch to launch runs every kernel launched more than once an example (each layer,
+    each step) both ways; a correct kernel's results do not depend on it (the shipped
+    kernels' atomics only count arrivals)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder_type = getattr(interpreter, "InterpreterBuilder", None)
+    set_dim = getattr(builder_type, "set_grid_dim", None)
+    set_idx = getattr(builder_type, "set_grid_idx", None)
+    if set_dim is None or set_idx is None or getattr(set_dim, "_speccheck_alternating", False):
+        return
+
+    @wraps(set_dim)
+    def set_grid_dim(self: Any, nx: int, ny: int, nz: int) -> None:
+        self._speccheck_reversed = not getattr(self, "_speccheck_reversed", True)
+        set_dim(self, nx, ny, nz)
+
+    @wraps(set_idx)
+    def set_grid_idx(self: Any, x: int, y: int, z: int) -> None:
+        if getattr(self, "_speccheck_reversed", False):
+            nx, ny, nz = self.grid_dim
+            x, y, z = nx - 1 - x, ny - 1 - y, nz - 1 - z
+        set_idx(self, x, y, z)
+
+    set_grid_dim._speccheck_alternating = True  # type: ignore[attr-defined]
+    builder_type.set_grid_dim = set_grid_dim
+    builder_type.set_grid_idx = set_grid_idx
 
 
 def _index_one_element_tensors() -> None:

@@ -1,7 +1,8 @@
 """Triton's interpreter patched to walk ``triton.language`` once per launch: same results,
 the language restored after each launch, and the walk's cost independent of how many
-nested ``@triton.jit`` calls a kernel makes; and a loop bound loaded from memory usable
-whatever numpy is installed."""
+nested ``@triton.jit`` calls a kernel makes; a loop bound loaded from memory usable
+whatever numpy is installed; and every other launch's programs run in reverse order, so
+that programs racing for one address are seen both ways."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter
 
-from speccheck.checks.triton_interpreter import patch_interpreter
+from speccheck.checks.triton_interpreter import patch_interpreter, restart_program_order
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="Triton's interpreter is off (a CUDA machine)")
@@ -96,3 +97,21 @@ def test_a_loop_bound_loaded_from_memory_indexes() -> None:
     out = torch.zeros(1, dtype=torch.int32)
     _loaded_bound_kernel[(1,)](torch.tensor([5], dtype=torch.int32), out)
     assert out.item() == 0 + 1 + 2 + 3 + 4
+
+
+@triton.jit
+def _last_writer_kernel(out_ptr):
+    tl.store(out_ptr, tl.program_id(0))
+
+
+def test_launches_alternate_the_order_of_their_programs() -> None:
+    """Every program of the grid writes one address: the last to run wins. Index order
+    first after a restart (each example's), then reverse, then index order again."""
+    patch_interpreter()
+    restart_program_order()
+    winners = []
+    for _ in range(3):
+        out = torch.full((1,), -1, dtype=torch.int32)
+        _last_writer_kernel[(4,)](out)
+        winners.append(out.item())
+    assert winners == [3, 0, 3]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from speccheck.checks.probes import poison_
+from speccheck.checks.triton_interpreter import restart_program_order
 from speccheck.checks.verify.cells import claimed_batch_classes
 from speccheck.checks.verify.comparisons import KVSnapshot
 from speccheck.checks.verify.examples import Example, example_digest
@@ -230,7 +231,10 @@ class HarnessSet:
         """Put ``h`` in the state ``example`` starts from, a function of the example alone:
         the builders' zero-tail buffers poisoned (:meth:`_tail_buffers`), every guard band
         rearmed (a band an earlier example overwrote is not this example's finding), and the
-        KV cache filled with noise seeded by the example. Returns the KV snapshot."""
+        KV cache filled with noise seeded by the example, and the interpreter's program
+        order restarted (:func:`~speccheck.checks.triton_interpreter.restart_program_order`).
+        Returns the KV snapshot."""
+        restart_program_order()
         if h.tail_buffers is None:
             h.tail_buffers = self._tail_buffers(h, example[0])
         for buffer in h.tail_buffers:
