@@ -60,7 +60,7 @@ def _alternate_program_order() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
-    builder_type = getattr(interpreter, "InterpreterBuilder", None)
+    builder_type: Any = getattr(interpreter, "InterpreterBuilder", None)
     set_dim = getattr(builder_type, "set_grid_dim", None)
     set_idx = getattr(builder_type, "set_grid_idx", None)
     if set_dim is None or set_idx is None or getattr(set_dim, "_speccheck_alternating", False):
