@@ -370,7 +370,8 @@ def test_the_clamp_holds_position_length_and_slot_at_max_model_len() -> None:
 
 def test_host_lengths_are_the_step_lengths_and_stay_the_builds() -> None:
     """A build's host lengths are its step's clamped lengths (zero for padding lanes) and
-    their maximum; the fused path builds step 1 only, so its host values stay step 1's."""
+    their maximum; the fused path's decode steps run on its capture build, whose host
+    values are the dummy lanes' (length 1 each), and no later hook brings others."""
     spec = _speculator()
     per_step = _decode_steps(_propose(spec, BATCH, DecodePath.PER_STEP))
     for step, seen in per_step.items():
@@ -378,7 +379,11 @@ def test_host_lengths_are_the_step_lengths_and_stay_the_builds() -> None:
         lengths = [_length(base, step) for base in _base(BATCH)] + [0] * len(PADDING_LANES)
         assert seen.host.seq_lens_cpu_upper_bound == lengths, f"step {step}"
         assert seen.host.max_seq_len == max(lengths), f"step {step}"
-    fused = _decode_steps(_propose(spec, BATCH, DecodePath.FUSED))
+    received = _propose(spec, BATCH, DecodePath.FUSED, with_capture_build=True)
+    capture = received[0].host
+    assert capture is not None and received[0].hook is Hook.CAPTURE_BUILD
+    assert (capture.seq_lens_cpu_upper_bound, capture.max_seq_len) == ([1] * BUCKET, 1)
+    fused = _decode_steps(received[1:])
     assert [fused[s].host is None for s in DECODE_STEPS] == [False, True, True]
 
 
