@@ -665,10 +665,11 @@ def test_the_recorded_command_repeats_the_modules_operators_and_sample() -> None
     from speccheck.checks.cli.mutate import _command
 
     assert _command("reference", [Path("backends/dcp.py"), Path("my dir/b.py")], "off_by_one",
-                    24, 2, 3) == (
+                    24, 2, 3, Shard(2, 3)) == (
         "speccheck mutate --backend reference --module backends/dcp.py --module 'my dir/b.py' "
-        "--operators off_by_one --max-mutants 24 --seed 2 --examples 3")
-    assert _command("reference", [], None, None, 0, None) == "speccheck mutate --backend reference"
+        "--operators off_by_one --max-mutants 24 --seed 2 --examples 3 --shard 2/3")
+    assert _command("reference", [], None, None, 0, None, None) == (
+        "speccheck mutate --backend reference")
 
 
 def test_a_crash_reading_a_deleted_binding_first_is_a_stillborn_mutant() -> None:
