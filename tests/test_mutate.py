@@ -463,6 +463,9 @@ def test_the_shards_of_a_run_merge_into_the_whole_run(
         merged_shards([paths[0], tmp_path / "b"], [data[0], split[0]])
     with pytest.raises(RescoreError, match="shard 2/4 overlaps shard 2/2"):
         merged_shards([*paths, tmp_path / "b"], [*data, split[0]])
+    garbled = {**data[1], "command": "speccheck mutate --backend reference --shard 3/2"}
+    with pytest.raises(RescoreError, match=r"--shard '3/2': INDEX must be 1 to COUNT"):
+        merged_shards(paths, [data[0], garbled])
     other = {**data[1], "commit": "def456"}
     with pytest.raises(RescoreError, match="not a part of the run of"):
         merged_shards(paths, [data[0], other])

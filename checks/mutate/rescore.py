@@ -94,24 +94,29 @@ def read_report(path: Path) -> dict[str, Any]:
 def merged_shards(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The saved reports ``parts`` (read from ``paths``) of every ``--shard`` of one run,
     merged into the report of the whole run: the same command but the shard, the same
-    commit, every mutant in exactly one part (:func:`_check_partition`). Its ``seconds`` are the parts' summed (time
-    on all machines, not wall time); :class:`RescoreError` naming the file otherwise."""
+    commit, every mutant in exactly one part (:func:`_check_partition`). Its ``seconds``
+    are the parts' summed (time on all machines, not wall time); :class:`RescoreError`
+    naming the file otherwise."""
     saved = [_validated(path, part) for path, part in zip(paths, parts, strict=True)]
+    first = saved[0]
+    run = (first.backend, first.commit, first.generated, first.examples, first.operators,
+           first.targets)
     whole: set[str] = set()
-    shards: dict[str, Path] = {}
+    shards: dict[Shard, Path] = {}
     for path, report in zip(paths, saved, strict=True):
-        command, shard = _without_shard(report.command)
-        if shard is None:
+        command, text = _without_shard(report.command)
+        if text is None:
             raise RescoreError(f"{path}: not the report of a --shard run ({report.command})")
+        try:
+            shard = Shard.parse(text)
+        except ValueError as exc:
+            raise RescoreError(f"{path}: --shard {exc}") from None
         if shard in shards:
             raise RescoreError(f"{path}: shard {shard} again (also {shards[shard]})")
         shards[shard] = path
         whole.add(command)
-        same = (report.backend, report.commit, report.generated, report.examples,
-                report.operators, report.targets)
-        first = saved[0]
-        if same != (first.backend, first.commit, first.generated, first.examples,
-                    first.operators, first.targets):
+        if (report.backend, report.commit, report.generated, report.examples,
+                report.operators, report.targets) != run:
             raise RescoreError(f"{path}: not a part of the run of {paths[0]} (another backend, "
                                "commit, operators, modules or examples)")
     if len(whole) != 1:
@@ -137,20 +142,19 @@ def merged_shards(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> 
     return merged
 
 
-def _check_partition(path: Path, shards: Mapping[str, Path]) -> None:
-    """Refuse ``shards`` (``INDEX/COUNT`` to the report holding it) that overlap or leave a
-    mutant out. They may have different counts (``1/2`` beside ``2/4`` and ``4/4``: a part
-    split again later): mutant ``m`` is in ``I/N`` where ``m % N == I - 1``, so the parts
-    are compared on the residues modulo the counts' least common multiple."""
-    parts = {text: Shard.parse(text) for text in shards}
-    period = math.lcm(*(shard.count for shard in parts.values()))
-    owner: dict[int, str] = {}
-    for text, shard in parts.items():
+def _check_partition(path: Path, shards: Mapping[Shard, Path]) -> None:
+    """Refuse ``shards`` (each to the report holding it) that overlap or leave a mutant
+    out. They may have different counts (``1/2`` beside ``2/4`` and ``4/4``: a part split
+    again later): mutant ``m`` is in ``I/N`` where ``m % N == I - 1``, so the parts are
+    compared on the residues modulo the counts' least common multiple."""
+    period = math.lcm(*(shard.count for shard in shards))
+    owner: dict[int, Shard] = {}
+    for shard, held_in in shards.items():
         for residue in range(shard.index - 1, period, shard.count):
             if residue in owner:
-                raise RescoreError(f"{shards[text]}: shard {text} overlaps shard "
+                raise RescoreError(f"{held_in}: shard {shard} overlaps shard "
                                    f"{owner[residue]} ({shards[owner[residue]]})")
-            owner[residue] = text
+            owner[residue] = shard
     if len(owner) != period:
         missing = [Shard(r % period + 1, period) for r in range(period) if r not in owner]
         raise RescoreError(f"{path}: the parts do not make the whole run: missing --shard "
