@@ -204,6 +204,28 @@ class FieldMeaning(_DescribedEnum):
         "Each request's KV length on every DCP rank, `[lanes, N]`: column `k` counts the "
         "positions `p < seq_len` with `p % N == k`; 0 for padding lanes.",
     )
+    KV_SPLIT_SCHEDULE = (
+        "kv_split_schedule",
+        "A split-KV tile schedule, `[parts, 5]` rows `(first token, first tile, last token, "
+        "end tile, first partial)`: each query token's attended positions (its window, or "
+        "its causal KV; under DCP the ones this process holds) cut into tiles of "
+        "`kv_split_tile` positions; a row whose last token precedes its first runs nothing, "
+        "the others run tiles `first tile ..` of the first token, all tiles of the tokens "
+        "between and tiles `.. end tile - 1` of the last; every tile is run by exactly one "
+        "row, each token's in row order, and a row's first partial is its first token's "
+        "offset plus the earlier rows with tiles of it. A rule, not one value: schedules "
+        "that cut the tiles differently are all valid.",
+    )
+    KV_SPLIT_OFFSETS = (
+        "kv_split_offsets",
+        "Cumulative partial counts of a split-KV schedule, `[tokens + 1]`: entry `t + 1` "
+        "minus entry `t` is the number of rows of the `kv_split_schedule` field with tiles "
+        "of token `t` (0 for padding tokens); entry 0 is 0.",
+    )
+
+
+SPLIT_MEANINGS = frozenset({FieldMeaning.KV_SPLIT_SCHEDULE, FieldMeaning.KV_SPLIT_OFFSETS})
+"""Meanings stated in tiles of ``draft_decode.kv_split_tile`` positions."""
 
 
 class KvLayout(_DescribedEnum):
@@ -394,6 +416,12 @@ class DraftDecode(StrictModel):
         "the refresh share cannot agree with itself. A field whose value reaches no output "
         "is checked by its meaning only; declare every common field the metadata holds.",
     )
+    kv_split_tile: PositiveInt | None = Field(
+        None,
+        description="KV positions per tile of the split-KV schedule whose fields "
+        "`field_meanings` declares (`kv_split_schedule`, `kv_split_offsets`); required "
+        "with them, forbidden without.",
+    )
     refresh_rebuilds: StrictBool = Field(
         False,
         description="Whether the in-graph refresh rebuilds the metadata: recomputes, from "
@@ -457,6 +485,7 @@ class DraftDecode(StrictModel):
                 (("supported",), "must be false when refresh_strategy is host_preplanned: "
                  "host-side planning cannot run inside a captured graph")
             )
+        violations.extend(self._split_violations())
         for name in ("refreshed_fields", "invalidated_caches"):
             for value in _duplicates(getattr(self, name)):
                 violations.append(((name,), f"lists {value!r} more than once"))
@@ -467,6 +496,24 @@ class DraftDecode(StrictModel):
             )
         _reject(violations)
         return self
+
+    def _split_violations(self) -> list[tuple[Loc, str]]:
+        """A split-KV schedule's meanings need its tile size, and the offsets their
+        schedule."""
+        meanings = set(self.field_meanings.values())
+        if meanings & SPLIT_MEANINGS and self.kv_split_tile is None:
+            return [(("kv_split_tile",), "is required when field_meanings declares a split-KV "
+                     "schedule (kv_split_schedule or kv_split_offsets): say how many KV "
+                     "positions a tile holds")]
+        if not meanings & SPLIT_MEANINGS and self.kv_split_tile is not None:
+            return [(("kv_split_tile",), "must not be set when field_meanings declares no "
+                     "split-KV schedule; remove it")]
+        if FieldMeaning.KV_SPLIT_OFFSETS in meanings and (
+            FieldMeaning.KV_SPLIT_SCHEDULE not in meanings
+        ):
+            return [(("field_meanings",), "declares kv_split_offsets without a "
+                     "kv_split_schedule field: the offsets are defined by the schedule")]
+        return []
 
     @property
     def step_dependent_fields(self) -> tuple[str, ...]:

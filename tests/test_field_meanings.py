@@ -26,6 +26,7 @@ import yaml
 from speccheck.checks.selftest.mutants import naming_matrix
 from speccheck.checks.verify.field_meanings import (
     DEFINITIONS,
+    SPLIT_RULES,
     DeclaredMeanings,
     MeaningGeometry,
     PassState,
@@ -68,8 +69,9 @@ def _expected(meaning: FieldMeaning, step: int, shape: tuple[int, ...],
     return value.tolist()
 
 
-def test_every_meaning_has_a_definition() -> None:
-    assert set(DEFINITIONS) == set(FieldMeaning)
+def test_every_meaning_has_one_definition_or_rule() -> None:
+    assert set(DEFINITIONS) | set(SPLIT_RULES) == set(FieldMeaning)
+    assert not set(DEFINITIONS) & set(SPLIT_RULES)
 
 
 def test_lengths_positions_and_offsets_advance_clamp_and_leave_padding_lanes_empty() -> None:

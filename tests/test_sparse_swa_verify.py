@@ -91,6 +91,28 @@ def test_a_field_copied_at_build_is_caught_on_the_cpu_tier() -> None:
     assert (Check.FIELD_MEANINGS, 1, "sparse_swa.metadata.block_table") in named, named
 
 
+class ContinuationsRestartTheirToken(SparseSWAMetadataBuilder):
+    """Gives every part its first token's first partial, forgetting that a part continuing
+    a token split over several parts owns a later one: the parts of a split token write the
+    same partial. Capture-safe (a gather on the device)."""
+
+    def build_schedule(self, metadata: SparseSWAMetadata) -> None:
+        super().build_schedule(metadata)
+        rows = metadata.tile_scheduler_metadata
+        rows[:, 4] = metadata.split_offsets[rows[:, 0].long()]
+
+
+def test_a_schedule_breaking_its_meaning_is_caught_naming_the_schedule() -> None:
+    """At the defaults (a 24-position window: two tiles for a token past position 15) the
+    parts split tokens, and the schedule's rule (``kv_split_schedule``) names the field."""
+    report = verify_at_defaults("sparse_swa", ContinuationsRestartTheirToken, DEVICE,
+                                load_matrix(None), shrink_seconds=0)
+    assert report.status is Status.FAILED
+    named = [(f.check, f.field) for f in report.failures if f.field]
+    schedule = "sparse_swa.metadata.tile_scheduler_metadata"
+    assert (Check.FIELD_MEANINGS, schedule) in named, named
+
+
 def test_rocm_sparse_swa_is_skipped_for_its_platform() -> None:
     report = speccheck.verify("rocm_sparse_swa", examples=1)
     backend = report.backend("rocm_sparse_swa")

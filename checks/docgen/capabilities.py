@@ -203,6 +203,9 @@ def _meaning_lines(draft: DraftDecode) -> list[str]:
              "draft step (`field_meanings`):"]
     for name, meaning in draft.field_meanings.items():
         lines.append(f"  - `{name}` is `{meaning.value}`: {meaning.description}")
+    if draft.kv_split_tile is not None:
+        lines.append(f"  - `kv_split_tile`: {draft.kv_split_tile} KV positions per tile of the "
+                     "split-KV schedule.")
     return lines
 
 

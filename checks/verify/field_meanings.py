@@ -25,16 +25,23 @@ w`` and query offsets ``min(i, num_reqs) * w``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from speccheck.checks.verify.comparisons import FirstPassSnapshot, Outcome
 from speccheck.checks.verify.kv_share import KvShare
+from speccheck.checks.verify.split_schedule import (
+    SCHEDULE_COLUMNS,
+    Coverage,
+    expected_schedule,
+    read_schedule,
+    token_tiles,
+)
 from speccheck.checks.verify.step_recorder import StepSnapshots
 from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.contract.groups import AttentionGroup
-from speccheck.contract.matrix_model import FieldMeaning, Matrix
+from speccheck.contract.matrix_model import SPLIT_MEANINGS, FieldMeaning, Matrix
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.kv_cache import PAD_SLOT, SINK_BLOCK
@@ -197,6 +204,67 @@ Definition = Callable[[PassState, MeaningGeometry, torch.Size], torch.Tensor | N
 """A meaning's expected value for a field recorded with ``shape`` (int64, on the host), or
 ``None`` when no field of that shape can hold it."""
 
+
+@dataclass(frozen=True)
+class SplitField:
+    """A recorded field of a split-KV schedule meaning, with what its rule reads besides
+    the batch: the entry's tile size and the other split fields of the same metadata (by
+    meaning)."""
+
+    value: torch.Tensor
+    tile: int
+    siblings: Mapping[FieldMeaning, torch.Tensor]
+
+
+def _attended(d: PassState, g: MeaningGeometry) -> list[int]:
+    """Each real query token's attended KV positions that this process holds: its window
+    (the config's sliding window) or its causal KV (``position + 1``)."""
+    out = []
+    for _, position in d.tokens:
+        length = _window_length(position, g.sliding_window) if g.sliding_window > 0 else (
+            position + 1)
+        first = position - length + 1
+        out.append(len(range(first + (g.share.rank - first) % g.share.world, position + 1,
+                             g.share.world)))
+    return out
+
+
+def _coverage(d: PassState, g: MeaningGeometry, schedule: torch.Tensor, tile: int,
+              num_tokens: int) -> Coverage | str:
+    return read_schedule(schedule, token_tiles(_attended(d, g), tile), num_tokens)
+
+
+def _split_schedule(d: PassState, g: MeaningGeometry, f: SplitField) -> torch.Tensor | str | None:
+    if f.value.dim() != 2 or f.value.shape[1] < len(SCHEDULE_COLUMNS):
+        return None
+    offsets = f.siblings.get(FieldMeaning.KV_SPLIT_OFFSETS)
+    num_tokens = len(d.tokens) if offsets is None else max(offsets.shape[0] - 1, 0)
+    coverage = _coverage(d, g, f.value, f.tile, num_tokens)
+    return coverage if isinstance(coverage, str) else expected_schedule(f.value, coverage)
+
+
+def _split_offsets(d: PassState, g: MeaningGeometry, f: SplitField) -> torch.Tensor | str | None:
+    if f.value.dim() != 1 or _lanes(f.value.shape, len(d.tokens), extra=1) is None:
+        return None
+    schedule = f.siblings.get(FieldMeaning.KV_SPLIT_SCHEDULE)
+    if schedule is None:
+        return "has no kv_split_schedule field in its metadata to count"
+    coverage = _coverage(d, g, schedule, f.tile, f.value.shape[0] - 1)
+    if isinstance(coverage, str):
+        return f"counts an invalid schedule: {coverage}"
+    return torch.tensor(coverage.offsets(), dtype=torch.int64)
+
+
+SplitRule = Callable[[PassState, MeaningGeometry, SplitField], torch.Tensor | str | None]
+"""A split-KV meaning's expected value for a recorded field (the field as its rule gives it:
+the recorded partition with what follows from it), what breaks the rule, or ``None`` when
+no field of that shape can hold it."""
+
+SPLIT_RULES: dict[FieldMeaning, SplitRule] = {
+    FieldMeaning.KV_SPLIT_SCHEDULE: _split_schedule,
+    FieldMeaning.KV_SPLIT_OFFSETS: _split_offsets,
+}
+
 DEFINITIONS: dict[FieldMeaning, Definition] = {
     FieldMeaning.QUERY_START_LOC: _query_start_loc,
     FieldMeaning.SEQ_LENS: _seq_lens,
@@ -208,7 +276,8 @@ DEFINITIONS: dict[FieldMeaning, Definition] = {
     FieldMeaning.WINDOW_LENGTHS: _window_lengths,
     FieldMeaning.WINDOW_SLOTS: _window_slots,
 }
-"""Every meaning's definition (a test holds it complete)."""
+"""Every meaning's definition but the split-KV ones' (:data:`SPLIT_RULES`; a test holds the
+two complete)."""
 
 
 TOKEN_MEANINGS = frozenset({FieldMeaning.POSITIONS, FieldMeaning.KV_SLOTS,
@@ -222,6 +291,11 @@ def _where(index: tuple[int, ...], meaning: FieldMeaning, d: PassState) -> str:
     row = index[0] if index else 0
     suffix = f", entry {index[1]}" if len(index) > 1 else ""
     num_reqs = d.batch.num_reqs
+    if meaning is FieldMeaning.KV_SPLIT_SCHEDULE:
+        column = index[1] if len(index) > 1 else 0
+        return f"part {row} ({SCHEDULE_COLUMNS[column]})"
+    if meaning is FieldMeaning.KV_SPLIT_OFFSETS:
+        return f"entry {row} (the partials before token {row})"
     if meaning is FieldMeaning.QUERY_START_LOC and row == num_reqs:
         return "the end of the last request"
     if meaning in TOKEN_MEANINGS and d.width > 1:
@@ -240,6 +314,8 @@ class DeclaredMeanings:
 
     fields: Mapping[str, FieldMeaning]
     geometry: MeaningGeometry
+    split_tiles: Mapping[str, int] = field(default_factory=dict)
+    """The tile size of each split-KV field's entry (snapshot path -> ``kv_split_tile``)."""
 
     @classmethod
     def of(
@@ -248,16 +324,19 @@ class DeclaredMeanings:
     ) -> DeclaredMeanings:
         """The meanings ``matrix`` declares for the metadata of ``groups``, keyed by the
         paths :mod:`~speccheck.checks.verify.step_recorder` records them under."""
-        fields = {
-            f"{group.backend_name}.metadata.{name}": meaning
-            for group in groups
-            for name, meaning in matrix.backend(group.backend_name).draft_decode.field_meanings
-            .items()
-        }
+        fields: dict[str, FieldMeaning] = {}
+        split_tiles: dict[str, int] = {}
+        for group in groups:
+            draft = matrix.backend(group.backend_name).draft_decode
+            for name, meaning in draft.field_meanings.items():
+                path = f"{group.backend_name}.metadata.{name}"
+                fields[path] = meaning
+                if meaning in SPLIT_MEANINGS and draft.kv_split_tile is not None:
+                    split_tiles[path] = draft.kv_split_tile
         geometry = MeaningGeometry(config.block_size, config.max_model_len,
                                    config.advance_draft_positions, share, config.dcp_world_size,
                                    config.sliding_window)
-        return cls(fields, geometry)
+        return cls(fields, geometry, split_tiles)
 
     def check(
         self, batch: DraftBatch, steps: StepSnapshots, name: str,
@@ -295,27 +374,49 @@ class DeclaredMeanings:
                              advance=self.geometry.advance)
         where = f"before draft step {step}" if step else "in the padded first pass"
         for path, meaning in self.fields.items():
-            problem = self._problem(state, path, meaning, snapshot.get(path))
+            problem = self._problem(state, path, meaning, snapshot)
             if problem is not None:
                 return Outcome(Check.FIELD_MEANINGS, Result.FAILED,
                                f"{name}: {where}, {path} ({meaning.value}) {problem}",
                                name, step, path)
         return None
 
+    def _expected(
+        self, state: PassState, path: str, meaning: FieldMeaning, got: torch.Tensor,
+        snapshot: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor | str | None:
+        """``meaning``'s value for the field at ``path`` recorded as ``got``: see
+        :data:`DEFINITIONS` and :data:`SPLIT_RULES`."""
+        if meaning not in SPLIT_MEANINGS:
+            return DEFINITIONS[meaning](state, self.geometry, got.shape)
+        prefix = path.rpartition(".metadata.")[0]
+        siblings = {
+            other: snapshot[other_path] for other_path, other in self.fields.items()
+            if other in SPLIT_MEANINGS and other_path.rpartition(".metadata.")[0] == prefix
+            and other_path in snapshot
+        }
+        recorded = SplitField(got.to(torch.int64), self.split_tiles[path],
+                              {m: v.to(torch.int64) for m, v in siblings.items()})
+        return SPLIT_RULES[meaning](state, self.geometry, recorded)
+
     def _problem(
-        self, state: PassState, path: str, meaning: FieldMeaning, got: torch.Tensor | None
+        self, state: PassState, path: str, meaning: FieldMeaning,
+        snapshot: Mapping[str, torch.Tensor],
     ) -> str | None:
-        """What is wrong with ``got`` as the value of ``meaning`` in ``state``, or
-        ``None``."""
+        """What is wrong with the field at ``path`` of ``snapshot`` as the value of
+        ``meaning`` in ``state``, or ``None``."""
+        got = snapshot.get(path)
         if got is None:
             return "is not in the metadata (the matrix entry declares its meaning)"
-        expected = DEFINITIONS[meaning](state, self.geometry, got.shape)
+        if got.is_floating_point() or got.is_complex():
+            return f"is of dtype {got.dtype}, not an integer tensor"
+        expected = self._expected(state, path, meaning, got, snapshot)
         num_reqs = state.batch.num_reqs
         if expected is None:
             return (f"has shape {tuple(got.shape)}, which cannot hold its meaning for "
                     f"{num_reqs} request(s)")
-        if got.is_floating_point() or got.is_complex():
-            return f"is of dtype {got.dtype}, not an integer tensor"
+        if isinstance(expected, str):
+            return f"breaks its rule: {expected}"
         bad = (got.to(torch.int64) != expected).nonzero()
         if bad.numel() == 0:
             return None

@@ -68,9 +68,10 @@ class Check(enum.StrEnum):
         "field_meanings",
         "before every draft step of the oracle and of every candidate, each field the matrix "
         "entry gives a meaning (`draft_decode.field_meanings`: lengths, positions, query "
-        "offsets, slots, block table, DCP local lengths) equals that meaning's value computed "
-        "from the batch itself, not from the builder or its helpers; a mismatch names the "
-        "field, the step, the request and both values",
+        "offsets, slots, block table, DCP local lengths, windows) equals that meaning's value "
+        "computed from the batch itself, not from the builder or its helpers, and a split-KV "
+        "schedule obeys its rule (every tile of every token run once, partials numbered in "
+        "order); a mismatch names the field, the step, the request (or part) and both values",
     )
     DECLARED_FIELDS = (
         "declared_fields",
