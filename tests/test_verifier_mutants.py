@@ -20,9 +20,11 @@ from speccheck.checks.selftest.mutants import (
     naming_matrix,
 )
 from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS, ProcessMutant
-from speccheck.checks.selftest.run import CONTROL_RESULT, verify_builder
+from speccheck.checks.selftest.run import CONTROL_RESULT, Outcome, mutant_result, verify_builder
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
 from speccheck.checks.verify.examples import decode_example, encode_example, example_from_json
+from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.vocabulary import Status, Tier
 from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.matrix_loader import load_matrix
 from tests.fixtures.selftest_catalogue import SelftestRun
@@ -209,3 +211,16 @@ def test_a_crash_catches_a_process_mutant_only_where_allowed_and_never_by_runnin
            "1.00 GiB")
     assert mutant.caught_by_crash(fault) is mutant.crash_catches
     assert mutant.caught_by_crash(oom) is False
+
+
+def test_a_row_whose_verification_crashed_is_an_error_not_a_miss() -> None:
+    """A DCP row whose rank process died has no failures; it says nothing of the builder,
+    so the row is an error naming the crash, not "missed: not caught" (as the H100 status
+    run of 3d97ff5 reported reference_stale_dcp_local_lens)."""
+    died = "DCP rank 1 of 2 failed: ProcessExited: exit code 1"
+    crashed = BackendReport("reference", Tier.GPU, Status.CRASHED, detail=died)
+    result = mutant_result("row", "step_metadata", "recreates", crashed, "dcp_local_seq_lens")
+    assert (result.outcome, result.detail) == (Outcome.ERROR, f"the verification crashed: {died}")
+    passed = BackendReport("reference", Tier.GPU, Status.PASSED)
+    missed = mutant_result("row", "step_metadata", "recreates", passed, "dcp_local_seq_lens")
+    assert (missed.outcome, missed.detail) == (Outcome.MISSED, "not caught")

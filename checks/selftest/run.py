@@ -166,12 +166,20 @@ def verify_builder(
                               shrink_seconds=shrink_seconds)
 
 
-def _result(name: str, check: str, recreates: str, report: BackendReport,
+def mutant_result(name: str, check: str, recreates: str, report: BackendReport,
             names: str) -> SelftestResult:
     """Caught: a failure of ``check`` whose diagnosis mentions ``names`` or whose field is
-    ``names``."""
+    ``names``. Otherwise missed, unless the verification crashed (a rank process died, say)
+    or was skipped: that says nothing of the builder, so it is an error (or skipped) with
+    the report's detail, never a miss reading "not caught"."""
     hits = [f for f in report.failures
             if f.check == check and (names in f.diagnosis or f.field == names)]
+    if not hits and report.status in (Status.CRASHED, Status.SKIPPED):
+        crashed = report.status is Status.CRASHED
+        return SelftestResult(
+            name, check, Outcome.ERROR if crashed else Outcome.SKIPPED,
+            f"the verification crashed: {report.detail}" if crashed else report.detail,
+            recreates, report.failures, report.minimal_example, report.checks)
     detail = hits[0].diagnosis if hits else (
         "not caught" if not report.failures else
         f"caught by {report.failures[0].check} instead: {report.failures[0].diagnosis}")
@@ -203,7 +211,7 @@ def verify_process_mutant(mutant: ProcessMutant,
             return SelftestResult(mutant.name, mutant.check, outcome,
                                   f"crashed: {report.detail}", mutant.recreates)
         else:
-            return _result(mutant.name, mutant.check, mutant.recreates, report, mutant.names)
+            return mutant_result(mutant.name, mutant.check, mutant.recreates, report, mutant.names)
     return SelftestResult(mutant.name, mutant.check, Outcome.SKIPPED, reason, mutant.recreates)
 
 
@@ -280,19 +288,19 @@ def selftest_rows(device: torch.device,
         check, phrase = mutant.expected(gpu)
         report = verify_builder(mutant.builder, device, declares=mutant.declares,
                                 rebuilds=mutant.rebuilds, shrink_seconds=shrink_seconds)
-        return _result(mutant.name, check, mutant.recreates, report, phrase)
+        return mutant_result(mutant.name, check, mutant.recreates, report, phrase)
 
     def swa_mutant(swa: SWAMutant) -> SelftestResult:
         report = verify_at_defaults("sparse_swa", swa.builder, device, shipped,
                                     shrink_seconds=shrink_seconds)
-        return _result(swa.name, swa.check, swa.recreates, report, swa.names)
+        return mutant_result(swa.name, swa.check, swa.recreates, report, swa.names)
 
     def mla_stale_dcp_local_lens() -> SelftestResult:
         report = verify_at_defaults("triton_mla", StaleDcpLocalLens, device,
                                     claiming_matrix(shipped),
                                     config_changes={"dcp_world_size": 2},
                                     shrink_seconds=shrink_seconds)
-        return _result(
+        return mutant_result(
             MLA_STALE_DCP_LOCAL_LENS, Check.STEP_METADATA,
             "DCP-local lengths derived at build and not advanced between fused draft steps "
             "(vLLM's Triton MLA refresh under DCP)", report,
@@ -302,7 +310,7 @@ def selftest_rows(device: torch.device,
         report = verify_dcp_at_defaults(backend, dcp_mutants.STALE_DCP_BUILDERS[backend],
                                         device, dcp_mutants.claiming_matrix(shipped, backend),
                                         shrink_seconds=shrink_seconds)
-        return _result(
+        return mutant_result(
             stale_dcp_local_lens_name(backend), Check.STEP_METADATA,
             "DCP-local lengths not advanced between fused draft steps while the local slots "
             "are (vLLM's Triton MLA refresh under DCP), on two real DCP ranks", report,
