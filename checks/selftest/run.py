@@ -167,7 +167,7 @@ def verify_builder(
 
 
 def mutant_result(name: str, check: str, recreates: str, report: BackendReport,
-            names: str) -> SelftestResult:
+                  names: str) -> SelftestResult:
     """Caught: a failure of ``check`` whose diagnosis mentions ``names`` or whose field is
     ``names``. Otherwise missed, unless the verification crashed (a rank process died, say)
     or was skipped: that says nothing of the builder, so it is an error (or skipped) with

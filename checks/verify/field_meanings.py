@@ -224,8 +224,7 @@ def _attended(d: PassState, g: MeaningGeometry) -> list[int]:
         length = _window_length(position, g.sliding_window) if g.sliding_window > 0 else (
             position + 1)
         first = position - length + 1
-        out.append(len(range(first + (g.share.rank - first) % g.share.world, position + 1,
-                             g.share.world)))
+        out.append(held_positions(position + 1, g.share) - held_positions(first, g.share))
     return out
 
 
