@@ -294,3 +294,27 @@ def test_a_row_that_raises_is_an_error_row_not_a_traceback(
          "64.00 MiB."),
         ("next_row", "caught", "caught it")]
     assert record.selftest_caught == (1, 2)
+
+
+def test_a_selftest_row_not_caught_is_listed_with_its_cause() -> None:
+    """The table counts an error row apart from a miss, and the page lists every row that
+    was not caught (nor skipped) with the first line of its detail."""
+    from speccheck.checks.status.record import SelftestRecord
+
+    record = _record("gpu").model_copy(update={"selftest": [
+        SelftestRecord(name="control", expected_check="-", outcome="caught", detail="passed"),
+        SelftestRecord(name="dcp_row", expected_check="step_metadata", outcome="error",
+                       detail="the verification crashed: DCP DP rank 1 of 2 failed: "
+                              "OutOfMemoryError\n--- traceback ---"),
+        SelftestRecord(name="fa3_row", expected_check="step_metadata", outcome="skipped",
+                       detail="needs CUDA"),
+        SelftestRecord(name="missed_row", expected_check="kv_cache", outcome="missed",
+                       detail="not caught")]})
+    page = render_status_readme({"reference": BackendStatus(backend="reference",
+                                                            tiers={"gpu": record})})
+    assert "| 1/3 (1 error, 1 skipped) |" in page
+    listed = page.split("## Self-test rows not caught\n\n")[1].splitlines()
+    assert listed == [
+        "- `reference` (gpu): `dcp_row` error: the verification crashed: DCP DP rank 1 of 2 "
+        "failed: OutOfMemoryError",
+        "- `reference` (gpu): `missed_row` missed: not caught"]

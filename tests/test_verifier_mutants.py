@@ -224,3 +224,30 @@ def test_a_row_whose_verification_crashed_is_an_error_not_a_miss() -> None:
     passed = BackendReport("reference", Tier.GPU, Status.PASSED)
     missed = mutant_result("row", "step_metadata", "recreates", passed, "dcp_local_seq_lens")
     assert (missed.outcome, missed.detail) == (Outcome.MISSED, "not caught")
+
+
+def test_an_isolated_row_runs_in_a_process_of_its_own() -> None:
+    """On CUDA a row whose verification runs in the calling process gets a process of its
+    own (a failed capture's graph pool, an illegal memory access, must not outlive it): the
+    result is the in-process one's, and a row the process cannot run is an error naming
+    why, not a traceback."""
+    import dataclasses
+    import os
+
+    from speccheck.checks.selftest.run import SelftestRow, selftest_rows
+
+    rows = {row.name: row for row in selftest_rows(torch.device("cpu"), shrink_seconds=0.0)}
+    row = rows[MUTANTS[0].name]
+    assert not row.isolated  # on the CPU tier nothing outlives a row: no process needed
+    parent = os.getpid()
+    here = row.result()
+    isolated = dataclasses.replace(row, isolated=True, run=lambda: pytest.fail("ran here"))
+    there = isolated.result()
+    assert os.getpid() == parent
+    assert here.outcome is Outcome.CAUGHT
+    assert (there.name, there.outcome, there.expected_check, there.recreates) == \
+        (here.name, here.outcome, here.expected_check, here.recreates)
+    unknown = SelftestRow("no_such_row", "reference", lambda: pytest.fail("ran here"),
+                          isolated=True).result()
+    assert (unknown.outcome, unknown.detail) == \
+        (Outcome.ERROR, "raised UnknownSelftestRow: no self-test row 'no_such_row' on cpu")

@@ -45,6 +45,7 @@ from speccheck.contract.builder import AttentionMetadataBuilder
 from speccheck.contract.matrix_loader import load_matrix
 from speccheck.contract.matrix_model import Matrix
 from speccheck.speculator.attention_setup import machine_platform, unrunnable_reason
+from speccheck.speculator.dp_launch import RankFailed, rank_device, run_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +230,11 @@ def stale_dcp_local_lens_name(backend: str) -> str:
     return f"{backend}_stale_dcp_local_lens"
 
 
+ROW_PROCESS_TIMEOUT_S = 3600.0
+"""How long an isolated row's process may run (start-up, verification and shrinking) before
+it is ended and the row is an error."""
+
+
 @dataclass(frozen=True)
 class SelftestRow:
     """One row of the self-test: the name ``speccheck selftest --only`` selects it by (the
@@ -240,19 +246,44 @@ class SelftestRow:
     """The backend whose builder the row's known-bad builder (or the control) derives from:
     the status of that backend lists the row."""
     run: Callable[[], SelftestResult]
+    isolated: bool = False
+    """Run :attr:`run` in a process of its own (forked from the fork server, the rows
+    rebuilt there at :attr:`shrink_seconds`): set for rows whose verification runs in the
+    calling process on a CUDA device, where a known-bad builder can leave state that no
+    collection frees: a failed graph capture keeps its memory pool reserved until the
+    process exits (torch's ``CUDAGraph.reset`` releases a pool only after a capture that
+    ended), an illegal memory access ends the CUDA context. Neither may reach the next
+    row (or the DCP ranks a later row starts on the same device)."""
+    shrink_seconds: float = DEFAULT_SHRINK_SECONDS
 
     def result(self) -> SelftestResult:
-        """:attr:`run`'s result; where the row's verification raises, an
-        :attr:`Outcome.ERROR` result naming the exception in one line (its traceback
-        logged at debug level), so one row that cannot run ends neither the self-test nor
-        a status run."""
+        """:attr:`run`'s result (in a process of its own where :attr:`isolated`); where
+        the row's verification raises, or its process dies or outlives
+        :data:`ROW_PROCESS_TIMEOUT_S`, an :attr:`Outcome.ERROR` result naming the cause in
+        one line (its traceback logged at debug level), so one row that cannot run ends
+        neither the self-test nor a status run."""
         try:
+            if self.isolated:
+                return run_ranks(_run_isolated_row, 1, (self.name, self.shrink_seconds),
+                                 timeout_s=ROW_PROCESS_TIMEOUT_S)[0]
             return self.run()
         except Exception as exc:  # noqa: BLE001 - any row error is that row's result
-            detail = f"raised {exception_line(exc)}".rstrip(": ")
+            cause = (f"{exc.exc_type}: {exc.message}" if isinstance(exc, RankFailed)
+                     else exception_line(exc))
+            detail = f"raised {(cause.splitlines() or [''])[0]}".rstrip(": ")
             logger.warning("self-test row %s %s", self.name, detail)
             logger.debug("self-test row %s", self.name, exc_info=True)
             return SelftestResult(self.name, "-", Outcome.ERROR, detail, "")
+
+
+def _run_isolated_row(rank: int, world: int, name: str, shrink_seconds: float) -> SelftestResult:
+    """Body of an :attr:`~SelftestRow.isolated` row's process: the row named ``name`` of
+    this process's device's rows, run here."""
+    device = rank_device(rank)
+    for row in selftest_rows(device, shrink_seconds):
+        if row.name == name:
+            return row.run()
+    raise UnknownSelftestRow(f"no self-test row {name!r} on {device}")
 
 
 class UnknownSelftestRow(ValueError):
@@ -270,7 +301,8 @@ def selftest_rows(device: torch.device,
     their author would ship); then the CUDA-only kernel backends'
     (:data:`~speccheck.checks.selftest.process_mutants.PROCESS_MUTANTS`, in verify's
     worker processes; skipped where the machine cannot run them). Nothing runs until a
-    row's ``run`` is called. ``shrink_seconds``: each run's budget for shrinking its
+    row's ``run`` is called; on CUDA, the rows whose verification runs in the calling
+    process are :attr:`~SelftestRow.isolated`. ``shrink_seconds``: each run's budget for shrinking its
     failure (whether it is caught does not depend on it)."""
     gpu = device.type == "cuda"
     shipped = load_matrix(None)
@@ -316,11 +348,14 @@ def selftest_rows(device: torch.device,
             "are (vLLM's Triton MLA refresh under DCP), on two real DCP ranks", report,
             f"{backend}.metadata.{dcp_mutants.DCP_LOCAL_FIELD}")
 
+    def in_process(name: str, backend: str, run: Callable[[], SelftestResult]) -> SelftestRow:
+        return SelftestRow(name, backend, run, isolated=gpu, shrink_seconds=shrink_seconds)
+
     return [
-        SelftestRow(CONTROL, "reference", control),
-        *(SelftestRow(m.name, "reference", partial(reference_mutant, m)) for m in MUTANTS),
-        *(SelftestRow(m.name, "sparse_swa", partial(swa_mutant, m)) for m in SWA_MUTANTS),
-        SelftestRow(MLA_STALE_DCP_LOCAL_LENS, "triton_mla", mla_stale_dcp_local_lens),
+        in_process(CONTROL, "reference", control),
+        *(in_process(m.name, "reference", partial(reference_mutant, m)) for m in MUTANTS),
+        *(in_process(m.name, "sparse_swa", partial(swa_mutant, m)) for m in SWA_MUTANTS),
+        in_process(MLA_STALE_DCP_LOCAL_LENS, "triton_mla", mla_stale_dcp_local_lens),
         *(SelftestRow(stale_dcp_local_lens_name(backend), backend,
                       partial(stale_dcp_local_lens, backend))
           for backend in dcp_mutants.STALE_DCP_BUILDERS),

@@ -9,6 +9,7 @@ a record lags is counted in commits behind the newest record of any backend, fro
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 
 from speccheck.checks.mutate.coverage_run import CodePhase
@@ -45,11 +46,18 @@ def _short(record: TierStatus) -> str:
 
 
 def _selftest_cell(record: TierStatus) -> str:
+    """``caught/run``, then how many rows were skipped or raised (an error row is run, not
+    caught, and says nothing of its builder: it is counted apart from a miss)."""
     caught, run = record.selftest_caught
-    skipped = len(record.selftest) - run
     if not record.selftest:
         return "none"
-    return f"{caught}/{run}" + (f" ({skipped} skipped)" if skipped else "")
+    counts = Counter(row.outcome for row in record.selftest)
+    notes = [f"{counts[outcome]} {outcome}" for outcome in ("error", "skipped") if counts[outcome]]
+    return f"{caught}/{run}" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0] if text else "no detail"
 
 
 METADATA_ROLES = (Role.BUILDER, Role.REFRESH)
@@ -154,6 +162,14 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
         for name, tier, record in failing:
             why = record.detail or "; ".join(f"{f.check}: {f.diagnosis}" for f in record.failures)
             lines.append(f"- `{name}` ({tier}): {record.verdict.value}: {why or 'no detail'}")
+    uncaught = [(name, tier, result) for name, status in sorted(statuses.items())
+                for tier, record in status.tiers.items() for result in record.selftest
+                if result.outcome not in ("caught", "skipped")]
+    if uncaught:
+        lines += ["", "## Self-test rows not caught", ""]
+        for name, tier, result in uncaught:
+            lines.append(f"- `{name}` ({tier}): `{result.name}` {result.outcome}: "
+                         f"{_first_line(result.detail)}")
     return "\n".join(lines) + "\n"
 
 
