@@ -13,6 +13,7 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 COMMIT_ENV = "SPECCHECK_COMMIT"
@@ -20,9 +21,9 @@ COMMIT_INDEX_ENV = "SPECCHECK_COMMIT_INDEX"
 _TREE = Path(__file__).resolve().parents[1]
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, cwd: Path = _TREE) -> str | None:
     try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=_TREE,
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=cwd,
                               check=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
@@ -51,6 +52,28 @@ def tree_dirty() -> bool | None:
         return None
     changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs")
     return None if changed is None else bool(changed)
+
+
+def uncommitted(paths: Iterable[Path]) -> list[Path] | None:
+    """Those of ``paths`` (resolved; all in the repository of the first one's folder) that
+    differ from its HEAD, the commit under test: changed, staged or untracked; ``None``
+    where git cannot tell (a copy without ``.git``, or one that names its commit through
+    ``$SPECCHECK_COMMIT``)."""
+    chosen = [path.resolve() for path in paths]
+    if os.environ.get(COMMIT_ENV):
+        return None
+    if not chosen:
+        return []
+    where = chosen[0].parent
+    root = _git("rev-parse", "--show-toplevel", cwd=where)
+    if root is None:
+        return None
+    changed = _git("status", "--porcelain", "--untracked-files=all", "--", *map(str, chosen),
+                   cwd=where)
+    if changed is None:
+        return None
+    listed = {Path(root) / line.split(None, 1)[1] for line in changed.splitlines() if line}
+    return [path for path in chosen if path in listed]
 
 
 def library_versions(*distributions: str) -> dict[str, str]:

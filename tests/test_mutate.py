@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -695,3 +696,33 @@ def test_a_crash_reading_a_deleted_binding_first_is_a_stillborn_mutant() -> None
     assert stillborn.outcome is Outcome.INVALID and "reads m_i before" in stillborn.detail
     other = judge(mutant, crashed(unbound.replace("'m_i'", "'l_i'")))
     assert other.outcome is Outcome.KILLED_BY_CRASH
+
+
+def test_a_rescore_into_the_status_refuses_uncommitted_arguments(tmp_path: Path) -> None:
+    """``--rescore --status`` writes a record naming the checkout's commit as the one whose
+    arguments scored it: an equivalents file that differs from that commit (changed or
+    never committed) is refused in one line before anything is read or written."""
+    package = tmp_path / "adapter"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "builder.py").write_text("def f(x):\n    return x + 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True, timeout=30)
+    subprocess.run([*git, "add", "."], check=True, timeout=30)
+    subprocess.run([*git, "commit", "-q", "-m", "adapter"], check=True, timeout=30)
+    arguments = package / EQUIVALENTS_FILE
+    arguments.write_text("builder.py: []\n")
+    status = tmp_path / "status"
+    shutil.copytree(ROOT / "docs" / "status", status)
+    before = (status / "reference.json").read_text()
+    proc = speccheck("mutate", "--backend", "reference", "--module", str(package / "builder.py"),
+                     "--rescore", str(tmp_path / "never-read.json"), "--status", str(status))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"--status: {arguments} differs from the commit under test"), line
+    assert (status / "reference.json").read_text() == before
+    subprocess.run([*git, "add", "."], check=True, timeout=30)
+    subprocess.run([*git, "commit", "-q", "-m", "arguments"], check=True, timeout=30)
+    proc = speccheck("mutate", "--backend", "reference", "--module", str(package / "builder.py"),
+                     "--rescore", str(tmp_path / "never-read.json"), "--status", str(status))
+    assert proc.returncode == 2 and "--rescore: " in proc.stderr, proc.stderr  # past the check

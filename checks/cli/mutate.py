@@ -116,6 +116,8 @@ def mutate_command(
     except EquivalentsError as exc:
         raise _fail(EXIT_BAD_INPUT, str(exc)) from None
     if rescore:
+        if status is not None:
+            _check_arguments_committed(targets)
         report, changed = _rescored(rescore, backend, targets, arguments)
         _finish(report, status, tier, json_path, rescored=changed)
         return
@@ -161,6 +163,20 @@ def _shard(text: str | None) -> Shard | None:
         return Shard.parse(text)
     except ValueError as exc:
         raise _fail(EXIT_BAD_INPUT, f"--shard: {exc}") from None
+
+
+def _check_arguments_committed(targets: list[TargetModule]) -> None:
+    """Exit 2 with one line where an equivalents file of ``targets`` differs from the
+    commit under test: a rescored record names that commit as the one whose arguments
+    scored it, so they must be in it."""
+    from speccheck.checks.mutate.equivalents import equivalents_paths
+    from speccheck.checks.provenance import uncommitted
+
+    dirty = uncommitted(equivalents_paths(targets))
+    if dirty:
+        raise _fail(EXIT_BAD_INPUT, f"--status: {', '.join(map(str, dirty))} differs from "
+                    "the commit under test; commit the arguments before --rescore writes a "
+                    "record naming that commit as the one that scored it")
 
 
 def _rescored(paths: list[Path], backend: str, targets: list[TargetModule],

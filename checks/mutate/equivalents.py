@@ -65,16 +65,21 @@ Key = tuple[Path, str, Operator, str, str]
 """(module path, function, operator, original line, mutated line)."""
 
 
+def equivalents_paths(targets: Iterable[TargetModule]) -> list[Path]:
+    """Where the equivalents files of ``targets`` are (or would be): one beside each
+    target's folder, in folder order."""
+    return [folder / EQUIVALENTS_FILE for folder in sorted({t.path.parent for t in targets})]
+
+
 def load_equivalents(targets: Iterable[TargetModule]) -> dict[Key, str]:
     """The arguments of every equivalents file beside ``targets`` (by mutant key). Raises
     :class:`EquivalentsError` naming the file and the entry for a bad one."""
     arguments: dict[Key, str] = {}
-    for folder in sorted({target.path.parent for target in targets}):
-        path = folder / EQUIVALENTS_FILE
+    for path in equivalents_paths(targets):
         if not path.is_file():
             continue
         for module, entry in _entries(path):
-            key = (folder / module, entry.function, entry.operator, entry.original,
+            key = (path.parent / module, entry.function, entry.operator, entry.original,
                    entry.mutated)
             arguments[key] = " ".join(entry.argument.split())
     return arguments
