@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -316,6 +317,14 @@ class DeclaredMeanings:
     split_tiles: Mapping[str, int] = field(default_factory=dict)
     """The tile size of each split-KV field's entry (snapshot path -> ``kv_split_tile``)."""
 
+    @cached_property
+    def _split_siblings(self) -> Mapping[str, tuple[str, ...]]:
+        """Each split-KV field's path -> the split-KV fields of the same metadata (itself
+        included): what its rule reads beside it. Found once per declaration."""
+        split = [path for path, meaning in self.fields.items() if meaning in SPLIT_MEANINGS]
+        holder = {path: path.rpartition(".metadata.")[0] for path in split}
+        return {path: tuple(o for o in split if holder[o] == holder[path]) for path in split}
+
     @classmethod
     def of(
         cls, matrix: Matrix, groups: Sequence[AttentionGroup], config: RuntimeConfig,
@@ -388,14 +397,9 @@ class DeclaredMeanings:
         :data:`DEFINITIONS` and :data:`SPLIT_RULES`."""
         if meaning not in SPLIT_MEANINGS:
             return DEFINITIONS[meaning](state, self.geometry, got.shape)
-        prefix = path.rpartition(".metadata.")[0]
-        siblings = {
-            other: snapshot[other_path] for other_path, other in self.fields.items()
-            if other in SPLIT_MEANINGS and other_path.rpartition(".metadata.")[0] == prefix
-            and other_path in snapshot
-        }
-        recorded = SplitField(got.to(torch.int64), self.split_tiles[path],
-                              {m: v.to(torch.int64) for m, v in siblings.items()})
+        siblings = {self.fields[other]: snapshot[other].to(torch.int64)
+                    for other in self._split_siblings[path] if other in snapshot}
+        recorded = SplitField(got.to(torch.int64), self.split_tiles[path], siblings)
         return SPLIT_RULES[meaning](state, self.geometry, recorded)
 
     def _problem(
