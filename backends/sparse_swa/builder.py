@@ -56,9 +56,11 @@ every part (``[parts, chunk]`` tiles): at 132 parts (padded to 256) and
 10 KB."""
 SCHEDULE_WARPS = 8
 """Warps of the one-program schedule kernel."""
-INTERPRETER_PARTS = 4
+INTERPRETER_PARTS = 3
 """Schedule parts off CUDA (the Triton interpreter runs programs one after another, so more
-parts only cost time; more than one keeps windows split)."""
+parts only cost time): more than one keeps windows split, and a count that is not a power
+of two, as a GPU's (132 on an H100), makes the schedule kernel mask the parts its
+power-of-two axis holds past the last."""
 
 
 def default_num_parts(layer: AttentionLayerSpec, device: torch.device) -> int:
