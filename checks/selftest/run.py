@@ -302,8 +302,8 @@ def selftest_rows(device: torch.device,
     (:data:`~speccheck.checks.selftest.process_mutants.PROCESS_MUTANTS`, in verify's
     worker processes; skipped where the machine cannot run them). Nothing runs until a
     row's ``run`` is called; on CUDA, the rows whose verification runs in the calling
-    process are :attr:`~SelftestRow.isolated`. ``shrink_seconds``: each run's budget for shrinking its
-    failure (whether it is caught does not depend on it)."""
+    process are :attr:`~SelftestRow.isolated`. ``shrink_seconds``: each run's budget for
+    shrinking its failure (whether it is caught does not depend on it)."""
     gpu = device.type == "cuda"
     shipped = load_matrix(None)
 
