@@ -340,5 +340,8 @@ def paged_attention_reduce_kernel(
     out = tl.sum(weight[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_row, out.to(out_ptr.dtype.element_ty))
     if WRITE_LSE:
-        lse = tl.where(total == 0.0, float("-inf"), (m_max + tl.log2(total)) * LN2)
+        # log2 of 1, not of 0, where nothing was seen: the interpreter evaluates both
+        # branches of the where, and numpy warns on log2(0) in every worker process
+        seen = tl.where(total == 0.0, 1.0, total)
+        lse = tl.where(total == 0.0, float("-inf"), (m_max + tl.log2(seen)) * LN2)
         tl.store(lse_ptr + token * stride_lt + head * stride_lh, lse)
