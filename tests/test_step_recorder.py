@@ -61,6 +61,30 @@ def test_a_collect_reads_the_shape_last_observed_over_the_lanes() -> None:
     assert _collected(recorder) == list(range(0, 65, 2))
 
 
+@dataclass
+class _PlannedMetadata:
+    """A FlashInfer-like metadata: query offsets only where a prefill wrapper plans."""
+
+    seq_lens: torch.Tensor
+    qo_indptr: torch.Tensor | None
+
+
+def test_a_collect_reports_only_the_paths_last_observed_over_the_lanes() -> None:
+    """A prefill-planned pass (32 requests of 2 tokens) and a decode-planned one (64 of 1)
+    over the same lanes: the second's collect has no query offsets, as its step had none
+    (the first's stale snapshot was reported beside it, and a candidate's step, checked
+    against that collect, was said to miss the field)."""
+    recorder = StepMetadataRecorder([_Group()])  # type: ignore[list-item]
+    offsets = "fake.metadata.qo_indptr"
+    recorder(LANES, 0, [_PlannedMetadata(torch.ones(32), torch.arange(33) * 2)])
+    assert list(recorder.collect(LANES)[0]) == ["fake.metadata.seq_lens", offsets]
+    recorder(LANES, 0, [_PlannedMetadata(torch.ones(64), None)])
+    assert list(recorder.collect(LANES)[0]) == ["fake.metadata.seq_lens"]
+    assert list(recorder.latest()[0]) == ["fake.metadata.seq_lens"]
+    recorder(LANES, 0, [_PlannedMetadata(torch.ones(32), torch.arange(33) * 2)])
+    assert recorder.collect(LANES)[0][offsets].tolist() == list(range(0, 65, 2))
+
+
 @pytest.mark.cuda
 def test_a_replayed_snapshot_never_writes_memory_the_allocator_handed_on() -> None:
     """A graph records the snapshot of a pass of 32 requests of 2 tokens; an eager pass of

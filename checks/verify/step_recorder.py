@@ -12,9 +12,14 @@ a buffer dropped when the field comes with another shape under the same (lanes, 
 path) (padded first passes of 32 requests of 2 tokens and of 64 of 1 both run 64 lanes)
 would be memory the allocator hands to someone else while replays still write it. Any
 other buffer is dropped when its field comes with another shape (eager runs size some
-fields by the batch). :meth:`StepMetadataRecorder.collect` reads, per (step, path), the
-buffer of the shape last observed over those lanes: the oracle's eager run of the example,
-which precedes its candidates' replays of the same geometry.
+fields by the batch). :meth:`StepMetadataRecorder.collect` reads, per step, the paths
+last observed over those lanes and each one's buffer of the shape it then had: the oracle's
+eager run of the example, which precedes its candidates' replays of the same geometry. A
+path that run did not have is not reported, though an earlier geometry over the same lanes
+had it (FlashInfer's first passes: 4 requests of 2 tokens plan a prefill wrapper with query
+offsets, 8 requests of 1 token a decode wrapper without; a stale path's buffer holds the
+earlier example's values, which the oracle's snapshot reported beside the candidate's
+fresh step, where the path is missing).
 
 Host values (:func:`~speccheck.checks.probes.state_walk.walk_host_values`) cannot be
 recorded into a graph: a replay runs no Python, and the kernels it replays were launched,
@@ -118,8 +123,9 @@ class StepMetadataRecorder:
         step, path) observed last (see the module docstring)."""
         self._captured: set[tuple[int, int, str, torch.Size, torch.dtype]] = set()
         """The keys of the buffers a capture wrote into: never freed."""
-        self._seen: dict[int, dict[tuple[int, str], tuple[torch.Size, torch.dtype]]] = {}
-        """Per lane count, each (step, path) observed and the shape and dtype it last had."""
+        self._seen: dict[int, dict[int, dict[str, tuple[torch.Size, torch.dtype]]]] = {}
+        """Per lane count and step, the paths of the last observation (capture included),
+        in walk order, with the shape and dtype each had."""
         self._host: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         """Host values last observed outside a capture, per (lanes, step)."""
         self._captured_host: dict[tuple[int, int], dict[str, np.ndarray]] = {}
@@ -130,8 +136,8 @@ class StepMetadataRecorder:
         """The group metadata of the latest observed step."""
         self._plans: dict[int, tuple[list[tuple[int, str]], HostCopyPlan]] = {}
         """Per lane count, the snapshot keys in step order and the plan that reads their
-        buffers back; dropped when a (step, path) of that lane count is first observed or
-        observed with another shape or dtype."""
+        buffers back; dropped when a step of that lane count is observed with other paths,
+        shapes or dtypes than the last time."""
         self._latest: tuple[dict[str, torch.Tensor], dict[str, np.ndarray]] = ({}, {})
         """The buffers and host values of the step last observed outside a capture."""
         self.storage_of: dict[str, int] = {}
@@ -152,7 +158,15 @@ class StepMetadataRecorder:
         if host_source is not group_metadata:
             host = reachable_state(self.groups, host_source)[1]
         targets = []
-        seen = self._seen.setdefault(lanes, {})
+        observed = {path: (t.shape, t.dtype) for path, t in tensors.items()}
+        previous = self._seen.setdefault(lanes, {}).get(step, {})
+        if observed != previous:
+            self._seen[lanes][step] = observed
+            self._plans.pop(lanes, None)
+            for path, signature in previous.items():
+                key = (lanes, step, path, *signature)
+                if observed.get(path) != signature and key not in self._captured:
+                    del self._buffers[key]
         for path, tensor in tensors.items():
             signature = (tensor.shape, tensor.dtype)
             key = (lanes, step, path, *signature)
@@ -168,12 +182,6 @@ class StepMetadataRecorder:
             if in_capture:
                 self._captured.add(key)
             self.storage_of[path] = tensor.untyped_storage().data_ptr()
-            previous = seen.get((step, path))
-            if previous != signature:
-                seen[(step, path)] = signature
-                self._plans.pop(lanes, None)
-                if previous is not None and (lanes, step, path, *previous) not in self._captured:
-                    del self._buffers[lanes, step, path, *previous]
         if targets:
             # one multi-tensor copy, not a launch per field (capturable: device copies only)
             torch._foreach_copy_(targets, list(tensors.values()))
@@ -200,8 +208,8 @@ class StepMetadataRecorder:
         this one."""
         if lanes not in self._plans:
             seen = self._seen.get(lanes, {})
-            keys = sorted(seen, key=lambda key: key[0])
-            buffers = [self._buffers[(lanes, step, path, *seen[step, path])]
+            keys = [(step, path) for step in sorted(seen) for path in seen[step]]
+            buffers = [self._buffers[(lanes, step, path, *seen[step][path])]
                        for step, path in keys]
             self._plans[lanes] = (keys, HostCopyPlan(buffers))
         keys, plan = self._plans[lanes]
