@@ -9,6 +9,8 @@ reads the block table."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -107,3 +109,59 @@ def test_the_fused_graph_is_not_replayed_on_metadata_its_eager_run_stopped_on() 
     assert report.status is Status.FAILED, report.detail
     assert {f.candidate for f in report.failures} == {"fused_eager"}, report.failures
     assert report.failures[0].field == "reference.metadata.block_table"
+
+
+class _PassBuilder:
+    """A builder holding a decode wrapper's indptr the padded first pass does not read."""
+
+    def __init__(self) -> None:
+        self.decode_indptr = torch.zeros(5, dtype=torch.int32)
+
+    def persistent_buffers(self) -> dict[str, torch.Tensor]:
+        return {"decode.indptr": self.decode_indptr}
+
+    def workspace_buffers(self) -> dict[str, torch.Tensor]:
+        return {}
+
+
+@dataclass
+class _PassGroup:
+    builder: _PassBuilder
+    backend_name: str = "fake"
+
+
+@dataclass
+class _PassMetadata:
+    seq_lens: torch.Tensor
+
+
+class _NoMeanings:
+    def check_step(self, *args: object) -> None:
+        return None
+
+
+def test_a_first_pass_is_compared_on_what_its_metadata_reaches() -> None:
+    """A candidate that builds its step-1 metadata before the pass, from reset buffers
+    (the emulated fused run), holds another decode indptr than the oracle at the pass; the
+    pass does not read it, and the refresh before step 1 rewrites it (FlashInfer's fixed
+    plan failed there on an H100 at a217cd4). A field of the pass's metadata that differs
+    still stops the run."""
+    builder = _PassBuilder()
+    group = _PassGroup(builder)
+    oracle_recorder = StepMetadataRecorder([group])  # type: ignore[list-item]
+    builder.decode_indptr.copy_(torch.arange(5))
+    oracle_recorder(4, 0, [_PassMetadata(torch.tensor([3, 5, 0, 0]))])
+    oracle = oracle_recorder.collect(4)
+    assert "fake.buffers['decode.indptr']" in oracle[0]
+    guard = StepGuard(StepMetadataRecorder([group]), stop=True,  # type: ignore[list-item]
+                      first_pass=True)
+    batch = DraftBatch((5,), ((7, 8),), ((3, 5, 6),), (1,))
+    run = GuardedRun(batch, "fused_eager", _NoMeanings(),  # type: ignore[arg-type]
+                     oracle_first_pass=oracle)
+    builder.decode_indptr.zero_()
+    with guard.arm(run):
+        guard(4, 0, [_PassMetadata(torch.tensor([3, 5, 0, 0]))])
+    with pytest.raises(StepCheckFailed) as stopped, guard.arm(run):
+        guard(4, 0, [_PassMetadata(torch.tensor([3, 6, 0, 0]))])
+    assert stopped.value.outcome is not None
+    assert stopped.value.outcome.field == "fake.metadata.seq_lens"

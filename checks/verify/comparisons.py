@@ -16,7 +16,7 @@ import torch
 
 from speccheck.checks.verify.kv_share import WHOLE_CACHE, KVSnapshot, KvShare
 from speccheck.checks.probes.state_walk import describe_host_value, same_host_value, same_value
-from speccheck.checks.verify.step_recorder import StepSnapshots
+from speccheck.checks.verify.step_recorder import StepSnapshots, reached_from_metadata
 from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.contract.host_copy import int64_on
 from speccheck.speculator.batch import DraftBatch, DraftResult
@@ -338,7 +338,7 @@ def compare_step(
     run ``name`` held before draft step ``step``): the failed outcome of the first
     difference, ``None`` when there is none."""
     for path, expected in oracle[step].items():
-        if metadata_only and ".metadata" not in path:
+        if metadata_only and not reached_from_metadata(path):
             continue
         got = tensors.get(path)
         if got is None or not same_value(expected, got):

@@ -80,12 +80,29 @@ class StepSnapshots(dict[int, dict[str, torch.Tensor]]):
         super().__init__(tensors or {})
         self.host: dict[int, dict[str, np.ndarray]] = dict(host or {})
 
+    def of_metadata(self) -> StepSnapshots:
+        """These snapshots without the tensors reached only from the builders' persistent
+        buffers (:func:`reached_from_metadata`); the host values all kept."""
+        return StepSnapshots(
+            {step: {path: t for path, t in tensors.items() if reached_from_metadata(path)}
+             for step, tensors in self.items()}, self.host)
+
+
+METADATA_ROOT = "metadata"
+"""The second part of every path reached from a group's metadata."""
+
+
+def reached_from_metadata(path: str) -> bool:
+    """Whether ``path`` (a :func:`reachable_state` path) was reached from a group's metadata,
+    not from its builder's persistent buffers (:func:`metadata_roots`)."""
+    return path.split(".", 1)[-1].startswith(METADATA_ROOT)
+
 
 def metadata_roots(groups: Sequence[AttentionGroup], group_metadata: Sequence[Any]) -> dict[str, object]:
     """Walk roots: each group's metadata and its builder's persistent buffers."""
     roots: dict[str, object] = {}
     for group, md in zip(groups, group_metadata, strict=True):
-        roots[f"{group.backend_name}.metadata"] = md
+        roots[f"{group.backend_name}.{METADATA_ROOT}"] = md
         roots[f"{group.backend_name}.buffers"] = dict(group.builder.persistent_buffers())
     return roots
 

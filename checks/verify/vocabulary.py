@@ -61,8 +61,9 @@ class Check(enum.StrEnum):
         "step_metadata",
         "before every draft step, every tensor reachable from the metadata and the builder's "
         "persistent buffers equals the oracle's fresh eager build for that step (snapshotted "
-        "with in-place copies inside the captured graph), and so does every host value "
-        "reachable from the metadata (a graph's are those it was captured with)",
+        "with in-place copies inside the captured graph; at a padded first pass, the tensors "
+        "reached from its metadata), and so does every host value reachable from the "
+        "metadata (a graph's are those it was captured with)",
     )
     FIELD_MEANINGS = (
         "field_meanings",
