@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
-from speccheck.checks.selftest.run import settings_at_defaults, verify_at_defaults
+from speccheck.checks.selftest.mutants import DERIVED_FIELD, StaleRefresh
+from speccheck.checks.selftest.run import settings_at_defaults, verify_at_defaults, verify_builder
 from speccheck.checks.verify.comparisons import Outcome
 from speccheck.checks.verify.engine import BackendVerifier, candidates_for
 from speccheck.checks.verify.field_meanings import DeclaredMeanings
@@ -165,3 +166,16 @@ def test_a_first_pass_is_compared_on_what_its_metadata_reaches() -> None:
         guard(4, 0, [_PassMetadata(torch.tensor([3, 6, 0, 0]))])
     assert stopped.value.outcome is not None
     assert stopped.value.outcome.field == "fake.metadata.seq_lens"
+
+
+def test_an_eager_first_pass_is_compared_with_the_oracles_on_the_cpu_too() -> None:
+    """A refresh that forgets a declared field leaves the emulated first pass on the value
+    its early build found (the verifier's poison): the CPU names that pass (step 0), as a
+    GPU's guard does before its forward, though nothing raised (it used to name step 1
+    only)."""
+    report = verify_builder(StaleRefresh, torch.device("cpu"), rebuilds=True)
+    assert report.status is Status.FAILED
+    first = report.failures[0]
+    assert (first.check, first.candidate, first.step) == (
+        Check.STEP_METADATA, "fused_eager", 0), report.failures
+    assert first.field == f"reference.metadata.{DERIVED_FIELD}"

@@ -365,6 +365,37 @@ def compare_step(
     return None
 
 
+def compare_first_pass(
+    oracle: StepSnapshots, tensors: Mapping[str, torch.Tensor],
+    host: Mapping[str, np.ndarray], name: str, *, metadata_only: bool = False,
+) -> Outcome | None:
+    """:func:`compare_step` for a padded first pass (step 0; ``oracle``: the oracle's) on
+    the tensors its metadata reaches (:meth:`~speccheck.checks.verify.step_recorder.
+    StepSnapshots.of_metadata`) and the host values. A candidate that builds its step-1
+    metadata before the pass from reset index buffers (the emulated fused run) refreshes it
+    before step 1, so the builders' other persistent buffers (a decode wrapper's indptr
+    under FlashInfer's fixed plan) legitimately differ from the oracle's at the pass."""
+    return compare_step(oracle.of_metadata(), 0, tensors, host, name,
+                        metadata_only=metadata_only)
+
+
+def first_pass_metadata(
+    oracle: FirstPassSnapshot | None, cand: FirstPassSnapshot | None, name: str, *,
+    metadata_only: bool = False,
+) -> list[Outcome]:
+    """An eagerly run candidate's padded first pass against the oracle's
+    (:func:`compare_first_pass`), after the run: a GPU's step guard also compares it before
+    the pass's forward, a CPU's only in a run that raised. Nothing where the pass ran
+    unpadded. A graph replay's first pass is judged by its outputs (draft token 0, the KV
+    it wrote) and its field meanings."""
+    if oracle is None or cand is None:
+        return []
+    failed = compare_first_pass(oracle.snapshots, cand.snapshots.get(0, {}),
+                                cand.snapshots.host.get(0, {}), name,
+                                metadata_only=metadata_only)
+    return [failed or Outcome(Check.STEP_METADATA, Result.PASSED, candidate=name)]
+
+
 def _previous(steps: Mapping[int, Mapping[str, V]], step: int, path: str) -> V | None:
     """``path``'s value in ``steps`` at the last step before ``step`` (``None``: none)."""
     earlier = [s for s in steps if s < step]

@@ -38,6 +38,7 @@ from speccheck.checks.verify.comparisons import (
     compare_steps,
     expected_slots,
     first_divergence,
+    first_pass_metadata,
     kv_matches,
     kv_untouched,
 )
@@ -397,6 +398,9 @@ class BackendVerifier:
             agreed = expected_slots(batch, k, bs, mml, first_divergence(oracle, result, k),
                                     self.share)
             outcomes += kv_matches(agreed, oracle_kv, kv, self.tol, name)
+            if not candidate.graphs:
+                outcomes += first_pass_metadata(oracle_first_pass, candidate_first_pass, name,
+                                                metadata_only=metadata_only)
             outcomes += compare_steps(oracle_steps, steps, name, metadata_only=metadata_only)
             outcomes += meanings.check(batch, steps, name, candidate_first_pass)
             outcomes += zero_tails(spec.groups, h.recorder.last_metadata, name)

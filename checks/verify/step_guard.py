@@ -22,7 +22,9 @@ the checks run depends on the device:
 - on the CPU, only if the run raises: the steps it recorded are checked then, and the
   exception becomes :class:`StepCheckFailed` with the first failure, which names the field
   instead of a crash. A run that does not raise pays nothing, and its outputs are compared
-  and its failures reported with their consequences by the after-run checks, as before.
+  and its failures reported with their consequences by the after-run checks, the eager
+  first pass's comparison with the oracle's included
+  (:func:`~speccheck.checks.verify.comparisons.first_pass_metadata`).
 
 Under DCP every rank runs the same steps in lockstep and the attention all-gathers across
 ranks, so on a GPU one rank may not stop alone: the ranks agree at each checked step (one
@@ -40,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from speccheck.checks.verify.comparisons import Outcome, compare_step
+from speccheck.checks.verify.comparisons import Outcome, compare_first_pass, compare_step
 from speccheck.checks.verify.field_meanings import DeclaredMeanings
 from speccheck.checks.verify.one_line import exception_line
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder, StepSnapshots, capturing
@@ -80,12 +82,8 @@ class GuardedRun:
     too: a candidate that rebuilds its metadata in place (``refresh_rebuilds``) runs the
     pass on metadata built before its inputs existed, then refreshed, and a refresh that
     leaves a field of that build (or the verifier's poison in it) would launch the pass's
-    kernels on it. Only the tensors reached from the pass's metadata are compared
-    (:meth:`~speccheck.checks.verify.step_recorder.StepSnapshots.of_metadata`), with the
-    host values: such a candidate's step-1 metadata, built before the pass from reset index
-    buffers, is refreshed before step 1, so the builders' other persistent buffers (a
-    decode wrapper's indptr under FlashInfer's fixed plan) legitimately differ from the
-    oracle's at the pass."""
+    kernels on it. Compared by
+    :func:`~speccheck.checks.verify.comparisons.compare_first_pass`."""
 
 
 class StepGuard:
@@ -168,11 +166,14 @@ class StepGuard:
     ) -> Outcome | None:
         """The first failure of ``run``'s step ``step`` (``tensors`` and ``host``: what it
         held), or ``None``."""
-        oracle = run.oracle
         if self.first_pass:
-            oracle = None if run.oracle_first_pass is None else run.oracle_first_pass.of_metadata()
-        if oracle is not None and step in oracle:
-            failed = compare_step(oracle, step, tensors, host, run.name,
+            if run.oracle_first_pass is not None:
+                failed = compare_first_pass(run.oracle_first_pass, tensors, host, run.name,
+                                            metadata_only=run.metadata_only)
+                if failed is not None:
+                    return failed
+        elif run.oracle is not None and step in run.oracle:
+            failed = compare_step(run.oracle, step, tensors, host, run.name,
                                   metadata_only=run.metadata_only)
             if failed is not None:
                 return failed
