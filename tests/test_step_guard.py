@@ -10,14 +10,17 @@ reads the block table."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
 from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
+from speccheck.backends.sparse_swa.builder import SparseSWAMetadataBuilder
 from speccheck.checks.selftest.mutants import DERIVED_FIELD, StaleRefresh
 from speccheck.checks.selftest.run import settings_at_defaults, verify_at_defaults, verify_builder
 from speccheck.checks.verify.comparisons import Outcome
+from speccheck.checks.verify import harness
 from speccheck.checks.verify.engine import BackendVerifier, candidates_for
 from speccheck.checks.verify.field_meanings import DeclaredMeanings
 from speccheck.checks.verify.kv_share import WHOLE_CACHE
@@ -179,3 +182,27 @@ def test_an_eager_first_pass_is_compared_with_the_oracles_on_the_cpu_too() -> No
     assert (first.check, first.candidate, first.step) == (
         Check.STEP_METADATA, "fused_eager", 0), report.failures
     assert first.field == f"reference.metadata.{DERIVED_FIELD}"
+
+
+@pytest.mark.parametrize("builder", [ReferenceMetadataBuilder, SparseSWAMetadataBuilder],
+                         ids=["reference", "sparse_swa"])
+def test_the_gpus_stopping_guard_passes_a_correct_builder_on_the_cpu(
+    builder: type[ReferenceMetadataBuilder] | type[SparseSWAMetadataBuilder],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The GPU's guard checks every eager step (first passes included) before its forward;
+    the CPU's only after a run or on a raise. Both false positives of the flashinfer GPU
+    runs at d46283b and a217cd4 were in that GPU-only path: here it runs on the CPU over
+    the shipped builder, which must pass."""
+    monkeypatch.setattr(harness, "StepGuard", _stopping_guard)
+    backend = "reference" if builder is ReferenceMetadataBuilder else "sparse_swa"
+    settings = settings_at_defaults(backend, builder, torch.device("cpu"), load_matrix(None),
+                                    examples=12)
+    report = BackendReport(backend, Tier.CPU, Status.PASSED)
+    BackendVerifier(settings, torch.device("cpu")).run(report, lambda i, e: None)
+    assert report.status is Status.PASSED, report.failures
+
+
+def _stopping_guard(recorder: StepMetadataRecorder, *, stop: bool, **kwargs: Any) -> StepGuard:
+    """A step guard that stops, as a GPU's does, whatever the device."""
+    return StepGuard(recorder, stop=True, **kwargs)
