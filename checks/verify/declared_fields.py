@@ -10,6 +10,7 @@ import torch
 
 from speccheck.checks.verify.comparisons import Outcome
 from speccheck.checks.probes.state_walk import attribute_storages, changed_paths
+from speccheck.checks.verify.step_recorder import metadata_path
 from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.contract.groups import AttentionGroup
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
@@ -41,7 +42,7 @@ def declared_fields(
     for group in groups:
         builder = type(group.builder).__name__
         where = f"the matrix entry {group.backend_name!r} (draft_decode.refreshed_fields)"
-        prefix = f"{group.backend_name}.metadata."
+        prefix = metadata_path(group.backend_name, "")
         declared = {prefix + f for f in group.step_dependent_fields}
         for path in sorted(declared - set(snapshots[0])):
             out.append(Outcome(Check.DECLARED_FIELDS, Result.FAILED,

@@ -39,7 +39,7 @@ from speccheck.checks.verify.split_schedule import (
     read_schedule,
     token_tiles,
 )
-from speccheck.checks.verify.step_recorder import StepSnapshots
+from speccheck.checks.verify.step_recorder import StepSnapshots, metadata_path
 from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.matrix_model import SPLIT_MEANINGS, FieldMeaning, Matrix
@@ -337,7 +337,7 @@ class DeclaredMeanings:
         for group in groups:
             draft = matrix.backend(group.backend_name).draft_decode
             for name, meaning in draft.field_meanings.items():
-                path = f"{group.backend_name}.metadata.{name}"
+                path = metadata_path(group.backend_name, name)
                 fields[path] = meaning
                 if meaning in SPLIT_MEANINGS and draft.kv_split_tile is not None:
                     split_tiles[path] = draft.kv_split_tile

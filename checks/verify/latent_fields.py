@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from speccheck.checks.verify.comparisons import Outcome
+from speccheck.checks.verify.step_recorder import metadata_path
 from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.contract.groups import AttentionGroup
 from speccheck.contract.matrix_model import Matrix
@@ -112,7 +113,7 @@ class LatentFields:
             return []
         fields = [(group.backend_name, name) for group in spec.groups
                   for name in matrix.backend(group.backend_name).draft_decode.refreshed_fields
-                  if f"{group.backend_name}.metadata.{name}" not in self.settled]
+                  if metadata_path(group.backend_name, name) not in self.settled]
         if not fields:
             return []
         self.tries += 1
@@ -132,7 +133,7 @@ class LatentFields:
         self, spec: AutoregressiveSpeculator, batch: DraftBatch, backend: str, name: str,
         baseline: DraftResult, restore_start: Callable[[], None], tol: float,
     ) -> Outcome | None:
-        path = f"{backend}.metadata.{name}"
+        path = metadata_path(backend, name)
         hook = StaleAfterRefresh(backend, name)
         restore_start()
         spec.refresh_hook = hook

@@ -166,15 +166,11 @@ class StepGuard:
     ) -> Outcome | None:
         """The first failure of ``run``'s step ``step`` (``tensors`` and ``host``: what it
         held), or ``None``."""
-        if self.first_pass:
-            if run.oracle_first_pass is not None:
-                failed = compare_first_pass(run.oracle_first_pass, tensors, host, run.name,
-                                            metadata_only=run.metadata_only)
-                if failed is not None:
-                    return failed
-        elif run.oracle is not None and step in run.oracle:
+        failed = None
+        if self.first_pass and run.oracle_first_pass is not None:
+            failed = compare_first_pass(run.oracle_first_pass, tensors, host, run.name,
+                                        metadata_only=run.metadata_only)
+        elif not self.first_pass and run.oracle is not None and step in run.oracle:
             failed = compare_step(run.oracle, step, tensors, host, run.name,
                                   metadata_only=run.metadata_only)
-            if failed is not None:
-                return failed
-        return run.meanings.check_step(run.batch, step, tensors, run.name)
+        return failed or run.meanings.check_step(run.batch, step, tensors, run.name)

@@ -92,6 +92,12 @@ METADATA_ROOT = "metadata"
 """The second part of every path reached from a group's metadata."""
 
 
+def metadata_path(backend_name: str, field: str) -> str:
+    """The path ``field`` of ``backend_name``'s metadata is recorded under (the field
+    meanings, claims and latent-field probes name fields by it)."""
+    return f"{backend_name}.{METADATA_ROOT}.{field}"
+
+
 def reached_from_metadata(path: str) -> bool:
     """Whether ``path`` (a :func:`reachable_state` path) was reached from a group's metadata,
     not from its builder's persistent buffers (:func:`metadata_roots`)."""
