@@ -186,6 +186,7 @@ def test_a_status_run_records_what_verify_found(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = read_statuses(tmp_path)["reference"].tiers["cpu"]
     assert record.verdict is Verdict.PASSED and record.examples == 2
+    assert record.verify_seconds is not None and record.verify_seconds > 0
     # two examples reach the first two configuration cells; the rest are listed as not run
     assert [(c.name, c.verdict) for c in record.cells[:2]] == [
         ("base", "passed"), ("dcp_world_size=2", "passed")]

@@ -34,7 +34,12 @@ from speccheck.checks.status.record import (
     read_statuses,
     write_tier_status,
 )
-from speccheck.checks.status.render import MissingMarkers, render_status_readme, with_bench_table
+from speccheck.checks.status.render import (
+    MissingMarkers,
+    render_status_readme,
+    verify_seconds_cell,
+    with_bench_table,
+)
 from speccheck.checks.verify.vocabulary import Tier
 from speccheck.contract.adapter_status import AdapterStatus, adapter_status
 from speccheck.contract.matrix_loader import load_matrix
@@ -215,15 +220,18 @@ def _print_table(statuses: dict[str, BackendStatus], console: Console) -> None:
             console.file.write(json.dumps({"backend": name, "tier": tier,
                                          "verdict": record.verdict.value,
                                          "examples": record.examples,
+                                         "verify_seconds": record.verify_seconds,
                                          "selftest": f"{caught}/{run}",
                                          "commit": record.provenance.commit[:10],
                                          "device": record.provenance.device}) + "\n")
         return
     table = Table(title="speccheck status")
-    for column in ("backend", "tier", "verdict", "examples", "self-test", "commit", "device"):
+    for column in ("backend", "tier", "verdict", "examples", "verify s", "self-test", "commit",
+                   "device"):
         table.add_column(column)
     for name, tier, record in rows:
         caught, run = record.selftest_caught
-        table.add_row(name, tier, record.verdict.value, str(record.examples), f"{caught}/{run}",
-                      record.provenance.commit[:10], record.provenance.device)
+        table.add_row(name, tier, record.verdict.value, str(record.examples),
+                      verify_seconds_cell(record),
+                      f"{caught}/{run}", record.provenance.commit[:10], record.provenance.device)
     console.print(table)

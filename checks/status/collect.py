@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +75,9 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tier = Tier.GPU if device.type == "cuda" else Tier.CPU
     on_phase(f"{name}: verify, {plan.examples} examples ({tier.value} tier)")
+    started = time.perf_counter()
     report = verify(name, examples=plan.examples).backend(name)
+    seconds = time.perf_counter() - started
     record = TierStatus(
         tier=tier.value,
         verdict=Verdict(report.status.value),
@@ -84,6 +87,7 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
         verify_command=f"speccheck verify --backend {name} --examples {plan.examples}",
         examples=report.examples,
         examples_asked=plan.examples,
+        verify_seconds=round(seconds, 1),
         fused_allowed=report.fused_allowed,
         fused_reason=report.fused_reason,
         candidates=list(report.candidates),

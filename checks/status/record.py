@@ -171,6 +171,11 @@ class TierStatus(_Record):
     verify_command: str
     examples: int
     examples_asked: int
+    verify_seconds: float | None = None
+    """Wall time of the verify run in the status process (its workers' start-up, discovery,
+    capture, every example and cell, the merge; not the ``speccheck`` command's own
+    start-up), on a machine that may have run other work beside it; ``None`` in a record
+    written before it was kept."""
     fused_allowed: bool
     fused_reason: str
     candidates: list[str]

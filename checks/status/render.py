@@ -56,6 +56,11 @@ def _selftest_cell(record: TierStatus) -> str:
     return f"{caught}/{run}" + (f" ({', '.join(notes)})" if notes else "")
 
 
+def verify_seconds_cell(record: TierStatus) -> str:
+    """The verify run's wall time in whole seconds, ``-`` where the record has none."""
+    return "-" if record.verify_seconds is None else f"{record.verify_seconds:.0f}"
+
+
 def _first_line(text: str) -> str:
     return text.splitlines()[0] if text else "no detail"
 
@@ -117,16 +122,19 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
         "check, failure, self-test row and bench ratio). Verdict: `speccheck verify --backend "
         "NAME` at the defaults (examples as listed). Self-test: known-bad builders of the "
         "backend caught by the check meant for each (and the control passed). Bench: fused-"
-        "like paths' propose wall time over the per-step path's, measured side by side.", "",
-        "| backend | tier | verdict | examples | self-test | bench (wall / per-step) "
+        "like paths' propose wall time over the per-step path's, measured side by side. "
+        "Verify s: that verify run's wall time in the status process (command start-up "
+        "excluded; the machine may have run other work beside it).", "",
+        "| backend | tier | verdict | examples | verify s | self-test | bench (wall / per-step) "
         "| commit | device | date | lag |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, status in sorted(statuses.items()):
         for tier, record in status.tiers.items():
             examples = (f"{record.examples}" if record.examples == record.examples_asked
                         else f"{record.examples} of {record.examples_asked}")
-            row = [f"`{name}`", tier, record.verdict.value, examples, _selftest_cell(record),
+            row = [f"`{name}`", tier, record.verdict.value, examples, verify_seconds_cell(record),
+                   _selftest_cell(record),
                    _best_wall(record), f"`{_short(record)}`", record.provenance.device,
                    record.provenance.date, lag(record, newest)]
             lines.append(_table_row(row))
