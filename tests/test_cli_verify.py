@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,7 +167,9 @@ def test_a_worker_error_is_reported_by_its_root_cause_in_one_line() -> None:
                    "--no-cells", "--fail-fast")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert ("exhausted: crashed: worker exited with status 1: torch.OutOfMemoryError: CUDA out "
-            "of memory. Tried to allocate 1.02 GiB. (during example ") in proc.stdout
+            "of memory. Tried to allocate 1.02 GiB. (at ") in proc.stdout
+    assert re.search(r"GiB\. \(at \S+faulty\S*\.py:\d+\) \(during example ", proc.stdout), \
+        proc.stdout
 
 
 def test_stalling_worker_is_killed_after_the_example_timeout() -> None:

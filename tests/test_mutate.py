@@ -518,6 +518,16 @@ def test_judge_names_each_kill_kind(reference_mutants: list[Mutant]) -> None:
     assert judge(mutant, ran(None)).detail == "no report: last line"
     assert judge(mutant, ran(None, returncode=None)).outcome is Outcome.KILLED_BY_TIMEOUT
     assert judge(mutant, ran({"status": "passed"}, 0)).outcome is Outcome.SURVIVED
+    # a kernel Triton's front end rejects cannot run on any input: non-viable, not a kill
+    front_end = judge(mutant, ran({"status": "crashed", "detail": (
+        "worker exited with status 1: triton.runtime.errors.InterpreterError: ValueError("
+        "\"arange's range must be a power of 2\") (at triton/language/semantic.py:589, from "
+        "speccheck/backends/sparse_swa/index_kernels.py:40)")}))
+    assert front_end.outcome is Outcome.INVALID and "front end" in front_end.detail
+    adapter = judge(mutant, ran({"status": "crashed", "detail": (
+        "worker exited with status 1: builtins.ValueError: bad (at speccheck/backends/"
+        "sparse_swa/impl.py:97)")}))
+    assert adapter.outcome is Outcome.KILLED_BY_CRASH
 
 
 def test_a_spent_budget_starts_nothing_and_invalid_mutants_never_run(

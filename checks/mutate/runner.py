@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from speccheck.checks.mutate.mutants import Mutant
 from speccheck.checks.mutate.shadow import VerifyOutcome, run_verify, shadow_package, write_module
+from speccheck.checks.verify.raise_site import TRITON_FRONT_END
 from speccheck.checks.verify.vocabulary import Check, Status
 
 
@@ -32,7 +33,8 @@ class Outcome(enum.StrEnum):
     """Verify passed."""
     INVALID = "invalid"
     """The mutated module does not compile or leaves a name unbound (never run), or its run
-    crashed reading a name whose binding it deleted (:func:`stillborn_read`)."""
+    crashed reading a name whose binding it deleted (:func:`stillborn_read`) or in Triton's
+    front end (a kernel that does not compile)."""
     NOT_RUN = "not_run"
     """Not started: the budget was spent."""
 
@@ -79,6 +81,10 @@ class MutantResult:
         return KillKind.OTHER_CHECK
 
 
+TRITON_FRONT_END_SITE = f"(at {TRITON_FRONT_END}"
+"""How a crash's detail names an error raised in Triton's language front end
+(:func:`~speccheck.checks.verify.raise_site.raised_at`)."""
+
 UNBOUND_READ = re.compile(
     r"UnboundLocalError\W+(?:cannot access local variable|local variable) '(\w+)'")
 """How Python reports a local read before any binding (3.11+, and older wording)."""
@@ -97,8 +103,15 @@ def stillborn_read(mutant: Mutant, detail: str) -> str | None:
 
 def judge(mutant: Mutant, run: VerifyOutcome) -> MutantResult:
     """The outcome of ``mutant`` from its verify run: a crash that reads a name whose
-    binding the mutant deleted is :attr:`Outcome.INVALID` (:func:`stillborn_read`)."""
+    binding the mutant deleted (:func:`stillborn_read`), or that Triton's language front end
+    raised (:data:`TRITON_FRONT_END_SITE`: a kernel that cannot compile, whatever its
+    input), is :attr:`Outcome.INVALID`."""
     result = _judged(mutant, run)
+    if result.outcome is Outcome.KILLED_BY_CRASH and TRITON_FRONT_END_SITE in result.detail:
+        return dataclasses.replace(
+            result, outcome=Outcome.INVALID,
+            detail="Triton's front end rejects the mutated kernel (non-viable: it does not "
+                   f"compile for a GPU either): {result.detail}")
     if result.outcome is Outcome.KILLED_BY_CRASH:
         name = stillborn_read(mutant, result.detail)
         if name is not None:

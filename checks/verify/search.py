@@ -19,6 +19,7 @@ from hypothesis.errors import Flaky
 
 from speccheck.checks.verify.comparisons import Outcome, mark_consequences
 from speccheck.checks.verify.examples import BadExample, Example, example_json
+from speccheck.checks.verify.raise_site import raised_at
 from speccheck.checks.verify.report import (
     BackendReport,
     Failure,
@@ -80,6 +81,13 @@ def error_line(error: BaseException) -> str:
             f"{lines[0] if lines else ''}").strip()
 
 
+def error_summary(error: BaseException) -> str:
+    """:func:`error_line` of ``error`` and where it was raised
+    (:func:`~speccheck.checks.verify.raise_site.raised_at`): how a report names a raise."""
+    site = raised_at(error)
+    return f"{error_line(error)} ({site})" if site else error_line(error)
+
+
 class ExampleRaised(Exception):
     """An example's run raised ``error`` (an adapter's kernel rejecting its input, say): what
     the search raises in its place, as hypothesis shrinks the example and when the search
@@ -89,8 +97,8 @@ class ExampleRaised(Exception):
     alive, a shrink of a few hundred raising candidates filled an H200."""
 
     def __init__(self, error: BaseException) -> None:
-        self.summary = error_line(error)
-        """:func:`error_line` of the error."""
+        self.summary = error_summary(error)
+        """:func:`error_summary` of the error."""
         super().__init__(f"{self.summary}\n{''.join(traceback.format_exception(error))}")
 
 

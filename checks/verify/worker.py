@@ -48,7 +48,7 @@ from speccheck.checks.verify.examples import (
     reproduce_command,
 )
 from speccheck.checks.verify.report import BackendReport
-from speccheck.checks.verify.search import ExampleRaised, error_line
+from speccheck.checks.verify.search import ExampleRaised, error_summary
 from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.checks.verify.worker_process import task_files
@@ -124,12 +124,13 @@ def _reproduce_example(blob: str, verifier: BackendVerifier) -> Example:
 
 
 def root_cause(exc: BaseException) -> str:
-    """``Type: first line of message`` of the first leaf of ``exc``: hypothesis wraps an
+    """``Type: first line of message (at FILE:LINE)`` of the first leaf of ``exc``
+    (:func:`~speccheck.checks.verify.search.error_summary`): hypothesis wraps an
     error that did not recur on its re-run (out of GPU memory beside another process, say)
     in exception groups."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
-    return exc.summary if isinstance(exc, ExampleRaised) else error_line(exc)
+    return exc.summary if isinstance(exc, ExampleRaised) else error_summary(exc)
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,77 @@
+"""Where an error was raised, as a one-line report names it.
+
+A kernel interpreter or a library often re-raises what went wrong (Triton's interpreter
+wraps every error of a kernel's body in an ``InterpreterError``), so the site is read from
+the error's deepest ``__cause__``: its innermost frame, and, where that frame lies in a
+library, the innermost frame of the code under verification on the way there (the adapter's
+line that called the library). Files are shown relative to the import root that holds them
+(``triton/language/semantic.py``, ``speccheck/backends/sparse_swa/impl.py``), else to the
+working directory, else whole.
+"""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+import traceback
+from pathlib import Path
+
+LIBRARIES = frozenset({"torch", "triton", "numpy", "hypothesis", "flashinfer"})
+"""Top-level packages whose frames are not the code under verification."""
+
+TRITON_FRONT_END = "triton/language/"
+"""Where Triton's language front end lies: an error raised there is a kernel Triton would
+not compile (a shape, type or constant-expression check), on a GPU and in the interpreter
+alike; a ``tl.device_assert`` that fails at run time is raised elsewhere
+(``triton/runtime/interpreter.py``)."""
+
+
+def raised_at(error: BaseException) -> str:
+    """``at FILE:LINE`` of the innermost frame of ``error``'s deepest cause, followed by
+    ``, from FILE:LINE`` (the innermost frame outside :data:`LIBRARIES` and the standard
+    library) where the innermost frame lies in one; ``""`` when ``error`` carries no
+    traceback."""
+    frames: list[traceback.FrameSummary] = []
+    cause: BaseException | None = error
+    while cause is not None:
+        frames.extend(traceback.extract_tb(cause.__traceback__))
+        cause = cause.__cause__
+    if not frames:
+        return ""
+    shown = [(_shown(frame.filename), frame.lineno) for frame in frames]
+    innermost = shown[-1]
+    site = f"at {innermost[0]}:{innermost[1]}"
+    if _in_library(frames[-1].filename, innermost[0]):
+        own = next((s for f, s in zip(reversed(frames), reversed(shown))
+                    if not _in_library(f.filename, s[0])), None)
+        if own is not None:
+            site += f", from {own[0]}:{own[1]}"
+    return site
+
+
+def _roots() -> list[Path]:
+    """Import roots, longest first (the most specific one that holds a file names it)."""
+    roots = {Path(entry or ".").resolve() for entry in sys.path}
+    return sorted(roots, key=lambda root: len(root.parts), reverse=True)
+
+
+def _shown(filename: str) -> str:
+    path = Path(filename)
+    if not path.is_absolute():
+        return filename
+    path = path.resolve()
+    for root in [*_roots(), Path.cwd().resolve()]:
+        if path.is_relative_to(root) and path != root:
+            return path.relative_to(root).as_posix()
+    return path.as_posix()
+
+
+_STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+def _in_library(filename: str, shown: str) -> bool:
+    if shown.partition("/")[0] in LIBRARIES:
+        return True
+    path = Path(filename)
+    return path.is_absolute() and path.resolve().is_relative_to(_STDLIB) and \
+        "site-packages" not in path.parts
