@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from speccheck.checks.verify.raise_site import TRITON_FRONT_END, raised_at
-from speccheck.checks.verify.search import error_summary
+from speccheck.checks.verify.one_line import error_summary
 
 THIS_FILE = Path(__file__).name
 
@@ -51,7 +51,7 @@ def test_triton_front_end_errors_are_told_from_a_kernels_own_lines(tmp_path: Pat
     script = tmp_path / "kernel.py"
     script.write_text(textwrap.dedent("""
         import torch, triton, triton.language as tl
-        from speccheck.checks.verify.search import error_summary
+        from speccheck.checks.verify.one_line import error_summary
 
         @triton.jit
         def kernel(out, N: tl.constexpr):

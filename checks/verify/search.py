@@ -19,7 +19,7 @@ from hypothesis.errors import Flaky
 
 from speccheck.checks.verify.comparisons import Outcome, mark_consequences
 from speccheck.checks.verify.examples import BadExample, Example, example_json
-from speccheck.checks.verify.raise_site import raised_at
+from speccheck.checks.verify.one_line import error_summary
 from speccheck.checks.verify.report import (
     BackendReport,
     Failure,
@@ -71,21 +71,6 @@ class FoundFailure:
     example: Example
     outcomes: list[Outcome]
     found_at: int
-
-
-def error_line(error: BaseException) -> str:
-    """``module.Type: first line of the message`` of ``error``: how a report names an error
-    in one line."""
-    lines = str(error).strip().splitlines()
-    return (f"{type(error).__module__}.{type(error).__qualname__}: "
-            f"{lines[0] if lines else ''}").strip()
-
-
-def error_summary(error: BaseException) -> str:
-    """:func:`error_line` of ``error`` and where it was raised
-    (:func:`~speccheck.checks.verify.raise_site.raised_at`): how a report names a raise."""
-    site = raised_at(error)
-    return f"{error_line(error)} ({site})" if site else error_line(error)
 
 
 class ExampleRaised(Exception):

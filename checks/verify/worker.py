@@ -48,7 +48,8 @@ from speccheck.checks.verify.examples import (
     reproduce_command,
 )
 from speccheck.checks.verify.report import BackendReport
-from speccheck.checks.verify.search import ExampleRaised, error_summary
+from speccheck.checks.verify.one_line import error_summary
+from speccheck.checks.verify.search import ExampleRaised
 from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
 from speccheck.checks.verify.worker_process import task_files
@@ -125,7 +126,7 @@ def _reproduce_example(blob: str, verifier: BackendVerifier) -> Example:
 
 def root_cause(exc: BaseException) -> str:
     """``Type: first line of message (at FILE:LINE)`` of the first leaf of ``exc``
-    (:func:`~speccheck.checks.verify.search.error_summary`): hypothesis wraps an
+    (:func:`~speccheck.checks.verify.one_line.error_summary`): hypothesis wraps an
     error that did not recur on its re-run (out of GPU memory beside another process, say)
     in exception groups."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
