@@ -184,10 +184,10 @@ def test_an_eager_first_pass_is_compared_with_the_oracles_on_the_cpu_too() -> No
     assert first.field == f"reference.metadata.{DERIVED_FIELD}"
 
 
-@pytest.mark.parametrize("builder", [ReferenceMetadataBuilder, SparseSWAMetadataBuilder],
-                         ids=["reference", "sparse_swa"])
+@pytest.mark.parametrize(("backend", "builder"), [
+    ("reference", ReferenceMetadataBuilder), ("sparse_swa", SparseSWAMetadataBuilder)])
 def test_the_gpus_stopping_guard_passes_a_correct_builder_on_the_cpu(
-    builder: type[ReferenceMetadataBuilder] | type[SparseSWAMetadataBuilder],
+    backend: str, builder: type[ReferenceMetadataBuilder] | type[SparseSWAMetadataBuilder],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The GPU's guard checks every eager step (first passes included) before its forward;
@@ -195,7 +195,6 @@ def test_the_gpus_stopping_guard_passes_a_correct_builder_on_the_cpu(
     runs at d46283b and a217cd4 were in that GPU-only path: here it runs on the CPU over
     the shipped builder, which must pass."""
     monkeypatch.setattr(harness, "StepGuard", _stopping_guard)
-    backend = "reference" if builder is ReferenceMetadataBuilder else "sparse_swa"
     settings = settings_at_defaults(backend, builder, torch.device("cpu"), load_matrix(None),
                                     examples=12)
     report = BackendReport(backend, Tier.CPU, Status.PASSED)

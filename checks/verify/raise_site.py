@@ -38,29 +38,33 @@ def raised_at(error: BaseException) -> str:
         cause = cause.__cause__
     if not frames:
         return ""
-    shown = [(_shown(frame.filename), frame.lineno) for frame in frames]
-    innermost = shown[-1]
-    site = f"at {innermost[0]}:{innermost[1]}"
-    if _in_library(frames[-1].filename, innermost[0]):
-        own = next((s for f, s in zip(reversed(frames), reversed(shown))
-                    if not _in_library(f.filename, s[0])), None)
+    roots = [*_import_roots(), Path.cwd().resolve()]
+    sites: list[tuple[str, int | None, bool]] = []
+    for frame in frames:
+        shown = _shown(frame.filename, roots)
+        sites.append((shown, frame.lineno, _in_library(frame.filename, shown)))
+    shown, line, in_library = sites[-1]
+    site = f"at {shown}:{line}"
+    if in_library:
+        own = next(((f, n) for f, n, library in reversed(sites) if not library), None)
         if own is not None:
             site += f", from {own[0]}:{own[1]}"
     return site
 
 
-def _roots() -> list[Path]:
+def _import_roots() -> list[Path]:
     """Import roots, longest first (the most specific one that holds a file names it)."""
     roots = {Path(entry or ".").resolve() for entry in sys.path}
     return sorted(roots, key=lambda root: len(root.parts), reverse=True)
 
 
-def _shown(filename: str) -> str:
+def _shown(filename: str, roots: list[Path]) -> str:
+    """``filename`` relative to the first of ``roots`` that holds it, else whole."""
     path = Path(filename)
     if not path.is_absolute():
         return filename
     path = path.resolve()
-    for root in [*_roots(), Path.cwd().resolve()]:
+    for root in roots:
         if path.is_relative_to(root) and path != root:
             return path.relative_to(root).as_posix()
     return path.as_posix()
@@ -70,6 +74,8 @@ _STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
 
 
 def _in_library(filename: str, shown: str) -> bool:
+    """Whether ``filename`` (shown as ``shown``) lies in one of :data:`LIBRARIES` or the
+    standard library."""
     if shown.partition("/")[0] in LIBRARIES:
         return True
     path = Path(filename)
