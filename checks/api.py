@@ -263,7 +263,7 @@ def _needs(report: BackendReport, check: Check) -> str | None:
     the run lacked by its tier, options or backend)."""
     if check is Check.CAPTURE and report.tier is not Tier.GPU:
         return f"needs CUDA graphs: this run is on the {report.tier.value.upper()} tier"
-    if check in (Check.DP_TOKEN_COUNT, Check.DP_MATCHES_SINGLE_RANK):
+    if check in (Check.DP_TOKEN_COUNT, Check.DP_MATCHES_SINGLE_RANK, Check.DP_VS_FP32_REFERENCE):
         return "needs a data-parallel run (--dp-size 2 or more)"
     if check is Check.VS_FP32_REFERENCE and report.backend == "reference":
         return "the oracle is the fp32 reference"

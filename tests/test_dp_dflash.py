@@ -1,14 +1,19 @@
 """The DFlash drafter under data parallelism on two real gloo ranks (seed 004).
 
 Each rank drafts a different number of requests, pads its model input to the agreed token
-count, and must (a) draft what it drafts alone and (b) give attention the rule's token
-count: in eager mode the real ``query_start_loc[-1]``, not the padded count.
+count, and must (a) draft what it drafts alone, (b) give attention the rule's token count:
+in eager mode the real ``query_start_loc[-1]``, not the padded count, and (c) draft alone
+what the fp32 drafter over the oracle's attention drafts.
 
 ``PaddedCountDFlash`` re-creates the old bug (eager metadata built with the descriptor's
 padded count). On the CPU reference backend its drafts survive (padding tokens belong to no
 request), so only the token-count check catches it; on a GPU, FlashInfer raises.
 
-The ranks import ``PaddedCountDFlash`` from this module by name, so the repository root
+``CausalReferenceBuilder`` attends each block causally: padded and alone agree, so only
+(c) catches it.
+
+The ranks import ``PaddedCountDFlash`` and ``CausalReferenceBuilder`` from this module by
+name, so the repository root
 goes on ``sys.path`` for the module (``repo_on_path``).
 """
 
@@ -23,9 +28,11 @@ import numpy as np
 import pytest
 import torch
 
+from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
 from speccheck.checks.verify.data_parallel import (
     CHECK_MATCHES_SINGLE_RANK,
     CHECK_TOKEN_COUNT,
+    CHECK_VS_FP32_REFERENCE,
     DPVerifyResult,
     default_options,
     dflash_batch_limits,
@@ -34,6 +41,7 @@ from speccheck.checks.verify.data_parallel import (
 )
 from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.collectives import Collectives, rank_collectives
@@ -63,6 +71,14 @@ class PaddedCountDFlash(DFlashSpeculator):
         if desc.cg_mode != CUDAGraphMode.FULL:
             desc = replace(desc, cg_mode=CUDAGraphMode.FULL)
         return super()._build_block_metadata(desc, num_reqs, seq_lens, capture)
+
+
+class CausalReferenceBuilder(ReferenceMetadataBuilder):
+    """A builder that drops ``common.causal``: every DFlash block attends causally, its
+    mask tokens blind to the ones after them."""
+
+    def build(self, common: CommonAttentionMetadata) -> ReferenceMetadata:
+        return replace(super().build(common), causal=True)
 
 
 def fixed_batch(num_reqs: int, seed: int) -> DraftBatch:
@@ -120,12 +136,12 @@ def test_drawn_rounds_give_the_ranks_different_batch_sizes() -> None:
     assert all(a.num_reqs != b.num_reqs for a, b in zip(*rounds))
 
 
-def test_two_ranks_with_different_batch_sizes_pass_both_checks(correct: DPVerifyResult) -> None:
+def test_two_ranks_with_different_batch_sizes_pass_every_check(correct: DPVerifyResult) -> None:
     assert correct.skipped is None and correct.passed, [o.diagnosis for o in correct.failures()]
     rounds = len(correct.batches_per_rank[0])
     for mode in correct.modes:
         for rank in (0, 1):
-            for check in (CHECK_TOKEN_COUNT, CHECK_MATCHES_SINGLE_RANK):
+            for check in (CHECK_TOKEN_COUNT, CHECK_MATCHES_SINGLE_RANK, CHECK_VS_FP32_REFERENCE):
                 got = correct.select(rank=rank, mode=mode, check=check)
                 assert [o.result for o in got] == ["passed"] * rounds, (mode, rank, check)
 
@@ -147,6 +163,23 @@ def test_on_the_reference_backend_only_the_count_check_catches_the_variant(
     """Padding tokens lie past ``query_start_loc[-1]``: the reference gives them no request
     and writes their KV to the sink, so the drafts are unchanged."""
     assert {o.result for o in variant.select(check=CHECK_MATCHES_SINGLE_RANK)} == {"passed"}
+    assert {o.result for o in variant.select(check=CHECK_VS_FP32_REFERENCE)} == {"passed"}
+
+
+def test_a_builder_that_attends_blocks_causally_fails_only_against_the_fp32_reference(
+    repo_on_path: None,
+) -> None:
+    """Padded and alone share the bug, so they agree; the fp32 drafter over the oracle's
+    attention (non-causal within each block) drafts otherwise, on both ranks."""
+    causal = verify_dp("reference", CONFIG, 2, FIXED, ("none",), drafter=DRAFTER,
+                       builder_overrides=(("reference", CausalReferenceBuilder),),
+                       timeout_s=120, matrices=MATRICES)
+    assert {o.result for o in causal.select(check=CHECK_MATCHES_SINGLE_RANK)} == {"passed"}
+    versus = causal.select(check=CHECK_VS_FP32_REFERENCE)
+    assert {o.rank for o in versus if o.result == "failed"} == {0, 1}, versus
+    report = causal.to_report()
+    assert report.status == "failed" and report.failures[0].check == CHECK_VS_FP32_REFERENCE
+    assert "single-rank run vs fp32 reference: request" in report.failures[0].diagnosis
 
 
 def test_reports_tally_the_dp_checks(correct: DPVerifyResult, variant: DPVerifyResult) -> None:

@@ -13,14 +13,18 @@ batches (a different real batch size on each rank):
    CPU all-reduce) and pads its model input to the agreed token count;
 3. drafts the same batch again from the same KV state under the agreed descriptor.
 
-Two checks per rank, mode and round:
+Three checks per rank, mode and round:
 
 - ``dp_token_count``: the attention metadata of the padded pass covers what
   :func:`~speccheck.contract.token_count.attention_token_count` says: FULL, the padded
   count; eager, the real ``query_start_loc[-1]``. An eager drafter that hands attention the
   padded count fails it on every rank that padded (and crashes FlashInfer);
 - ``dp_matches_single_rank``: the padded pass drafts the tokens of the single-rank run
-  (a difference at a near-tie of the single-rank logits is indeterminate).
+  (a difference at a near-tie of the single-rank logits is indeterminate);
+- ``dp_vs_fp32_reference``: the single-rank run agrees with the same drafter in fp32 over
+  the oracle's attention (:mod:`~speccheck.checks.verify.oracle`, which shares no code with
+  ``backends/``), run eagerly from the same KV state: the block's non-causal attention is
+  checked against an independent definition, not only against itself padded.
 
 The eager mode (``"none"``) runs anywhere; ``"full"`` needs CUDA (with one GPU every rank
 shares ``cuda:0``). The result names the collectives and every rank's device.
@@ -41,12 +45,14 @@ from speccheck.backends.availability import BackendUnavailable
 from speccheck.checks.triton_interpreter import patch_interpreter
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import TOLERANCE
+from speccheck.checks.verify.comparisons import compare_drafts
 from speccheck.checks.verify.examples import example_json
+from speccheck.checks.verify.oracle.builder import OracleMetadataBuilder
 from speccheck.checks.verify.one_line import exception_line
 from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.strategies import BatchLimits, draft_batches, draw_values
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
-from speccheck.contract.builder import blocks_for
+from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.matrix_model import Matrix
 from speccheck.contract.resolution import graph_capture_shortfall, resolve_backend
@@ -66,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 CHECK_TOKEN_COUNT = Check.DP_TOKEN_COUNT
 CHECK_MATCHES_SINGLE_RANK = Check.DP_MATCHES_SINGLE_RANK
+CHECK_VS_FP32_REFERENCE = Check.DP_VS_FP32_REFERENCE
 DP_MODES = ("none", "full")
 """Graph modes :func:`verify_dp` can test; ``full`` only where CUDA is available."""
 
@@ -80,7 +87,8 @@ class DPOutcome:
     mode: str
     round: int
     check: Check
-    """:data:`CHECK_TOKEN_COUNT` or :data:`CHECK_MATCHES_SINGLE_RANK`."""
+    """:data:`CHECK_TOKEN_COUNT`, :data:`CHECK_MATCHES_SINGLE_RANK` or
+    :data:`CHECK_VS_FP32_REFERENCE`."""
     result: Result
     """Passed, failed or indeterminate."""
     diagnosis: str = ""
@@ -185,7 +193,11 @@ class _RankPlan:
     speculator_cls: type[DFlashSpeculator]
     seed: int
     matrix: Matrix
+    shipped: Matrix
+    """speccheck's own matrix: the fp32 reference's layers are its ``reference`` entry with
+    the oracle's builder."""
     collectives: Collectives
+    builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...] = ()
 
 
 def default_drafter(config: RuntimeConfig, seed: int = 0) -> DrafterConfig:
@@ -236,6 +248,7 @@ def verify_dp(
     drafter: DrafterConfig | None = None,
     options: SpeculatorOptions | None = None,
     speculator_cls: type[DFlashSpeculator] = DFlashSpeculator,
+    builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...] = (),
     timeout_s: float = 300.0,
 ) -> DPVerifyResult:
     """Verify ``backend``'s DFlash drafting under data parallelism on ``dp_size`` ranks, over
@@ -252,7 +265,8 @@ def verify_dp(
     ``drafter``/``options`` default to :func:`default_drafter`/:func:`default_options`
     (request padding to capture sizes is always off: eager ranks pad only to the agreed
     count). ``speculator_cls`` swaps the drafter class (tests plant the seed-004 bug with
-    it); like every argument it is pickled to the ranks, so it must be importable there.
+    it) and ``builder_overrides`` a backend's builder class (``(name, class)`` pairs); like
+    every argument they are pickled to the ranks, so they must be importable there.
     ``timeout_s`` bounds the whole multi-process run.
 
     A backend without an adapter, for another platform, or whose kernel package is missing
@@ -300,7 +314,8 @@ def verify_dp(
     result.skipped = unrunnable_reason(backend, machine_platform(), matrices.matrix)
     if result.skipped is None and runnable:
         plan = _RankPlan(backend, result.config, runnable, batches, drafter, options,
-                         speculator_cls, seed, matrices.matrix, collectives)
+                         speculator_cls, seed, matrices.matrix, matrices.shipped, collectives,
+                         builder_overrides)
         try:
             per_rank = run_ranks(_verify_rank, dp_size, (plan,), timeout_s=timeout_s,
                                  collectives=collectives)
@@ -318,10 +333,27 @@ def verify_dp(
 
 
 def _build(plan: _RankPlan, config: RuntimeConfig, device: torch.device) -> DFlashSpeculator:
-    """The drafter of one rank: the matrix's builder for every layer, the plan's class."""
+    """The drafter of one rank: the matrix's builder (or the plan's override) for every
+    layer, the plan's class."""
     spec = create_speculator(
         "dflash", [plan.backend] * plan.drafter.num_layers, config, plan.drafter, device,
         plan.options, matrix=plan.matrix, speculator_cls=plan.speculator_cls,
+        builder_overrides=dict(plan.builder_overrides),
+    )
+    assert isinstance(spec, DFlashSpeculator)
+    return spec
+
+
+def _build_reference(plan: _RankPlan, device: torch.device) -> DFlashSpeculator:
+    """The fp32 reference of one rank: the plan's drafter in fp32 on the tensor-op form of
+    every layer and of sampling, eager, its attention the oracle's
+    (:class:`~speccheck.checks.verify.oracle.builder.OracleMetadataBuilder`), the plain
+    DFlash drafter whatever the plan's class."""
+    config = plan.config.model_copy(update={"dtype": "float32", "cudagraph_mode": "none"})
+    drafter = replace(plan.drafter, dtype="float32", kernels=False)
+    spec = create_speculator(
+        "dflash", ["reference"] * drafter.num_layers, config, drafter, device, plan.options,
+        matrix=plan.shipped, builder_overrides={"reference": OracleMetadataBuilder},
     )
     assert isinstance(spec, DFlashSpeculator)
     return spec
@@ -337,24 +369,45 @@ def _verify_rank(dp_rank: int, dp_size: int, plan: _RankPlan) -> list[DPOutcome]
         raise RuntimeError(f"DP rank {dp_rank} runs on {device}, but "
                            f"cuda:{torch.cuda.current_device()} is its current device")
     outcomes: list[DPOutcome] = []
+    reference = _build_reference(plan, device)
+    expected: dict[int, DraftResult] = {}
+    """The fp32 reference's drafts of each round (the same in every mode)."""
     for mode in plan.modes:
         config = plan.config.model_copy(update={"cudagraph_mode": mode})
         spec = _build(plan, config, device)
         spec.capture()
         tol = TOLERANCE[config.dtype]
         for index, batch in enumerate(plan.batches_per_rank[dp_rank]):
-            outcomes += _verify_round(spec, batch, dp_rank, dp_size, mode, index, plan.seed, tol)
+            if index not in expected:
+                expected[index] = _reference_drafts(reference, batch, plan.seed, index)
+            outcomes += _verify_round(spec, batch, dp_rank, dp_size, mode, index, plan.seed, tol,
+                                      expected[index])
     return outcomes
+
+
+def _kv_seed(seed_value: int, index: int) -> int:
+    """The seed of round ``index``'s KV noise: the same on every rank and in every mode."""
+    return seed_value * 1_000_003 + index
+
+
+def _reference_drafts(
+    reference: DFlashSpeculator, batch: DraftBatch, seed_value: int, index: int
+) -> DraftResult:
+    """``reference``'s eager drafts of ``batch`` from round ``index``'s KV state."""
+    reference.kv_cache.fill_random_(_kv_seed(seed_value, index))
+    r, q = batch.num_reqs, reference.query_per_req
+    return reference.propose(batch, BatchExecutionDescriptor(CUDAGraphMode.NONE, r * q, None, q))
 
 
 def _verify_round(
     spec: DFlashSpeculator, batch: DraftBatch, dp_rank: int, dp_size: int, mode: str,
-    index: int, seed_value: int, tol: float,
+    index: int, seed_value: int, tol: float, fp32_drafts: DraftResult,
 ) -> list[DPOutcome]:
     """Single-rank run, the DP agreement (one collective, on every rank whatever happened
-    before), the padded run, and the two checks."""
+    before), the padded run, and the three checks (``fp32_drafts``: the fp32 reference's
+    drafts of the round)."""
     r, q = batch.num_reqs, spec.query_per_req
-    spec.kv_cache.fill_random_(seed_value * 1_000_003 + index)
+    spec.kv_cache.fill_random_(_kv_seed(seed_value, index))
     start = spec.kv_cache.snapshot()
     alone, alone_error = _attempt(
         spec.propose, batch, BatchExecutionDescriptor(CUDAGraphMode.NONE, r * q, None, q)
@@ -393,7 +446,28 @@ def _verify_round(
         assert alone is not None and padded is not None
         result, diagnosis = _compare_drafts(alone, padded, tol)
         match = outcome(CHECK_MATCHES_SINGLE_RANK, result, diagnosis)
-    return [count, match]
+    if alone is None:
+        versus = outcome(CHECK_VS_FP32_REFERENCE, Result.FAILED,
+                         f"the single-rank run raised {alone_error}")
+    else:
+        versus = outcome(CHECK_VS_FP32_REFERENCE, *_versus_reference(fp32_drafts, alone, 4 * tol))
+    return [count, match, versus]
+
+
+def _versus_reference(expected: DraftResult, alone: DraftResult, tol: float) -> tuple[Result, str]:
+    """The single-rank run against the fp32 reference's drafts
+    (:func:`~speccheck.checks.verify.comparisons.compare_drafts`, ``tol`` allowing for the
+    run's dtype): failed with the first divergence's words, else indeterminate where a
+    near-tie left a token undecided, else passed."""
+    compared = compare_drafts(expected, alone, "single-rank run vs fp32 reference", tol,
+                              token_check=CHECK_VS_FP32_REFERENCE,
+                              logit_check=CHECK_VS_FP32_REFERENCE)
+    failed = [o for o in compared if o.result is Result.FAILED]
+    if failed:
+        return Result.FAILED, failed[0].diagnosis
+    if any(o.result is Result.INDETERMINATE for o in compared):
+        return Result.INDETERMINATE, ""
+    return Result.PASSED, ""
 
 
 def _attempt(call: Callable[..., T], *args: Any) -> tuple[T | None, str | None]:

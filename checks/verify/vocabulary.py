@@ -136,6 +136,13 @@ class Check(enum.StrEnum):
         "(`--dp-size N`) on every rank, the drafts of the padded pass equal a single-rank run "
         "of the same requests (a difference at a near-tie is indeterminate)",
     )
+    DP_VS_FP32_REFERENCE = (
+        "dp_vs_fp32_reference",
+        "(`--dp-size N`) on every rank, the single-rank run's drafts agree with the same "
+        "DFlash drafter in fp32 over the oracle's attention (`checks/verify/oracle`: dense "
+        "masked softmax, non-causal within each block, sharing no code with `backends/`): "
+        "the padded pass can equal the single-rank run and both be wrong",
+    )
 
 
 class Result(enum.StrEnum):
