@@ -632,7 +632,8 @@ class VerifyPlan:
         try:
             config = self.config_for(name)
             return verify_dp(name, config, config.dp_size, examples=self.verify_run.examples,
-                             seed=self.verify_run.seed, matrices=self.matrices).to_report()
+                             seed=self.verify_run.seed, matrices=self.matrices,
+                             kv_layout=self.verify_run.kv_layout).to_report()
         except RankError as exc:
             return BackendReport(name, self.tier, Status.CRASHED, detail=str(exc))
 

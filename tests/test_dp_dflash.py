@@ -251,3 +251,12 @@ def test_padded_count_variant_crashes_flashinfer(repo_on_path: None) -> None:
     good = verify_dp("flashinfer", config, 2, FIXED, ("none",), drafter=drafter, timeout_s=600, matrices=MATRICES)
     assert good.passed, [o.diagnosis for o in good.failures()]
 
+
+
+def test_the_drafter_reads_the_layout_the_entry_requires(repo_on_path: None) -> None:
+    """triton_mla reads only the latent layout: its DFlash drafter is built of latent layers
+    (it was built of NHD ones, and every rank refused it)."""
+    config = CONFIG.model_copy(update={"kv_lora_rank": 16, "qk_rope_head_dim": 16})
+    result = verify_dp("triton_mla", config, 2, examples=1, modes=("none",), timeout_s=300,
+                       matrices=MATRICES)
+    assert result.skipped is None and result.passed, [o.diagnosis for o in result.failures()]

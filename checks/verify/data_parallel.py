@@ -54,7 +54,7 @@ from speccheck.checks.verify.strategies import BatchLimits, draft_batches, draw_
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
-from speccheck.contract.matrix_model import Matrix
+from speccheck.contract.matrix_model import KvLayout, Matrix
 from speccheck.contract.resolution import graph_capture_shortfall, resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.contract.token_count import attention_token_count, uniform_query_start_loc
@@ -200,10 +200,12 @@ class _RankPlan:
     builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...] = ()
 
 
-def default_drafter(config: RuntimeConfig, seed: int = 0) -> DrafterConfig:
+def default_drafter(
+    config: RuntimeConfig, seed: int = 0, kv_layout: KvLayout = KvLayout.NHD
+) -> DrafterConfig:
     """The drafter :func:`verify_dp` builds unless given one: the config's head layout and
-    dtype, 2 layers, vocabulary 256, weights from ``seed``."""
-    return DrafterConfig.for_runtime(config, seed=seed)
+    dtype, layers of ``kv_layout``, 2 layers, vocabulary 256, weights from ``seed``."""
+    return DrafterConfig.for_runtime(config, seed=seed, kv_layout=kv_layout)
 
 
 def default_options(config: RuntimeConfig) -> SpeculatorOptions:
@@ -249,6 +251,7 @@ def verify_dp(
     options: SpeculatorOptions | None = None,
     speculator_cls: type[DFlashSpeculator] = DFlashSpeculator,
     builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...] = (),
+    kv_layout: KvLayout | None = None,
     timeout_s: float = 300.0,
 ) -> DPVerifyResult:
     """Verify ``backend``'s DFlash drafting under data parallelism on ``dp_size`` ranks, over
@@ -262,7 +265,8 @@ def verify_dp(
     not run. ``matrices.matrix`` declares ``backend``. ``config``'s ``cudagraph_mode`` (per mode) and ``dp_size`` are replaced; its
     ``num_speculative_steps`` is K (blocks of 1 + K tokens).
 
-    ``drafter``/``options`` default to :func:`default_drafter`/:func:`default_options`
+    ``drafter``/``options`` default to :func:`default_drafter` (its layers of ``kv_layout``,
+    else of the layout the entry reads, else ``NHD``)/:func:`default_options`
     (request padding to capture sizes is always off: eager ranks pad only to the agreed
     count). ``speculator_cls`` swaps the drafter class (tests plant the seed-004 bug with
     it) and ``builder_overrides`` a backend's builder class (``(name, class)`` pairs); like
@@ -282,7 +286,9 @@ def verify_dp(
         raise ValueError(f"unknown DP verification mode(s) {unknown}; valid: {', '.join(DP_MODES)}")
     if dp_size < 1:
         raise ValueError(f"dp_size={dp_size} must be >= 1")
-    drafter = drafter or default_drafter(config, seed)
+    entry = matrices.matrix.backend(backend)
+    drafter = drafter or default_drafter(
+        config, seed, kv_layout or entry.constraints.kv_layout or KvLayout.NHD)
     options = replace(options or default_options(config), pad_to_capture_sizes=False)
     if batches_per_rank is None:
         limits = dflash_batch_limits(config, options, drafter.vocab_size)
@@ -295,7 +301,6 @@ def verify_dp(
             f"{[len(rank) for rank in batches]}"
         )
     skipped_modes = {m: "needs a CUDA device" for m in wanted if m == "full" and not cuda}
-    entry = matrices.matrix.backend(backend)
     shortfall = graph_capture_shortfall(
         {backend: entry.cudagraph_support}, config.num_speculative_steps + 1
     )
