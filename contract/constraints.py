@@ -8,7 +8,8 @@ module is the one place that checks them:
   head and block sizes, conditions), each failure ending with the matrix's reason;
 - :func:`enforce_constraints`: both, raising :class:`ConstraintViolation`;
 - :func:`enforce_layer_constraints`: the same for one layer's values, plus its KV-cache
-  layout (:func:`layout_failures`). Whoever constructs a builder calls it first
+  layout (:func:`layout_failures`) and, for a drafter with non-causal passes, causality
+  (:func:`causality_failures`). Whoever constructs a builder calls it first
   (``build_attention_groups``), so builders never re-declare these rules and cannot drift
   from the matrix.
 
@@ -17,7 +18,8 @@ whether fused draft decode may run, so ``speccheck matrix`` refuses exactly what
 the backend refuses. ``kv_layout`` is a property of the model's layers, not of the runtime
 configuration: resolution cannot judge it, and :func:`enforce_layer_constraints` refuses a
 layer whose cache layout differs from the one the entry reads
-(:func:`layout_failures`).
+(:func:`layout_failures`). Causality is the drafter's (a DFlash block attends non-causally),
+not the configuration's, and is judged the same way.
 """
 
 from __future__ import annotations
@@ -174,14 +176,29 @@ def layout_failures(entry: BackendEntry, layer: AttentionLayerSpec) -> tuple[str
     ),)
 
 
+def causality_failures(entry: BackendEntry, non_causal: bool) -> tuple[str, ...]:
+    """Why ``entry`` cannot serve a drafter with non-causal passes (``non_causal``: a DFlash
+    drafter's blocks): its ``constraints.causal_only`` is set, followed by the matrix's
+    reason. Empty otherwise."""
+    if not (non_causal and entry.constraints.causal_only):
+        return ()
+    return (_with_reason(
+        "requires causal attention (causal_only), but the drafter attends non-causally "
+        "(a DFlash block)",
+        entry.constraints.reason_for("causal_only"),
+    ),)
+
+
 def enforce_layer_constraints(
-    entry: BackendEntry, config: RuntimeConfig, layer: AttentionLayerSpec
+    entry: BackendEntry, config: RuntimeConfig, layer: AttentionLayerSpec,
+    non_causal: bool = False,
 ) -> None:
     """:func:`enforce_constraints` for a builder of ``layer`` under ``config`` (judged as
-    :func:`layer_config`), plus :func:`layout_failures`: every failure in one
+    :func:`layer_config`), plus :func:`layout_failures` and, for a drafter with non-causal
+    passes (``non_causal``), :func:`causality_failures`: every failure in one
     :class:`ConstraintViolation`. Whoever constructs a builder calls this first."""
     judged = layer_config(config, layer)
     failures = (platform_failures(entry, judged) + constraint_failures(entry, judged)
-                + layout_failures(entry, layer))
+                + layout_failures(entry, layer) + causality_failures(entry, non_causal))
     if failures:
         raise ConstraintViolation(entry.name, failures)

@@ -552,12 +552,15 @@ class ConstraintReasons(StrictModel):
     kv_layout: NonEmptyText | None = Field(
         None, description="Why the KV cache must have this `kv_layout`."
     )
+    causal_only: NonEmptyText | None = Field(
+        None, description="Why the backend serves causal attention only."
+    )
 
 
 STRUCTURED_CONSTRAINTS: tuple[str, ...] = tuple(ConstraintReasons.model_fields)
 """The fields of :class:`Constraints` that :class:`ConstraintReasons` can explain, in
 declaration order: ``dtypes``, ``kv_cache_dtypes``, ``head_sizes``, ``block_sizes``,
-``kv_layout``."""
+``kv_layout``, ``causal_only``."""
 
 
 class Constraints(StrictModel):
@@ -582,6 +585,12 @@ class Constraints(StrictModel):
         None, strict=False,
         description="The KV-cache layout the backend reads; building it for a layer of "
         "another layout is refused. Leave out when it reads every layout.",
+    )
+    causal_only: StrictBool = Field(
+        False,
+        description="The backend serves causal attention only (each token sees positions up "
+        "to its own): building it for a drafter with non-causal passes (a DFlash drafter's "
+        "blocks) is refused. Leave out when it serves both.",
     )
     conditions: tuple[ConditionConstraint, ...] = Field(
         (), description="Further conditions over the runtime config, each with a reason."
@@ -619,7 +628,7 @@ class Constraints(StrictModel):
             for value in _duplicates(values):
                 violations.append(((name,), f"lists {value!r} more than once"))
         for name in STRUCTURED_CONSTRAINTS:
-            if getattr(self.reasons, name) is not None and getattr(self, name) is None:
+            if getattr(self.reasons, name) is not None and getattr(self, name) in (None, False):
                 violations.append(
                     (("reasons", name), f"explains {name}, which is not set; set {name} or "
                      "remove this reason")

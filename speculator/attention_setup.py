@@ -86,6 +86,7 @@ def build_attention_groups(
     buffer_allocator: BufferAllocator = zeros_allocator,
     claim_fused: bool = False,
     dcp: DcpRank | None = None,
+    non_causal: bool = False,
 ) -> list[AttentionGroup]:
     """One group per distinct backend, in order of first use; layer ``i`` runs
     ``layer_backends[i]``. Each builder's ``supports_draft_decode_metadata_update`` is
@@ -99,7 +100,9 @@ def build_attention_groups(
     ``dcp`` (a rank of a real DCP group, ``world_size == config.dcp_world_size``) goes to
     every builder, which must then hold its rank's share of the KV cache: a builder whose
     constructor takes no ``dcp`` keyword raises ``ValueError``. Without one,
-    ``dcp_world_size`` is a configuration value only.
+    ``dcp_world_size`` is a configuration value only. ``non_causal``: the drafter builds
+    non-causal passes (DFlash blocks), which a ``causal_only`` entry refuses
+    (:func:`~speccheck.contract.constraints.causality_failures`).
     """
     if dcp is not None and dcp.world_size != config.dcp_world_size:
         raise ValueError(f"a DCP rank of a group of {dcp.world_size} under dcp_world_size="
@@ -110,7 +113,7 @@ def build_attention_groups(
             cls = (builder_overrides or {}).get(name) or builder_class(name, matrix)
             entry = matrix.backend(name)
             resolution = resolve_backend(entry, config)
-            enforce_layer_constraints(entry, config, layer)
+            enforce_layer_constraints(entry, config, layer, non_causal)
             share: dict[str, DcpRank] = {}
             if dcp is not None:
                 if not holds_dcp_share(cls):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -84,6 +84,10 @@ class StepCounters:
 
 class DraftModelSpeculator:
     """A :class:`DraftModel`, its attention groups, KV cache and persistent buffers."""
+
+    attends_non_causally: ClassVar[bool] = False
+    """Whether some pass of this drafter attends non-causally (a token sees later positions
+    of its request): a ``causal_only`` backend refuses to serve it."""
 
     def __init__(
         self,

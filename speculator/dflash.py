@@ -10,7 +10,7 @@ the agreed token count, but in eager mode attention covers only the real tokens.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -30,6 +30,8 @@ from speccheck.speculator.sampling import sample_tokens
 class DFlashSpeculator(DraftModelSpeculator):
     """Drafts K tokens per request in one forward. ``last_common_metadata`` keeps the common
     metadata of the latest block pass, so checks can compare its token count with the rule."""
+
+    attends_non_causally: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -68,5 +68,6 @@ def create_speculator(
         buffer_allocator=buffer_allocator,
         claim_fused=claim_fused,
         dcp=dcp,
+        non_causal=cls.attends_non_causally,
     )
     return cls(DraftModel(drafter, device), groups, config, device, options, kv_cache=kv_cache)

@@ -4,7 +4,7 @@ Generated from the shipped matrix: one case per entry with an implementation. Hy
 draws runtime configs over the fields the constraints talk about (dtype, KV-cache dtype,
 head size, block size and ``max_model_len``, head layout, MLA sizes, sliding window,
 platform, compute capability), biased towards each entry's allowed values so that both
-directions occur; the layer has the KV layout the entry reads (GQA keys and values unless
+directions occur, and whether the drafter's pass is causal (``causal_only``); the layer has the KV layout the entry reads (GQA keys and values unless
 it says ``latent``). When the matrix
 admits a config, ``build_attention_groups`` builds the real builder and one attention
 forward through its impl matches the fp32 reference on a tiny batch; when it rejects one,
@@ -32,6 +32,7 @@ from speccheck.contract.builder import AttentionLayerSpec, AttentionMetadataBuil
 from speccheck.contract.conditions import evaluate_condition
 from speccheck.contract.constraints import (
     ConstraintViolation,
+    causality_failures,
     constraint_failures,
     enforce_constraints,
     layer_config,
@@ -78,10 +79,12 @@ def test_the_matrix_ships_adapters_of_both_kinds() -> None:
 # --- the oracle: what the entry's data says, requirement by requirement --------------------
 
 
-def broken_requirements(entry: BackendEntry, config: RuntimeConfig) -> list[str]:
-    """For every requirement of ``entry`` that ``config`` breaks, the text its refusal must
-    contain: the matrix's reason when it gives one, else the "requires FIELD" phrase.
-    Read straight from the entry's data, independently of how refusals are assembled."""
+def broken_requirements(entry: BackendEntry, config: RuntimeConfig,
+                        causal: bool = True) -> list[str]:
+    """For every requirement of ``entry`` that ``config`` (and a pass that is ``causal`` or
+    not) breaks, the text its refusal must contain: the matrix's reason when it gives one,
+    else the "requires FIELD" phrase. Read straight from the entry's data, independently of
+    how refusals are assembled."""
     constraints = entry.constraints
     broken = []
     if config.platform not in entry.platforms:
@@ -100,6 +103,8 @@ def broken_requirements(entry: BackendEntry, config: RuntimeConfig) -> list[str]
     for constraint in constraints.conditions:
         if not evaluate_condition(constraint.condition, config):
             broken.append(constraint.reason)
+    if constraints.causal_only and not causal:
+        broken.append(constraints.reason_for("causal_only") or "requires causal attention")
     return broken
 
 
@@ -162,32 +167,40 @@ def layer_of(config: RuntimeConfig, entry: BackendEntry) -> AttentionLayerSpec:
     )
 
 
-def build(name: str, config: RuntimeConfig, device: torch.device) -> AttentionMetadataBuilder[Any]:
+def build(name: str, config: RuntimeConfig, device: torch.device,
+          causal: bool = True) -> AttentionMetadataBuilder[Any]:
+    """``name``'s builder for ``config``, for a drafter whose passes are ``causal`` or not."""
     (group,) = build_attention_groups(
-        [name], layer_of(config, MATRIX.backend(name)), config, device, LIMITS, matrix=MATRIX
+        [name], layer_of(config, MATRIX.backend(name)), config, device, LIMITS, matrix=MATRIX,
+        non_causal=not causal,
     )
     return group.builder
 
 
-def assert_refused(name: str, config: RuntimeConfig, broken: list[str]) -> None:
-    """Building ``name`` for ``config`` raises ConstraintViolation naming every broken
-    requirement with its matrix reason, as ``speccheck matrix`` does."""
+def assert_refused(name: str, config: RuntimeConfig, broken: list[str],
+                   causal: bool = True) -> None:
+    """Building ``name`` for ``config`` (and a drafter whose passes are ``causal`` or not)
+    raises ConstraintViolation naming every broken requirement with its matrix reason, as
+    ``speccheck matrix`` does for the configuration's."""
     with pytest.raises(ConstraintViolation) as info:
-        build(name, config, torch.device("cpu"))
+        build(name, config, torch.device("cpu"), causal)
     refusal = info.value
     assert refusal.backend == name
     assert len(refusal.failures) == len(broken), (refusal.failures, broken)
     for text in broken:
         assert text in str(refusal), (text, str(refusal))
-    resolution = resolve_backend(MATRIX.backend(name), config)
-    assert not resolution.fused_multi_step
-    assert set(refusal.failures) <= set(resolution.failures)
+    entry = MATRIX.backend(name)
+    of_config = set(refusal.failures) - set(causality_failures(entry, not causal))
+    resolution = resolve_backend(entry, config)
+    assert of_config <= set(resolution.failures)
+    assert not of_config or not resolution.fused_multi_step
 
 
-def run_tiny_forward(builder: AttentionMetadataBuilder[Any], device: torch.device) -> None:
-    """Two requests (one decode token, one two-token query) through the builder's impl:
-    the new keys (latent entries, for an MLA layer) land in the cache and the output
-    matches the fp32 reference, with the layer's sliding window."""
+def run_tiny_forward(builder: AttentionMetadataBuilder[Any], device: torch.device,
+                     causal: bool = True) -> None:
+    """Two requests (one decode token, one two-token query, attending ``causal``ly or not)
+    through the builder's impl: the new keys (latent entries, for an MLA layer) land in the
+    cache and the output matches the fp32 reference, with the layer's sliding window."""
     layer = builder.layer
     gen = torch.Generator().manual_seed(0)
     seq_lens = [min(length, layer.max_model_len) for length in SEQ_LENS]
@@ -215,6 +228,7 @@ def run_tiny_forward(builder: AttentionMetadataBuilder[Any], device: torch.devic
         base_seq_lens_np=np.array(seq_lens, dtype=np.int32),
         step=0,
         max_model_len=layer.max_model_len,
+        causal=causal,
     )
     metadata = builder.build(common)
 
@@ -238,7 +252,7 @@ def run_tiny_forward(builder: AttentionMetadataBuilder[Any], device: torch.devic
     assert torch.equal(flat_keys[common.slot_mapping], key), "new keys not in the cache"
     want = paged_attention_reference(
         query, key_cache, values, common.query_start_loc, common.seq_lens,
-        common.block_table, scale, True, layer.sliding_window,
+        common.block_table, scale, causal, layer.sliding_window,
     )
     tol = TOLERANCE[layer.dtype]
     torch.testing.assert_close(output.float(), want.float(), atol=tol, rtol=tol)
@@ -250,23 +264,25 @@ def run_tiny_forward(builder: AttentionMetadataBuilder[Any], device: torch.devic
 @pytest.mark.parametrize("name", CPU_RUNNABLE)
 def test_cpu_adapter_serves_exactly_what_the_matrix_admits(name: str) -> None:
     entry = MATRIX.backend(name)
-    seen = {"admitted": 0, "rejected": 0}
+    seen = {"admitted": 0, "rejected": 0, "non_causal": 0}
 
     @settings(max_examples=30)  # a tiny forward costs ~0.1 s, also under the Triton interpreter
-    @given(config=runtime_configs(entry))
-    def check(config: RuntimeConfig) -> None:
-        broken = broken_requirements(entry, config)
-        assert (not broken) == (platform_failures(entry, config)
-                                + constraint_failures(entry, config) == ())
+    @given(config=runtime_configs(entry), causal=st.booleans())
+    def check(config: RuntimeConfig, causal: bool) -> None:
+        broken = broken_requirements(entry, config, causal)
+        assert (not broken) == (platform_failures(entry, config) + constraint_failures(entry, config)
+                                + causality_failures(entry, not causal) == ())
         if broken:
             seen["rejected"] += 1
-            assert_refused(name, config, broken)
+            assert_refused(name, config, broken, causal)
         else:
             seen["admitted"] += 1
-            run_tiny_forward(build(name, config, DEVICE), DEVICE)
+            seen["non_causal"] += not causal
+            run_tiny_forward(build(name, config, DEVICE, causal), DEVICE, causal)
 
     check()
     assert seen["admitted"] and seen["rejected"], seen
+    assert bool(seen["non_causal"]) != entry.constraints.causal_only, seen
 
 
 # --- CUDA-only adapters: refusals anywhere, acceptances on a GPU --------------------------
@@ -297,10 +313,11 @@ def test_cuda_adapter_serves_what_the_matrix_admits(name: str) -> None:
         pytest.skip(f"{name} needs compute capability {entry.min_compute_capability}")
 
     @settings(max_examples=25)
-    @given(config=runtime_configs(entry, platform="cuda", compute_capability=capability))
-    def check(config: RuntimeConfig) -> None:
-        assume(not broken_requirements(entry, config))
-        run_tiny_forward(build(name, config, device), device)
+    @given(config=runtime_configs(entry, platform="cuda", compute_capability=capability),
+           causal=st.booleans())
+    def check(config: RuntimeConfig, causal: bool) -> None:
+        assume(not broken_requirements(entry, config, causal))
+        run_tiny_forward(build(name, config, device, causal), device, causal)
 
     check()
 

@@ -260,3 +260,13 @@ def test_the_drafter_reads_the_layout_the_entry_requires(repo_on_path: None) -> 
     result = verify_dp("triton_mla", config, 2, examples=1, modes=("none",), timeout_s=300,
                        matrices=MATRICES)
     assert result.skipped is None and result.passed, [o.diagnosis for o in result.failures()]
+
+
+def test_a_causal_only_backend_is_skipped_with_the_matrix_reason() -> None:
+    """sparse_swa declares ``causal_only``: no rank starts, and the report says why."""
+    result = verify_dp("sparse_swa", CONFIG, 2, examples=1, matrices=MATRICES)
+    assert result.outcomes == [] and result.skipped is not None
+    assert result.skipped.startswith("sparse_swa cannot serve the DFlash drafter: requires "
+                                     "causal attention (causal_only)")
+    assert "nothing after p" in result.skipped
+    assert result.to_report().status == "skipped"

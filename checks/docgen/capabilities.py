@@ -226,6 +226,9 @@ def _constraint_lines(constraints: Constraints) -> list[str]:
     if constraints.kv_layout is not None:
         layout = constraints.kv_layout
         stated.append(("kv_layout", "KV layout", f"`{layout.value}`: {layout.description}"))
+    if constraints.causal_only:
+        stated.append(("causal_only", "Causal attention only",
+                       "a drafter with non-causal passes (DFlash blocks) is refused"))
     lines = []
     for name, label, value in stated:
         reason = constraints.reason_for(name)

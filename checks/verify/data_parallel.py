@@ -53,6 +53,7 @@ from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.strategies import BatchLimits, draft_batches, draw_values
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
+from speccheck.contract.constraints import causality_failures
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.matrix_model import KvLayout, Matrix
 from speccheck.contract.resolution import graph_capture_shortfall, resolve_backend
@@ -273,8 +274,8 @@ def verify_dp(
     every argument they are pickled to the ranks, so they must be importable there.
     ``timeout_s`` bounds the whole multi-process run.
 
-    A backend without an adapter, for another platform, or whose kernel package is missing
-    is reported as skipped. Raises :class:`~speccheck.speculator.dp_launch.RankFailed` or
+    A backend without an adapter, for another platform, whose kernel package is missing, or
+    that serves causal attention only (``constraints.causal_only``) is reported as skipped. Raises :class:`~speccheck.speculator.dp_launch.RankFailed` or
     :class:`~speccheck.speculator.dp_launch.RanksTimedOut` when a rank crashes or hangs
     (an exception inside a propose call is a failed check instead).
     """
@@ -317,6 +318,9 @@ def verify_dp(
     resolution = resolve_backend(entry, result.config)
     result.fused_allowed, result.fused_reason = resolution.fused_multi_step, resolution.reason
     result.skipped = unrunnable_reason(backend, machine_platform(), matrices.matrix)
+    refused = causality_failures(entry, speculator_cls.attends_non_causally)
+    if result.skipped is None and refused:
+        result.skipped = f"{backend} cannot serve the DFlash drafter: {refused[0]}"
     if result.skipped is None and runnable:
         plan = _RankPlan(backend, result.config, runnable, batches, drafter, options,
                          speculator_cls, seed, matrices.matrix, matrices.shipped, collectives,
