@@ -45,7 +45,7 @@ from speccheck.checks.verify.cells import (
 )
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.report import BackendReport, CellReport, Failure, Finding, cut_short
-from speccheck.checks.verify.run import VerifyRun, WorkerTask, bound_problem
+from speccheck.checks.verify.run import VerifyRun, WorkerTask, bound_problem, runtime_flags
 from speccheck.checks.verify.scale import HarnessScale, default_jobs, memory_jobs
 from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.contract.adapter_status import implementation_path
@@ -193,6 +193,15 @@ class VerifyReport:
                 lines.append(f"{r.backend}: {r.stop_note}: checks that did not fail ran on "
                              f"{r.examples} of {r.examples_asked} examples, not all")
         return lines
+
+
+def _data_parallel_note(report: BackendReport) -> str:
+    """What a data-parallel run drafted with and on what, in words ("" for another run)."""
+    if report.data_parallel is None:
+        return ""
+    ranks = report.data_parallel
+    return (f"the DFlash drafter (blocks of 1 + K tokens, attended non-causally) on "
+            f"{ranks['dp_size']} data-parallel ranks over {ranks['collectives']}")
 
 
 def _where(failure: Failure) -> str:
@@ -452,8 +461,11 @@ class VerifyPlan:
         self, name: str, progress: ProgressDisplay, notes: dict[str, str],
         spare: list[WorkerProcess],
     ) -> BackendReport:
-        """Backend ``name`` at this plan's one configuration: on real DCP ranks where
-        :meth:`dcp_ranks` says so, else in worker processes."""
+        """Backend ``name`` at this plan's one configuration: the DFlash drafter on
+        data-parallel ranks where its ``dp_size`` is above 1 (the data-parallel cell), on
+        real DCP ranks where :meth:`dcp_ranks` says so, else in worker processes."""
+        if self.config.dp_size > 1:
+            return self._verify_data_parallel(name)
         if self.dcp_ranks(name) > 1:
             return self._verify_dcp_ranks(name)
         return self._verify_in_worker(name, progress, notes, spare)
@@ -495,7 +507,7 @@ class VerifyPlan:
                 continue
             report = plan._verify_one(name, progress, notes, spare)
             reports.append(report)
-            said = [report.detail or plan.dcp_note(name) or ""]
+            said = [_data_parallel_note(report), report.detail or plan.dcp_note(name) or ""]
             if backend_failures(self.matrices.matrix.backend(name), plan.config_for(name)):
                 said.append("fused not allowed here: the per-step path it falls back to "
                              "is verified")
@@ -625,17 +637,29 @@ class VerifyPlan:
 
     def _verify_data_parallel(self, name: str) -> BackendReport:
         """The DFlash drafter on ``dp_size`` real ranks (their own processes), each with a
-        different real batch size, in eager mode and, with CUDA, in FULL mode."""
+        different real batch size, in eager mode and, with CUDA, in FULL mode. A failed
+        run's ``reproduce`` is the command that draws its rounds again
+        (:meth:`_data_parallel_command`)."""
         from speccheck.checks.verify.data_parallel import verify_dp
         from speccheck.speculator.dp_launch import RankError
 
         try:
             config = self.config_for(name)
-            return verify_dp(name, config, config.dp_size, examples=self.verify_run.examples,
-                             seed=self.verify_run.seed, matrices=self.matrices,
-                             kv_layout=self.verify_run.kv_layout).to_report()
+            report = verify_dp(name, config, config.dp_size, examples=self.examples,
+                               seed=self.seed, matrices=self.matrices,
+                               kv_layout=self.verify_run.kv_layout).to_report()
         except RankError as exc:
             return BackendReport(name, self.tier, Status.CRASHED, detail=str(exc))
+        if report.status is Status.FAILED:
+            report.reproduce = self._data_parallel_command(name)
+        return report
+
+    def _data_parallel_command(self, name: str) -> str:
+        """The command that draws this plan's data-parallel rounds again: the run's options
+        at this cell's seed and examples, with the cell's fields and no other cell."""
+        run = self.verify_run.model_copy(update={"seed": self.seed})
+        cell = f" {runtime_flags(self.cell.config)} --no-cells" if self.cell.config else ""
+        return f"{run.reproduce_prefix(name)}{cell} --examples {self.examples}"
 
 
 def checked_run(

@@ -7,14 +7,18 @@ shapes expose are caught at the defaults."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import shlex
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import strategies as st
+from typer.testing import CliRunner
 
 from speccheck.checks.api import plan_verification, verify
+from speccheck.checks.cli.app import app
 from speccheck.checks.verify.cells import (
     INT16_MAX,
     BatchClass,
@@ -69,7 +73,9 @@ def test_reference_claims_dcp_on_real_ranks_the_latent_layout_and_long_lengths()
     assert plan.for_cell(dcp, 5).dcp_ranks("reference") == 2
     (layout,) = [cell for cell in cells if cell.kv_layout is not None]
     assert plan.for_cell(layout, 5).settings_for("reference").kv_layout is KvLayout.LATENT
-    assert len(cells) <= 5  # single-rank axes packed: each cell costs a worker's start-up
+    (data_parallel,) = [cell for cell in cells if cell.axis is CellAxis.DATA_PARALLEL]
+    assert data_parallel.name == "dp_size=2"  # the DFlash drafter: non-causal blocks
+    assert len(cells) <= 6  # single-rank axes packed: each cell costs a worker's start-up
     (long,) = [cell for cell in cells if cell.axis is CellAxis.LONG]
     assert long.config["max_model_len"] > INT16_MAX + 1
 
@@ -91,6 +97,16 @@ def test_an_interpreted_backends_bfloat16_cell_is_not_run_with_its_reason() -> N
     (bf16,) = [cell for cell in cells if cell.config.get("dtype") == "bfloat16"]
     assert bf16.not_run is not None and "interpreter" in bf16.not_run
     assert CellAxis.LAYOUT not in _axes(cells)  # its entry claims the NHD layout only
+
+
+@CPU_ONLY
+def test_a_causal_only_entry_claims_no_data_parallel_cell() -> None:
+    """sparse_swa refuses non-causal passes (``constraints.causal_only``): no DFlash drafter
+    runs on it; triton_mla serves them and gets the cell."""
+    assert CellAxis.DATA_PARALLEL not in _axes(plan_verification("sparse_swa").cells("sparse_swa"))
+    assert CellAxis.DATA_PARALLEL in _axes(plan_verification("triton_mla").cells("triton_mla"))
+    narrowed = plan_verification("reference", config={"dp_size": 1}).cells("reference")
+    assert CellAxis.DATA_PARALLEL not in _axes(narrowed)
 
 
 def test_a_backend_not_allowed_to_fuse_claims_no_further_cell() -> None:
@@ -234,6 +250,28 @@ def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
     assert failed, report.cells
     if cell is CellAxis.LONG:
         assert all("max_model_len=33024" in name for name in failed), failed
+
+
+@CPU_ONLY
+def test_a_builder_wrong_only_on_non_causal_passes_is_caught_at_the_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No autoregressive pass is non-causal: the data-parallel cell's DFlash drafter runs
+    the bug, and its fp32 drafter over the oracle's attention sees it."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    backend = "blocks_attended_causally"
+    report = verify(backend, matrix=SHAPE_BAD, **CATCH).backend(backend)
+    assert report.status is Status.FAILED, report.cells
+    assert {f.check for f in report.failures} == {"dp_vs_fp32_reference"}, report.failures
+    assert [c.name for c in report.cells if c.status is Status.FAILED] == ["dp_size=2"]
+    (row,) = [c for c in report.cells if c.name == "dp_size=2"]
+    assert "the DFlash drafter (blocks of 1 + K tokens, attended non-causally)" in row.detail
+    assert row.reproduce is not None and " --dp-size 2 --no-cells --examples " in row.reproduce
+    again = CliRunner().invoke(app, [*shlex.split(row.reproduce)[1:], "--json", "-"])
+    assert again.exit_code == 1, again.output
+    (rerun,) = json.loads(again.stdout)["backends"]
+    assert rerun["examples"] == row.examples and rerun["status"] == "failed"
+    assert [f["diagnosis"] for f in rerun["failures"]] == [f.diagnosis for f in report.failures]
 
 
 def test_the_k1_harness_poisons_its_builders_zero_tail_buffers() -> None:

@@ -45,6 +45,9 @@ their shard index), so that cells do not all begin with the same batches."""
 DCP_CELL_WORLD_SIZE = 2
 """``dcp_world_size`` of the DCP cell: two real ranks, each holding its share."""
 
+DP_CELL_SIZE = 2
+"""``dp_size`` of the data-parallel cell: two real ranks drafting with the DFlash drafter."""
+
 INTERPRETER_PACKAGE = "triton"
 """The kernel package whose kernels run under the Triton interpreter on the CPU tier."""
 
@@ -65,6 +68,9 @@ class CellAxis(enum.StrEnum):
     """The run's configuration itself."""
     DCP = "dcp"
     """Decode context parallelism on real ranks."""
+    DATA_PARALLEL = "data_parallel"
+    """The DFlash drafter on data-parallel ranks: blocks attended non-causally, each rank's
+    input padded to the agreed count (:mod:`~speccheck.checks.verify.data_parallel`)."""
     LAYOUT = "layout"
     """Another KV-cache layout the builder reads (the latent, MLA one)."""
     WINDOW = "window"
@@ -139,6 +145,10 @@ def claimed_cells(
       (:func:`simulates_dcp`). Kept wherever the entry runs there (platform and
       constraints), fused or not: where its draft-decode condition excludes DCP, the cell
       verifies the per-step path it falls back to, whose DCP code the base cell never runs;
+    - data parallel: ``dp_size`` :data:`DP_CELL_SIZE`, the DFlash drafter on real ranks,
+      where ``config`` runs neither data parallelism nor DCP (they do not combine), the
+      entry serves non-causal passes (not ``constraints.causal_only``) and runs there: the
+      only cell whose attention is non-causal, a path no autoregressive step takes;
     - layout: the latent layout where the entry states no ``kv_layout`` (it reads both)
       and the run's layers are not latent;
     - window: ``sliding_window`` of a quarter of ``max_model_len`` where ``config`` has
@@ -152,8 +162,8 @@ def claimed_cells(
     The layout, window, block-size and dtype changes that the machine can run are packed
     into as few cells as the entry allows together (:func:`_packed`): each cell costs a
     worker's start-up (seconds on the CPU tier), and a cell's reproduce command names every
-    field it sets, so a failure narrows with the options. DCP (real ranks) and long (its own
-    block size) stay cells of their own.
+    field it sets, so a failure narrows with the options. DCP, data parallelism (real ranks)
+    and long (its own block size) stay cells of their own.
 
     Nothing but the base cell where the entry does not allow fusing under ``config``
     (its fallback is verified there).
@@ -165,6 +175,9 @@ def claimed_cells(
     dcp = Cell(CellAxis.DCP, {"dcp_world_size": DCP_CELL_WORLD_SIZE})
     runs_dcp = ((holds_dcp_share or simulates_dcp(entry)) and config.dcp_world_size == 1
                 and _runs(entry, config, dcp))
+    data_parallel = Cell(CellAxis.DATA_PARALLEL, {"dp_size": DP_CELL_SIZE})
+    runs_dp = (config.dp_size == 1 and config.dcp_world_size == 1
+               and not entry.constraints.causal_only and _runs(entry, config, data_parallel))
     if entry.constraints.kv_layout is None:
         wanted.append(Cell(CellAxis.LAYOUT, kv_layout=KvLayout.LATENT))
     if config.sliding_window == 0 and config.max_model_len >= 8:
@@ -186,7 +199,8 @@ def claimed_cells(
     claimed = [cell for cell in wanted if _claimed(entry, config, cell)]
     alone = [cell for cell in claimed if cell.axis is CellAxis.LONG or cell.not_run is not None]
     packable = [cell for cell in claimed if not any(cell is other for other in alone)]
-    return (base, *([dcp] if runs_dcp else []), *_packed(entry, config, packable), *alone)
+    return (base, *([dcp] if runs_dcp else []), *([data_parallel] if runs_dp else []),
+            *_packed(entry, config, packable), *alone)
 
 
 def _packed(entry: BackendEntry, config: RuntimeConfig, cells: Sequence[Cell]) -> list[Cell]:

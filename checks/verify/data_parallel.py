@@ -147,10 +147,11 @@ class DPVerifyResult:
         ran, with one tally per DP check and one :class:`Failure` per failed outcome, whose
         diagnosis names the rank, mode and round; ``minimal_example`` holds the first
         failing round's batches, one per rank."""
+        rounds = len(self.batches_per_rank[0]) if self.batches_per_rank else 0
         report = BackendReport(
             self.backend, Tier.GPU if self.gpu else Tier.CPU, Status.PASSED, device=self.device,
             runtime_config=self.config.model_dump(), seconds=self.seconds,
-            examples=len(self.batches_per_rank[0]) if self.batches_per_rank else 0,
+            examples=rounds, examples_asked=rounds,
             candidates=[f"dp{self.dp_size}_{mode}" for mode in self.modes],
         )
         report.fused_allowed, report.fused_reason = self.fused_allowed, self.fused_reason
