@@ -270,3 +270,17 @@ def test_a_causal_only_backend_is_skipped_with_the_matrix_reason() -> None:
                                      "causal attention (causal_only)")
     assert "nothing after p" in result.skipped
     assert result.to_report().status == "skipped"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_drafter_agrees_with_the_fp32_reference(
+    repo_on_path: None, dtype: str
+) -> None:
+    """The fp32 reference reads the candidate's KV noise converted, not noise of its own
+    drawn in fp32: a correct half-precision drafter passes (tolerance 4x the dtype's)."""
+    config = CONFIG.model_copy(update={"dtype": dtype})
+    result = verify_dp("reference", config, 2, FIXED, ("none",),
+                       drafter=replace(DRAFTER, dtype=dtype), timeout_s=120, matrices=MATRICES)
+    assert result.passed, [o.diagnosis for o in result.failures()]
+    assert {o.result for o in result.select(check=CHECK_VS_FP32_REFERENCE)} <= {
+        "passed", "indeterminate"}

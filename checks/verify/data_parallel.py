@@ -43,10 +43,11 @@ from hypothesis import strategies as st
 
 from speccheck.backends.availability import BackendUnavailable
 from speccheck.checks.triton_interpreter import patch_interpreter
+from speccheck.checks.verify.comparisons import compare_drafts
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import TOLERANCE
-from speccheck.checks.verify.comparisons import compare_drafts
 from speccheck.checks.verify.examples import example_json
+from speccheck.checks.verify.kv_share import KVSnapshot
 from speccheck.checks.verify.oracle.builder import OracleMetadataBuilder
 from speccheck.checks.verify.one_line import exception_line
 from speccheck.checks.verify.report import BackendReport, Failure
@@ -388,37 +389,34 @@ def _verify_rank(dp_rank: int, dp_size: int, plan: _RankPlan) -> list[DPOutcome]
         spec.capture()
         tol = TOLERANCE[config.dtype]
         for index, batch in enumerate(plan.batches_per_rank[dp_rank]):
+            # The round's KV noise, the same on every rank and in every mode.
+            spec.kv_cache.fill_random_(plan.seed * 1_000_003 + index)
+            start = spec.kv_cache.snapshot()
             if index not in expected:
-                expected[index] = _reference_drafts(reference, batch, plan.seed, index)
-            outcomes += _verify_round(spec, batch, dp_rank, dp_size, mode, index, plan.seed, tol,
+                expected[index] = _reference_drafts(reference, batch, start)
+            outcomes += _verify_round(spec, batch, dp_rank, dp_size, mode, index, start, tol,
                                       expected[index])
     return outcomes
 
 
-def _kv_seed(seed_value: int, index: int) -> int:
-    """The seed of round ``index``'s KV noise: the same on every rank and in every mode."""
-    return seed_value * 1_000_003 + index
-
-
 def _reference_drafts(
-    reference: DFlashSpeculator, batch: DraftBatch, seed_value: int, index: int
+    reference: DFlashSpeculator, batch: DraftBatch, start: KVSnapshot
 ) -> DraftResult:
-    """``reference``'s eager drafts of ``batch`` from round ``index``'s KV state."""
-    reference.kv_cache.fill_random_(_kv_seed(seed_value, index))
+    """``reference``'s eager drafts of ``batch`` from the KV state ``start`` (the
+    candidate's, in its dtype: converted, so both read the same values)."""
+    reference.kv_cache.restore(start)
     r, q = batch.num_reqs, reference.query_per_req
     return reference.propose(batch, BatchExecutionDescriptor(CUDAGraphMode.NONE, r * q, None, q))
 
 
 def _verify_round(
     spec: DFlashSpeculator, batch: DraftBatch, dp_rank: int, dp_size: int, mode: str,
-    index: int, seed_value: int, tol: float, fp32_drafts: DraftResult,
+    index: int, start: KVSnapshot, tol: float, fp32_drafts: DraftResult,
 ) -> list[DPOutcome]:
-    """Single-rank run, the DP agreement (one collective, on every rank whatever happened
-    before), the padded run, and the three checks (``fp32_drafts``: the fp32 reference's
-    drafts of the round)."""
+    """From the KV state ``start`` (``spec``'s cache holds it): the single-rank run, the
+    DP agreement (one collective, on every rank whatever happened before), the padded run,
+    and the three checks (``fp32_drafts``: the fp32 reference's drafts of the round)."""
     r, q = batch.num_reqs, spec.query_per_req
-    spec.kv_cache.fill_random_(_kv_seed(seed_value, index))
-    start = spec.kv_cache.snapshot()
     alone, alone_error = _attempt(
         spec.propose, batch, BatchExecutionDescriptor(CUDAGraphMode.NONE, r * q, None, q)
     )
