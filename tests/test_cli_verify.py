@@ -160,16 +160,21 @@ def test_dying_worker_is_a_reported_crash_with_the_last_example() -> None:
     assert "--reproduce " in proc.stdout
 
 
-def test_a_worker_error_is_reported_by_its_root_cause_in_one_line() -> None:
+def test_a_worker_error_is_reported_by_its_root_cause_in_one_line(tmp_path: Path) -> None:
     """An out-of-memory error that hypothesis's re-run did not see again reaches the user as
-    the error itself, not as the last lines of hypothesis's exception groups."""
+    the error itself, not as the last lines of hypothesis's exception groups; the JSON
+    report holds where it was raised as a field of its own."""
+    out = tmp_path / "out.json"
     proc = _verify("--backend", "exhausted", "--matrix", str(FAULTY_MATRIX), "--examples", "3",
-                   "--no-cells", "--fail-fast")
+                   "--no-cells", "--fail-fast", "--json", str(out))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert ("exhausted: crashed: worker exited with status 1: torch.OutOfMemoryError: CUDA out "
             "of memory. Tried to allocate 1.02 GiB. (at ") in proc.stdout
     assert re.search(r"GiB\. \(at \S+faulty\S*\.py:\d+\) \(during example ", proc.stdout), \
         proc.stdout
+    (backend,) = json.loads(out.read_text())["backends"]
+    assert re.fullmatch(r"at \S+faulty\S*\.py:\d+", backend["raised_at"]), backend["raised_at"]
+    assert f"({backend['raised_at']})" in backend["detail"]
 
 
 def test_stalling_worker_is_killed_after_the_example_timeout() -> None:

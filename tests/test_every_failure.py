@@ -204,9 +204,9 @@ def test_an_example_that_raises_is_shrunk_to_the_smallest_and_keeps_none_of_its_
                    report, lambda index, example: seen.append(example),
                    lambda *args: pytest.fail("nothing failed a check"))
     raise_line = run.__code__.co_firstlineno + 7
-    assert info.value.summary.startswith(
+    assert info.value.raised.summary.startswith(
         "builtins.ValueError: q.shape[0] (20) does not match qo_indptr[-1] (at ")
-    assert info.value.summary.endswith(f"{Path(__file__).name}:{raise_line})"), info.value.summary
+    assert info.value.raised.summary.endswith(f"{Path(__file__).name}:{raise_line})"), info.value.raised.summary
     assert "Traceback" in str(info.value) and seen[-1] == _example(20)
     assert report.examples <= EXAMPLES  # shrink candidates are no examples of the run
     assert len(held) > 2 and not any(alive), alive

@@ -519,15 +519,21 @@ def test_judge_names_each_kill_kind(reference_mutants: list[Mutant]) -> None:
     assert judge(mutant, ran(None, returncode=None)).outcome is Outcome.KILLED_BY_TIMEOUT
     assert judge(mutant, ran({"status": "passed"}, 0)).outcome is Outcome.SURVIVED
     # a kernel Triton's front end rejects cannot run on any input: non-viable, not a kill
-    front_end = judge(mutant, ran({"status": "crashed", "detail": (
+    front_end_site = ("at triton/language/semantic.py:589, from "
+                      "speccheck/backends/sparse_swa/index_kernels.py:40")
+    front_end = judge(mutant, ran({"status": "crashed", "raised_at": front_end_site, "detail": (
         "worker exited with status 1: triton.runtime.errors.InterpreterError: ValueError("
-        "\"arange's range must be a power of 2\") (at triton/language/semantic.py:589, from "
-        "speccheck/backends/sparse_swa/index_kernels.py:40)")}))
+        f"\"arange's range must be a power of 2\") ({front_end_site})")}))
     assert front_end.outcome is Outcome.INVALID and "front end" in front_end.detail
-    adapter = judge(mutant, ran({"status": "crashed", "detail": (
-        "worker exited with status 1: builtins.ValueError: bad (at speccheck/backends/"
-        "sparse_swa/impl.py:97)")}))
+    adapter_site = "at speccheck/backends/sparse_swa/impl.py:97"
+    adapter = judge(mutant, ran({"status": "crashed", "raised_at": adapter_site, "detail": (
+        f"worker exited with status 1: builtins.ValueError: bad ({adapter_site})")}))
     assert adapter.outcome is Outcome.KILLED_BY_CRASH
+    # the site is read from its field: a message that quotes a front-end path is no site
+    quoted = judge(mutant, ran({"status": "crashed", "raised_at": adapter_site, "detail": (
+        "worker exited with status 1: builtins.ValueError: see (at triton/language/x.py:1) "
+        f"({adapter_site})")}))
+    assert quoted.outcome is Outcome.KILLED_BY_CRASH
 
 
 def test_a_spent_budget_starts_nothing_and_invalid_mutants_never_run(

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from speccheck.checks.verify.raise_site import TRITON_FRONT_END, raised_at
-from speccheck.checks.verify.one_line import error_summary
+from speccheck.checks.verify.one_line import RaisedError
 
 THIS_FILE = Path(__file__).name
 
@@ -36,12 +36,12 @@ def test_an_error_inside_a_library_names_the_caller_too() -> None:
         torch.split(torch.zeros(2), [5])
     site = raised_at(caught.value)
     assert site.startswith("at torch/") and f", from " in site and THIS_FILE in site, site
-    assert error_summary(caught.value).endswith(f"({site})")
+    assert RaisedError.of(caught.value).summary.endswith(f"({site})")
 
 
 def test_an_error_without_a_traceback_has_no_site() -> None:
     assert raised_at(ValueError("never raised")) == ""
-    assert error_summary(ValueError("never raised")) == "builtins.ValueError: never raised"
+    assert RaisedError.of(ValueError("never raised")).summary == "builtins.ValueError: never raised"
 
 
 def test_triton_front_end_errors_are_told_from_a_kernels_own_lines(tmp_path: Path) -> None:
@@ -51,7 +51,7 @@ def test_triton_front_end_errors_are_told_from_a_kernels_own_lines(tmp_path: Pat
     script = tmp_path / "kernel.py"
     script.write_text(textwrap.dedent("""
         import torch, triton, triton.language as tl
-        from speccheck.checks.verify.one_line import error_summary
+        from speccheck.checks.verify.one_line import RaisedError
 
         @triton.jit
         def kernel(out, N: tl.constexpr):
@@ -61,7 +61,7 @@ def test_triton_front_end_errors_are_told_from_a_kernels_own_lines(tmp_path: Pat
         try:
             kernel[(1,)](torch.zeros(4, dtype=torch.int32), 3)
         except Exception as error:
-            print(error_summary(error))
+            print(RaisedError.of(error).summary)
     """))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,

@@ -81,9 +81,9 @@ class MutantResult:
         return KillKind.OTHER_CHECK
 
 
-TRITON_FRONT_END_SITE = f"(at {TRITON_FRONT_END}"
-"""How a crash's detail names an error raised in Triton's language front end
-(:func:`~speccheck.checks.verify.raise_site.raised_at`)."""
+TRITON_FRONT_END_SITE = f"at {TRITON_FRONT_END}"
+"""How a crashed report's ``raised_at`` begins for an error raised in Triton's language
+front end (:func:`~speccheck.checks.verify.raise_site.raised_at`)."""
 
 UNBOUND_READ = re.compile(
     r"UnboundLocalError\W+(?:cannot access local variable|local variable) '(\w+)'")
@@ -107,7 +107,8 @@ def judge(mutant: Mutant, run: VerifyOutcome) -> MutantResult:
     raised (:data:`TRITON_FRONT_END_SITE`: a kernel that cannot compile, whatever its
     input), is :attr:`Outcome.INVALID`."""
     result = _judged(mutant, run)
-    if result.outcome is Outcome.KILLED_BY_CRASH and TRITON_FRONT_END_SITE in result.detail:
+    site = str((run.report or {}).get("raised_at") or "")
+    if result.outcome is Outcome.KILLED_BY_CRASH and site.startswith(TRITON_FRONT_END_SITE):
         return dataclasses.replace(
             result, outcome=Outcome.INVALID,
             detail="Triton's front end rejects the mutated kernel (non-viable: it does not "

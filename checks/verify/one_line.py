@@ -3,6 +3,8 @@ it was raised (:mod:`~speccheck.checks.verify.raise_site`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from speccheck.checks.verify.raise_site import raised_at
 
 
@@ -21,8 +23,22 @@ def error_line(error: BaseException) -> str:
             f"{lines[0] if lines else ''}").strip()
 
 
-def error_summary(error: BaseException) -> str:
-    """:func:`error_line` of ``error`` and where it was raised
-    (:func:`~speccheck.checks.verify.raise_site.raised_at`): how a report names a raise."""
-    site = raised_at(error)
-    return f"{error_line(error)} ({site})" if site else error_line(error)
+@dataclass(frozen=True)
+class RaisedError:
+    """An error nothing expected, as text: what a report keeps of a raise (no frames, no
+    locals)."""
+
+    line: str
+    """:func:`error_line` of the error."""
+    site: str
+    """Where it was raised (:func:`~speccheck.checks.verify.raise_site.raised_at`:
+    ``at FILE:LINE[, from FILE:LINE]``); ``""`` for an error that carries no traceback."""
+
+    @classmethod
+    def of(cls, error: BaseException) -> RaisedError:
+        return cls(error_line(error), raised_at(error))
+
+    @property
+    def summary(self) -> str:
+        """The line and the site in parentheses: how a report names a raise."""
+        return f"{self.line} ({self.site})" if self.site else self.line

@@ -184,6 +184,11 @@ class BackendReport:
     """``--fail-fast``: the example at which the run stopped, short of
     :attr:`examples_asked` (``None``: it ran them all, or stopped on its last)."""
     detail: str = ""
+    raised_at: str = ""
+    """A crash by a raise in the worker: where it was raised
+    (:func:`~speccheck.checks.verify.raise_site.raised_at`, also at the end of
+    :attr:`detail`), for tools that tell crashes apart (``speccheck mutate``); ``""``
+    otherwise."""
     hang_seconds: float | None = None
     """A crash by hang: the seconds without progress after which the worker was killed
     (:class:`~speccheck.checks.verify.hang.HangClock`); the reproduce check holds its
@@ -286,7 +291,7 @@ def merge_shards(shards: Sequence[BackendReport], seconds: float) -> BackendRepo
         checks=checks, failures=failures, findings=findings,
         minimal_example=findings[0].example if findings else worst.minimal_example,
         reproduce=findings[0].reproduce if findings else worst.reproduce, reproduced=None,
-        detail=worst.detail, hang_seconds=worst.hang_seconds,
+        detail=worst.detail, raised_at=worst.raised_at, hang_seconds=worst.hang_seconds,
         capture_seconds=sum(report.capture_seconds for report in shards), seconds=seconds)
 
 

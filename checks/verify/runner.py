@@ -175,6 +175,7 @@ def _follow(process: WorkerProcess, task: WorkerTask, progress: ProgressDisplay,
         _end_task(progress, progress_task, label, 0, "bad input")
         raise BadExample(result["bad_input"])
     raised = result.pop("raised", None) if result is not None else None
+    site = result.pop("raised_at", "") if result is not None else ""
     if result is not None and raised is None:
         report = BackendReport.from_json(result)
         _end_task(progress, progress_task, label, report.examples, report.status.value)
@@ -186,7 +187,7 @@ def _follow(process: WorkerProcess, task: WorkerTask, progress: ProgressDisplay,
     if log.latest is not None:
         what += f" (during example {log.latest['index']})"
     report = BackendReport(task.backend, tier, Status.CRASHED, detail=what,
-                           hang_seconds=clock.bound if hung else None)
+                           hang_seconds=clock.bound if hung else None, raised_at=site)
     started = 0
     if log.latest is not None:
         started = log.latest["index"]

@@ -19,7 +19,7 @@ from hypothesis.errors import Flaky
 
 from speccheck.checks.verify.comparisons import Outcome, mark_consequences
 from speccheck.checks.verify.examples import BadExample, Example, example_json
-from speccheck.checks.verify.one_line import error_summary
+from speccheck.checks.verify.one_line import RaisedError
 from speccheck.checks.verify.report import (
     BackendReport,
     Failure,
@@ -82,9 +82,9 @@ class ExampleRaised(Exception):
     alive, a shrink of a few hundred raising candidates filled an H200."""
 
     def __init__(self, error: BaseException) -> None:
-        self.summary = error_summary(error)
-        """:func:`error_summary` of the error."""
-        super().__init__(f"{self.summary}\n{''.join(traceback.format_exception(error))}")
+        self.raised = RaisedError.of(error)
+        """The error as text, with where it was raised."""
+        super().__init__(f"{self.raised.summary}\n{''.join(traceback.format_exception(error))}")
 
 
 class ExampleFailed(Exception):

@@ -48,7 +48,7 @@ from speccheck.checks.verify.examples import (
     reproduce_command,
 )
 from speccheck.checks.verify.report import BackendReport
-from speccheck.checks.verify.one_line import error_summary
+from speccheck.checks.verify.one_line import RaisedError
 from speccheck.checks.verify.search import ExampleRaised
 from speccheck.checks.verify.run import WorkerTask
 from speccheck.checks.verify.vocabulary import Result, Status, Tier
@@ -124,14 +124,13 @@ def _reproduce_example(blob: str, verifier: BackendVerifier) -> Example:
     return example
 
 
-def root_cause(exc: BaseException) -> str:
-    """``Type: first line of message (at FILE:LINE)`` of the first leaf of ``exc``
-    (:func:`~speccheck.checks.verify.one_line.error_summary`): hypothesis wraps an
+def root_cause(exc: BaseException) -> RaisedError:
+    """The first leaf of ``exc`` as text, with where it was raised: hypothesis wraps an
     error that did not recur on its re-run (out of GPU memory beside another process, say)
     in exception groups."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
-    return exc.summary if isinstance(exc, ExampleRaised) else error_summary(exc)
+    return exc.raised if isinstance(exc, ExampleRaised) else RaisedError.of(exc)
 
 
 def main(argv: list[str]) -> int:
@@ -150,7 +149,8 @@ def main(argv: list[str]) -> int:
         except Exception as exc:
             # The traceback still goes to the log (re-raised); the report gets the root
             # cause in one line, not the last lines of a traceback.
-            _write_whole(result_path, {"raised": root_cause(exc)})
+            cause = root_cause(exc)
+            _write_whole(result_path, {"raised": cause.summary, "raised_at": cause.site})
             raise
         _write_whole(result_path, result)
         release_device_memory(torch.device("cuda" if gpu else "cpu"))
