@@ -9,11 +9,10 @@ what the fp32 drafter over the oracle's attention drafts.
 padded count). On the CPU reference backend its drafts survive (padding tokens belong to no
 request), so only the token-count check catches it; on a GPU, FlashInfer raises.
 
-``CausalReferenceBuilder`` attends each block causally: padded and alone agree, so only
-(c) catches it.
+The self-test's ``BlocksAttendedCausally`` attends each block causally: padded and alone
+agree, so only (c) catches it.
 
-The ranks import ``PaddedCountDFlash`` and ``CausalReferenceBuilder`` from this module by
-name, so the repository root
+The ranks import ``PaddedCountDFlash`` from this module by name, so the repository root
 goes on ``sys.path`` for the module (``repo_on_path``).
 """
 
@@ -28,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from speccheck.backends.reference.builder import ReferenceMetadata, ReferenceMetadataBuilder
+from speccheck.checks.selftest.dflash_mutants import BlocksAttendedCausally
 from speccheck.checks.verify.data_parallel import (
     CHECK_MATCHES_SINGLE_RANK,
     CHECK_TOKEN_COUNT,
@@ -41,7 +40,6 @@ from speccheck.checks.verify.data_parallel import (
 )
 from speccheck.checks.verify.report import BackendReport
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
-from speccheck.contract.metadata import CommonAttentionMetadata
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.batch import DraftBatch
 from speccheck.speculator.collectives import Collectives, rank_collectives
@@ -71,14 +69,6 @@ class PaddedCountDFlash(DFlashSpeculator):
         if desc.cg_mode != CUDAGraphMode.FULL:
             desc = replace(desc, cg_mode=CUDAGraphMode.FULL)
         return super()._build_block_metadata(desc, num_reqs, seq_lens, capture)
-
-
-class CausalReferenceBuilder(ReferenceMetadataBuilder):
-    """A builder that drops ``common.causal``: every DFlash block attends causally, its
-    mask tokens blind to the ones after them."""
-
-    def build(self, common: CommonAttentionMetadata) -> ReferenceMetadata:
-        return replace(super().build(common), causal=True)
 
 
 def fixed_batch(num_reqs: int, seed: int) -> DraftBatch:
@@ -172,7 +162,7 @@ def test_a_builder_that_attends_blocks_causally_fails_only_against_the_fp32_refe
     """Padded and alone share the bug, so they agree; the fp32 drafter over the oracle's
     attention (non-causal within each block) drafts otherwise, on both ranks."""
     causal = verify_dp("reference", CONFIG, 2, FIXED, ("none",), drafter=DRAFTER,
-                       builder_overrides=(("reference", CausalReferenceBuilder),),
+                       builder_overrides=(("reference", BlocksAttendedCausally),),
                        timeout_s=120, matrices=MATRICES)
     assert {o.result for o in causal.select(check=CHECK_MATCHES_SINGLE_RANK)} == {"passed"}
     versus = causal.select(check=CHECK_VS_FP32_REFERENCE)

@@ -19,6 +19,7 @@ from speccheck.checks.selftest.mutants import (
     StaleRefresh,
     naming_matrix,
 )
+from speccheck.checks.selftest.dflash_mutants import DFLASH_MUTANTS
 from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS, ProcessMutant
 from speccheck.checks.selftest.run import CONTROL_RESULT, Outcome, mutant_result, verify_builder
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS
@@ -113,7 +114,7 @@ def test_selftest_command_reports_every_mutant_caught(selftest_catalogue: Selfte
     assert [r["name"] for r in rows[1:]] == [
         *(m.name for m in MUTANTS), *(m.name for m in SWA_MUTANTS), "mla_stale_dcp_local_lens",
         "reference_stale_dcp_local_lens", "triton_attn_stale_dcp_local_lens",
-        *(m.name for m in PROCESS_MUTANTS)]
+        *(m.name for m in DFLASH_MUTANTS), *(m.name for m in PROCESS_MUTANTS)]
     cpu_rows = rows[: len(rows) - len(PROCESS_MUTANTS)]
     assert all(r["outcome"] == "caught" for r in cpu_rows), cpu_rows
     # The CUDA-only backends' mutants are listed, skipped, each with the reason.

@@ -32,6 +32,7 @@ from speccheck.checks.selftest.mutants import (
     declaring_matrix,
     naming_matrix,
 )
+from speccheck.checks.selftest.dflash_mutants import DFLASH_MUTANTS
 from speccheck.checks.selftest.process_mutants import PROCESS_MUTANTS, ProcessMutant
 from speccheck.checks.selftest.swa_mutants import SWA_MUTANTS, SWAMutant
 from speccheck.checks.verify.context import MatrixContext
@@ -298,7 +299,9 @@ def selftest_rows(device: torch.device,
     step 1 (under the matrix its author would ship, at DCP 2, one process), and the
     reference and triton_attn builders that keep them on two real DCP ranks
     (:data:`~speccheck.checks.selftest.dcp_mutants.STALE_DCP_BUILDERS`, under the matrix
-    their author would ship); then the CUDA-only kernel backends'
+    their author would ship); the builders only a DFlash drafter exposes
+    (:data:`~speccheck.checks.selftest.dflash_mutants.DFLASH_MUTANTS`, in verify's worker
+    and rank processes); then the CUDA-only kernel backends'
     (:data:`~speccheck.checks.selftest.process_mutants.PROCESS_MUTANTS`, in verify's
     worker processes; skipped where the machine cannot run them). Nothing runs until a
     row's ``run`` is called; on CUDA, the rows whose verification runs in the calling
@@ -360,7 +363,7 @@ def selftest_rows(device: torch.device,
                       partial(stale_dcp_local_lens, backend))
           for backend in dcp_mutants.STALE_DCP_BUILDERS),
         *(SelftestRow(m.name, m.backend, partial(verify_process_mutant, m, shrink_seconds))
-          for m in PROCESS_MUTANTS),
+          for m in (*DFLASH_MUTANTS, *PROCESS_MUTANTS)),
     ]
 
 
