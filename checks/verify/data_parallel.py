@@ -45,7 +45,7 @@ from speccheck.backends.availability import BackendUnavailable
 from speccheck.checks.triton_interpreter import patch_interpreter
 from speccheck.checks.verify.comparisons import compare_drafts
 from speccheck.checks.verify.context import MatrixContext
-from speccheck.checks.verify.engine import TOLERANCE
+from speccheck.checks.verify.engine import FP32_REFERENCE_TOLERANCE_FACTOR, TOLERANCE
 from speccheck.checks.verify.examples import example_json
 from speccheck.checks.verify.kv_share import KVSnapshot
 from speccheck.checks.verify.oracle.builder import OracleMetadataBuilder
@@ -381,8 +381,8 @@ def _verify_rank(dp_rank: int, dp_size: int, plan: _RankPlan) -> list[DPOutcome]
                            f"cuda:{torch.cuda.current_device()} is its current device")
     outcomes: list[DPOutcome] = []
     reference = _build_reference(plan, device)
+    # The fp32 reference's drafts of each round: the same in every mode.
     expected: dict[int, DraftResult] = {}
-    """The fp32 reference's drafts of each round (the same in every mode)."""
     for mode in plan.modes:
         config = plan.config.model_copy(update={"cudagraph_mode": mode})
         spec = _build(plan, config, device)
@@ -458,7 +458,8 @@ def _verify_round(
         versus = outcome(CHECK_VS_FP32_REFERENCE, Result.FAILED,
                          f"the single-rank run raised {alone_error}")
     else:
-        versus = outcome(CHECK_VS_FP32_REFERENCE, *_versus_reference(fp32_drafts, alone, 4 * tol))
+        versus = outcome(CHECK_VS_FP32_REFERENCE, *_versus_reference(
+            fp32_drafts, alone, FP32_REFERENCE_TOLERANCE_FACTOR * tol))
     return [count, match, versus]
 
 
