@@ -69,6 +69,8 @@ def test_reference_claims_dcp_on_real_ranks_the_latent_layout_and_long_lengths()
                for key in ("sliding_window", "block_size", "dtype")}
     assert changed["sliding_window"] and 8 in changed["block_size"]
     assert changed["dtype"] == {"bfloat16", "float16"}  # each dtype the entry allows
+    (heads,) = [cell for cell in cells if "num_heads" in cell.config]
+    assert plan.for_cell(heads, 5).config_for("reference").num_heads == 32 > 16
     (dcp,) = [cell for cell in cells if cell.axis is CellAxis.DCP]
     assert plan.for_cell(dcp, 5).dcp_ranks("reference") == 2
     (layout,) = [cell for cell in cells if cell.kv_layout is not None]
@@ -234,7 +236,8 @@ def test_the_first_request_of_a_long_cell_batch_is_past_int16() -> None:
 @pytest.mark.parametrize(("backend", "cell"), [("padded_lanes_as_real", None),
                                                ("int16_lengths", CellAxis.LONG),
                                                ("chunk_offset_lost", None),
-                                               ("full_pass_last_token_lost", None)])
+                                               ("full_pass_last_token_lost", None),
+                                               ("first_head_block_only", CellAxis.HEADS)])
 def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
     backend: str, cell: CellAxis | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -250,6 +253,8 @@ def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
     assert failed, report.cells
     if cell is CellAxis.LONG:
         assert all("max_model_len=33024" in name for name in failed), failed
+    if cell is CellAxis.HEADS:
+        assert all("num_heads=32" in name for name in failed), failed
 
 
 @CPU_ONLY

@@ -48,6 +48,12 @@ DCP_CELL_WORLD_SIZE = 2
 DP_CELL_SIZE = 2
 """``dp_size`` of the data-parallel cell: two real ranks drafting with the DFlash drafter."""
 
+HEADS_CELL_NUM_HEADS = 32
+"""``num_heads`` of the heads change: twice the 16 query heads one program of a latent
+kernel covers (sparse_swa's ``HEAD_BLOCK``, triton_mla's ``BLOCK_H``), so that a kernel
+indexing head blocks runs more than one, which neither tier's default layout (4 heads on
+the CPU, 16 on the GPU) does. 32 query heads over 8 KV heads is Llama-3-8B's layout."""
+
 INTERPRETER_PACKAGE = "triton"
 """The kernel package whose kernels run under the Triton interpreter on the CPU tier."""
 
@@ -73,6 +79,8 @@ class CellAxis(enum.StrEnum):
     input padded to the agreed count (:mod:`~speccheck.checks.verify.data_parallel`)."""
     LAYOUT = "layout"
     """Another KV-cache layout the builder reads (the latent, MLA one)."""
+    HEADS = "heads"
+    """More query heads than one kernel program covers (:data:`HEADS_CELL_NUM_HEADS`)."""
     WINDOW = "window"
     """A sliding window."""
     BLOCK_SIZE = "block_size"
@@ -151,6 +159,8 @@ def claimed_cells(
       only cell whose attention is non-causal, a path no autoregressive step takes;
     - layout: the latent layout where the entry states no ``kv_layout`` (it reads both)
       and the run's layers are not latent;
+    - heads: ``num_heads`` :data:`HEADS_CELL_NUM_HEADS` where ``config`` has fewer and
+      its KV heads divide them;
     - window: ``sliding_window`` of a quarter of ``max_model_len`` where ``config`` has
       none;
     - block size: twice ``config``'s;
@@ -159,7 +169,7 @@ def claimed_cells(
     - long: :data:`LONG_MAX_MODEL_LEN` (in blocks of :data:`LONG_BLOCK_SIZE` where
       allowed) where ``config``'s lengths cannot pass :data:`INT16_MAX`.
 
-    The layout, window, block-size and dtype changes that the machine can run are packed
+    The layout, heads, window, block-size and dtype changes that the machine can run are packed
     into as few cells as the entry allows together (:func:`_packed`): each cell costs a
     worker's start-up (seconds on the CPU tier), and a cell's reproduce command names every
     field it sets, so a failure narrows with the options. DCP, data parallelism (real ranks)
@@ -180,6 +190,9 @@ def claimed_cells(
                and not entry.constraints.causal_only and _runs(entry, config, data_parallel))
     if entry.constraints.kv_layout is None:
         wanted.append(Cell(CellAxis.LAYOUT, kv_layout=KvLayout.LATENT))
+    if (config.num_heads < HEADS_CELL_NUM_HEADS
+            and HEADS_CELL_NUM_HEADS % config.num_kv_heads == 0):
+        wanted.append(Cell(CellAxis.HEADS, {"num_heads": HEADS_CELL_NUM_HEADS}))
     if config.sliding_window == 0 and config.max_model_len >= 8:
         wanted.append(Cell(CellAxis.WINDOW, {"sliding_window": config.max_model_len // 4}))
     if config.block_size * 2 <= config.max_model_len:
