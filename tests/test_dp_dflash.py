@@ -32,6 +32,7 @@ from speccheck.checks.verify.data_parallel import (
     CHECK_MATCHES_SINGLE_RANK,
     CHECK_TOKEN_COUNT,
     CHECK_VS_FP32_REFERENCE,
+    DPOutcome,
     DPVerifyResult,
     default_options,
     dflash_batch_limits,
@@ -39,6 +40,7 @@ from speccheck.checks.verify.data_parallel import (
     verify_dp,
 )
 from speccheck.checks.verify.report import BackendReport
+from speccheck.checks.verify.vocabulary import Result
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
 from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.batch import DraftBatch
@@ -274,3 +276,25 @@ def test_a_half_precision_drafter_agrees_with_the_fp32_reference(
     assert result.passed, [o.diagnosis for o in result.failures()]
     assert {o.result for o in result.select(check=CHECK_VS_FP32_REFERENCE)} <= {
         "passed", "indeterminate"}
+
+
+def test_a_failed_check_reads_as_one_line_per_mode_naming_every_failing_round() -> None:
+    """A builder wrong everywhere fails each check on every rank and round: the report
+    gives one failure per check and mode, the first's diagnosis and each rank's rounds."""
+    batch = DraftBatch((3,), ((5,),), ((1, 2),), (0,))
+    result = DPVerifyResult("reference", 2, CONFIG, False, "cpu", Collectives.GLOO,
+                            ("cpu", "cpu"), ("none", "full"), [[batch] * 6, [batch] * 6])
+    result.outcomes = [
+        DPOutcome(rank, "none", r, CHECK_VS_FP32_REFERENCE,
+                  Result.FAILED if (rank, r) != (1, 3) else Result.PASSED, f"off at {r}")
+        for rank in (0, 1) for r in range(6)
+    ] + [DPOutcome(0, "full", 2, CHECK_VS_FP32_REFERENCE, Result.FAILED, "off"),
+         DPOutcome(1, "none", 4, CHECK_TOKEN_COUNT, Result.FAILED, "attention covers 20")]
+    failures = result.to_report().failures
+    assert [(f.check, f.candidate) for f in failures] == [
+        (CHECK_VS_FP32_REFERENCE, "dp2_none"), (CHECK_VS_FP32_REFERENCE, "dp2_full"),
+        (CHECK_TOKEN_COUNT, "dp2_none")]
+    assert failures[0].diagnosis == (
+        "rank 0, mode none, round 0: off at 0 (11 failures in this mode: "
+        "rank 0: rounds 0-5; rank 1: rounds 0-2, 4-5)")
+    assert failures[1].diagnosis == "rank 0, mode full, round 2: off"

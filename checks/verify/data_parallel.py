@@ -145,8 +145,9 @@ class DPVerifyResult:
     def to_report(self) -> BackendReport:
         """The result as a :class:`BackendReport` (tier ``gpu`` when the ranks ran on CUDA),
         whose ``data_parallel`` names the collectives and the ranks' devices when the ranks
-        ran, with one tally per DP check and one :class:`Failure` per failed outcome, whose
-        diagnosis names the rank, mode and round; ``minimal_example`` holds the first
+        ran, with one tally per DP check and one :class:`Failure` per failed check and mode, whose
+        diagnosis is its first failure's (rank, mode and round) followed by every rank's
+        other failing rounds; ``minimal_example`` holds the first
         failing round's batches, one per rank."""
         rounds = len(self.batches_per_rank[0]) if self.batches_per_rank else 0
         report = BackendReport(
@@ -169,9 +170,9 @@ class DPVerifyResult:
         if failed:
             report.status = Status.FAILED
             report.failures = [
-                Failure(o.check, f"rank {o.rank}, mode {o.mode}, round {o.round}: {o.diagnosis}",
-                        candidate=f"dp{self.dp_size}_{o.mode}")
-                for o in failed
+                Failure(group[0].check, _grouped_diagnosis(group),
+                        candidate=f"dp{self.dp_size}_{group[0].mode}")
+                for group in _by_check_and_mode(failed)
             ]
             first = failed[0]
             k = self.config.num_speculative_steps
@@ -181,6 +182,41 @@ class DPVerifyResult:
                                      for rank in self.batches_per_rank],
             }
         return report
+
+
+def _by_check_and_mode(failed: list[DPOutcome]) -> list[list[DPOutcome]]:
+    """``failed`` grouped by check and mode, in the order each group first fails."""
+    groups: dict[tuple[Check, str], list[DPOutcome]] = {}
+    for outcome in failed:
+        groups.setdefault((outcome.check, outcome.mode), []).append(outcome)
+    return list(groups.values())
+
+
+def _grouped_diagnosis(group: list[DPOutcome]) -> str:
+    """One line for the failures of one check in one mode: the first's rank, mode, round and
+    diagnosis, then, where more failed, every rank's failing rounds as runs
+    (``rank 1: rounds 0-3, 7``)."""
+    first = group[0]
+    line = f"rank {first.rank}, mode {first.mode}, round {first.round}: {first.diagnosis}"
+    if len(group) == 1:
+        return line
+    rounds: dict[int, list[int]] = {}
+    for outcome in group:
+        rounds.setdefault(outcome.rank, []).append(outcome.round)
+    where = "; ".join(f"rank {rank}: rounds {_runs_of(sorted(set(r)))}"
+                      for rank, r in sorted(rounds.items()))
+    return f"{line} ({len(group)} failures in this mode: {where})"
+
+
+def _runs_of(values: list[int]) -> str:
+    """Sorted distinct integers as runs: ``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 @dataclass(frozen=True)
