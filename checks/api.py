@@ -641,7 +641,9 @@ class VerifyPlan:
         run's ``reproduce`` is the command that draws its rounds again
         (:meth:`_data_parallel_command`)."""
         from speccheck.checks.verify.data_parallel import verify_dp
-        from speccheck.speculator.dp_launch import RankError
+        from speccheck.checks.verify.one_line import RaisedError
+        from speccheck.checks.verify.raise_site import site_of
+        from speccheck.speculator.dp_launch import RankError, RankFailed
 
         try:
             config = self.config_for(name)
@@ -649,7 +651,11 @@ class VerifyPlan:
                                seed=self.seed, matrices=self.matrices,
                                kv_layout=self.verify_run.kv_layout).to_report()
         except RankError as exc:
-            return BackendReport(name, self.tier, Status.CRASHED, detail=str(exc))
+            logger.info("%s", exc)  # with a raising rank's traceback
+            raised = RaisedError(str(exc).splitlines()[0],
+                                 site_of(exc.frames) if isinstance(exc, RankFailed) else "")
+            return BackendReport(name, self.tier, Status.CRASHED, detail=raised.summary,
+                                 raised_at=raised.site)
         if report.status is Status.FAILED:
             report.reproduce = self._data_parallel_command(name)
         return report

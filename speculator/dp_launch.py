@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from speccheck.speculator.collectives import Collectives, rank_collectives
 from speccheck.speculator.fork_server import fork_context, run_exit_handlers, take_environment
+from speccheck.speculator.raise_frames import RaiseFrames, raise_frames
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +62,17 @@ class RankError(RuntimeError):
 
 
 class RankFailed(RankError):
-    """Rank ``rank`` raised (``exc_type``, ``message``, its ``traceback`` text) or died."""
+    """Rank ``rank`` raised (``exc_type``, ``message``, its ``traceback`` text and
+    :func:`raise_frames`) or died (no traceback, no frames)."""
 
-    def __init__(self, rank: int, dp_size: int, exc_type: str, message: str, tb: str = "") -> None:
+    def __init__(self, rank: int, dp_size: int, exc_type: str, message: str, tb: str = "",
+                 frames: RaiseFrames = ()) -> None:
         self.rank = rank
         self.dp_size = dp_size
         self.exc_type = exc_type
         self.message = message
         self.traceback = tb
+        self.frames = frames
         text = f"DP rank {rank} of {dp_size} failed: {exc_type}: {message}"
         if tb:
             text += f"\n--- traceback of DP rank {rank} ---\n{tb.rstrip()}"
@@ -275,7 +279,8 @@ def _rank_main(
         joined = True
         results.put(("ok", rank, pickle.dumps(fn(rank, dp_size, *args))))
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
-        results.put(("error", rank, type(exc).__name__, str(exc), traceback.format_exc()))
+        results.put(("error", rank, type(exc).__name__, str(exc), traceback.format_exc(),
+                     raise_frames(exc)))
     finally:
         results.close()
         results.join_thread()

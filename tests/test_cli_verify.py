@@ -177,6 +177,23 @@ def test_a_worker_error_is_reported_by_its_root_cause_in_one_line(tmp_path: Path
     assert f"({backend['raised_at']})" in backend["detail"]
 
 
+def test_a_data_parallel_ranks_crash_is_reported_in_one_line_with_its_site(
+    tmp_path: Path,
+) -> None:
+    """A rank process that raises is the backend's crash: its first line and the site, as a
+    worker's is, its traceback left to the log."""
+    out = tmp_path / "out.json"
+    proc = _verify("--backend", "rank_raising", "--matrix", str(FAULTY_MATRIX), "--dp-size",
+                   "2", "--examples", "2", "--json", str(out))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (backend,) = json.loads(out.read_text())["backends"]
+    assert backend["status"] == "crashed", backend
+    assert re.fullmatch(r"at \S+faulty\S*\.py:\d+", backend["raised_at"]), backend["raised_at"]
+    assert re.fullmatch(r"DP rank [01] of 2 failed: ValueError: planted failure in a "
+                        r"data-parallel rank's build \(at \S+\)", backend["detail"]), backend
+    assert "Traceback" not in proc.stdout
+
+
 def test_stalling_worker_is_killed_after_the_example_timeout() -> None:
     proc = _verify("--backend", "stalling", "--matrix", str(FAULTY_MATRIX), "--examples", "3",
                    "--example-timeout", "4", "--no-cells", "--fail-fast")

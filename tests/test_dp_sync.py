@@ -11,6 +11,7 @@ fixture) so that ``tests.test_dp_sync`` is importable there.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+from speccheck.checks.verify.raise_site import site_of
 from speccheck.contract.cudagraph import BatchExecutionDescriptor as Desc
 from speccheck.contract.cudagraph import CUDAGraphMode
 from speccheck.speculator.dp_launch import RankFailed, RanksTimedOut, run_ranks
@@ -252,6 +254,9 @@ def test_a_raising_rank_is_named_and_its_peer_is_ended(repo_on_path: None) -> No
     with pytest.raises(RankFailed, match="DP rank 1 of 2 failed: ValueError: planted failure") as err:
         run_ranks(_raise_on, 2, (1,), timeout_s=60)
     assert err.value.rank == 1 and "planted failure on rank 1" in err.value.traceback
+    # where it raised crosses the process boundary as data: a report's ``raised_at``
+    assert re.fullmatch(r"at \S*tests/test_dp_sync\.py:\d+", site_of(err.value.frames)), \
+        err.value.frames
 
 
 def test_a_rank_that_dies_is_named_not_its_blocked_peer(repo_on_path: None) -> None:

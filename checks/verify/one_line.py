@@ -29,7 +29,8 @@ class RaisedError:
     locals)."""
 
     line: str
-    """:func:`error_line` of the error."""
+    """:func:`error_line` of the error (of a rank's: the first line of its
+    :class:`~speccheck.speculator.dp_launch.RankFailed`)."""
     site: str
     """Where it was raised (:func:`~speccheck.checks.verify.raise_site.raised_at`:
     ``at FILE:LINE[, from FILE:LINE]``); ``""`` for an error that carries no traceback."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import sys
 import sysconfig
-import traceback
 from pathlib import Path
+
+from speccheck.speculator.raise_frames import RaiseFrames, raise_frames
 
 LIBRARIES = frozenset({"torch", "triton", "numpy", "hypothesis", "flashinfer"})
 """Top-level packages whose frames are not the code under verification."""
@@ -31,18 +32,19 @@ def raised_at(error: BaseException) -> str:
     ``, from FILE:LINE`` (the innermost frame outside :data:`LIBRARIES` and the standard
     library) where the innermost frame lies in one; ``""`` when ``error`` carries no
     traceback."""
-    frames: list[traceback.FrameSummary] = []
-    cause: BaseException | None = error
-    while cause is not None:
-        frames.extend(traceback.extract_tb(cause.__traceback__))
-        cause = cause.__cause__
+    return site_of(raise_frames(error))
+
+
+def site_of(frames: RaiseFrames) -> str:
+    """:func:`raised_at` of an error raised through ``frames`` (another process's:
+    :class:`~speccheck.speculator.dp_launch.RankFailed` carries them)."""
     if not frames:
         return ""
     roots = [*_import_roots(), Path.cwd().resolve()]
     sites: list[tuple[str, int | None, bool]] = []
-    for frame in frames:
-        shown = _shown(frame.filename, roots)
-        sites.append((shown, frame.lineno, _in_library(frame.filename, shown)))
+    for filename, lineno in frames:
+        shown = _shown(filename, roots)
+        sites.append((shown, lineno, _in_library(filename, shown)))
     shown, line, in_library = sites[-1]
     site = f"at {shown}:{line}"
     if in_library:
