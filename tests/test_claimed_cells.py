@@ -75,6 +75,8 @@ def test_reference_claims_dcp_on_real_ranks_the_latent_layout_and_long_lengths()
     assert plan.for_cell(dcp, 5).dcp_ranks("reference") == 2
     (layout,) = [cell for cell in cells if cell.kv_layout is not None]
     assert plan.for_cell(layout, 5).settings_for("reference").kv_layout is KvLayout.LATENT
+    # the window runs in the NHD layout too: a latent cache's one KV head hides head grouping
+    assert "sliding_window" not in layout.config
     (data_parallel,) = [cell for cell in cells if cell.axis is CellAxis.DATA_PARALLEL]
     assert data_parallel.name == "dp_size=2"  # the DFlash drafter: non-causal blocks
     assert len(cells) <= 6  # single-rank axes packed: each cell costs a worker's start-up

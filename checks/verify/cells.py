@@ -157,8 +157,6 @@ def claimed_cells(
       where ``config`` runs neither data parallelism nor DCP (they do not combine), the
       entry serves non-causal passes (not ``constraints.causal_only``) and runs there: the
       only cell whose attention is non-causal, a path no autoregressive step takes;
-    - layout: the latent layout where the entry states no ``kv_layout`` (it reads both)
-      and the run's layers are not latent;
     - heads: ``num_heads`` :data:`HEADS_CELL_NUM_HEADS` where ``config`` has fewer and
       its KV heads divide them;
     - window: ``sliding_window`` of a quarter of ``max_model_len`` where ``config`` has
@@ -166,6 +164,8 @@ def claimed_cells(
     - block size: twice ``config``'s;
     - dtype: each other dtype the entry allows (on the CPU tier, bfloat16 of a backend
       whose kernels run under the Triton interpreter is not run: :data:`INTERPRETER_BF16`);
+    - layout: the latent layout where the entry states no ``kv_layout`` (it reads both)
+      and the run's layers are not latent;
     - long: :data:`LONG_MAX_MODEL_LEN` (in blocks of :data:`LONG_BLOCK_SIZE` where
       allowed) where ``config``'s lengths cannot pass :data:`INT16_MAX`.
 
@@ -188,8 +188,6 @@ def claimed_cells(
     data_parallel = Cell(CellAxis.DATA_PARALLEL, {"dp_size": DP_CELL_SIZE})
     runs_dp = (config.dp_size == 1 and config.dcp_world_size == 1
                and not entry.constraints.causal_only and _runs(entry, config, data_parallel))
-    if entry.constraints.kv_layout is None:
-        wanted.append(Cell(CellAxis.LAYOUT, kv_layout=KvLayout.LATENT))
     if (config.num_heads < HEADS_CELL_NUM_HEADS
             and HEADS_CELL_NUM_HEADS % config.num_kv_heads == 0):
         wanted.append(Cell(CellAxis.HEADS, {"num_heads": HEADS_CELL_NUM_HEADS}))
@@ -201,6 +199,8 @@ def claimed_cells(
         if dtype != config.dtype:
             wanted.append(Cell(CellAxis.DTYPE, {"dtype": dtype},
                                not_run=_dtype_not_run(entry, dtype, tier)))
+    if entry.constraints.kv_layout is None:
+        wanted.append(Cell(CellAxis.LAYOUT, kv_layout=KvLayout.LATENT))
     if config.max_model_len <= INT16_MAX:
         not_run = INTERPRETER_LONG if _interpreted_on(entry, tier) else None
         long = Cell(CellAxis.LONG, {"max_model_len": LONG_MAX_MODEL_LEN,
@@ -218,10 +218,18 @@ def claimed_cells(
 
 def _packed(entry: BackendEntry, config: RuntimeConfig, cells: Sequence[Cell]) -> list[Cell]:
     """``cells`` (single-axis changes) merged greedily, in order, into as few cells as go
-    together: no field set twice, and the entry claims the merged change too."""
+    together: no field set twice, and the entry claims the merged change too. A layout
+    change joins a cell without a window where one takes it: the window's attention path
+    then runs in both layouts (a latent cache's single KV head broadcasts over any head
+    grouping, so a mistake in the grouping shows only in the other layout)."""
     packed: list[Cell] = []
     for cell in cells:
-        for i, group in enumerate(packed):
+        order = list(range(len(packed)))
+        if cell.kv_layout is not None:
+            windowed = [i for i in order if "sliding_window" in packed[i].config]
+            order = [i for i in order if i not in windowed] + windowed
+        for i in order:
+            group = packed[i]
             if set(group.config) & set(cell.config) or (group.kv_layout and cell.kv_layout):
                 continue
             merged = Cell(group.axis, {**group.config, **cell.config},
