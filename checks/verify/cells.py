@@ -169,10 +169,10 @@ def claimed_cells(
     - long: :data:`LONG_MAX_MODEL_LEN` (in blocks of :data:`LONG_BLOCK_SIZE` where
       allowed) where ``config``'s lengths cannot pass :data:`INT16_MAX`.
 
-    The layout, heads, window, block-size and dtype changes that the machine can run are packed
-    into as few cells as the entry allows together (:func:`_packed`): each cell costs a
-    worker's start-up (seconds on the CPU tier), and a cell's reproduce command names every
-    field it sets, so a failure narrows with the options. DCP, data parallelism (real ranks)
+    The heads, window, block-size, dtype and layout changes that the machine can run are
+    packed into as few cells as the entry allows together (:func:`_packed`): each cell
+    costs a worker's start-up (seconds on the CPU tier), and a cell's reproduce command
+    names every field it sets, so a failure narrows with the options. DCP, data parallelism (real ranks)
     and long (its own block size) stay cells of their own.
 
     Nothing but the base cell where the entry does not allow fusing under ``config``
