@@ -172,8 +172,8 @@ def claimed_cells(
     The heads, window, block-size, dtype and layout changes that the machine can run are
     packed into as few cells as the entry allows together (:func:`_packed`): each cell
     costs a worker's start-up (seconds on the CPU tier), and a cell's reproduce command
-    names every field it sets, so a failure narrows with the options. DCP, data parallelism (real ranks)
-    and long (its own block size) stay cells of their own.
+    names every field it sets, so a failure narrows with the options. DCP, data
+    parallelism (real ranks) and long (its own block size) stay cells of their own.
 
     Nothing but the base cell where the entry does not allow fusing under ``config``
     (its fallback is verified there).
