@@ -145,10 +145,10 @@ class DPVerifyResult:
     def to_report(self) -> BackendReport:
         """The result as a :class:`BackendReport` (tier ``gpu`` when the ranks ran on CUDA),
         whose ``data_parallel`` names the collectives and the ranks' devices when the ranks
-        ran, with one tally per DP check and one :class:`Failure` per failed check and mode, whose
-        diagnosis is its first failure's (rank, mode and round) followed by every rank's
-        other failing rounds; ``minimal_example`` holds the first
-        failing round's batches, one per rank."""
+        ran, with one tally per DP check and one :class:`Failure` per failed check and
+        mode, whose diagnosis is its first failure's (rank, mode and round) followed by
+        every rank's failing rounds; ``minimal_example`` holds the first failing round's
+        batches, one per rank."""
         rounds = len(self.batches_per_rank[0]) if self.batches_per_rank else 0
         report = BackendReport(
             self.backend, Tier.GPU if self.gpu else Tier.CPU, Status.PASSED, device=self.device,
