@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The GPU tier's status records, on the lent H200 (run from the repository root there):
 #   scripts/gpu_evidence.sh OUTDIR core|flashinfer [BACKEND ...]
+#   scripts/gpu_evidence.sh OUTDIR mutate BACKEND [MUTATE_OPTION ...]
 # installs the suite's wheels (core: .gpu-wheels/core, pydantic + fa3-fwd; flashinfer:
 # .gpu-wheels/fi, pydantic + apache-tvm-ffi + flashinfer-slim.zip, with an optional JIT cache
 # .gpu-wheels/fi-jit/cache.tar.gz) and runs `speccheck status` for each backend (default: the
 # suite's), which overwrites the GPU records in docs/status/. OUTDIR/status.tar.gz brings
 # docs/status back (unpack it over the checkout, then `speccheck status --render`);
-# OUTDIR/console.txt holds what the commands printed.
+# OUTDIR/console.txt holds what the commands printed. The mutate suite is the CPU tier's
+# `speccheck mutate` (CUDA hidden: the CPU tier's defaults, Triton interpreted) on the lent
+# machine's cores, its report in OUTDIR/mutate-BACKEND.json (a --shard part's, to merge with
+# `speccheck mutate --rescore`); LIMIT bounds it, and its --budget should leave room for the
+# unmutated gate's traced run and the mutants under way.
 #   EXAMPLES   examples of each verify run (200)
 #   SELFTEST   0 leaves the self-test rows out (1); "only" runs just the rows, into the
 #              records an earlier SELFTEST=0 call wrote at this commit (a long row then
@@ -20,7 +25,7 @@
 #              wait for the backends: side by side they ran the device out of memory
 #   BENCH_UNTIL  seconds into the script after which no further bench is started
 set -uo pipefail
-usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer [BACKEND ...]"
+usage="usage: scripts/gpu_evidence.sh OUTDIR core|flashinfer [BACKEND ...] | mutate BACKEND [OPTION ...]"
 out=${1:?$usage}
 suite=${2:?$usage}
 shift 2
@@ -30,7 +35,7 @@ mkdir -p "$out"
 mkdir -p /tmp/site && ln -sfn /tmp/site /tmp/site-packages
 export PYTHONPATH=/tmp/site-packages PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
-  core)
+  core|mutate)
     backends=(reference triton_attn triton_mla sparse_swa fa3)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
   flashinfer)
@@ -52,6 +57,15 @@ python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.g
 read -r commit index < .evidence-commit 2>/dev/null || { commit=unknown; index=; }
 export SPECCHECK_COMMIT=$commit SPECCHECK_COMMIT_INDEX=$index
 console=$out/console.txt
+if [ "$suite" = mutate ]; then
+  backend=${1:?$usage}; shift
+  { echo "commit $commit ($index), CPU tier on $(nproc) cores"; date -u
+    echo "\$ speccheck mutate --backend $backend $*"
+    CUDA_VISIBLE_DEVICES= timeout "${LIMIT:-540}" speccheck mutate --backend "$backend" \
+      --json "$out/mutate-$backend.json" "$@"
+    echo "exit $?"; date -u; } > "$console" 2>&1
+  exit 0
+fi
 { echo "commit $commit ($index), suite $suite: ${backends[*]}"; date -u; nvidia-smi -L; } > "$console" 2>&1
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 small_card=0
