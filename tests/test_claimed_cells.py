@@ -77,9 +77,10 @@ def test_reference_claims_dcp_on_real_ranks_the_latent_layout_and_long_lengths()
     assert plan.for_cell(layout, 5).settings_for("reference").kv_layout is KvLayout.LATENT
     # the window runs in the NHD layout too: a latent cache's one KV head hides head grouping
     assert "sliding_window" not in layout.config
-    (data_parallel,) = [cell for cell in cells if cell.axis is CellAxis.DATA_PARALLEL]
-    assert data_parallel.name == "dp_size=2"  # the DFlash drafter: non-causal blocks
-    assert len(cells) <= 6  # single-rank axes packed: each cell costs a worker's start-up
+    # the DFlash drafter (non-causal blocks), without and with the window the entry claims
+    assert [cell.name for cell in cells if cell.axis is CellAxis.DATA_PARALLEL] == [
+        "dp_size=2", "dp_size=2, sliding_window=16"]
+    assert len(cells) <= 7  # single-rank axes packed: each cell costs a worker's start-up
     (long,) = [cell for cell in cells if cell.axis is CellAxis.LONG]
     assert long.config["max_model_len"] > INT16_MAX + 1
 
@@ -111,6 +112,12 @@ def test_a_causal_only_entry_claims_no_data_parallel_cell() -> None:
     assert CellAxis.DATA_PARALLEL in _axes(plan_verification("triton_mla").cells("triton_mla"))
     narrowed = plan_verification("reference", config={"dp_size": 1}).cells("reference")
     assert CellAxis.DATA_PARALLEL not in _axes(narrowed)
+    # triton_mla claims no window: its one data-parallel cell runs none
+    mla = plan_verification("triton_mla").cells("triton_mla")
+    assert [c.name for c in mla if c.axis is CellAxis.DATA_PARALLEL] == ["dp_size=2"]
+    # a window given: the one data-parallel cell left runs at it
+    windowed = plan_verification("reference", config={"sliding_window": 8}).cells("reference")
+    assert [c.name for c in windowed if c.axis is CellAxis.DATA_PARALLEL] == ["dp_size=2"]
 
 
 def test_a_backend_not_allowed_to_fuse_claims_no_further_cell() -> None:
@@ -195,6 +202,25 @@ def test_every_run_includes_every_claimed_batch_class(examples: int) -> None:
         assert BatchClass.FULL in _shapes_run(examples, seed_value, BatchClass.FULL)
 
 
+def test_a_uniform_batch_with_padding_lanes_is_several_tokens_wide() -> None:
+    """One token per request is the single-token decode class (and every padded decode
+    step): the uniform class a run must include is two tokens wide or more, as the
+    drafter's padded uniform first passes are (1 and 2 here, so 2)."""
+    padded = dataclasses.replace(LIMITS, padded_widths=(1, 2))
+    assert padded.padded_widths_drawn == (1, 2) and padded.uniform_widths == (2,)
+    uniform = of_shape(padded, BatchClass.UNIFORM_PADDED)
+    drawn = draw_values(draft_batches(uniform), 40, 0)
+    assert {len(b.new_tokens[0]) for b in drawn} == {1, 2}  # the draw keeps both
+    for batch in drawn:
+        assert has_shape(BatchClass.UNIFORM_PADDED, batch, padded) == (
+            len(batch.new_tokens[0]) == 2)
+    covering = Coverage(BatchClass.UNIFORM_PADDED, lambda k: padded,
+                        st.tuples(st.just(3), draft_batches(uniform)))
+    for seed_value in range(3):
+        (example,) = draw_values(covering.examples, 1, seed_value)
+        assert {len(tokens) for tokens in example[1].new_tokens} == {2}
+
+
 def test_full_batches_fill_the_prefill_budget_where_few_blocks_are_live() -> None:
     """A full batch (the largest bucket's requests, each of the most new tokens: a first
     pass of ``max_num_prefill_tokens``, past one 16-token chunk) keeps every request where
@@ -260,20 +286,26 @@ def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
 
 
 @CPU_ONLY
+@pytest.mark.parametrize(("backend", "cell", "options"), [
+    ("blocks_attended_causally", "dp_size=2", "--dp-size 2"),
+    ("window_only_when_causal", "dp_size=2, sliding_window=16",
+     "--dp-size 2 --sliding-window 16"),
+])
 def test_a_builder_wrong_only_on_non_causal_passes_is_caught_at_the_defaults(
-    monkeypatch: pytest.MonkeyPatch,
+    backend: str, cell: str, options: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """No autoregressive pass is non-causal: the data-parallel cell's DFlash drafter runs
-    the bug, and its fp32 drafter over the oracle's attention sees it."""
+    """No autoregressive pass is non-causal: a data-parallel cell's DFlash drafter runs the
+    bug, and its fp32 drafter over the oracle's attention sees it. A bug of non-causal
+    passes under a window only is left to the second such cell (the first runs no
+    window, the window cell no non-causal pass)."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    backend = "blocks_attended_causally"
     report = verify(backend, matrix=SHAPE_BAD, **CATCH).backend(backend)
     assert report.status is Status.FAILED, report.cells
     assert {f.check for f in report.failures} == {"dp_vs_fp32_reference"}, report.failures
-    assert [c.name for c in report.cells if c.status is Status.FAILED] == ["dp_size=2"]
-    (row,) = [c for c in report.cells if c.name == "dp_size=2"]
+    assert [c.name for c in report.cells if c.status is Status.FAILED] == [cell]
+    (row,) = [c for c in report.cells if c.name == cell]
     assert "the DFlash drafter (blocks of 1 + K tokens, attended non-causally)" in row.detail
-    assert row.reproduce is not None and " --dp-size 2 --no-cells --examples " in row.reproduce
+    assert row.reproduce is not None and f" {options} --no-cells --examples " in row.reproduce
     again = CliRunner().invoke(app, [*shlex.split(row.reproduce)[1:], "--json", "-"])
     assert again.exit_code == 1, again.output
     (rerun,) = json.loads(again.stdout)["backends"]

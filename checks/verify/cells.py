@@ -123,7 +123,9 @@ class BatchClass(enum.StrEnum):
     SINGLE_TOKEN_DECODE = "single_token_decode"
     """Every request brings one token."""
     UNIFORM_PADDED = "uniform_padded"
-    """Several requests of one query width, fewer than their bucket: padding lanes."""
+    """Several requests of one query width (two tokens or more where the drafter pads such
+    a width: one token each is the single-token decode class), fewer than their bucket:
+    padding lanes."""
     FULL = "full"
     """As many requests as the largest bucket, each bringing the most new tokens: the first
     pass fills the drafter's prefill budget (``max_num_prefill_tokens``), so every buffer
@@ -156,7 +158,10 @@ def claimed_cells(
     - data parallel: ``dp_size`` :data:`DP_CELL_SIZE`, the DFlash drafter on real ranks,
       where ``config`` runs neither data parallelism nor DCP (they do not combine), the
       entry serves non-causal passes (not ``constraints.causal_only``) and runs there: the
-      only cell whose attention is non-causal, a path no autoregressive step takes;
+      only cells whose attention is non-causal, a path no autoregressive step takes; a
+      second such cell adds the window where the entry claims one (each block token's
+      window then ends at its own position while it sees the block's later tokens: a path
+      neither the window cell nor the first data-parallel cell takes);
     - heads: ``num_heads`` :data:`HEADS_CELL_NUM_HEADS` where ``config`` has fewer and
       its KV heads divide them;
     - window: ``sliding_window`` of a quarter of ``max_model_len`` where ``config`` has
@@ -212,7 +217,13 @@ def claimed_cells(
     claimed = [cell for cell in wanted if _claimed(entry, config, cell)]
     alone = [cell for cell in claimed if cell.axis is CellAxis.LONG or cell.not_run is not None]
     packable = [cell for cell in claimed if not any(cell is other for other in alone)]
-    return (base, *([dcp] if runs_dcp else []), *([data_parallel] if runs_dp else []),
+    parallel = [data_parallel] if runs_dp else []
+    window = next((cell for cell in claimed if cell.axis is CellAxis.WINDOW), None)
+    if runs_dp and window is not None:
+        windowed = Cell(CellAxis.DATA_PARALLEL, {**data_parallel.config, **window.config})
+        if _runs(entry, config, windowed):
+            parallel.append(windowed)
+    return (base, *([dcp] if runs_dcp else []), *parallel,
             *_packed(entry, config, packable), *alone)
 
 
@@ -275,17 +286,22 @@ def narrowed(
 ) -> tuple[Cell, ...]:
     """The ``cells`` a run's explicit options allow: the base cell, and each other without
     the runtime fields the run gave (the base cell already runs at the value given) nor,
-    ``kv_layout`` given, its layout (the base cell runs in it); a cell left with no change
-    is dropped. ``--dcp-world-size 1`` thus runs only cells at DCP 1."""
-    kept = []
+    ``kv_layout`` given, its layout (the base cell runs in it); a cell left with no change,
+    a data-parallel cell left without its ``dp_size``, or one left as another kept is
+    dropped. ``--dcp-world-size 1`` thus runs only cells at DCP 1, and ``--sliding-window
+    8`` one data-parallel cell (at that window)."""
+    kept: list[Cell] = []
     for cell in cells:
         if cell.axis is not CellAxis.BASE:
             config = {key: value for key, value in cell.config.items() if key not in given}
             layout = None if kv_layout is not None else cell.kv_layout
             if not config and layout is None:
                 continue
+            if cell.axis is CellAxis.DATA_PARALLEL and "dp_size" not in config:
+                continue
             cell = Cell(cell.axis, config, layout, cell.not_run)
-        kept.append(cell)
+        if cell not in kept:
+            kept.append(cell)
     return tuple(kept)
 
 

@@ -47,8 +47,9 @@ class BatchLimits:
     below its bucket, so that padding lanes run beside it."""
     padded_widths: tuple[int, ...] = ()
     """Query widths whose uniform first pass runs padded over its bucket (the harness's
-    ``first_pass_query_lens``): a ``uniform_padded`` batch has one of them (of those up to
-    ``max_new_tokens``; any width where none is given or fits)."""
+    ``first_pass_query_lens``): a ``uniform_padded`` draw has one of them
+    (:attr:`padded_widths_drawn`), a batch of that class one of two tokens or more
+    (:attr:`uniform_widths`)."""
 
     def __post_init__(self) -> None:
         ascending = list(self.breakpoints) == sorted(set(self.breakpoints))
@@ -58,6 +59,21 @@ class BatchLimits:
             )
         if not self.batch_classes:
             raise ValueError("at least one batch class must be drawn")
+
+    @property
+    def padded_widths_drawn(self) -> tuple[int, ...]:
+        """The query widths a ``uniform_padded`` draw picks from: the :attr:`padded_widths`
+        up to ``max_new_tokens``, every width up to it where none is given or fits."""
+        fit = [w for w in self.padded_widths if w <= self.max_new_tokens]
+        return tuple(fit or range(1, self.max_new_tokens + 1))
+
+    @property
+    def uniform_widths(self) -> tuple[int, ...]:
+        """The query widths of a batch of the ``uniform_padded`` class (:func:`has_shape`):
+        those of :attr:`padded_widths_drawn` of two tokens or more (one token each is the
+        single-token decode class), all of them where none is."""
+        drawn = self.padded_widths_drawn
+        return tuple(w for w in drawn if w >= 2) or drawn
 
     @property
     def padded_counts(self) -> tuple[int, ...]:
@@ -129,7 +145,8 @@ def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
     """A batch of 1..``max_num_reqs`` requests of one of ``limits.batch_classes``, whose
     block tables are a shuffled, disjoint draw from the live blocks: mixed widths (each
     request's drawn on its own), single-token decode (one new token each), uniform with
-    padding (:attr:`BatchLimits.padded_counts` requests of one drawn width), or full
+    padding (:attr:`BatchLimits.padded_counts` requests of one of
+    :attr:`BatchLimits.padded_widths_drawn`), or full
     (``max_num_reqs`` requests of ``max_new_tokens`` each). Each request leaves every later
     one the live blocks it needs with no context (:func:`reserved_blocks`, at the batch's
     widest width); a batch ends early only where even those run out.
@@ -145,8 +162,7 @@ def draft_batches(draw: st.DrawFn, limits: BatchLimits) -> DraftBatch:
     shape = draw(st.sampled_from(limits.batch_classes))
     if shape is BatchClass.UNIFORM_PADDED:
         n = draw(st.sampled_from(limits.padded_counts))
-        widths = [w for w in limits.padded_widths if w <= limits.max_new_tokens]
-        width: int | None = draw(st.sampled_from(widths or range(1, limits.max_new_tokens + 1)))
+        width: int | None = draw(st.sampled_from(limits.padded_widths_drawn))
     elif shape is BatchClass.FULL:
         n, width = limits.max_num_reqs, limits.max_new_tokens
     else:
@@ -184,8 +200,8 @@ def of_shape(limits: BatchLimits, shape: BatchClass | None) -> BatchLimits:
 
 def has_shape(shape: BatchClass, batch: DraftBatch, limits: BatchLimits) -> bool:
     """Whether ``batch`` is of ``shape`` within ``limits`` (a batch may be of several):
-    requests of two widths or more (mixed), one new token each, one padded width over a
-    request count that runs padding lanes, or the largest bucket's requests each of the
+    requests of two widths or more (mixed), one new token each, one of the uniform widths
+    over a request count that runs padding lanes, or the largest bucket's requests each of the
     most new tokens (full)."""
     widths = {len(tokens) for tokens in batch.new_tokens}
     if shape is BatchClass.MIXED:
@@ -194,9 +210,8 @@ def has_shape(shape: BatchClass, batch: DraftBatch, limits: BatchLimits) -> bool
         return widths == {1}
     if shape is BatchClass.FULL:
         return batch.num_reqs == limits.max_num_reqs and widths == {limits.max_new_tokens}
-    padded = [w for w in limits.padded_widths if w <= limits.max_new_tokens]
     return (batch.num_reqs in limits.padded_counts and len(widths) == 1
-            and (not padded or widths <= set(padded)))
+            and widths <= set(limits.uniform_widths))
 
 
 def reserved_blocks(limits: BatchLimits, q: int) -> int:
