@@ -40,7 +40,9 @@ from speccheck.contract.matrix_model import FieldMeaning
 from speccheck.speculator.batch import DraftBatch
 from tests.fixtures.adapters.field_meaning_mutants import (
     DCP_LENGTH_MUTANTS,
+    DcpLengthsCopied,
     DcpLengthsShortView,
+    DcpSlotsCopied,
     SnapshotBlockTable,
 )
 from tests.fixtures.catch import CATCH_ARGS
@@ -204,6 +206,22 @@ def test_a_local_lengths_view_a_row_short_raises_at_the_defaults(tmp_path: Path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert backend["status"] in ("failed", "crashed")
     assert "An output with one or more elements was resized" in json.dumps(backend)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize(("builder", "buffer"), [(DcpLengthsCopied, "dcp_local_seq_lens"),
+                                                 (DcpSlotsCopied, "dcp_slot_mapping")])
+def test_a_dcp_share_copied_out_of_its_buffer_fails_at_the_defaults(
+    tmp_path: Path, builder: type[AttentionMetadataBuilder], buffer: str,  # type: ignore[type-arg]
+) -> None:
+    """Every value the metadata holds is right (the copy is built and refreshed); the
+    persistent buffer's head is never written, which the oracle's builds (the same code)
+    leave unwritten too: only the refresh's poison, other than the one every example starts
+    with, tells them apart."""
+    proc, backend = _verify_mutant(tmp_path, builder, *CATCH_ARGS)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    fields = {(f["check"], f["field"]) for f in backend["failures"]}
+    assert ("step_metadata", f"reference.buffers['{buffer}']") in fields, fields
 
 
 @CPU_ONLY

@@ -47,20 +47,26 @@ def check_zero_tail(buffer: torch.Tensor, used: int, *, name: str = "buffer") ->
     )
 
 
-def poison_(tensor: torch.Tensor, sentinel: float | None = None) -> None:
+POISON_BYTE = 0xA5
+"""The byte :func:`poison_` fills integer and bool tensors with by default."""
+
+
+def poison_(tensor: torch.Tensor, sentinel: float | None = None,
+            byte: int = POISON_BYTE) -> None:
     """Fill ``tensor`` in place with a poison value: ``sentinel`` when given, else NaN for
-    floating and complex dtypes and the byte pattern ``0xA5`` for integer and bool dtypes
-    (int32 ``-0x5A5A5A5B``, int64 ``-0x5A5A5A5A5A5A5A5B``). The default poison is non-zero
-    for :func:`check_zero_tail`; in int32 and int64 it is negative, no valid index or
-    length, and NaN spoils any arithmetic it enters, so a read of it shows.
-    ``tensor`` must be contiguous when it has an integer or bool dtype (its bytes are
-    written through a ``uint8`` view)."""
+    floating and complex dtypes and the byte pattern ``byte`` for integer and bool dtypes
+    (by default ``0xA5``: int32 ``-0x5A5A5A5B``, int64 ``-0x5A5A5A5A5A5A5A5B``). The poison
+    is non-zero for :func:`check_zero_tail`; with a byte of ``0x80`` or more it is negative
+    in int32 and int64, no valid index or length, and NaN spoils any arithmetic it enters,
+    so a read of it shows. Another ``byte`` tells apart integer rows poisoned at two
+    moments. ``tensor`` must be contiguous when it has an integer or bool dtype (its bytes
+    are written through a ``uint8`` view)."""
     if sentinel is not None:
         tensor.fill_(sentinel)
     elif tensor.dtype.is_floating_point or tensor.dtype.is_complex:
         tensor.fill_(math.nan)
     else:
-        tensor.view(torch.uint8).fill_(0xA5)
+        tensor.view(torch.uint8).fill_(byte)
 
 
 class GuardedBuffer:

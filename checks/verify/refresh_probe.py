@@ -13,6 +13,12 @@ from speccheck.checks.verify.vocabulary import Check, Result
 from speccheck.contract.groups import AttentionGroup
 
 
+REFRESH_POISON_BYTE = 0xC3
+"""The byte integer zero-tail buffers are poisoned with before a metadata object's first
+refresh: negative in int32 and int64, and not :data:`~speccheck.checks.probes.buffers.
+POISON_BYTE`, which every example starts with."""
+
+
 class RefreshRaised(Exception):
     """The traced refresh raised; the probe recorded it as a ``refresh_error`` outcome."""
 
@@ -29,7 +35,10 @@ class RefreshProbe:
     the first refresh of each metadata object: the run built it before the call's inputs
     existed, as a replay's was built for capture, and whatever of them the refresh does not
     rewrite (a field only the build writes, a tail) then fails the step's step_metadata, the
-    zero_tails check, or the outputs.
+    zero_tails check, or the outputs. Integer buffers get a poison of their own
+    (:data:`REFRESH_POISON_BYTE`), not the one every example starts with: rows that neither
+    the oracle's builds nor this refresh write (a metadata field copied out of its
+    persistent buffer, then built and refreshed in the copy) differ from the oracle's.
 
     Create one per run; read its findings once, after the run, with :meth:`outcomes`.
     """
@@ -52,7 +61,7 @@ class RefreshProbe:
             self._refreshed.add(pair)
             buffers = group.builder.persistent_buffers()
             for name in group.builder.persistent_buffer_extents(metadata):
-                poison_(buffers[name])
+                poison_(buffers[name], byte=REFRESH_POISON_BYTE)
         roots = {"metadata": metadata, "builder": group.builder}
         try:
             with (HostSyncRecorder(cuda_sync_debug=self.cuda_sync_debug) as syncs,
