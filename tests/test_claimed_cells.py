@@ -94,6 +94,11 @@ def test_options_given_narrow_the_cells() -> None:
     assert all(cell.kv_layout is None for cell in latent) and CellAxis.DCP in _axes(latent)
     assert any("sliding_window" in cell.config for cell in latent)  # the rest of its cell
     assert len(plan_verification("reference", cells=False).cells("reference")) == 1
+    narrowed = plan_verification("reference", config={"dp_size": 1}).cells("reference")
+    assert CellAxis.DATA_PARALLEL not in _axes(narrowed)
+    # a window given: the one data-parallel cell left runs at it
+    windowed = plan_verification("reference", config={"sliding_window": 8}).cells("reference")
+    assert [c.name for c in windowed if c.axis is CellAxis.DATA_PARALLEL] == ["dp_size=2"]
 
 
 @CPU_ONLY
@@ -107,17 +112,10 @@ def test_an_interpreted_backends_bfloat16_cell_is_not_run_with_its_reason() -> N
 @CPU_ONLY
 def test_a_causal_only_entry_claims_no_data_parallel_cell() -> None:
     """sparse_swa refuses non-causal passes (``constraints.causal_only``): no DFlash drafter
-    runs on it; triton_mla serves them and gets the cell."""
+    runs on it; triton_mla serves them and gets the cell, one only (it claims no window)."""
     assert CellAxis.DATA_PARALLEL not in _axes(plan_verification("sparse_swa").cells("sparse_swa"))
-    assert CellAxis.DATA_PARALLEL in _axes(plan_verification("triton_mla").cells("triton_mla"))
-    narrowed = plan_verification("reference", config={"dp_size": 1}).cells("reference")
-    assert CellAxis.DATA_PARALLEL not in _axes(narrowed)
-    # triton_mla claims no window: its one data-parallel cell runs none
     mla = plan_verification("triton_mla").cells("triton_mla")
     assert [c.name for c in mla if c.axis is CellAxis.DATA_PARALLEL] == ["dp_size=2"]
-    # a window given: the one data-parallel cell left runs at it
-    windowed = plan_verification("reference", config={"sliding_window": 8}).cells("reference")
-    assert [c.name for c in windowed if c.axis is CellAxis.DATA_PARALLEL] == ["dp_size=2"]
 
 
 def test_a_backend_not_allowed_to_fuse_claims_no_further_cell() -> None:
