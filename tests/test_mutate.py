@@ -19,12 +19,18 @@ from pathlib import Path
 import pytest
 
 from speccheck.checks.mutate import line_tracer
-from speccheck.checks.mutate.coverage_run import CoverageRun, run_unmutated
+from speccheck.checks.mutate.coverage_run import CodePhase, CoverageRun, run_unmutated
 from speccheck.checks.mutate.equivalents import (
     EQUIVALENTS_FILE,
     EquivalentsError,
     argument_for,
     load_equivalents,
+)
+from speccheck.checks.mutate.gate_file import (
+    GateFileError,
+    code_fingerprint,
+    load_gate,
+    save_gate,
 )
 from speccheck.checks.mutate.mutants import (
     Mutant,
@@ -570,6 +576,40 @@ def test_a_mutant_whose_lines_never_ran_survives_without_a_run(
     assert (result.outcome, result.detail) == (Outcome.SURVIVED, UNREACHED_DETAIL)
 
 
+def test_a_saved_gate_serves_only_the_same_backend_examples_and_code(tmp_path: Path) -> None:
+    """``--gate FILE``: a passing gate read back gives the lines and phases it ran and its
+    wall time; another ``--examples`` or other code (any file the shadow copies, compiled
+    files aside) is refused with one line naming the file."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("", encoding="utf-8")
+    (package / "sub" / "__init__.py").write_text("", encoding="utf-8")
+    module = package / "sub" / "mod.py"
+    module.write_text("def f():\n    return 1\n", encoding="utf-8")
+    (target,) = chosen_targets([module], [])
+    phases = {target.path: {CodePhase.METADATA: frozenset({2})}}
+    passed = VerifyOutcome(0, {"status": "passed"}, 12.5, [])
+    gate = tmp_path / "gate.json"
+    fingerprint = code_fingerprint([target])
+    save_gate(gate, CoverageRun(passed, {target.path: frozenset({2})}, 3, phases), [target],
+              backend="b", examples=None, fingerprint=fingerprint)
+    loaded = load_gate(gate, [target], backend="b", examples=None, fingerprint=fingerprint)
+    assert (loaded.executed, loaded.phases, loaded.processes, loaded.outcome.seconds) \
+        == ({target.path: frozenset({2})}, phases, 3, 12.5)
+    (package / "sub" / "__pycache__").mkdir()
+    (package / "sub" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"x")
+    assert code_fingerprint([target]) == fingerprint
+    with pytest.raises(GateFileError, match="not of this run's"):
+        load_gate(gate, [target], backend="b", examples=5, fingerprint=fingerprint)
+    (package / "helper.py").write_text("X = 1\n", encoding="utf-8")
+    with pytest.raises(GateFileError, match=r"gate.json: saved from other code"):
+        load_gate(gate, [target], backend="b", examples=None,
+                  fingerprint=code_fingerprint([target]))
+    failed = CoverageRun(VerifyOutcome(1, {"status": "failed"}, 1.0, []), {}, 1)
+    with pytest.raises(ValueError, match="only a passing gate"):
+        save_gate(gate, failed, [target], backend="b", examples=None, fingerprint=fingerprint)
+
+
 def test_a_stopped_verify_run_ends_at_once_as_timed_out(tmp_path: Path) -> None:
     stop = threading.Event()
     timer = threading.Timer(2.0, stop.set)
@@ -649,6 +689,8 @@ def speccheck(*args: str) -> subprocess.CompletedProcess[str]:
     (["--rescore", "README.md"], "--rescore: README.md: not JSON"),
     (["--shard", "0/2"], "--shard: '0/2': INDEX must be 1 to COUNT"),
     (["--shard", "half"], "--shard: 'half' is not INDEX/COUNT"),
+    (["--gate", "/nonexistent-dir/gate.json"], "--gate: cannot write /nonexistent-dir/gate.json"),
+    (["--gate", "README.md"], "--gate: README.md: not a saved gate of this version"),
 ])
 def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
     proc = speccheck("mutate", *args)

@@ -1,7 +1,8 @@
 """``speccheck mutate``: measure how much of a backend's adapter its gate exercises.
 
 Generates mutants of the adapter's modules (:mod:`speccheck.checks.mutate`), runs the gate
-once unmutated with line tracing (it must pass), then runs ``speccheck verify --backend
+once unmutated with line tracing (it must pass; ``--gate FILE`` saves that run, or reuses
+one saved from the same code, e.g. by another ``--shard`` part), then runs ``speccheck verify --backend
 NAME`` at its defaults on each mutant in a fresh process, several at once, until the
 budget is spent, and reports the score, the kills by kind, the survivors, the code the
 defaults never executed and candidates for equivalence.
@@ -9,7 +10,8 @@ defaults never executed and candidates for equivalence.
 Exit statuses: 0 the run completed (the score is information, not a verdict); 1 the gate
 fails or crashes without any mutation, or its processes did not load the copied package,
 so no mutant can be judged; 2 bad input (an unknown backend or operator, a backend without
-an adapter, a bad ``--module``, an unwritable ``--json``), one line on stderr.
+an adapter, a bad ``--module``, an unwritable ``--json``, a ``--gate`` file saved from
+other code), one line on stderr.
 
 Importing this module does not import torch; running the command does.
 """
@@ -89,6 +91,7 @@ def mutate_command(
     shard: Annotated[Optional[str], typer.Option("--shard", metavar="INDEX/COUNT", help="Run only this part of the mutants (every COUNT-th, from the INDEX-th), to spread one run over machines; --rescore with every part's --json merges them.", show_default="all")] = None,  # noqa: UP045
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here ('-': stdout, and the summary goes to stderr).")] = None,  # noqa: UP045
     status: Annotated[Optional[Path], typer.Option("--status", help="Also put the score into this machine tier's record of the backend in this status folder (docs/status; `speccheck status` writes the record).", file_okay=False)] = None,  # noqa: UP045
+    gate: Annotated[Optional[Path], typer.Option("--gate", help="Reuse the unmutated gate's traced run saved in this file (by an earlier run of this backend, --examples and code, e.g. another --shard part); where the file does not exist, run the gate and save it there.", dir_okay=False)] = None,  # noqa: UP045
     rescore: Annotated[Optional[list[Path]], typer.Option("--rescore", help="Run nothing: score this saved --json report again with the checkout's equivalence arguments (its code under test must be unchanged); repeat it with every --shard part of one run to merge them.", dir_okay=False)] = None,  # noqa: UP045
 ) -> None:
     """Mutate a backend's adapter (builder, refresh, attention call) and measure how many
@@ -97,6 +100,10 @@ def mutate_command(
         problem = output_path_problem(Path(json_path))
         if problem is not None:
             raise _fail(EXIT_BAD_INPUT, f"--json: {problem}")
+    if gate is not None and not gate.exists():
+        problem = output_path_problem(gate)
+        if problem is not None:
+            raise _fail(EXIT_BAD_INPUT, f"--gate: {problem}")
     chosen_operators = _operators(operators)
     part = _shard(shard)
     started = time.monotonic()
@@ -105,7 +112,6 @@ def mutate_command(
     interpret_triton_without_cuda()  # before a builder's module imports Triton
     tier = _status_tier(status, backend) if status is not None else None
     targets = _targets(backend, modules or [])
-    from speccheck.checks.mutate.coverage_run import run_unmutated
     from speccheck.checks.mutate.equivalents import EquivalentsError, load_equivalents
     from speccheck.checks.mutate.mutants import generate_mutants, sample_mutants
     from speccheck.checks.mutate.report import MutationReport
@@ -126,10 +132,14 @@ def mutate_command(
     if part is not None:
         chosen = part.of(chosen)
     err = _stderr()
+    coverage = _saved_gate(gate, targets, backend, examples)
     err.print(f"{backend}: {len(generated)} mutants of {len(targets)} module(s), running "
-              f"{len(chosen)}; first the unmutated gate, traced", markup=False)
-    coverage = run_unmutated(targets, backend, examples=examples, timeout=budget)
-    _check_baseline(backend, targets, coverage)
+              f"{len(chosen)}; " + ("first the unmutated gate, traced" if coverage is None else
+                                    f"the unmutated gate from {gate} "
+                                    f"({coverage.outcome.seconds:.0f} s when it ran)"),
+              markup=False)
+    if coverage is None:
+        coverage = _run_gate(gate, targets, backend, examples, budget)
     timeout = max(MIN_TIMEOUT_SECONDS, TIMEOUT_FACTOR * coverage.outcome.seconds)
 
     def show(result: MutantResult) -> None:
@@ -152,6 +162,42 @@ def mutate_command(
                                      examples, part),
                             commit_under_test())
     _finish(report, status, tier, json_path, rescored=False)
+
+
+def _saved_gate(saved: Path | None, targets: list[TargetModule], backend: str,
+                examples: int | None) -> CoverageRun | None:
+    """The unmutated gate saved in ``saved`` where that file exists (``None`` otherwise);
+    exit 2 with one line where it cannot serve this run, exit 1 where it did not pass."""
+    from speccheck.checks.mutate.gate_file import GateFileError, code_fingerprint, load_gate
+
+    if saved is None or not saved.exists():
+        return None
+    try:
+        coverage = load_gate(saved, targets, backend=backend, examples=examples,
+                             fingerprint=code_fingerprint(targets))
+    except GateFileError as exc:
+        raise _fail(EXIT_BAD_INPUT, f"--gate: {exc}") from None
+    _check_baseline(backend, targets, coverage)
+    return coverage
+
+
+def _run_gate(save_to: Path | None, targets: list[TargetModule], backend: str,
+              examples: int | None, budget: float) -> CoverageRun:
+    """The unmutated gate's traced run (exit 1 where it does not pass:
+    :func:`_check_baseline`), written to ``save_to`` when given."""
+    from speccheck.checks.mutate.coverage_run import run_unmutated
+    from speccheck.checks.mutate.gate_file import GateFileError, code_fingerprint, save_gate
+
+    coverage = run_unmutated(targets, backend, examples=examples, timeout=budget)
+    _check_baseline(backend, targets, coverage)
+    if save_to is not None:
+        try:
+            save_gate(save_to, coverage, targets, backend=backend, examples=examples,
+                      fingerprint=code_fingerprint(targets))
+        except GateFileError as exc:
+            raise _fail(EXIT_BAD_INPUT, f"--gate: {exc}") from None
+        _stderr().print(f"saved the unmutated gate in {save_to}", markup=False)
+    return coverage
 
 
 def _shard(text: str | None) -> Shard | None:

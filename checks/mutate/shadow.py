@@ -60,6 +60,18 @@ def _ignored(top: Path) -> Any:
     return ignore
 
 
+def shadowed_files(package_dir: Path) -> Iterator[Path]:
+    """The files :func:`shadow_package` copies of ``package_dir`` (its ``__pycache__``
+    folders left out), in a stable order: the code a mutant's run imports from the copy."""
+    ignore = _ignored(package_dir)
+    for directory, folders, names in os.walk(package_dir):
+        skipped = ignore(directory, folders + names)
+        folders[:] = sorted(f for f in folders if f not in skipped and f != "__pycache__")
+        for name in sorted(names):
+            if name not in skipped:
+                yield Path(directory) / name
+
+
 @contextmanager
 def shadow_package(package: str, package_dir: Path) -> Iterator[Path]:
     """A temporary folder holding a copy of ``package_dir`` named ``package`` (compiled
