@@ -2,16 +2,19 @@
 # The GPU tier's status records, on the lent H200 (run from the repository root there):
 #   scripts/gpu_evidence.sh OUTDIR core|flashinfer [BACKEND ...]
 #   scripts/gpu_evidence.sh OUTDIR mutate BACKEND [MUTATE_OPTION ...]
-# installs the suite's wheels (core: .gpu-wheels/core, pydantic + fa3-fwd; flashinfer:
-# .gpu-wheels/fi, pydantic + apache-tvm-ffi + flashinfer-slim.zip, with an optional JIT cache
-# .gpu-wheels/fi-jit/cache.tar.gz) and runs `speccheck status` for each backend (default: the
+# installs the suite's wheels (core: .gpu-wheels/core, pydantic + fa3-fwd; mutate: the same
+# but fa3-fwd; flashinfer: .gpu-wheels/fi, pydantic + apache-tvm-ffi + flashinfer-slim.zip,
+# with an optional JIT cache .gpu-wheels/fi-jit/cache.tar.gz) and runs `speccheck status` for each backend (default: the
 # suite's), which overwrites the GPU records in docs/status/. OUTDIR/status.tar.gz brings
 # docs/status back (unpack it over the checkout, then `speccheck status --render`);
 # OUTDIR/console.txt holds what the commands printed. The mutate suite is the CPU tier's
 # `speccheck mutate` (CUDA hidden: the CPU tier's defaults, Triton interpreted) on the lent
 # machine's cores, its report in OUTDIR/mutate-BACKEND.json (a --shard part's, to merge with
 # `speccheck mutate --rescore`); LIMIT bounds it, and its --budget should leave room for the
-# unmutated gate's traced run and the mutants under way.
+# unmutated gate's traced run and the mutants under way. SHARDS="I/N J/N ..." runs one
+# `speccheck mutate --shard` per part side by side (give each a --jobs share of the cores and
+# one --gate FILE saved by an earlier part of the same code, carried along), their reports
+# in OUTDIR/mutate.tar.gz.
 #   EXAMPLES   examples of each verify run (200)
 #   SELFTEST   0 leaves the self-test rows out (1); "only" runs just the rows, into the
 #              records an earlier SELFTEST=0 call wrote at this commit (a long row then
@@ -35,9 +38,13 @@ mkdir -p "$out"
 mkdir -p /tmp/site && ln -sfn /tmp/site /tmp/site-packages
 export PYTHONPATH=/tmp/site-packages PYTHONUNBUFFERED=1 COLUMNS=160
 case $suite in
-  core|mutate)
+  core)
     backends=(reference triton_attn triton_mla sparse_swa fa3)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/core/*.whl ;;
+  mutate)  # the CPU tier: the pydantic stack of .gpu-wheels/core, not fa3-fwd
+    backends=()
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+      $(ls .gpu-wheels/core/*.whl | grep -v /fa3_fwd-) ;;
   flashinfer)
     backends=(flashinfer flashinfer_fixed_plan)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/fi/*.whl
@@ -59,11 +66,28 @@ export SPECCHECK_COMMIT=$commit SPECCHECK_COMMIT_INDEX=$index
 console=$out/console.txt
 if [ "$suite" = mutate ]; then
   backend=${1:?$usage}; shift
-  { echo "commit $commit ($index), CPU tier on $(nproc) cores"; date -u
+  mutate() {  # JSON OPTION...
+    local json=$1; shift
     echo "\$ speccheck mutate --backend $backend $*"
     CUDA_VISIBLE_DEVICES= timeout "${LIMIT:-540}" speccheck mutate --backend "$backend" \
-      --json "$out/mutate-$backend.json" "$@"
-    echo "exit $?"; date -u; } > "$console" 2>&1
+      --json "$json" "$@"
+    echo "exit $?"
+  }
+  { echo "commit $commit ($index), CPU tier on $(nproc) cores"; date -u; } > "$console"
+  read -ra shards <<< "${SHARDS:-}"
+  if [ ${#shards[@]} -eq 0 ]; then
+    mutate "$out/mutate-$backend.json" "$@" >> "$console" 2>&1
+  else
+    for shard in "${shards[@]}"; do
+      part=${shard/\//of}
+      mutate "$out/mutate-$backend-$part.json" --shard "$shard" "$@" > "$out/console-$part.txt" 2>&1 &
+    done
+    wait
+    for shard in "${shards[@]}"; do cat "$out/console-${shard/\//of}.txt" >> "$console"; done
+    rm -f "$out"/console-*of*.txt
+    tar -czf "$out/mutate.tar.gz" -C "$out" $(cd "$out" && ls mutate-*.json 2>/dev/null)
+  fi
+  date -u >> "$console"
   exit 0
 fi
 { echo "commit $commit ($index), suite $suite: ${backends[*]}"; date -u; nvidia-smi -L; } > "$console" 2>&1

@@ -555,6 +555,21 @@ def test_a_spent_budget_starts_nothing_and_invalid_mutants_never_run(
     assert seen == [Outcome.INVALID]
 
 
+def test_stop_after_stops_the_runs_under_way_and_reports_them_not_run(
+    reference_mutants: list[Mutant], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--stop-after``: a verify run still going then is killed and its mutant is not run
+    (not killed by a timeout), and the call returns at once rather than at the run's end."""
+    monkeypatch.chdir(ROOT)
+    mutant = next(m for m in reference_mutants if m.valid)
+    settings = RunSettings(backend="reference", examples=50, jobs=1, budget=600, timeout=600,
+                           stop_after=3.0)
+    began = time.monotonic()
+    [result] = run_mutants([mutant], settings)
+    assert result.outcome is Outcome.NOT_RUN, result
+    assert time.monotonic() - began < 30
+
+
 def test_a_mutant_whose_lines_never_ran_survives_without_a_run(
     reference_mutants: list[Mutant],
 ) -> None:

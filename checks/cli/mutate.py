@@ -85,6 +85,7 @@ def mutate_command(
     operators: Annotated[Optional[str], typer.Option("--operators", help=f"Comma-separated operators: {', '.join(Operator)}.", show_default="all")] = None,  # noqa: UP045
     max_mutants: Annotated[Optional[int], typer.Option("--max-mutants", min=1, help="Run at most this many mutants, a random sample (drawn with --seed) of all generated.", show_default="all")] = None,  # noqa: UP045
     budget: Annotated[float, typer.Option("--budget", min=1, help="Seconds after which no new mutant is started (the ones not started are reported as not run).")] = 3600.0,
+    stop_after: Annotated[Optional[float], typer.Option("--stop-after", min=1, help="Seconds after which the mutants under way are stopped and reported as not run, and the report is written (for a run an outside limit would cut).", show_default="none")] = None,  # noqa: UP045
     jobs: Annotated[Optional[int], typer.Option("--jobs", min=1, max=64, help="Mutants run at once, each in its own verify process.", show_default="half the CPU cores, at least 1")] = None,  # noqa: UP045
     examples: Annotated[Optional[int], typer.Option("--examples", min=1, help="Examples of each verify run.", show_default="verify's default")] = None,  # noqa: UP045
     seed: Annotated[int, typer.Option("--seed", help="Seed of the --max-mutants sample.")] = 0,
@@ -151,6 +152,7 @@ def mutate_command(
                           if coverage.never_reached(m.target, m.line, m.end_line))
     settings = RunSettings(backend=backend, examples=examples, jobs=jobs or default_jobs(),
                            budget=budget, timeout=timeout, started=started,
+                           stop_after=stop_after,
                            unreached=unreached)
     results = run_mutants(chosen, settings, on_result=show)
     from speccheck.checks.provenance import commit_under_test

@@ -157,6 +157,10 @@ class RunSettings:
     timeout: float
     """Seconds one mutant's verify may take."""
     started: float = field(default_factory=time.monotonic)
+    stop_after: float | None = None
+    """Seconds after ``started`` at which the mutants under way are stopped and reported
+    :attr:`Outcome.NOT_RUN` (``None``: they run to their end), so that a run cut by an
+    outside time limit still reports what it finished."""
     unreached: frozenset[int] = frozenset()
     """Numbers of the mutants whose lines the unmutated gate never executed
     (:meth:`~speccheck.checks.mutate.coverage_run.CoverageRun.never_reached`): they
@@ -177,24 +181,34 @@ def run_mutants(
     the same way before it would search on), ``settings.jobs`` at a time; once
     ``settings.budget`` is spent the ones not started are :attr:`Outcome.NOT_RUN`.
     ``on_result`` sees each result as it comes (from the worker threads, one at a time).
+    At ``settings.stop_after`` the runs under way are killed and are not run either.
     Interrupted (``KeyboardInterrupt``), it kills the verify runs under way before it
     re-raises."""
     lock = threading.Lock()
     stop = threading.Event()
+    cut = threading.Event()
+    """Set at ``settings.stop_after``: a run stopped then was not judged."""
+    watchdog = None
+    if settings.stop_after is not None:
+        left = settings.started + settings.stop_after - time.monotonic()
+        watchdog = threading.Timer(max(0.0, left), lambda: (cut.set(), stop.set()))
+        watchdog.daemon = True
+        watchdog.start()
 
     def one(mutant: Mutant) -> MutantResult:
         if not mutant.valid:
             result = MutantResult(mutant, Outcome.INVALID, detail=mutant.invalid_reason)
         elif mutant.number in settings.unreached:
             result = MutantResult(mutant, Outcome.SURVIVED, detail=UNREACHED_DETAIL)
-        elif time.monotonic() - settings.started > settings.budget:
+        elif time.monotonic() - settings.started > settings.budget or cut.is_set():
             result = MutantResult(mutant, Outcome.NOT_RUN)
         else:
             with shadow_package(mutant.target.package, mutant.target.package_dir) as root:
                 write_module(root, mutant.target, mutant.source)
                 run = run_verify(root, settings.backend, examples=settings.examples,
                                  timeout=settings.timeout, fail_fast=True, stop=stop)
-            result = judge(mutant, run)
+            result = (MutantResult(mutant, Outcome.NOT_RUN) if run.timed_out and cut.is_set()
+                      else judge(mutant, run))
         if on_result is not None and result.outcome is not Outcome.NOT_RUN:
             with lock:
                 on_result(result)
@@ -208,3 +222,5 @@ def run_mutants(
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        if watchdog is not None:
+            watchdog.cancel()

@@ -99,6 +99,8 @@ class MutationRecord(_Record):
     """Mutants generated; ``valid`` of them were run (a sample where fewer)."""
     valid: int
     killed: int
+    not_run: int = 0
+    """Mutants of the run left unrun by its budget or ``--stop-after`` (not in ``valid``)."""
     argued_equivalent: int = 0
     """Survivors argued equivalent (``equivalent_mutants.yaml``): out of the score."""
     score: float | None
@@ -136,6 +138,7 @@ class MutationRecord(_Record):
                      for m in report["mutants"] if m["outcome"] == "survived"]
         return cls(command=command, commit=commit, date=date, generated=report["generated"],
                    valid=valid, killed=sum(n for n in report["kills_by_kind"].values()),
+                   not_run=counts.get("not_run", 0),
                    argued_equivalent=report.get("argued_equivalent", 0),
                    score=report["score"], kills_by_kind=dict(report["kills_by_kind"]),
                    kills_by_role={role: dict(kinds) for role, kinds

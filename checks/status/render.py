@@ -156,7 +156,8 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
                 kinds += f"; {metadata}"
             argued = mutation.argued_equivalent
             scored = f"{mutation.killed} / {mutation.scored}" + (
-                f", {argued} argued equivalent" if argued else "")
+                f", {argued} argued equivalent" if argued else "") + (
+                f", {mutation.not_run} not run" if mutation.not_run else "")
             commit = f"`{mutation.commit[:10]}`" + (
                 "" if mutation.scored_at is None
                 else f", scored with the arguments of `{mutation.scored_at[:10]}`")
