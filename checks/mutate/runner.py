@@ -191,7 +191,12 @@ def run_mutants(
     watchdog = None
     if settings.stop_after is not None:
         left = settings.started + settings.stop_after - time.monotonic()
-        watchdog = threading.Timer(max(0.0, left), lambda: (cut.set(), stop.set()))
+
+        def cut_now() -> None:
+            cut.set()
+            stop.set()
+
+        watchdog = threading.Timer(max(0.0, left), cut_now)
         watchdog.daemon = True
         watchdog.start()
 
