@@ -526,13 +526,15 @@ class VerifyPlan:
         example) for a single-rank run drawing its own examples, else 1. An automatic
         ``--jobs`` is held to what the device holds at this configuration's dtype
         (:func:`~speccheck.checks.verify.scale.memory_jobs`: an fp32 cell's workers need
-        twice the memory)."""
+        twice the memory, and so do a cell's with twice the query heads)."""
         if (self.reproduce is not None or self.config.dp_size > 1
                 or self.dcp_ranks(name) > 1):
             return 1
         jobs = min(self.jobs, self.examples)
         if self.verify_run.jobs is None and self.tier is Tier.GPU:
-            jobs = min(jobs, memory_jobs(_device_gib(self.tier), self.config_for(name).dtype))
+            config = self.config_for(name)
+            jobs = min(jobs, memory_jobs(_device_gib(self.tier), config.dtype,
+                                         config.num_heads * config.head_size))
         return jobs
 
     def shard_tasks(self, name: str) -> list[WorkerTask]:

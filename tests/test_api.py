@@ -242,14 +242,17 @@ def test_jobs_default_to_two_workers_where_the_gpu_tier_machine_holds_them(
     assert default_jobs(tier, examples, cpus, gib) == jobs
 
 
-@pytest.mark.parametrize(("gib", "dtype", "jobs"), [
-    (79.2, "bfloat16", 2), (79.2, "float32", 1), (139.8, "float32", 2), (24.0, "float32", 1),
+@pytest.mark.parametrize(("gib", "dtype", "hidden", "jobs"), [
+    (79.2, "bfloat16", 2048, 2), (79.2, "float32", 2048, 1), (139.8, "float32", 2048, 2),
+    (24.0, "float32", 2048, 1), (79.2, "float16", 4096, 1), (139.8, "float16", 4096, 2),
+    (79.2, "bfloat16", 512, 2),
 ])
-def test_an_fp32_configurations_workers_ask_twice_the_device_memory(
-    gib: float, dtype: str, jobs: int
+def test_fp32_or_wider_configurations_workers_ask_more_device_memory(
+    gib: float, dtype: str, hidden: int, jobs: int
 ) -> None:
-    """Two fp32 workers ran an 80 GiB H100 out of memory (34 and 44 GiB)."""
-    assert memory_jobs(gib, dtype) == jobs
+    """Two fp32 workers ran an 80 GiB H100 out of memory (34 and 44 GiB), and so did two
+    fp16 workers of a 32-head cell (36 and 42 GiB); a narrower drafter asks no less."""
+    assert memory_jobs(gib, dtype, hidden) == jobs
 
 
 def test_jobs_split_the_examples_and_seeds_as_the_workers_draw_them() -> None:
