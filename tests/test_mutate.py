@@ -376,6 +376,21 @@ def test_shipped_equivalence_arguments_match_mutants_and_leave_the_score(
         check_group.location]
 
 
+@pytest.mark.parametrize("backend", ["reference", "sparse_swa", "triton_attn", "triton_mla"])
+def test_every_shipped_argument_names_a_mutant_the_checkout_generates(backend: str) -> None:
+    """An argument whose function, operator or lines no longer match a generated mutant
+    would argue nothing (the code moved under it): each matches exactly one."""
+    from speccheck.contract.plugins import load_matrix_with_plugins
+
+    implementation = load_matrix_with_plugins(None).backend(backend).implementation
+    assert implementation is not None
+    targets = backend_targets(implementation)
+    arguments = load_equivalents(targets)
+    argued = [m for m in generate_mutants(targets, list(Operator))
+              if argument_for(m, arguments) is not None]
+    assert len(argued) == len(arguments) > 0
+
+
 def test_a_saved_run_is_rescored_with_the_arguments_of_the_checkout(
     reference_mutants: list[Mutant], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
