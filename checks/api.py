@@ -526,7 +526,7 @@ class VerifyPlan:
         example) for a single-rank run drawing its own examples, else 1. An automatic
         ``--jobs`` is held to what the device holds at this configuration's dtype
         (:func:`~speccheck.checks.verify.scale.memory_jobs`: an fp32 cell's workers need
-        twice the memory, and so do a cell's with twice the query heads)."""
+        twice the memory, and so do a cell's with twice the query or KV heads)."""
         if (self.reproduce is not None or self.config.dp_size > 1
                 or self.dcp_ranks(name) > 1):
             return 1
@@ -534,7 +534,8 @@ class VerifyPlan:
         if self.verify_run.jobs is None and self.tier is Tier.GPU:
             config = self.config_for(name)
             jobs = min(jobs, memory_jobs(_device_gib(self.tier), config.dtype,
-                                         config.num_heads * config.head_size))
+                                         config.num_heads * config.head_size,
+                                         config.num_kv_heads * config.head_size))
         return jobs
 
     def shard_tasks(self, name: str) -> list[WorkerTask]:

@@ -255,6 +255,13 @@ def test_fp32_or_wider_configurations_workers_ask_more_device_memory(
     assert memory_jobs(gib, dtype, hidden) == jobs
 
 
+def test_a_wider_kv_cache_asks_more_device_memory() -> None:
+    """The heads cell's 8 KV heads of 128 (twice the GPU tier's 4) ask twice the memory."""
+    assert memory_jobs(79.2, "bfloat16", 24 * 128, 8 * 128) == 1
+    assert memory_jobs(139.8, "bfloat16", 24 * 128, 8 * 128) == 2
+    assert memory_jobs(79.2, "bfloat16", 16 * 128, 4 * 128) == 2
+
+
 def test_jobs_split_the_examples_and_seeds_as_the_workers_draw_them() -> None:
     """On this (CPU) tier the default is one worker; ``jobs`` splits the examples as evenly
     as they go, worker ``i`` on ``seed + i``, and each worker's engine settings say so."""

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from speccheck.checks.api import plan_verification, verify
 from speccheck.checks.cli.app import app
 from speccheck.checks.verify.cells import (
+    HEADS_FIELDS,
     INT16_MAX,
     BatchClass,
     Cell,
@@ -70,7 +71,8 @@ def test_reference_claims_dcp_on_real_ranks_the_latent_layout_and_long_lengths()
     assert changed["sliding_window"] and 8 in changed["block_size"]
     assert changed["dtype"] == {"bfloat16", "float16"}  # each dtype the entry allows
     (heads,) = [cell for cell in cells if "num_heads" in cell.config]
-    assert plan.for_cell(heads, 5).config_for("reference").num_heads == 32 > 16
+    config = plan.for_cell(heads, 5).config_for("reference")
+    assert (config.num_heads, config.num_kv_heads) == (24, 8)
     (dcp,) = [cell for cell in cells if cell.axis is CellAxis.DCP]
     assert plan.for_cell(dcp, 5).dcp_ranks("reference") == 2
     (layout,) = [cell for cell in cells if cell.kv_layout is not None]
@@ -99,6 +101,10 @@ def test_options_given_narrow_the_cells() -> None:
     # a window given: the one data-parallel cell left runs at it
     windowed = plan_verification("reference", config={"sliding_window": 8}).cells("reference")
     assert [c.name for c in windowed if c.axis is CellAxis.DATA_PARALLEL] == ["dp_size=2"]
+    # either head count given: the heads change keeps neither (6 KV heads do not divide 24)
+    for given in ({"num_kv_heads": 6, "num_heads": 12}, {"num_heads": 8}):
+        cells = plan_verification("reference", config=given).cells("reference")
+        assert not any(HEADS_FIELDS & set(cell.config) for cell in cells), cells
 
 
 @CPU_ONLY
@@ -263,7 +269,9 @@ def test_the_first_request_of_a_long_cell_batch_is_past_int16() -> None:
                                                ("int16_lengths", CellAxis.LONG),
                                                ("chunk_offset_lost", None),
                                                ("full_pass_last_token_lost", None),
-                                               ("first_head_block_only", CellAxis.HEADS)])
+                                               ("first_head_block_only", CellAxis.HEADS),
+                                               ("group_rounded_to_power_of_two",
+                                                CellAxis.HEADS)])
 def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
     backend: str, cell: CellAxis | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -280,7 +288,7 @@ def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
     if cell is CellAxis.LONG:
         assert all("max_model_len=33024" in name for name in failed), failed
     if cell is CellAxis.HEADS:
-        assert all("num_heads=32" in name for name in failed), failed
+        assert all("num_heads=24, num_kv_heads=8" in name for name in failed), failed
 
 
 @CPU_ONLY

@@ -48,11 +48,22 @@ DCP_CELL_WORLD_SIZE = 2
 DP_CELL_SIZE = 2
 """``dp_size`` of the data-parallel cell: two real ranks drafting with the DFlash drafter."""
 
-HEADS_CELL_NUM_HEADS = 32
-"""``num_heads`` of the heads change: twice the 16 query heads one program of a latent
-kernel covers (sparse_swa's ``HEAD_BLOCK``, triton_mla's ``BLOCK_H``), so that a kernel
-indexing head blocks runs more than one, which neither tier's default layout (4 heads on
-the CPU, 16 on the GPU) does. 32 query heads over 8 KV heads is Llama-3-8B's layout."""
+HEADS_CELL_NUM_HEADS = 24
+"""``num_heads`` of the heads change: more than the 16 query heads one program of a latent
+kernel covers (sparse_swa's ``HEAD_BLOCK``, triton_mla's ``BLOCK_H``), and not a multiple
+of them, so that a kernel indexing head blocks runs a second, partly masked one, which
+neither tier's default layout (4 heads on the CPU, 16 on the GPU) does."""
+
+HEADS_CELL_NUM_KV_HEADS = 8
+"""``num_kv_heads`` of the heads change: 24 query heads over 8 KV heads (Llama-3.2-3B's
+layout) are groups of 3, where both tiers' defaults group a power of two (2 on the CPU, 4
+on the GPU): a grouped-query kernel that rounds the group up to a power of two (its tile's
+rows, its head index) is right at every default and wrong here. FlashInfer's CUDA-core
+decode kernels dispatch groups of 1, 2, 3, 4 and 8 only, so the group is 3."""
+
+HEADS_FIELDS = frozenset({"num_heads", "num_kv_heads"})
+"""The fields of the heads change, which only go together: a run that gives either keeps
+neither (:func:`narrowed`), since its value with the other's cell value may not divide."""
 
 INTERPRETER_PACKAGE = "triton"
 """The kernel package whose kernels run under the Triton interpreter on the CPU tier."""
@@ -80,7 +91,8 @@ class CellAxis(enum.StrEnum):
     LAYOUT = "layout"
     """Another KV-cache layout the builder reads (the latent, MLA one)."""
     HEADS = "heads"
-    """More query heads than one kernel program covers (:data:`HEADS_CELL_NUM_HEADS`)."""
+    """More query heads than one kernel program covers, in groups that are not a power of
+    two (:data:`HEADS_CELL_NUM_HEADS` over :data:`HEADS_CELL_NUM_KV_HEADS`)."""
     WINDOW = "window"
     """A sliding window."""
     BLOCK_SIZE = "block_size"
@@ -162,8 +174,8 @@ def claimed_cells(
       second such cell adds the window where the entry claims one (each block token's
       window then ends at its own position while it sees the block's later tokens: a path
       neither the window cell nor the first data-parallel cell takes);
-    - heads: ``num_heads`` :data:`HEADS_CELL_NUM_HEADS` where ``config`` has fewer and
-      its KV heads divide them;
+    - heads: ``num_heads`` :data:`HEADS_CELL_NUM_HEADS` over ``num_kv_heads``
+      :data:`HEADS_CELL_NUM_KV_HEADS` where ``config`` has fewer query heads;
     - window: ``sliding_window`` of a quarter of ``max_model_len`` where ``config`` has
       none;
     - block size: twice ``config``'s;
@@ -193,9 +205,9 @@ def claimed_cells(
     data_parallel = Cell(CellAxis.DATA_PARALLEL, {"dp_size": DP_CELL_SIZE})
     runs_dp = (config.dp_size == 1 and config.dcp_world_size == 1
                and not entry.constraints.causal_only and _runs(entry, config, data_parallel))
-    if (config.num_heads < HEADS_CELL_NUM_HEADS
-            and HEADS_CELL_NUM_HEADS % config.num_kv_heads == 0):
-        wanted.append(Cell(CellAxis.HEADS, {"num_heads": HEADS_CELL_NUM_HEADS}))
+    if config.num_heads < HEADS_CELL_NUM_HEADS:
+        wanted.append(Cell(CellAxis.HEADS, {"num_heads": HEADS_CELL_NUM_HEADS,
+                                            "num_kv_heads": HEADS_CELL_NUM_KV_HEADS}))
     if config.sliding_window == 0 and config.max_model_len >= 8:
         wanted.append(Cell(CellAxis.WINDOW, {"sliding_window": config.max_model_len // 4}))
     if config.block_size * 2 <= config.max_model_len:
@@ -229,14 +241,16 @@ def claimed_cells(
 
 def _packed(entry: BackendEntry, config: RuntimeConfig, cells: Sequence[Cell]) -> list[Cell]:
     """``cells`` (single-axis changes) merged greedily, in order, into as few cells as go
-    together: no field set twice, and the entry claims the merged change too. A layout
-    change joins a cell without a window where one takes it: the window's attention path
-    then runs in both layouts (a latent cache's single KV head broadcasts over any head
-    grouping, so a mistake in the grouping shows only in the other layout)."""
+    together: no field set twice, and the entry claims the merged change too. A latent
+    cache's single KV head broadcasts over any head grouping, so a mistake in the grouping
+    shows only in the other layout: a layout change never joins the heads change (whose
+    groups of 3 would then never run), and joins a cell without a window where one takes
+    it (the window's attention path then runs in both layouts)."""
     packed: list[Cell] = []
     for cell in cells:
         order = list(range(len(packed)))
         if cell.kv_layout is not None:
+            order = [i for i in order if not HEADS_FIELDS & set(packed[i].config)]
             windowed = [i for i in order if "sliding_window" in packed[i].config]
             order = [i for i in order if i not in windowed] + windowed
         for i in order:
@@ -285,15 +299,17 @@ def narrowed(
     cells: Sequence[Cell], given: Mapping[str, Any], kv_layout: KvLayout | None
 ) -> tuple[Cell, ...]:
     """The ``cells`` a run's explicit options allow: the base cell, and each other without
-    the runtime fields the run gave (the base cell already runs at the value given) nor,
-    ``kv_layout`` given, its layout (the base cell runs in it); a cell left with no change,
-    a data-parallel cell left without its ``dp_size``, or one left as another kept is
-    dropped. ``--dcp-world-size 1`` thus runs only cells at DCP 1, and ``--sliding-window
-    8`` one data-parallel cell (at that window)."""
+    the runtime fields the run gave (the base cell already runs at the value given; given
+    either of :data:`HEADS_FIELDS`, without both) nor, ``kv_layout`` given, its layout (the
+    base cell runs in it); a cell left with no change, a data-parallel cell left without
+    its ``dp_size``, or one left as another kept is dropped. ``--dcp-world-size 1`` thus
+    runs only cells at DCP 1, and ``--sliding-window 8`` one data-parallel cell (at that
+    window)."""
+    dropped = set(given) | (HEADS_FIELDS if HEADS_FIELDS & set(given) else set())
     kept: list[Cell] = []
     for cell in cells:
         if cell.axis is not CellAxis.BASE:
-            config = {key: value for key, value in cell.config.items() if key not in given}
+            config = {key: value for key, value in cell.config.items() if key not in dropped}
             layout = None if kv_layout is not None else cell.kv_layout
             if not config and layout is None:
                 continue

@@ -80,7 +80,7 @@ tier's drafter width (:data:`GPU_HIDDEN_SIZE`): each holds a serving-scale KV ca
 fp32 reference's (at the GPU tier's defaults about 4 and 8 GiB), the snapshots the
 comparisons take of them, and the graph pools. A margin, not a measured peak: two workers
 ran side by side on a 140 GiB H200. At fp32 a worker asks twice as much, and as much again
-per drafter twice as wide (:func:`memory_jobs`): two fp32 workers held 34 and 44 GiB and ran
+per drafter or KV cache twice as wide (:func:`memory_jobs`): two fp32 workers held 34 and 44 GiB and ran
 an 80 GiB H100 out of memory (the reference's and triton_attn's ``dtype=float32`` cells,
 4ea21a5), and so did two fp16 workers of the reference's 32-head cell, at 36 and 42 GiB
 (db28504)."""
@@ -88,7 +88,11 @@ an 80 GiB H100 out of memory (the reference's and triton_attn's ``dtype=float32`
 GPU_HIDDEN_SIZE = 16 * 128
 """The drafter's ``hidden_size`` (``num_heads * head_size``) at the GPU tier's defaults:
 its activations, its queries and attention outputs, and the fp32 reference's gathered
-scores grow with it (the KV caches do not: they follow ``num_kv_heads``)."""
+scores grow with it."""
+
+GPU_KV_SIZE = 4 * 128
+"""``num_kv_heads * head_size`` at the GPU tier's defaults: the KV caches (the run's and
+its fp32 reference's) and their snapshots grow with it."""
 
 _ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of each activation dtype (torch-free: planning runs before torch is
@@ -109,10 +113,14 @@ def default_jobs(tier: Tier, examples: int, cpus: int, device_gib: float) -> int
                       memory_jobs(device_gib, "bfloat16")))
 
 
-def memory_jobs(device_gib: float, dtype: str, hidden_size: int = GPU_HIDDEN_SIZE) -> int:
+def memory_jobs(
+    device_gib: float, dtype: str, hidden_size: int = GPU_HIDDEN_SIZE,
+    kv_size: int = GPU_KV_SIZE,
+) -> int:
     """Workers a device of ``device_gib`` GiB holds side by side at activations of
-    ``dtype`` and a drafter of ``hidden_size``: :data:`DEVICE_GIB_PER_JOB` each at 16 bits
-    and :data:`GPU_HIDDEN_SIZE`, in proportion to both above (at least one)."""
-    per_job = (DEVICE_GIB_PER_JOB * _ACTIVATION_BYTES[dtype] / 2
-               * max(1.0, hidden_size / GPU_HIDDEN_SIZE))
+    ``dtype``, a drafter of ``hidden_size`` and KV heads of ``kv_size`` in all:
+    :data:`DEVICE_GIB_PER_JOB` each at 16 bits and the GPU tier's widths, in proportion to
+    the dtype and to the larger of the two widths' growth (at least one)."""
+    growth = max(1.0, hidden_size / GPU_HIDDEN_SIZE, kv_size / GPU_KV_SIZE)
+    per_job = DEVICE_GIB_PER_JOB * _ACTIVATION_BYTES[dtype] / 2 * growth
     return max(1, int(device_gib // per_job))
