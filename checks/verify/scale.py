@@ -5,6 +5,7 @@ these defaults without importing the engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from speccheck.checks.verify.vocabulary import Tier
 
@@ -80,17 +81,19 @@ tier's drafter width (:data:`GPU_HIDDEN_SIZE`): each holds a serving-scale KV ca
 fp32 reference's (at the GPU tier's defaults about 4 and 8 GiB), the snapshots the
 comparisons take of them, and the graph pools. A margin, not a measured peak: two workers
 ran side by side on a 140 GiB H200. At fp32 a worker asks twice as much, and as much again
-per drafter or KV cache twice as wide (:func:`memory_jobs`): two fp32 workers held 34 and 44 GiB and ran
-an 80 GiB H100 out of memory (the reference's and triton_attn's ``dtype=float32`` cells,
-4ea21a5), and so did two fp16 workers of the reference's 32-head cell, at 36 and 42 GiB
-(db28504)."""
+per drafter or KV cache twice as wide (:func:`memory_jobs`): two fp32 workers held 34 and
+44 GiB and ran an 80 GiB H100 out of memory (the reference's and triton_attn's
+``dtype=float32`` cells, 4ea21a5), and so did two fp16 workers of the reference's 32-head
+cell, at 36 and 42 GiB (db28504)."""
 
-GPU_HIDDEN_SIZE = 16 * 128
+_GPU = TIER_DEFAULTS[Tier.GPU]
+
+GPU_HIDDEN_SIZE = cast(int, _GPU["num_heads"]) * cast(int, _GPU["head_size"])
 """The drafter's ``hidden_size`` (``num_heads * head_size``) at the GPU tier's defaults:
 its activations, its queries and attention outputs, and the fp32 reference's gathered
 scores grow with it."""
 
-GPU_KV_SIZE = 4 * 128
+GPU_KV_SIZE = cast(int, _GPU["num_kv_heads"]) * cast(int, _GPU["head_size"])
 """``num_kv_heads * head_size`` at the GPU tier's defaults: the KV caches (the run's and
 its fp32 reference's) and their snapshots grow with it."""
 
