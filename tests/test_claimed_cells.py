@@ -292,6 +292,28 @@ def test_a_builder_wrong_only_on_a_claimed_shape_is_caught_at_the_defaults(
 
 
 @CPU_ONLY
+def test_an_impl_that_writes_padding_rows_is_caught_at_the_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Padding rows of the attention output reach no draft token, logit or KV slot: only
+    the padding-rows count sees them, in the oracle and in every candidate, with the
+    candidate and the layers named."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    report = verify("padding_rows_overrun", matrix=SHAPE_BAD, **CATCH).backend(
+        "padding_rows_overrun")
+    assert report.status is Status.FAILED, report.cells
+    assert {f.check for f in report.failures} == {"padding_rows"}, report.failures
+    assert report.checks[Check.PADDING_ROWS].failed
+    assert report.checks[Check.VS_FP32_REFERENCE].failed == 0
+    assert "oracle" in {f.candidate for f in report.failures}, report.failures
+    for failure in report.failures:
+        assert failure.candidate is not None
+        assert failure.diagnosis.startswith(f"{failure.candidate}: the attention output of "
+                                            "padding tokens"), failure.diagnosis
+        assert "layer 0: " in failure.diagnosis and "layer 1: " in failure.diagnosis
+
+
+@CPU_ONLY
 @pytest.mark.parametrize(("backend", "cell", "options"), [
     ("blocks_attended_causally", "dp_size=2", "--dp-size 2"),
     ("window_only_when_causal", "dp_size=2, sliding_window=16",

@@ -8,6 +8,7 @@ import ast
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -585,6 +586,30 @@ def test_stop_after_stops_the_runs_under_way_and_reports_them_not_run(
     [result] = run_mutants([mutant], settings)
     assert result.outcome is Outcome.NOT_RUN, result
     assert time.monotonic() - began < 30
+
+
+def test_sigterm_stops_the_runs_under_way_and_the_results_return(
+    reference_mutants: list[Mutant], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An outside limit's ``SIGTERM`` acts as ``--stop-after`` does: the run under way is
+    killed, its mutant not run, and the results return (so the report is written); the
+    previous handler is back afterwards."""
+    monkeypatch.chdir(ROOT)
+    mutant = _pick(reference_mutants, "attention.py", Operator.OFF_BY_ONE,  # a survivor
+                   "per_chunk = max(1, GATHER_BYTES // (columns * block_size * num_kv_heads "
+                   "* head_size * 4))", "1 -> 2")
+    settings = RunSettings(backend="reference", examples=50, jobs=1, budget=600, timeout=600)
+    before = signal.getsignal(signal.SIGTERM)
+    sender = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM))
+    began = time.monotonic()
+    sender.start()
+    try:
+        [result] = run_mutants([mutant], settings)
+    finally:
+        sender.cancel()
+    assert result.outcome is Outcome.NOT_RUN, result
+    assert time.monotonic() - began < 30
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_mutant_whose_lines_never_ran_survives_without_a_run(

@@ -4,9 +4,9 @@ Generates mutants of the adapter's modules (:mod:`speccheck.checks.mutate`), run
 once unmutated with line tracing (it must pass; ``--gate FILE`` saves that run, or reuses
 one saved from the same code, e.g. by another ``--shard`` part), then runs ``speccheck
 verify --backend NAME`` at its defaults on each mutant in a fresh process, several at once,
-until the budget is spent (``--stop-after``: and stops the ones still running), and reports
-the score, the kills by kind, the survivors, the code the defaults never executed and
-candidates for equivalence.
+until the budget is spent (``--stop-after`` or ``SIGTERM``: and stops the ones still
+running), and reports the score, the kills by kind, the survivors, the code the defaults
+never executed and candidates for equivalence.
 
 Exit statuses: 0 the run completed (the score is information, not a verdict); 1 the gate
 fails or crashes without any mutation, or its processes did not load the copied package,

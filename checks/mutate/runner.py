@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -181,24 +182,27 @@ def run_mutants(
     the same way before it would search on), ``settings.jobs`` at a time; once
     ``settings.budget`` is spent the ones not started are :attr:`Outcome.NOT_RUN`.
     ``on_result`` sees each result as it comes (from the worker threads, one at a time).
-    At ``settings.stop_after`` the runs under way are killed and are not run either.
-    Interrupted (``KeyboardInterrupt``), it kills the verify runs under way before it
-    re-raises."""
+    At ``settings.stop_after``, or on ``SIGTERM`` (an outside time limit's first signal;
+    handled where this runs on the main thread), the runs under way are killed and are not
+    run either, and the results return. Interrupted (``KeyboardInterrupt``), it kills the
+    verify runs under way before it re-raises."""
     lock = threading.Lock()
     stop = threading.Event()
     cut = threading.Event()
-    """Set at ``settings.stop_after``: a run stopped then was not judged."""
+    """Set at ``settings.stop_after`` or on ``SIGTERM``: a run stopped then was not judged."""
+
+    def cut_now(*_: object) -> None:
+        cut.set()
+        stop.set()
+
     watchdog = None
     if settings.stop_after is not None:
         left = settings.started + settings.stop_after - time.monotonic()
-
-        def cut_now() -> None:
-            cut.set()
-            stop.set()
-
         watchdog = threading.Timer(max(0.0, left), cut_now)
         watchdog.daemon = True
         watchdog.start()
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, cut_now) if on_main_thread else None
 
     def one(mutant: Mutant) -> MutantResult:
         if not mutant.valid:
@@ -229,3 +233,5 @@ def run_mutants(
         pool.shutdown(wait=True, cancel_futures=True)
         if watchdog is not None:
             watchdog.cancel()
+        if on_main_thread:  # None: a handler not set from Python, i.e. the default
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

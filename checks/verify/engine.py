@@ -337,6 +337,7 @@ class BackendVerifier:
 
         meanings = DeclaredMeanings.of(self.settings.matrices.matrix, spec.groups, self.config,
                                        self.share)
+        h.padding_rows.reset()
         try:
             with h.armed(GuardedRun(batch, "oracle", meanings)):
                 oracle = spec.propose(batch, DecodePath.PER_STEP, use_graphs=False)
@@ -358,6 +359,7 @@ class BackendVerifier:
                                 oracle_first_pass, self.share)
         outcomes += meanings.check(batch, oracle_steps, "oracle", oracle_first_pass)
         outcomes += zero_tails(spec.groups, h.recorder.last_metadata, "oracle")
+        outcomes += h.padding_rows.outcomes("oracle")
         if self.graphs:
             outcomes.append(Outcome(Check.CAPTURE, Result.PASSED))
 
@@ -376,6 +378,7 @@ class BackendVerifier:
                 spec.refresh_hook = probe
                 forward_probe = None if self.gpu else ForwardProbe(name, spec)
             metadata_only = candidate.path is DecodePath.HOST_PREPLANNED
+            h.padding_rows.reset()
             try:
                 with h.armed(GuardedRun(
                         batch, name, meanings, oracle_steps, metadata_only,
@@ -408,6 +411,7 @@ class BackendVerifier:
             outcomes += compare_steps(oracle_steps, steps, name, metadata_only=metadata_only)
             outcomes += meanings.check(batch, steps, name, candidate_first_pass)
             outcomes += zero_tails(spec.groups, h.recorder.last_metadata, name)
+            outcomes += h.padding_rows.outcomes(name)
         outcomes += declared_fields(spec.groups, oracle_steps, oracle_storage, inputs)
         if probe is not None:
             outcomes += probe.outcomes()

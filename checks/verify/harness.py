@@ -21,6 +21,7 @@ from speccheck.checks.verify.comparisons import KVSnapshot
 from speccheck.checks.verify.examples import Example, example_digest
 from speccheck.checks.verify.guard_bands import GuardedAllocator
 from speccheck.checks.verify.oracle.builder import OracleMetadataBuilder
+from speccheck.checks.verify.padding_rows import PaddingRowsCheck
 from speccheck.checks.verify.rank_agreement import any_rank
 from speccheck.checks.verify.step_guard import GuardedRun, StepGuard
 from speccheck.checks.verify.step_recorder import StepMetadataRecorder
@@ -79,6 +80,8 @@ class Harness:
     reference: AutoregressiveSpeculator
     """The fp32 reference: the drafter on the oracle's attention
     (:mod:`~speccheck.checks.verify.oracle`), whatever the backend under test."""
+    padding_rows: PaddingRowsCheck
+    """Counts the attention output's padding rows ``spec``'s runs write (graphs included)."""
     capture_error: str | None
     """Why capture failed (a host sync or host copy inside the captured body), if it did."""
     tail_buffers: list[torch.Tensor] | None = None
@@ -206,6 +209,7 @@ class HarnessSet:
                                      first_pass=True)
         spec.step_observer = guard
         spec.first_pass_observer = first_pass_guard
+        padding_rows = PaddingRowsCheck(spec)  # before capture: the graphs count too
         start = time.perf_counter()
         capture_error = None
         try:
@@ -225,7 +229,7 @@ class HarnessSet:
         assert isinstance(reference, AutoregressiveSpeculator)
         self._reference_kv_cache = reference.kv_cache
         return Harness(spec, recorder, first_pass_recorder, guard, first_pass_guard, reference,
-                       capture_error)
+                       padding_rows, capture_error)
 
     def start_state(self, h: Harness, example: Example) -> KVSnapshot:
         """Put ``h`` in the state ``example`` starts from, a function of the example alone:

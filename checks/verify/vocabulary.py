@@ -57,6 +57,14 @@ class Check(enum.StrEnum):
         "block (so no padding lane and no stale slot mapping wrote a live slot); every padding "
         "lane's slot mapping points at the sink (a stray write names the slot and the lane)",
     )
+    PADDING_ROWS = (
+        "padding_rows",
+        "the attention output rows of padding tokens (past `query_start_loc[num_reqs]` of a "
+        "padded pass or step), which arrive zero, are left zero by every layer's `forward()` "
+        "in the oracle and every candidate (counted on the device, inside captured graphs "
+        "too): no draft token, logit or KV slot depends on them, so no other check sees a "
+        "write there",
+    )
     STEP_METADATA = (
         "step_metadata",
         "before every draft step, every tensor reachable from the metadata and the builder's "
