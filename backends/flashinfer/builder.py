@@ -306,7 +306,13 @@ class FlashInferMetadata:
 class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
     """Writes the new keys/values of ``num_actual_tokens`` tokens with
     :func:`write_kv_cache`, then ``wrapper.run`` on exactly ``query[:num_attended_tokens]``
-    into ``output``."""
+    into ``output``.
+
+    The decode wrapper runs one row per request, a padded pass's padding requests (no KV)
+    included, and its rows for them were found written non-zero on an H100 (``verify``'s
+    ``padding_rows``: one row per layer, in a few examples of fifty, eager and replayed
+    alike): the rows past ``query_start_loc[num_reqs]`` are put back to the zeros they
+    arrived with. Capture-safe: a mask from the device offsets, written in place."""
 
     def forward(
         self,
@@ -330,7 +336,12 @@ class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
         rows = metadata.num_attended_tokens
         if rows == 0 or metadata.run is None:
             return  # no request to attend: padding rows arrive zero
-        metadata.run(query[:rows], (key_cache, value_cache), out=output[:rows])
+        attended = output[:rows]
+        metadata.run(query[:rows], (key_cache, value_cache), out=attended)
+        if metadata.use_decode:
+            padding = (torch.arange(rows, device=attended.device)
+                       >= metadata.query_start_loc[-1])
+            attended.masked_fill_(padding.view(-1, *[1] * (attended.dim() - 1)), 0)
 
 
 def wrapper_buffer_name(kind: WrapperKind, batch_size: int, field: str) -> str:
