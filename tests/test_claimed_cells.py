@@ -308,9 +308,24 @@ def test_an_impl_that_writes_padding_rows_is_caught_at_the_defaults(
     assert "oracle" in {f.candidate for f in report.failures}, report.failures
     for failure in report.failures:
         assert failure.candidate is not None
-        assert failure.diagnosis.startswith(f"{failure.candidate}: the attention output of "
-                                            "padding tokens"), failure.diagnosis
+        who = "padded run" if failure.candidate.startswith("dp") else failure.candidate
+        assert f"{who}: the attention output of padding tokens" in failure.diagnosis, failure
         assert "layer 0: " in failure.diagnosis and "layer 1: " in failure.diagnosis
+
+
+@CPU_ONLY
+def test_a_dp_rank_that_writes_padding_rows_fails_padding_rows_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A data-parallel rank's padded pass is where FULL-mode padding is widest: its
+    padding rows are counted like an autoregressive run's."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    report = verify("padding_rows_overrun", matrix=SHAPE_BAD, config={"dp_size": 2}, cells=False,
+                    **CATCH).backend("padding_rows_overrun")
+    assert report.status is Status.FAILED, report.detail
+    assert {f.check for f in report.failures} == {"padding_rows"}, report.failures
+    assert report.checks[Check.DP_MATCHES_SINGLE_RANK].failed == 0
+    assert "padded run: the attention output of padding tokens" in report.failures[0].diagnosis
 
 
 @CPU_ONLY

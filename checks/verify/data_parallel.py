@@ -50,6 +50,7 @@ from speccheck.checks.verify.examples import example_json
 from speccheck.checks.verify.kv_share import KVSnapshot
 from speccheck.checks.verify.oracle.builder import OracleMetadataBuilder
 from speccheck.checks.verify.one_line import exception_line
+from speccheck.checks.verify.padding_rows import PaddingRowsCheck
 from speccheck.checks.verify.report import BackendReport, Failure
 from speccheck.checks.verify.strategies import BatchLimits, draft_batches, draw_values
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
@@ -89,8 +90,8 @@ class DPOutcome:
     mode: str
     round: int
     check: Check
-    """:data:`CHECK_TOKEN_COUNT`, :data:`CHECK_MATCHES_SINGLE_RANK` or
-    :data:`CHECK_VS_FP32_REFERENCE`."""
+    """:data:`CHECK_TOKEN_COUNT`, :data:`CHECK_MATCHES_SINGLE_RANK`,
+    :data:`CHECK_VS_FP32_REFERENCE` or ``padding_rows`` (of the padded run)."""
     result: Result
     """Passed, failed or indeterminate."""
     diagnosis: str = ""
@@ -422,6 +423,7 @@ def _verify_rank(dp_rank: int, dp_size: int, plan: _RankPlan) -> list[DPOutcome]
     for mode in plan.modes:
         config = plan.config.model_copy(update={"cudagraph_mode": mode})
         spec = _build(plan, config, device)
+        padding_rows = PaddingRowsCheck(spec)  # before capture: the graphs count too
         spec.capture()
         tol = TOLERANCE[config.dtype]
         for index, batch in enumerate(plan.batches_per_rank[dp_rank]):
@@ -430,8 +432,8 @@ def _verify_rank(dp_rank: int, dp_size: int, plan: _RankPlan) -> list[DPOutcome]
             start = spec.kv_cache.snapshot()
             if index not in expected:
                 expected[index] = _reference_drafts(reference, batch, start)
-            outcomes += _verify_round(spec, batch, dp_rank, dp_size, mode, index, start, tol,
-                                      expected[index])
+            outcomes += _verify_round(spec, padding_rows, batch, dp_rank, dp_size, mode,
+                                      index, start, tol, expected[index])
     return outcomes
 
 
@@ -446,12 +448,14 @@ def _reference_drafts(
 
 
 def _verify_round(
-    spec: DFlashSpeculator, batch: DraftBatch, dp_rank: int, dp_size: int, mode: str,
-    index: int, start: KVSnapshot, tol: float, fp32_drafts: DraftResult,
+    spec: DFlashSpeculator, padding_rows: PaddingRowsCheck, batch: DraftBatch, dp_rank: int,
+    dp_size: int, mode: str, index: int, start: KVSnapshot, tol: float,
+    fp32_drafts: DraftResult,
 ) -> list[DPOutcome]:
     """From the KV state ``start`` (``spec``'s cache holds it): the single-rank run, the
     DP agreement (one collective, on every rank whatever happened before), the padded run,
-    and the three checks (``fp32_drafts``: the fp32 reference's drafts of the round)."""
+    and the three checks (``fp32_drafts``: the fp32 reference's drafts of the round), and
+    ``padding_rows`` of the padded run where it completed."""
     r, q = batch.num_reqs, spec.query_per_req
     alone, alone_error = _attempt(
         spec.propose, batch, BatchExecutionDescriptor(CUDAGraphMode.NONE, r * q, None, q)
@@ -460,6 +464,7 @@ def _verify_round(
     state = sync_dp_padding(spec.block_descriptor(r), r, dp_rank, dp_size)
     desc = agreed_descriptor(state, r, q)
     spec.last_common_metadata = None
+    padding_rows.reset()
     padded, padded_error = _attempt(spec.propose, batch, desc)
 
     def outcome(check: Check, result: Result, diagnosis: str = "") -> DPOutcome:
@@ -496,7 +501,9 @@ def _verify_round(
     else:
         versus = outcome(CHECK_VS_FP32_REFERENCE, *_versus_reference(
             fp32_drafts, alone, FP32_REFERENCE_TOLERANCE_FACTOR * tol))
-    return [count, match, versus]
+    rows = [] if padded_error is not None else [
+        outcome(o.check, o.result, o.diagnosis) for o in padding_rows.outcomes("padded run")]
+    return [count, match, versus, *rows]
 
 
 def _versus_reference(expected: DraftResult, alone: DraftResult, tol: float) -> tuple[Result, str]:

@@ -76,6 +76,7 @@ class PaddingRowsCheck:
         where = ", ".join(f"layer {layer}: {n}" for layer, n in written)
         return [Outcome(
             Check.PADDING_ROWS, Result.FAILED,
-            f"{candidate}: the attention output of padding tokens (rows past query_start_loc[num_reqs], "
-            f"which arrive zero) was written non-zero ({where} rows summed over the run's "
-            "passes and steps); forward() must leave them zero", candidate)]
+            f"{candidate}: the attention output of padding tokens (rows past "
+            f"query_start_loc[num_reqs], which arrive zero) was written non-zero ({where} "
+            "rows summed over the run's passes and steps); forward() must leave them zero",
+            candidate)]

@@ -61,9 +61,9 @@ class Check(enum.StrEnum):
         "padding_rows",
         "the attention output rows of padding tokens (past `query_start_loc[num_reqs]` of a "
         "padded pass or step), which arrive zero, are left zero by every layer's `forward()` "
-        "in the oracle and every candidate (counted on the device, inside captured graphs "
-        "too): no draft token, logit or KV slot depends on them, so no other check sees a "
-        "write there",
+        "in the oracle and every candidate, and in the padded pass of every `--dp-size N` "
+        "rank (counted on the device, inside captured graphs too): no draft token, logit or "
+        "KV slot depends on them, so no other check sees a write there",
     )
     STEP_METADATA = (
         "step_metadata",
