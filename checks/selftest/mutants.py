@@ -240,6 +240,22 @@ class PaddingWritesLive(ReferenceMetadataBuilder):
     impl_cls = _PaddingWritesLiveImpl
 
 
+class _PaddingRowsWrittenImpl(ReferenceAttentionImpl):
+    """Copies the last real token's attention output into every padding row (as a kernel
+    whose last tile runs past the batch's last real token does). Capture-safe."""
+
+    def forward(self, query, key, value, key_cache, value_cache, metadata, output) -> None:  # type: ignore[no-untyped-def]
+        super().forward(query, key, value, key_cache, value_cache, metadata, output)
+        real = metadata.query_start_loc[-1]
+        rows = torch.arange(output.shape[0], device=output.device)
+        last = output.index_select(0, (real - 1).clamp(min=0).view(1))
+        output.copy_(torch.where((rows >= real).view(-1, 1, 1), last, output))
+
+
+class PaddingRowsWritten(ReferenceMetadataBuilder):
+    impl_cls = _PaddingRowsWrittenImpl
+
+
 @dataclass(frozen=True)
 class Mutant:
     """A known-bad builder, the check that must catch it, and the bug it re-creates."""
@@ -281,6 +297,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("padding_writes_live", PaddingWritesLive, Check.KV_CACHE, "outside the expected",
            "padding lanes with stale indices writing live KV slots (SGLang #10892, #25529)",
            declares=()),
+    Mutant("padding_rows_written", PaddingRowsWritten, Check.PADDING_ROWS,
+           "the attention output of padding tokens",
+           "an attention kernel writing the output rows of padding tokens (a split-KV merge or "
+           "a last tile past the last real token): no draft token changes, but the rows are a "
+           "real buffer's in an engine", declares=()),
     Mutant("dirty_tail", DirtyTail, Check.ZERO_TAILS, "unused tail",
            "stale entries of an earlier, larger batch past the live rows (SGLang #22958)"),
     Mutant("overrun", Overrun, Check.GUARD_BANDS, "derived",
