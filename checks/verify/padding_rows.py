@@ -7,7 +7,7 @@ speculator's ``is_real_token`` is ``False`` there (real tokens are a prefix of t
 No draft token, logit or KV slot of a real request depends on such a row, so the other
 checks cannot see an impl that writes into it: a kernel that merges split partials into a
 row it never attended, a tile loop that overruns the last real token. In an engine that
-row is a real buffer's row: NaNs there spread through every reduction over the batch.
+row is a real buffer's row: a NaN there reaches whatever later reduces over the rows.
 """
 
 from __future__ import annotations
