@@ -297,6 +297,27 @@ def test_a_row_that_raises_is_an_error_row_not_a_traceback(
     assert record.selftest_caught == (1, 2)
 
 
+def test_a_failed_record_is_listed_with_its_reproduce_command(tmp_path: Path) -> None:
+    """A failure in a committed record can be run again without the run's console: the
+    record keeps the first failure's reproduce command (and each failed cell's), and the
+    page lists it beside the diagnosis."""
+    from speccheck.checks.status.record import CellRecord, FailureRecord
+
+    command = "speccheck verify --backend reference --seed 0 --reproduce eAE="
+    record = _record("gpu", Verdict.FAILED).model_copy(update={
+        "failures": [FailureRecord(check="padding_rows", diagnosis="oracle: written")],
+        "reproduce": command,
+        "cells": [CellRecord(name="base", verdict="failed", examples=3, reproduce=command)]})
+    write_tier_status(tmp_path, "reference", record)
+    again = read_statuses(tmp_path)["reference"].tiers["gpu"]
+    assert again.reproduce == command and again.cells[0].reproduce == command
+    page = render_status_readme({"reference": BackendStatus(backend="reference",
+                                                            tiers={"gpu": again})})
+    listed = page.split("## Not passed\n\n")[1].splitlines()[0]
+    assert listed == ("- `reference` (gpu): failed: padding_rows: oracle: written; "
+                      f"reproduce: `{command}`")
+
+
 def test_a_selftest_row_not_caught_is_listed_with_its_cause() -> None:
     """The table counts an error row apart from a miss, and the page lists every row that
     was not caught (nor skipped) with the first line of its detail."""

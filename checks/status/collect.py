@@ -97,8 +97,10 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
                 for check, tally in report.checks.items()],
         failures=[FailureRecord(check=f.check.value, diagnosis=f.diagnosis, step=f.step,
                                 field=f.field) for f in report.failures],
+        reproduce=report.reproduce,
         breakpoints=_merged_breakpoints(report.breakpoints),
-        cells=[CellRecord(name=c.name, verdict=c.verdict, examples=c.examples, detail=c.detail)
+        cells=[CellRecord(name=c.name, verdict=c.verdict, examples=c.examples, detail=c.detail,
+                          reproduce=c.reproduce)
                for c in report.cells],
         selftest=[],
     )

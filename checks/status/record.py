@@ -61,6 +61,9 @@ class CellRecord(_Record):
     verdict: str
     examples: int
     detail: str = ""
+    reproduce: str | None = None
+    """The cell's failure's reproduce command (``None``: it did not fail, or a record
+    written before it was kept)."""
 
 
 class SelftestRecord(_Record):
@@ -185,6 +188,10 @@ class TierStatus(_Record):
     runtime_config: dict[str, object]
     checks: list[CheckResult]
     failures: list[FailureRecord]
+    reproduce: str | None = None
+    """The verify run's first failure's reproduce command (a crash's: the example it died
+    in), which runs exactly that example in a fresh worker; ``None`` where it passed, or in
+    a record written before it was kept."""
     breakpoints: dict[str, object] | None = None
     """The merged and per-field breakpoint lengths the run's draw aimed at (its report's
     ``breakpoints`` less the per-batch sweeps)."""

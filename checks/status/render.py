@@ -170,7 +170,9 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
         lines += ["", "## Not passed", ""]
         for name, tier, record in failing:
             why = record.detail or "; ".join(f"{f.check}: {f.diagnosis}" for f in record.failures)
-            lines.append(f"- `{name}` ({tier}): {record.verdict.value}: {why or 'no detail'}")
+            again = "" if record.reproduce is None else f"; reproduce: `{record.reproduce}`"
+            lines.append(f"- `{name}` ({tier}): {record.verdict.value}: {why or 'no detail'}"
+                         f"{again}")
     uncaught = [(name, tier, result) for name, status in sorted(statuses.items())
                 for tier, record in status.tiers.items() for result in record.selftest
                 if result.outcome not in ("caught", "skipped")]
