@@ -85,6 +85,7 @@ import numpy as np
 import torch
 
 from speccheck.backends.availability import require_module
+from speccheck.backends.batch_layout import padding_tokens
 from speccheck.backends.flashinfer.page_indices import (
     PagedKVLengths,
     paged_kv_lengths,
@@ -339,8 +340,7 @@ class FlashInferAttentionImpl(AttentionImpl[FlashInferMetadata]):
         attended = output[:rows]
         metadata.run(query[:rows], (key_cache, value_cache), out=attended)
         if metadata.use_decode:
-            padding = (torch.arange(rows, device=attended.device)
-                       >= metadata.query_start_loc[-1])
+            padding = padding_tokens(metadata.query_start_loc, rows)
             attended.masked_fill_(padding.view(-1, *[1] * (attended.dim() - 1)), 0)
 
 

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from speccheck.backends.batch_layout import padding_tokens
 from speccheck.backends.reference.builder import (
     ReferenceAttentionImpl,
     ReferenceMetadata,
@@ -220,8 +221,8 @@ class PaddingSharesSlot(ReferenceMetadataBuilder):
         get token 0's."""
         assert isinstance(metadata, OwnSlotsMetadata) and metadata.token_slots is not None
         source = metadata.token_slots
-        real = torch.arange(source.shape[0], device=source.device) < metadata.query_start_loc[-1]
-        metadata.slot_mapping.copy_(torch.where(real, source, source[:1].expand_as(source)))
+        padding = padding_tokens(metadata.query_start_loc, source.shape[0])
+        metadata.slot_mapping.copy_(torch.where(padding, source[:1].expand_as(source), source))
 
 
 class _PaddingWritesLiveImpl(ReferenceAttentionImpl):
@@ -229,9 +230,8 @@ class _PaddingWritesLiveImpl(ReferenceAttentionImpl):
 
     def forward(self, query, key, value, key_cache, value_cache, metadata, output) -> None:  # type: ignore[no-untyped-def]
         slots = metadata.slot_mapping
-        real = metadata.query_start_loc[-1]
-        lanes = torch.arange(slots.shape[0], device=slots.device)
-        patched = torch.where(lanes >= real, slots[0].expand_as(slots) + 1, slots)
+        padding = padding_tokens(metadata.query_start_loc, slots.shape[0])
+        patched = torch.where(padding, slots[0].expand_as(slots) + 1, slots)
         metadata = ReferenceMetadata(**{**vars(metadata), "slot_mapping": patched})
         super().forward(query, key, value, key_cache, value_cache, metadata, output)
 
@@ -247,9 +247,9 @@ class _PaddingRowsWrittenImpl(ReferenceAttentionImpl):
     def forward(self, query, key, value, key_cache, value_cache, metadata, output) -> None:  # type: ignore[no-untyped-def]
         super().forward(query, key, value, key_cache, value_cache, metadata, output)
         real = metadata.query_start_loc[-1]
-        rows = torch.arange(output.shape[0], device=output.device)
         last = output.index_select(0, (real - 1).clamp(min=0).view(1))
-        output.copy_(torch.where((rows >= real).view(-1, 1, 1), last, output))
+        padding = padding_tokens(metadata.query_start_loc, output.shape[0])
+        output.copy_(torch.where(padding.view(-1, 1, 1), last, output))
 
 
 class PaddingRowsWritten(ReferenceMetadataBuilder):
