@@ -52,6 +52,25 @@ def test_draws_reach_the_max_model_len_clamp() -> None:
          lambda b: b.context_lens[0] + len(b.new_tokens[0]) + LIMITS.extra_positions > LIMITS.max_model_len)
 
 
+def test_draws_a_first_pass_of_length_one_beside_a_wider_request() -> None:
+    """ContextKind.EMPTY: a request of one new token and no context (its only visible
+    position is its own) in a batch with a wider request, which sends a windowed batch down
+    the reference's per-request route; without the kind, a reference that skipped requests
+    of length 1 there passed `verify --backend reference` at the defaults."""
+    seen: list[bool] = []
+
+    @settings(max_examples=300)
+    @given(batch=draft_batches(LIMITS))
+    def draw(batch: DraftBatch) -> None:
+        widths = [len(new) for new in batch.new_tokens]
+        seen.append(max(widths) > 1 and any(
+            ctx == 0 and width == 1 for ctx, width in zip(batch.context_lens, widths)))
+
+    draw()
+    assert len(seen) == 300
+    assert sum(seen) >= 15, sum(seen)  # 72 of 300 measured; 4 without the kind
+
+
 def test_draws_fewer_requests_than_the_largest_bucket_and_shuffled_tables() -> None:
     find(draft_batches(LIMITS), lambda b: b.num_reqs == 3)
     find(draft_batches(LIMITS), lambda b: any(list(r) != sorted(r) for r in b.block_table))

@@ -5,6 +5,7 @@ between draft steps."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -37,8 +38,8 @@ class BatchLimits:
     breakpoints: tuple[int, ...] = ()
     """Ascending sequence lengths at which the backend's derived metadata changes
     (:attr:`speccheck.checks.verify.breakpoints.Breakpoints.lengths`): requests of the
-    ``"breakpoint"`` kind are placed so that their draft steps cross one. Empty: no such
-    kind is drawn."""
+    :attr:`ContextKind.BREAKPOINT` kind are placed so that their draft steps cross one.
+    Empty: no such kind is drawn."""
     batch_classes: tuple[BatchClass, ...] = (BatchClass.MIXED,)
     """The shapes drawn (:func:`~speccheck.checks.verify.cells.claimed_batch_classes` of the
     entry's CUDA-graph claim), each batch one of them."""
@@ -85,19 +86,31 @@ class BatchLimits:
         return padded or tuple(counts) or (1,)
 
 
-CONTEXT_KINDS = ("anywhere", "boundary", "clamp")
-"""Context placements drawn for every backend; ``"breakpoint"`` follows when the limits
-carry breakpoints. Hypothesis shrinks towards the first kind."""
+class ContextKind(enum.StrEnum):
+    """Where a request's context length is placed, every kind drawn for every backend
+    (:attr:`BREAKPOINT` where the limits carry breakpoints); Hypothesis shrinks towards the
+    first."""
+
+    ANYWHERE = "anywhere"
+    """Any length that fits."""
+    BOUNDARY = "boundary"
+    """Just before a block boundary, so the draft steps cross it."""
+    CLAMP = "clamp"
+    """Near the top, so the draft steps hit the ``max_model_len`` clamp."""
+    BREAKPOINT = "breakpoint"
+    """Just below a breakpoint, so the refreshes between draft steps cross it
+    (:func:`_below_breakpoint`)."""
+    EMPTY = "empty"
+    """None: the prompt is all new tokens (with one new token, a first pass of length 1,
+    whose only visible position is its own)."""
 
 
 def _context_len(
     draw: st.DrawFn, limits: BatchLimits, q: int, room: int, first: bool = False
 ) -> int | None:
-    """A context length of one of these kinds: anywhere, just before a block boundary (so
-    the draft steps cross it), near the top (so the steps hit the ``max_model_len``
-    clamp), or just below a breakpoint (so the refreshes between draft steps cross it: see
-    :func:`_below_breakpoint`); every position the request writes stays below ``room``
-    (the positions its share of the live blocks holds), ``None`` where none fits. Where
+    """A context length of a drawn :class:`ContextKind`; every position the request writes
+    stays below ``room`` (the positions its share of the live blocks holds), ``None`` where
+    none fits. Where
     the top reaches past :data:`~speccheck.checks.verify.cells.INT16_MAX` (the long cell),
     the ``first`` request of every batch starts past it (a length an int16 cannot hold)."""
     top = limits.max_model_len - q - (limits.extra_positions if limits.room_for_block else 0)
@@ -107,12 +120,15 @@ def _context_len(
         return None
     if first and top > INT16_MAX:
         return draw(st.integers(INT16_MAX + 1 - q, top))
-    kind = draw(st.sampled_from(CONTEXT_KINDS + (("breakpoint",) if limits.breakpoints else ())))
-    if kind == "breakpoint":
+    kind = draw(st.sampled_from(
+        [kind for kind in ContextKind if limits.breakpoints or kind is not ContextKind.BREAKPOINT]))
+    if kind is ContextKind.BREAKPOINT:
         return _below_breakpoint(draw, limits, q, top)
-    if kind == "anywhere":
+    if kind is ContextKind.ANYWHERE:
         return draw(st.integers(0, top))
-    if kind == "clamp":
+    if kind is ContextKind.EMPTY:
+        return 0
+    if kind is ContextKind.CLAMP:
         return max(0, top - draw(st.integers(0, 2)))
     bs = limits.block_size
     boundary = draw(st.integers(1, max(1, top // bs))) * bs
