@@ -110,9 +110,9 @@ def _context_len(
 ) -> int | None:
     """A context length of a drawn :class:`ContextKind`; every position the request writes
     stays below ``room`` (the positions its share of the live blocks holds), ``None`` where
-    none fits. Where
-    the top reaches past :data:`~speccheck.checks.verify.cells.INT16_MAX` (the long cell),
-    the ``first`` request of every batch starts past it (a length an int16 cannot hold)."""
+    none fits. Where the top reaches past :data:`~speccheck.checks.verify.cells.INT16_MAX`
+    (the long cell), the ``first`` request of every batch starts past it (a length an int16
+    cannot hold)."""
     top = limits.max_model_len - q - (limits.extra_positions if limits.room_for_block else 0)
     if room < limits.max_model_len:
         top = min(top, room - q - limits.extra_positions)
