@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from speccheck.backends.reference.builder import ReferenceMetadataBuilder
 from speccheck.checks.selftest.dcp_mutants import STALE_DCP_BUILDERS
+from speccheck.checks.verify.kv_share import whole_cache_start
 from speccheck.contract.builder import (
     AttentionLayerSpec,
     BufferAllocator,
@@ -28,6 +29,7 @@ from speccheck.contract.runtime_config import RuntimeConfig
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator, DecodePath
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.batch import DraftBatch
+from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.dp_launch import run_ranks
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
@@ -103,6 +105,49 @@ def test_stale_dcp_local_lengths_change_the_fused_drafts(backend: str) -> None:
         torch.testing.assert_close(drafts["per_step"][1], expected["per_step"][1],
                                    rtol=1e-4, atol=1e-4)
         assert not torch.allclose(drafts["fused"][1], expected["fused"][1], rtol=1e-4, atol=1e-4)
+
+
+DFLASH_BATCH = DraftBatch(
+    context_lens=(6, 13, 0),
+    new_tokens=((1, 2), (3,), (4, 5, 6)),
+    block_table=((5, 9, 2), (20, 3, 14, 30, 7), (8, 11)),
+    seeds=(1, 2, 3),
+)
+"""DFlash blocks (1 + K tokens each, attended non-causally) over contexts of random KV, one
+of them empty."""
+KV_SEED = 7
+
+
+def _dflash(backend: str, dcp: DcpRank | None) -> DFlashSpeculator:
+    world = dcp.world_size if dcp else 1
+    spec = create_speculator("dflash", [backend] * DRAFTER.num_layers, _config(world), DRAFTER,
+                             torch.device("cpu"), OPTIONS, matrix=load_matrix(), dcp=dcp)
+    assert isinstance(spec, DFlashSpeculator)
+    spec.kv_cache.fill_random_(KV_SEED)
+    return spec
+
+
+def rank_dflash_drafts(rank: int, world: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One DCP rank drafting ``DFLASH_BATCH`` with the DFlash drafter, its cache's share
+    filled with the noise of ``KV_SEED``."""
+    result = _dflash(backend, DcpRank(rank, world, dist.group.WORLD)).propose(DFLASH_BATCH)
+    return result.draft_tokens, result.logits
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton_attn"])
+def test_two_dcp_ranks_draft_dflash_blocks_as_one_rank_does(backend: str) -> None:
+    """The only non-causal attention under DCP: each rank's share masked by its local
+    lengths alone (no causal bound clips a position past them). Verify runs the DFlash
+    drafter on data-parallel ranks only, never under DCP; a reference that let each rank see
+    one local position past its length (`<` -> `<=`) passed it and fails here."""
+    alone = _dflash(backend, None)
+    alone.kv_cache.restore(whole_cache_start(
+        alone.kv_cache.snapshot(), DFLASH_BATCH, alone.config.block_size, WORLD))
+    expected = alone.propose(DFLASH_BATCH)
+    for rank, (tokens, logits) in enumerate(
+            run_ranks(rank_dflash_drafts, WORLD, (backend,), timeout_s=240)):
+        assert torch.equal(tokens, expected.draft_tokens), rank
+        torch.testing.assert_close(logits, expected.logits, rtol=1e-4, atol=1e-4)
 
 
 class _WithoutShare(ReferenceMetadataBuilder):
