@@ -52,6 +52,7 @@ from speccheck.contract.adapter_status import implementation_path
 from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, Matrix
 from speccheck.contract.resolution import backend_failures
 from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.drafter_kind import DrafterKind
 
 if TYPE_CHECKING:
     from speccheck.checks.verify.engine import VerifySettings
@@ -274,6 +275,9 @@ def _needs(report: BackendReport, check: Check) -> str | None:
         return f"needs CUDA graphs: this run is on the {report.tier.value.upper()} tier"
     if check in (Check.DP_TOKEN_COUNT, Check.DP_MATCHES_SINGLE_RANK, Check.DP_VS_FP32_REFERENCE):
         return "needs a data-parallel run (--dp-size 2 or more)"
+    if check is Check.DCP_BLOCKS_VS_FP32_REFERENCE:
+        return ("needs the DFlash drafter on real DCP ranks (--dcp-world-size 2 --drafter "
+                "dflash, a backend whose builders hold a DCP share)")
     if check is Check.VS_FP32_REFERENCE and report.backend == "reference":
         return "the oracle is the fp32 reference"
     return None
@@ -317,6 +321,15 @@ class VerifyPlan:
         """The seed this plan's cell draws from: the run's, plus :data:`~speccheck.checks.
         verify.cells.CELL_SEED_STRIDE` per cell before it."""
         return self.verify_run.seed + self.cell_index * CELL_SEED_STRIDE
+
+    @property
+    def drafter(self) -> DrafterKind:
+        """The drafter this plan's cell verifies: the cell's, else the run's, else DFlash
+        at ``dp_size > 1`` and autoregressive otherwise."""
+        chosen = self.cell.drafter or self.verify_run.drafter
+        if chosen is not None:
+            return chosen
+        return DrafterKind.DFLASH if self.config.dp_size > 1 else DrafterKind.AUTOREGRESSIVE
 
     @property
     def examples(self) -> int:
@@ -392,7 +405,7 @@ class VerifyPlan:
     ) -> VerifyReport:
         """Verify every backend: its single-rank configuration cells one after another in
         a worker process (one process takes task after task while it stays idle), or, with
-        ``dp_size > 1``, the DFlash drafter on that many rank processes, or, for a backend
+        the DFlash drafter (:attr:`drafter`), on rank processes, or, for a backend
         with a real DCP share at ``dcp_world_size > 1`` (:meth:`dcp_ranks`), on that many
         DCP rank processes (:func:`~speccheck.checks.verify.dcp_ranks.verify_dcp`; the
         report's ``detail`` says how they ran; a backend without a share notes that
@@ -417,8 +430,8 @@ class VerifyPlan:
         spare = [worker] if worker is not None else []
         """Idle worker processes, taken by the next single-rank run."""
         try:
-            if self.config.dp_size > 1:
-                reports = [self._verify_data_parallel(name) for name in self.names]
+            if self.drafter is DrafterKind.DFLASH:
+                reports = [self._verify_dflash(name) for name in self.names]
             else:
                 reports = [self._verify_cells(name, progress, notes, spare)
                            for name in self.names]
@@ -437,12 +450,12 @@ class VerifyPlan:
         (:func:`~speccheck.checks.verify.cells.claimed_cells`), narrowed by the run's
         explicit options (:func:`~speccheck.checks.verify.cells.narrowed`); the base cell
         alone where the run asks for no cells, reproduces an example, runs data
-        parallelism, or the entry has no adapter. Imports torch."""
+        parallelism or the DFlash drafter, or the entry has no adapter. Imports torch."""
         from speccheck.speculator.attention_setup import builder_class, holds_dcp_share
 
         run, base = self.verify_run, (Cell(CellAxis.BASE),)
         entry = self.matrices.matrix.backend(name)
-        if (not run.cells or self.reproduce is not None or self.config.dp_size > 1
+        if (not run.cells or self.reproduce is not None or self.drafter is DrafterKind.DFLASH
                 or entry.implementation is None):
             return base
         holds = holds_dcp_share(builder_class(name, self.matrices.matrix))
@@ -461,11 +474,12 @@ class VerifyPlan:
         self, name: str, progress: ProgressDisplay, notes: dict[str, str],
         spare: list[WorkerProcess],
     ) -> BackendReport:
-        """Backend ``name`` at this plan's one configuration: the DFlash drafter on
-        data-parallel ranks where its ``dp_size`` is above 1 (the data-parallel cell), on
-        real DCP ranks where :meth:`dcp_ranks` says so, else in worker processes."""
-        if self.config.dp_size > 1:
-            return self._verify_data_parallel(name)
+        """Backend ``name`` at this plan's one configuration: the DFlash drafter on real
+        ranks where :attr:`drafter` says so (the data-parallel and DCP-blocks cells), the
+        autoregressive one on real DCP ranks where :meth:`dcp_ranks` says so, else in
+        worker processes."""
+        if self.drafter is DrafterKind.DFLASH:
+            return self._verify_dflash(name)
         if self.dcp_ranks(name) > 1:
             return self._verify_dcp_ranks(name)
         return self._verify_in_worker(name, progress, notes, spare)
@@ -527,7 +541,7 @@ class VerifyPlan:
         ``--jobs`` is held to what the device holds at this configuration's dtype
         (:func:`~speccheck.checks.verify.scale.memory_jobs`: an fp32 cell's workers need
         twice the memory, and so do a cell's with twice the query or KV heads)."""
-        if (self.reproduce is not None or self.config.dp_size > 1
+        if (self.reproduce is not None or self.drafter is DrafterKind.DFLASH
                 or self.dcp_ranks(name) > 1):
             return 1
         jobs = min(self.jobs, self.examples)
@@ -638,21 +652,28 @@ class VerifyPlan:
                                             audited.failures, audited.detail)
         return report
 
-    def _verify_data_parallel(self, name: str) -> BackendReport:
-        """The DFlash drafter on ``dp_size`` real ranks (their own processes), each with a
-        different real batch size, in eager mode and, with CUDA, in FULL mode. A failed
-        run's ``reproduce`` is the command that draws its rounds again
-        (:meth:`_data_parallel_command`)."""
-        from speccheck.checks.verify.data_parallel import verify_dp
+    def _verify_dflash(self, name: str) -> BackendReport:
+        """The DFlash drafter on real ranks (their own processes), in eager mode and, with
+        CUDA, in FULL mode: on :meth:`dcp_ranks` DCP ranks drafting the same batches where
+        there are more than one, else on ``dp_size`` data-parallel ranks, each with a
+        different real batch size. A failed run's ``reproduce`` is the command that draws
+        its rounds again (:meth:`_data_parallel_command`)."""
+        from speccheck.checks.verify.data_parallel import verify_dcp_blocks, verify_dp
         from speccheck.checks.verify.one_line import RaisedError
         from speccheck.checks.verify.raise_site import site_of
         from speccheck.speculator.dp_launch import RankError, RankFailed
 
         try:
             config = self.config_for(name)
-            report = verify_dp(name, config, config.dp_size, examples=self.examples,
-                               seed=self.seed, matrices=self.matrices,
-                               kv_layout=self.verify_run.kv_layout).to_report()
+            if self.dcp_ranks(name) > 1:
+                result = verify_dcp_blocks(name, config, examples=self.examples,
+                                           seed=self.seed, matrices=self.matrices,
+                                           kv_layout=self.verify_run.kv_layout)
+            else:
+                result = verify_dp(name, config, config.dp_size, examples=self.examples,
+                                   seed=self.seed, matrices=self.matrices,
+                                   kv_layout=self.verify_run.kv_layout)
+            report = result.to_report()
         except RankError as exc:
             logger.info("%s", exc)  # with a raising rank's traceback
             raised = RaisedError(str(exc).splitlines()[0],
@@ -664,10 +685,12 @@ class VerifyPlan:
         return report
 
     def _data_parallel_command(self, name: str) -> str:
-        """The command that draws this plan's data-parallel rounds again: the run's options
-        at this cell's seed and examples, with the cell's fields and no other cell."""
+        """The command that draws this plan's DFlash rounds again: the run's options at this
+        cell's seed and examples, with the cell's fields (and drafter) and no other cell."""
         run = self.verify_run.model_copy(update={"seed": self.seed})
         cell = f" {runtime_flags(self.cell.config)} --no-cells" if self.cell.config else ""
+        if self.cell.drafter is not None:
+            cell += f" --drafter {self.cell.drafter.value}"
         return f"{run.reproduce_prefix(name)}{cell} --examples {self.examples}"
 
 
@@ -773,7 +796,11 @@ def verify(
       the CPU).
     - ``reproduce``: run exactly this example (a blob from a failure's reproduce command,
       or ``@FILE`` for one kept in a file); it must fit the run's limits, and cannot be
-      combined with ``dp_size > 1``.
+      combined with ``dp_size > 1`` or the DFlash drafter.
+    - ``drafter``: ``"dflash"`` runs the DFlash drafter on real ranks, the run's config
+      alone (data-parallel ranks at ``dp_size > 1``, the DCP group's for a backend holding
+      a share at ``dcp_world_size > 1``, else one); ``None``: DFlash at ``dp_size > 1``,
+      else the autoregressive drafter, whose cells include the DFlash ones.
     - ``audit_claims``: for a backend the matrix does not allow to fuse under the config,
       also run the fused path and report whether the claim is too strict or confirmed.
     - ``fail_fast``: end each worker's search at its first failure (False: it searches on
@@ -828,9 +855,10 @@ def _check_reproduce(blob: str, plan: VerifyPlan) -> None:
     from speccheck.checks.verify.examples import decode_example
 
     name = plan.names[0]
-    if plan.config_for(name).dp_size > 1:
+    if plan.drafter is DrafterKind.DFLASH:
         raise VerifyInputError("--reproduce runs one example in one worker; it cannot be "
-                               "combined with --dp-size")
+                               "combined with --dp-size or --drafter dflash (their "
+                               "reproduce commands draw their rounds again)")
     try:
         example = decode_example(blob)
     except ValueError as exc:

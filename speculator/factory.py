@@ -15,12 +15,13 @@ from speccheck.speculator.attention_setup import build_attention_groups
 from speccheck.speculator.autoregressive import AutoregressiveSpeculator
 from speccheck.speculator.base import SpeculatorOptions
 from speccheck.speculator.dflash import DFlashSpeculator
+from speccheck.speculator.drafter_kind import DrafterKind
 from speccheck.speculator.kv_cache import PagedKVCache
 from speccheck.speculator.model import DrafterConfig, DraftModel
 
 
 def create_speculator(
-    kind: str,
+    kind: DrafterKind | str,
     layer_backends: Sequence[str],
     config: RuntimeConfig,
     drafter: DrafterConfig,
@@ -35,7 +36,7 @@ def create_speculator(
     kv_cache: PagedKVCache | None = None,
     dcp: DcpRank | None = None,
 ) -> AutoregressiveSpeculator | DFlashSpeculator:
-    """``kind`` is ``"autoregressive"`` or ``"dflash"``; layer ``i`` of the drafter runs on
+    """``kind`` is a :class:`DrafterKind` (or its value); layer ``i`` of the drafter runs on
     backend ``layer_backends[i]`` (one name repeats for a single-backend model), as
     ``matrix`` declares it. ``speculator_cls`` swaps in a subclass of the kind's speculator
     (the DP regression plants the seed-004 bug with one); ``builder_overrides`` and
@@ -44,11 +45,14 @@ def create_speculator(
     ``dcp`` makes this process one rank of a real DCP group: its builders hold the rank's
     share of the KV cache and merge attention across the group (see
     :func:`build_attention_groups`)."""
-    kinds: dict[str, type[AutoregressiveSpeculator | DFlashSpeculator]] = {
-        "autoregressive": AutoregressiveSpeculator, "dflash": DFlashSpeculator,
+    kinds: dict[DrafterKind, type[AutoregressiveSpeculator | DFlashSpeculator]] = {
+        DrafterKind.AUTOREGRESSIVE: AutoregressiveSpeculator, DrafterKind.DFLASH: DFlashSpeculator,
     }
-    if kind not in kinds:
-        raise ValueError(f"unknown speculator kind {kind!r}; valid: autoregressive, dflash")
+    try:
+        kind = DrafterKind(kind)
+    except ValueError:
+        raise ValueError(f"unknown speculator kind {kind!r}; valid: "
+                         f"{', '.join(DrafterKind)}") from None
     cls = speculator_cls or kinds[kind]
     if not issubclass(cls, kinds[kind]):
         raise TypeError(f"{cls.__name__} is not a {kinds[kind].__name__}")
@@ -56,7 +60,7 @@ def create_speculator(
         raise ValueError(
             f"{len(layer_backends)} layer backends for a drafter of {drafter.num_layers} layers"
         )
-    tokens_per_req = config.num_speculative_steps + 1 if kind == "dflash" else 1
+    tokens_per_req = config.num_speculative_steps + 1 if kind is DrafterKind.DFLASH else 1
     groups = build_attention_groups(
         layer_backends,
         drafter.layer_spec(config.block_size, config.max_model_len),

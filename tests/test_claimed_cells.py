@@ -49,6 +49,7 @@ from speccheck.checks.verify.strategies import (
 )
 from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
 from speccheck.contract.matrix_model import CudaGraphSupport, KvLayout
+from speccheck.speculator.drafter_kind import DrafterKind
 from tests.fixtures.catch import CATCH
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +83,12 @@ def test_reference_claims_dcp_on_real_ranks_the_latent_layout_and_long_lengths()
     # the DFlash drafter (non-causal blocks), without and with the window the entry claims
     assert [cell.name for cell in cells if cell.axis is CellAxis.DATA_PARALLEL] == [
         "dp_size=2", "dp_size=2, sliding_window=16"]
-    assert len(cells) <= 7  # single-rank axes packed: each cell costs a worker's start-up
+    # ... and on the DCP ranks, where no causal bound clips a rank's share
+    (blocks,) = [cell for cell in cells if cell.axis is CellAxis.DCP_BLOCKS]
+    assert blocks.name == "dcp_world_size=2, drafter=dflash"
+    on_ranks = plan.for_cell(blocks, 5)
+    assert on_ranks.drafter is DrafterKind.DFLASH and on_ranks.dcp_ranks("reference") == 2
+    assert len(cells) <= 8  # single-rank axes packed: each cell costs a worker's start-up
     (long,) = [cell for cell in cells if cell.axis is CellAxis.LONG]
     assert long.config["max_model_len"] > INT16_MAX + 1
 
@@ -90,7 +96,7 @@ def test_reference_claims_dcp_on_real_ranks_the_latent_layout_and_long_lengths()
 @CPU_ONLY
 def test_options_given_narrow_the_cells() -> None:
     at_dcp_1 = plan_verification("reference", config={"dcp_world_size": 1}).cells("reference")
-    assert CellAxis.DCP not in _axes(at_dcp_1)
+    assert not {CellAxis.DCP, CellAxis.DCP_BLOCKS} & set(_axes(at_dcp_1))
     assert any(cell.kv_layout is KvLayout.LATENT for cell in at_dcp_1)
     latent = plan_verification("reference", kv_layout="latent").cells("reference")
     assert all(cell.kv_layout is None for cell in latent) and CellAxis.DCP in _axes(latent)
@@ -122,6 +128,8 @@ def test_a_causal_only_entry_claims_no_data_parallel_cell() -> None:
     assert CellAxis.DATA_PARALLEL not in _axes(plan_verification("sparse_swa").cells("sparse_swa"))
     mla = plan_verification("triton_mla").cells("triton_mla")
     assert [c.name for c in mla if c.axis is CellAxis.DATA_PARALLEL] == ["dp_size=2"]
+    # its DCP is simulated in one process: no DFlash drafter on DCP ranks
+    assert CellAxis.DCP in _axes(mla) and CellAxis.DCP_BLOCKS not in _axes(mla)
 
 
 def test_a_backend_not_allowed_to_fuse_claims_no_further_cell() -> None:
@@ -329,26 +337,31 @@ def test_a_dp_rank_that_writes_padding_rows_fails_padding_rows_alone(
 
 
 @CPU_ONLY
-@pytest.mark.parametrize(("backend", "cell", "options"), [
-    ("blocks_attended_causally", "dp_size=2", "--dp-size 2"),
+@pytest.mark.parametrize(("backend", "cell", "options", "check"), [
+    ("blocks_attended_causally", "dcp_world_size=2, drafter=dflash",
+     "--dcp-world-size 2 --no-cells --drafter dflash", Check.DCP_BLOCKS_VS_FP32_REFERENCE),
     ("window_only_when_causal", "dp_size=2, sliding_window=16",
-     "--dp-size 2 --sliding-window 16"),
+     "--dp-size 2 --sliding-window 16 --no-cells", Check.DP_VS_FP32_REFERENCE),
+    ("dcp_share_read_one_past", "dcp_world_size=2, drafter=dflash",
+     "--dcp-world-size 2 --no-cells --drafter dflash", Check.DCP_BLOCKS_VS_FP32_REFERENCE),
 ])
 def test_a_builder_wrong_only_on_non_causal_passes_is_caught_at_the_defaults(
-    backend: str, cell: str, options: str, monkeypatch: pytest.MonkeyPatch,
+    backend: str, cell: str, options: str, check: Check, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """No autoregressive pass is non-causal: a data-parallel cell's DFlash drafter runs the
-    bug, and its fp32 drafter over the oracle's attention sees it. A bug of non-causal
-    passes under a window only is left to the second such cell (the first runs no
-    window, the window cell no non-causal pass)."""
+    """No autoregressive pass is non-causal: the first cell with the DFlash drafter (on DCP
+    ranks) runs the bug, and its fp32 drafter over the oracle's attention sees it. A bug of
+    non-causal passes under a window only is left to the second data-parallel cell (the
+    first runs no window, the window cell no non-causal pass); one of a DCP rank's
+    non-causal passes to the DCP-blocks cell alone (the DCP cell's steps are causal, the
+    data-parallel cells run no DCP)."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     report = verify(backend, matrix=SHAPE_BAD, **CATCH).backend(backend)
     assert report.status is Status.FAILED, report.cells
-    assert {f.check for f in report.failures} == {"dp_vs_fp32_reference"}, report.failures
+    assert {f.check for f in report.failures} == {check}, report.failures
     assert [c.name for c in report.cells if c.status is Status.FAILED] == [cell]
     (row,) = [c for c in report.cells if c.name == cell]
     assert "the DFlash drafter (blocks of 1 + K tokens, attended non-causally)" in row.detail
-    assert row.reproduce is not None and f" {options} --no-cells --examples " in row.reproduce
+    assert row.reproduce is not None and f" {options} --examples " in row.reproduce
     again = CliRunner().invoke(app, [*shlex.split(row.reproduce)[1:], "--json", "-"])
     assert again.exit_code == 1, again.output
     (rerun,) = json.loads(again.stdout)["backends"]

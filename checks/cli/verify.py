@@ -59,6 +59,7 @@ from speccheck.checks.verify.vocabulary import Check, Status, Tier
 from speccheck.checks.verify.worker_process import WorkerProcess
 from speccheck.contract.matrix_model import KvLayout
 from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.drafter_kind import DrafterKind
 
 if TYPE_CHECKING:
     from speccheck.checks.api import VerifyReport
@@ -114,6 +115,7 @@ def verify_command(
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", min=1, help="Most tokens a request brings to the first (prefill) pass; the prefill budget is this many per request of the largest capture size.", show_default=_shown_scale("max_new_tokens"))] = None,  # noqa: UP045
     fail_fast: Annotated[bool, typer.Option("--fail-fast", help="End each worker's search at its first failure (one minimal example and reproduce command), and a backend's run at its first failing configuration cell; by default it searches on with the examples left for failures of other checks, each with its own, in every cell.")] = False,
     kv_layout: Annotated[Optional[KvLayout], typer.Option("--kv-layout", help="Drafter layers of this KV-cache layout, for a backend whose matrix entry states none (it reads both); by default each layout the entry claims is a cell of its own.", show_default="the entry's")] = None,  # noqa: UP045
+    drafter: Annotated[Optional[DrafterKind], typer.Option("--drafter", help="dflash: the DFlash drafter (blocks of 1 + K tokens attended non-causally) on real ranks, the runtime config alone: data-parallel ranks with --dp-size N, the DCP group's with --dcp-world-size N for a backend whose builders hold a DCP share, else one rank. autoregressive: the single-rank and DCP verification, which cannot take --dp-size.", show_default="dflash with --dp-size N, else autoregressive, whose cells include the DFlash ones the matrix entry claims")] = None,  # noqa: UP045
     cells: Annotated[bool, typer.Option("--cells/--no-cells", help="Verify every configuration cell the matrix entry claims fused support for around the runtime config (DCP on real ranks, another layout, a window, a second block size, each allowed dtype, lengths past 32767), the examples spread over them; runtime options given narrow them (--dcp-world-size 1: only cells at DCP 1). --no-cells: the runtime config alone.")] = True,
     matrix_path: MatrixPathOption = None,
     *,
@@ -135,7 +137,7 @@ def verify_command(
             capture_sizes=sizes, max_new_tokens=max_new_tokens, reproduce=reproduce,
             audit_claims=audit_claims, example_timeout=example_timeout, jobs=jobs,
             shrink_seconds=shrink_seconds, fail_fast=fail_fast, json_path=json_path,
-            junit_path=junit, kv_layout=kv_layout, cells=cells)
+            junit_path=junit, kv_layout=kv_layout, drafter=drafter, cells=cells)
     except VerifyInputError as exc:
         raise _bad_input(str(exc)) from None
     # The first worker starts now: its imports (torch and the engine, seconds) overlap the
@@ -168,10 +170,12 @@ def verify_command(
                 console.print(f"{name}: verified at " + ", ".join(
                     f"{k}={v}" for k, v in differs.items())
                     + " (its matrix entry's verify_defaults)", markup=False)
-        if plan.config.dp_size > 1:
+        if plan.drafter is DrafterKind.DFLASH:
             for name in plan.names:
-                console.print(f"{name}: data-parallel DFlash drafting on "
-                              f"{plan.config.dp_size} ranks", markup=False)
+                ranks = plan.dcp_ranks(name)
+                where = (f"{ranks} real DCP ranks, each holding its share of the KV cache"
+                         if ranks > 1 else f"{plan.config.dp_size} data-parallel rank(s)")
+                console.print(f"{name}: the DFlash drafter on {where}", markup=False)
         else:
             for name in plan.names:
                 claimed = plan.cells(name)

@@ -25,6 +25,7 @@ from speccheck.contract.constraints import constraint_failures, platform_failure
 from speccheck.contract.matrix_model import BackendEntry, CudaGraphSupport, FieldMeaning, KvLayout
 from speccheck.contract.resolution import backend_failures
 from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.drafter_kind import DrafterKind
 
 INT16_MAX = 2**15 - 1
 """Largest length an int16 holds: a long cell reaches lengths past it."""
@@ -85,6 +86,10 @@ class CellAxis(enum.StrEnum):
     """The run's configuration itself."""
     DCP = "dcp"
     """Decode context parallelism on real ranks."""
+    DCP_BLOCKS = "dcp_blocks"
+    """The DFlash drafter on real DCP ranks: blocks attended non-causally over each rank's
+    share of the KV cache (:func:`~speccheck.checks.verify.data_parallel.verify_dcp_blocks`),
+    where no causal bound clips a local length or mask that is one position too wide."""
     DATA_PARALLEL = "data_parallel"
     """The DFlash drafter on data-parallel ranks: blocks attended non-causally, each rank's
     input padded to the agreed count (:mod:`~speccheck.checks.verify.data_parallel`)."""
@@ -106,8 +111,8 @@ class CellAxis(enum.StrEnum):
 @dataclass(frozen=True)
 class Cell:
     """One configuration a verification runs: the run's config with ``config`` changed,
-    drafter layers of ``kv_layout`` (``None``: the entry's own), or not run at all
-    (``not_run`` says why)."""
+    drafter layers of ``kv_layout`` (``None``: the entry's own), the ``drafter`` named
+    (``None``: the run's), or not run at all (``not_run`` says why)."""
 
     axis: CellAxis
     """What it varies (the first of them, for a cell that packs several: its ``config``
@@ -116,13 +121,17 @@ class Cell:
     """Runtime fields this cell sets (by :class:`RuntimeConfig` field name)."""
     kv_layout: KvLayout | None = None
     not_run: str | None = None
+    drafter: DrafterKind | None = None
 
     @property
     def name(self) -> str:
-        """The cell in words: ``base``, ``dcp_world_size=2``, ``kv_layout=latent``..."""
+        """The cell in words: ``base``, ``dcp_world_size=2``, ``kv_layout=latent``,
+        ``dcp_world_size=2, drafter=dflash``..."""
         parts = [f"{key}={value}" for key, value in self.config.items()]
         if self.kv_layout is not None:
             parts.append(f"kv_layout={self.kv_layout.value}")
+        if self.drafter is not None:
+            parts.append(f"drafter={self.drafter.value}")
         return ", ".join(parts) or CellAxis.BASE.value
 
 
@@ -167,6 +176,11 @@ def claimed_cells(
       (:func:`simulates_dcp`). Kept wherever the entry runs there (platform and
       constraints), fused or not: where its draft-decode condition excludes DCP, the cell
       verifies the per-step path it falls back to, whose DCP code the base cell never runs;
+    - DCP blocks: the same ``dcp_world_size`` with the DFlash drafter, where the adapter
+      holds a real share and the entry serves non-causal passes (not
+      ``constraints.causal_only``): each rank attends the blocks over its share with no
+      causal bound, the one path where a rank's local length or mask that covers one
+      position too many changes an output (every autoregressive step clips it);
     - data parallel: ``dp_size`` :data:`DP_CELL_SIZE`, the DFlash drafter on real ranks,
       where ``config`` runs neither data parallelism nor DCP (they do not combine), the
       entry serves non-causal passes (not ``constraints.causal_only``) and runs there: the
@@ -189,8 +203,8 @@ def claimed_cells(
     The heads, window, block-size, dtype and layout changes that the machine can run are
     packed into as few cells as the entry allows together (:func:`_packed`): each cell
     costs a worker's start-up (seconds on the CPU tier), and a cell's reproduce command
-    names every field it sets, so a failure narrows with the options. DCP, data
-    parallelism (real ranks) and long (its own block size) stay cells of their own.
+    names every field it sets, so a failure narrows with the options. DCP, DCP blocks,
+    data parallelism (real ranks) and long (its own block size) stay cells of their own.
 
     Nothing but the base cell where the entry does not allow fusing under ``config``
     (its fallback is verified there).
@@ -202,6 +216,9 @@ def claimed_cells(
     dcp = Cell(CellAxis.DCP, {"dcp_world_size": DCP_CELL_WORLD_SIZE})
     runs_dcp = ((holds_dcp_share or simulates_dcp(entry)) and config.dcp_world_size == 1
                 and _runs(entry, config, dcp))
+    dcp_blocks = Cell(CellAxis.DCP_BLOCKS, dcp.config, drafter=DrafterKind.DFLASH)
+    runs_dcp_blocks = (runs_dcp and holds_dcp_share and config.dp_size == 1
+                       and not entry.constraints.causal_only)
     data_parallel = Cell(CellAxis.DATA_PARALLEL, {"dp_size": DP_CELL_SIZE})
     runs_dp = (config.dp_size == 1 and config.dcp_world_size == 1
                and not entry.constraints.causal_only and _runs(entry, config, data_parallel))
@@ -235,7 +252,8 @@ def claimed_cells(
         windowed = Cell(CellAxis.DATA_PARALLEL, {**data_parallel.config, **window.config})
         if _runs(entry, config, windowed):
             parallel.append(windowed)
-    return (base, *([dcp] if runs_dcp else []), *parallel,
+    return (base, *([dcp] if runs_dcp else []), *([dcp_blocks] if runs_dcp_blocks else []),
+            *parallel,
             *_packed(entry, config, packable), *alone)
 
 
@@ -302,7 +320,8 @@ def narrowed(
     the runtime fields the run gave (the base cell already runs at the value given; given
     either of :data:`HEADS_FIELDS`, without both) nor, ``kv_layout`` given, its layout (the
     base cell runs in it); a cell left with no change, a data-parallel cell left without
-    its ``dp_size``, or one left as another kept is dropped. ``--dcp-world-size 1`` thus
+    its ``dp_size`` or a DCP-blocks cell without its ``dcp_world_size``, or one left as
+    another kept is dropped. ``--dcp-world-size 1`` thus
     runs only cells at DCP 1, and ``--sliding-window 8`` one data-parallel cell (at that
     window)."""
     dropped = set(given) | (HEADS_FIELDS if HEADS_FIELDS & set(given) else set())
@@ -315,7 +334,9 @@ def narrowed(
                 continue
             if cell.axis is CellAxis.DATA_PARALLEL and "dp_size" not in config:
                 continue
-            cell = Cell(cell.axis, config, layout, cell.not_run)
+            if cell.axis is CellAxis.DCP_BLOCKS and "dcp_world_size" not in config:
+                continue
+            cell = Cell(cell.axis, config, layout, cell.not_run, cell.drafter)
         if cell not in kept:
             kept.append(cell)
     return tuple(kept)

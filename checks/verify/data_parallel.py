@@ -1,4 +1,5 @@
-"""Data-parallel verification of the DFlash drafter (seed 004), on real ranks.
+"""The DFlash drafter verified on real ranks: data-parallel ranks (seed 004), or the ranks of
+a DCP group.
 
 :func:`verify_dp` spawns ``dp_size`` ranks (:func:`~speccheck.speculator.dp_launch.run_ranks`)
 joined by the collectives :func:`~speccheck.speculator.collectives.rank_collectives` picks:
@@ -28,10 +29,24 @@ Three checks per rank, mode and round:
 
 The eager mode (``"none"``) runs anywhere; ``"full"`` needs CUDA (with one GPU every rank
 shares ``cuda:0``). The result names the collectives and every rank's device.
+
+:func:`verify_dcp_blocks` runs the same drafter on the ``N`` ranks of a real DCP group
+(:class:`RankSplit.DCP`): every rank drafts the same batch, holding its interleaved share
+of the KV cache (:mod:`~speccheck.checks.verify.kv_share`), attends each block
+non-causally over that share and merges its partial attention with the other ranks'. No
+causal bound clips a rank's share there, as it does in every autoregressive step, so a
+local length or mask that covers one position too many changes the drafts only here. Per
+rank, mode and round, ``dcp_blocks_vs_fp32_reference``: the rank's drafts agree with the
+fp32 DFlash drafter over the oracle's attention, run by the rank as one process holding
+the whole cache that the ranks hold together
+(:func:`~speccheck.checks.verify.kv_share.whole_cache_start`); and ``padding_rows``. The
+graph mode ``"full"`` needs a GPU per rank (a group that runs NCCL for CUDA tensors, whose
+all-gather a graph captures); ranks sharing one GPU run eagerly, and the result says why.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +54,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from hypothesis import strategies as st
 
 from speccheck.backends.availability import BackendUnavailable
@@ -47,7 +63,7 @@ from speccheck.checks.verify.comparisons import compare_drafts
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.engine import FP32_REFERENCE_TOLERANCE_FACTOR, TOLERANCE
 from speccheck.checks.verify.examples import example_json
-from speccheck.checks.verify.kv_share import KVSnapshot
+from speccheck.checks.verify.kv_share import KVSnapshot, whole_cache_start
 from speccheck.checks.verify.oracle.builder import OracleMetadataBuilder
 from speccheck.checks.verify.one_line import exception_line
 from speccheck.checks.verify.padding_rows import PaddingRowsCheck
@@ -57,6 +73,7 @@ from speccheck.checks.verify.vocabulary import Check, Result, Status, Tier
 from speccheck.contract.builder import AttentionMetadataBuilder, blocks_for
 from speccheck.contract.constraints import causality_failures
 from speccheck.contract.cudagraph import BatchExecutionDescriptor, CUDAGraphMode
+from speccheck.contract.dcp import DcpRank
 from speccheck.contract.matrix_model import KvLayout, Matrix
 from speccheck.contract.resolution import graph_capture_shortfall, resolve_backend
 from speccheck.contract.runtime_config import RuntimeConfig
@@ -68,6 +85,7 @@ from speccheck.speculator.collectives import Collectives, rank_collectives
 from speccheck.speculator.dflash import DFlashSpeculator
 from speccheck.speculator.dp_launch import RankFailed, rank_device, run_ranks
 from speccheck.speculator.dp_sync import agreed_descriptor, sync_dp_padding
+from speccheck.speculator.drafter_kind import DrafterKind
 from speccheck.speculator.factory import create_speculator
 from speccheck.speculator.model import DrafterConfig
 
@@ -76,8 +94,22 @@ logger = logging.getLogger(__name__)
 CHECK_TOKEN_COUNT = Check.DP_TOKEN_COUNT
 CHECK_MATCHES_SINGLE_RANK = Check.DP_MATCHES_SINGLE_RANK
 CHECK_VS_FP32_REFERENCE = Check.DP_VS_FP32_REFERENCE
+CHECK_DCP_VS_FP32_REFERENCE = Check.DCP_BLOCKS_VS_FP32_REFERENCE
 DP_MODES = ("none", "full")
 """Graph modes :func:`verify_dp` can test; ``full`` only where CUDA is available."""
+SHARED_GPU_DCP = ("the DCP ranks share one GPU over gloo, whose all-gather a CUDA graph "
+                  "cannot capture (a machine with a GPU per rank runs it)")
+"""Why :func:`verify_dcp_blocks` does not run ``full`` on ranks sharing a GPU."""
+
+
+class RankSplit(enum.StrEnum):
+    """How the ranks of a run share the work; the value is the runtime field that counts
+    them."""
+
+    DATA = "dp_size"
+    """Each rank its own batch, its input padded to the count the ranks agree on."""
+    DCP = "dcp_world_size"
+    """Every rank the same batch, each holding its interleaved share of the KV cache."""
 
 T = TypeVar("T")
 
@@ -91,7 +123,8 @@ class DPOutcome:
     round: int
     check: Check
     """:data:`CHECK_TOKEN_COUNT`, :data:`CHECK_MATCHES_SINGLE_RANK`,
-    :data:`CHECK_VS_FP32_REFERENCE` or ``padding_rows`` (of the padded run)."""
+    :data:`CHECK_VS_FP32_REFERENCE` or ``padding_rows`` (of the padded run); under DCP,
+    :data:`CHECK_DCP_VS_FP32_REFERENCE` or ``padding_rows``."""
     result: Result
     """Passed, failed or indeterminate."""
     diagnosis: str = ""
@@ -100,12 +133,14 @@ class DPOutcome:
 
 @dataclass
 class DPVerifyResult:
-    """Everything :func:`verify_dp` found. ``batches_per_rank[r][i]`` is rank ``r``'s batch in
-    round ``i``; ``skipped_modes`` maps a mode that could not run to why; ``skipped`` is set
+    """Everything :func:`verify_dp` or :func:`verify_dcp_blocks` found.
+    ``batches_per_rank[r][i]`` is rank ``r``'s batch in round ``i`` (under DCP the same on
+    every rank); ``skipped_modes`` maps a mode that could not run to why; ``skipped`` is set
     when the backend could not run at all."""
 
     backend: str
-    dp_size: int
+    ranks: int
+    """``dp_size``, or under DCP ``dcp_world_size``."""
     config: RuntimeConfig
     gpu: bool
     """Whether the ranks ran on CUDA."""
@@ -124,6 +159,12 @@ class DPVerifyResult:
     fused_allowed: bool = False
     """The matrix's verdict for the backend under ``config``."""
     fused_reason: str = ""
+    split: RankSplit = RankSplit.DATA
+
+    @property
+    def label(self) -> str:
+        """The runs' candidate prefix: ``dp2``, ``dcp2``."""
+        return f"{'dp' if self.split is RankSplit.DATA else 'dcp'}{self.ranks}"
 
     @property
     def passed(self) -> bool:
@@ -145,17 +186,17 @@ class DPVerifyResult:
 
     def to_report(self) -> BackendReport:
         """The result as a :class:`BackendReport` (tier ``gpu`` when the ranks ran on CUDA),
-        whose ``data_parallel`` names the collectives and the ranks' devices when the ranks
-        ran, with one tally per DP check and one :class:`Failure` per failed check and
-        mode, whose diagnosis is its first failure's (rank, mode and round) followed by
-        every rank's failing rounds; ``minimal_example`` holds the first failing round's
-        batches, one per rank."""
+        whose ``data_parallel`` names the collectives and the ranks' devices when
+        data-parallel ranks ran (under DCP its ``detail`` does), with one tally per check
+        and one :class:`Failure` per failed check and mode, whose diagnosis is its first
+        failure's (rank, mode and round) followed by every rank's failing rounds;
+        ``minimal_example`` holds the first failing round's batches, one per rank."""
         rounds = len(self.batches_per_rank[0]) if self.batches_per_rank else 0
         report = BackendReport(
             self.backend, Tier.GPU if self.gpu else Tier.CPU, Status.PASSED, device=self.device,
             runtime_config=self.config.model_dump(), seconds=self.seconds,
             examples=rounds, examples_asked=rounds,
-            candidates=[f"dp{self.dp_size}_{mode}" for mode in self.modes],
+            candidates=[f"{self.label}_{mode}" for mode in self.modes],
         )
         report.fused_allowed, report.fused_reason = self.fused_allowed, self.fused_reason
         notes = [f"{mode}: not run ({why})" for mode, why in self.skipped_modes.items()]
@@ -163,8 +204,15 @@ class DPVerifyResult:
             report.status = Status.SKIPPED
             report.detail = "; ".join([self.skipped] if self.skipped else notes)
             return report
-        report.data_parallel = {"dp_size": self.dp_size, "collectives": self.collectives.backend,
-                                "devices": list(self.devices)}
+        if self.split is RankSplit.DATA:
+            report.data_parallel = {"dp_size": self.ranks,
+                                    "collectives": self.collectives.backend,
+                                    "devices": list(self.devices)}
+        else:
+            notes.insert(0, f"the DFlash drafter (blocks of 1 + K tokens, attended "
+                            f"non-causally) on {self.ranks} real DCP ranks over "
+                            f"{self.collectives.backend} on {', '.join(self.devices)}, each "
+                            "holding its interleaved share of the KV cache")
         report.detail = "; ".join(notes)
         report.tally(self.outcomes)
         failed = self.failures()
@@ -172,13 +220,13 @@ class DPVerifyResult:
             report.status = Status.FAILED
             report.failures = [
                 Failure(group[0].check, _grouped_diagnosis(group),
-                        candidate=f"dp{self.dp_size}_{group[0].mode}")
+                        candidate=f"{self.label}_{group[0].mode}")
                 for group in _by_check_and_mode(failed)
             ]
             first = failed[0]
             k = self.config.num_speculative_steps
             report.minimal_example = {
-                "dp_size": self.dp_size, "mode": first.mode, "round": first.round,
+                self.split.value: self.ranks, "mode": first.mode, "round": first.round,
                 "batches_per_rank": [example_json((k, rank[first.round]))
                                      for rank in self.batches_per_rank],
             }
@@ -237,6 +285,7 @@ class _RankPlan:
     """speccheck's own matrix: the fp32 reference's layers are its ``reference`` entry with
     the oracle's builder."""
     collectives: Collectives
+    split: RankSplit
     builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...] = ()
 
 
@@ -302,8 +351,9 @@ def verify_dp(
     same number of rounds); ``None`` draws ``examples`` rounds with hypothesis from ``seed``
     (:func:`draw_dp_rounds`). ``modes`` are graph modes from :data:`DP_MODES` (``None``:
     all of them); ``"full"`` on a machine without CUDA is recorded in ``skipped_modes``,
-    not run. ``matrices.matrix`` declares ``backend``. ``config``'s ``cudagraph_mode`` (per mode) and ``dp_size`` are replaced; its
-    ``num_speculative_steps`` is K (blocks of 1 + K tokens).
+    not run. ``matrices.matrix`` declares ``backend``. ``config``'s ``cudagraph_mode`` (per
+    mode) and ``dp_size`` are replaced; its ``num_speculative_steps`` is K (blocks of 1 + K
+    tokens).
 
     ``drafter``/``options`` default to :func:`default_drafter` (its layers of ``kv_layout``,
     else of the layout the entry reads, else ``NHD``)/:func:`default_options`
@@ -318,41 +368,109 @@ def verify_dp(
     :class:`~speccheck.speculator.dp_launch.RanksTimedOut` when a rank crashes or hangs
     (an exception inside a propose call is a failed check instead).
     """
+    if dp_size < 1:
+        raise ValueError(f"dp_size={dp_size} must be >= 1")
+    return _verify_on_ranks(
+        backend, config.model_copy(update={"dp_size": dp_size}), RankSplit.DATA, dp_size,
+        batches_per_rank, modes, matrices=matrices, examples=examples, seed=seed,
+        drafter=drafter, options=options, speculator_cls=speculator_cls,
+        builder_overrides=builder_overrides, kv_layout=kv_layout, timeout_s=timeout_s)
+
+
+def verify_dcp_blocks(
+    backend: str,
+    config: RuntimeConfig,
+    rounds: Sequence[DraftBatch] | None = None,
+    modes: Sequence[str] | None = None,
+    *,
+    matrices: MatrixContext,
+    examples: int = 8,
+    seed: int = 0,
+    drafter: DrafterConfig | None = None,
+    options: SpeculatorOptions | None = None,
+    builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...] = (),
+    kv_layout: KvLayout | None = None,
+    timeout_s: float = 300.0,
+) -> DPVerifyResult:
+    """Verify ``backend``'s DFlash drafting on the ``config.dcp_world_size`` ranks of a real
+    DCP group (at least 2; the backend's builders must hold a DCP share), every rank
+    drafting each batch of ``rounds`` (``None``: ``examples`` batches drawn with hypothesis
+    from ``seed``) from the same KV noise, against the fp32 drafter over the whole cache
+    they hold together (the module's docstring). ``modes`` as :func:`verify_dp`'s, where
+    ``"full"`` also needs a GPU per rank (:data:`SHARED_GPU_DCP`); the other arguments as
+    :func:`verify_dp`'s."""
+    world = config.dcp_world_size
+    if world < 2:
+        raise ValueError(f"verify_dcp_blocks runs 2 or more DCP ranks, got dcp_world_size={world}")
+    if config.dp_size != 1:
+        raise ValueError(f"DCP ranks run without data parallelism, got dp_size={config.dp_size}")
+    batches = None if rounds is None else [list(rounds)] * world
+    return _verify_on_ranks(
+        backend, config, RankSplit.DCP, world, batches, modes, matrices=matrices,
+        examples=examples, seed=seed, drafter=drafter, options=options,
+        speculator_cls=DFlashSpeculator, builder_overrides=builder_overrides,
+        kv_layout=kv_layout, timeout_s=timeout_s)
+
+
+def _verify_on_ranks(
+    backend: str,
+    config: RuntimeConfig,
+    split: RankSplit,
+    ranks: int,
+    batches_per_rank: Sequence[Sequence[DraftBatch]] | None,
+    modes: Sequence[str] | None,
+    *,
+    matrices: MatrixContext,
+    examples: int,
+    seed: int,
+    drafter: DrafterConfig | None,
+    options: SpeculatorOptions | None,
+    speculator_cls: type[DFlashSpeculator],
+    builder_overrides: tuple[tuple[str, type[AttentionMetadataBuilder[Any]]], ...],
+    kv_layout: KvLayout | None,
+    timeout_s: float,
+) -> DPVerifyResult:
+    """:func:`verify_dp` and :func:`verify_dcp_blocks`: ``ranks`` processes splitting the
+    work as ``split`` says, at ``config`` (its ``dp_size`` or ``dcp_world_size`` set)."""
     started = time.perf_counter()
     cuda = torch.cuda.is_available()
     wanted = DP_MODES if modes is None else tuple(modes)
     unknown = sorted(set(wanted) - set(DP_MODES))
     if unknown:
         raise ValueError(f"unknown DP verification mode(s) {unknown}; valid: {', '.join(DP_MODES)}")
-    if dp_size < 1:
-        raise ValueError(f"dp_size={dp_size} must be >= 1")
     entry = matrices.matrix.backend(backend)
     drafter = drafter or default_drafter(
         config, seed, kv_layout or entry.constraints.kv_layout or KvLayout.NHD)
     options = replace(options or default_options(config), pad_to_capture_sizes=False)
     if batches_per_rank is None:
         limits = dflash_batch_limits(config, options, drafter.vocab_size)
-        batches = draw_dp_rounds(limits, dp_size, examples, seed)
+        if split is RankSplit.DATA:
+            batches = draw_dp_rounds(limits, ranks, examples, seed)
+        else:
+            batches = [draw_values(draft_batches(limits), examples, seed)] * ranks
     else:
         batches = [list(rank) for rank in batches_per_rank]
-    if len(batches) != dp_size or len({len(rank) for rank in batches}) != 1:
+    if len(batches) != ranks or len({len(rank) for rank in batches}) != 1:
         raise ValueError(
-            f"batches_per_rank must hold one equally long list per rank ({dp_size}), got lengths "
+            f"batches_per_rank must hold one equally long list per rank ({ranks}), got lengths "
             f"{[len(rank) for rank in batches]}"
         )
+    collectives = rank_collectives(ranks)
     skipped_modes = {m: "needs a CUDA device" for m in wanted if m == "full" and not cuda}
     shortfall = graph_capture_shortfall(
         {backend: entry.cudagraph_support}, config.num_speculative_steps + 1
     )
     if "full" in wanted and cuda and shortfall is not None:
         skipped_modes["full"] = shortfall
+    if ("full" in wanted and cuda and split is RankSplit.DCP
+            and not collectives.one_gpu_per_rank):
+        skipped_modes.setdefault("full", SHARED_GPU_DCP)
     runnable = tuple(m for m in wanted if m not in skipped_modes)
     device = device_name(rank_device(0))
-    collectives = rank_collectives(dp_size)
-    devices = tuple(str(rank_device(rank)) for rank in range(dp_size))
+    devices = tuple(str(rank_device(rank)) for rank in range(ranks))
     result = DPVerifyResult(
-        backend, dp_size, config.model_copy(update={"dp_size": dp_size}), cuda, device,
-        collectives, devices, runnable, batches, skipped_modes=skipped_modes,
+        backend, ranks, config, cuda, device, collectives, devices, runnable, batches,
+        skipped_modes=skipped_modes, split=split,
     )
     resolution = resolve_backend(entry, result.config)
     result.fused_allowed, result.fused_reason = resolution.fused_multi_step, resolution.reason
@@ -363,9 +481,9 @@ def verify_dp(
     if result.skipped is None and runnable:
         plan = _RankPlan(backend, result.config, runnable, batches, drafter, options,
                          speculator_cls, seed, matrices.matrix, matrices.shipped, collectives,
-                         builder_overrides)
+                         split, builder_overrides)
         try:
-            per_rank = run_ranks(_verify_rank, dp_size, (plan,), timeout_s=timeout_s,
+            per_rank = run_ranks(_verify_rank, ranks, (plan,), timeout_s=timeout_s,
                                  collectives=collectives)
         except RankFailed as exc:
             if exc.exc_type != BackendUnavailable.__name__:
@@ -374,19 +492,21 @@ def verify_dp(
         else:
             result.outcomes = [o for outcomes in per_rank for o in outcomes]
     result.seconds = time.perf_counter() - started
-    logger.info("verify_dp %s dp=%d (%s on %s) modes=%s: %d outcomes, %d failed", backend,
-                dp_size, collectives.backend, ", ".join(devices), runnable, len(result.outcomes),
+    logger.info("DFlash on %s (%s on %s) modes=%s: %d outcomes, %d failed", result.label,
+                collectives.backend, ", ".join(devices), runnable, len(result.outcomes),
                 len(result.failures()))
     return result
 
 
-def _build(plan: _RankPlan, config: RuntimeConfig, device: torch.device) -> DFlashSpeculator:
+def _build(
+    plan: _RankPlan, config: RuntimeConfig, device: torch.device, dcp: DcpRank | None
+) -> DFlashSpeculator:
     """The drafter of one rank: the matrix's builder (or the plan's override) for every
-    layer, the plan's class."""
+    layer, the plan's class, holding the share of DCP rank ``dcp`` where given."""
     spec = create_speculator(
-        "dflash", [plan.backend] * plan.drafter.num_layers, config, plan.drafter, device,
-        plan.options, matrix=plan.matrix, speculator_cls=plan.speculator_cls,
-        builder_overrides=dict(plan.builder_overrides),
+        DrafterKind.DFLASH, [plan.backend] * plan.drafter.num_layers, config, plan.drafter,
+        device, plan.options, matrix=plan.matrix, speculator_cls=plan.speculator_cls,
+        builder_overrides=dict(plan.builder_overrides), dcp=dcp,
     )
     assert isinstance(spec, DFlashSpeculator)
     return spec
@@ -396,45 +516,83 @@ def _build_reference(plan: _RankPlan, device: torch.device) -> DFlashSpeculator:
     """The fp32 reference of one rank: the plan's drafter in fp32 on the tensor-op form of
     every layer and of sampling, eager, its attention the oracle's
     (:class:`~speccheck.checks.verify.oracle.builder.OracleMetadataBuilder`), the plain
-    DFlash drafter whatever the plan's class."""
-    config = plan.config.model_copy(update={"dtype": "float32", "cudagraph_mode": "none"})
+    DFlash drafter whatever the plan's class, one process holding the whole cache (no
+    DCP)."""
+    config = plan.config.model_copy(update={"dtype": "float32", "cudagraph_mode": "none",
+                                            "dcp_world_size": 1})
     drafter = replace(plan.drafter, dtype="float32", kernels=False)
     spec = create_speculator(
-        "dflash", ["reference"] * drafter.num_layers, config, drafter, device, plan.options,
+        DrafterKind.DFLASH, ["reference"] * drafter.num_layers, config, drafter, device, plan.options,
         matrix=plan.shipped, builder_overrides={"reference": OracleMetadataBuilder},
     )
     assert isinstance(spec, DFlashSpeculator)
     return spec
 
 
-def _verify_rank(dp_rank: int, dp_size: int, plan: _RankPlan) -> list[DPOutcome]:
-    """One rank's share of :func:`verify_dp` (runs in a rank process). Under one GPU
-    per rank, ``rank_device(dp_rank)`` is the device :func:`run_ranks` made current; the rank
-    refuses to run elsewhere."""
+def _verify_rank(rank: int, ranks: int, plan: _RankPlan) -> list[DPOutcome]:
+    """One rank's share of :func:`verify_dp` or :func:`verify_dcp_blocks` (runs in a rank
+    process, in the default process group :func:`run_ranks` initialised, which under DCP is
+    the DCP group). Under one GPU per rank, ``rank_device(rank)`` is the device
+    :func:`run_ranks` made current; the rank refuses to run elsewhere."""
     patch_interpreter()
-    device = rank_device(dp_rank)
+    device = rank_device(rank)
     if plan.collectives.one_gpu_per_rank and torch.cuda.current_device() != device.index:
-        raise RuntimeError(f"DP rank {dp_rank} runs on {device}, but "
+        raise RuntimeError(f"rank {rank} runs on {device}, but "
                            f"cuda:{torch.cuda.current_device()} is its current device")
+    dcp = None
+    if plan.split is RankSplit.DCP:
+        group = dist.group.WORLD
+        assert group is not None
+        dcp = DcpRank(rank, ranks, group)
     outcomes: list[DPOutcome] = []
     reference = _build_reference(plan, device)
     # The fp32 reference's drafts of each round: the same in every mode.
     expected: dict[int, DraftResult] = {}
     for mode in plan.modes:
         config = plan.config.model_copy(update={"cudagraph_mode": mode})
-        spec = _build(plan, config, device)
+        spec = _build(plan, config, device, dcp)
         padding_rows = PaddingRowsCheck(spec)  # before capture: the graphs count too
         spec.capture()
         tol = TOLERANCE[config.dtype]
-        for index, batch in enumerate(plan.batches_per_rank[dp_rank]):
+        for index, batch in enumerate(plan.batches_per_rank[rank]):
             # The round's KV noise, the same on every rank and in every mode.
             spec.kv_cache.fill_random_(plan.seed * 1_000_003 + index)
             start = spec.kv_cache.snapshot()
             if index not in expected:
-                expected[index] = _reference_drafts(reference, batch, start)
-            outcomes += _verify_round(spec, padding_rows, batch, dp_rank, dp_size, mode,
-                                      index, start, tol, expected[index])
+                whole = whole_cache_start(start, batch, config.block_size, ranks) if dcp else start
+                expected[index] = _reference_drafts(reference, batch, whole)
+            if dcp is None:
+                outcomes += _verify_round(spec, padding_rows, batch, rank, ranks, mode,
+                                          index, start, tol, expected[index])
+            else:
+                outcomes += _verify_dcp_round(spec, padding_rows, batch, rank, mode, index,
+                                              tol, expected[index])
     return outcomes
+
+
+def _verify_dcp_round(
+    spec: DFlashSpeculator, padding_rows: PaddingRowsCheck, batch: DraftBatch, rank: int,
+    mode: str, index: int, tol: float, fp32_drafts: DraftResult,
+) -> list[DPOutcome]:
+    """One DCP rank's run of ``batch`` under its own descriptor (its cache holding its share
+    of the round's start; eager and unpadded, or in ``full`` replayed at its bucket): its
+    drafts against ``fp32_drafts``, the fp32 reference's over the whole cache, and
+    ``padding_rows``."""
+    padding_rows.reset()
+    drafts, error = _attempt(spec.propose, batch)
+
+    def outcome(check: Check, result: Result, diagnosis: str = "") -> DPOutcome:
+        return DPOutcome(rank, mode, index, check, result, diagnosis)
+
+    if drafts is None:
+        return [outcome(CHECK_DCP_VS_FP32_REFERENCE, Result.FAILED,
+                        f"the DCP rank's run raised {error}")]
+    versus = outcome(CHECK_DCP_VS_FP32_REFERENCE, *_versus_reference(
+        fp32_drafts, drafts, FP32_REFERENCE_TOLERANCE_FACTOR * tol,
+        f"DCP rank {rank}'s run vs fp32 reference over the whole cache",
+        CHECK_DCP_VS_FP32_REFERENCE))
+    rows = [outcome(o.check, o.result, o.diagnosis) for o in padding_rows.outcomes("DCP run")]
+    return [versus, *rows]
 
 
 def _reference_drafts(
@@ -500,20 +658,23 @@ def _verify_round(
                          f"the single-rank run raised {alone_error}")
     else:
         versus = outcome(CHECK_VS_FP32_REFERENCE, *_versus_reference(
-            fp32_drafts, alone, FP32_REFERENCE_TOLERANCE_FACTOR * tol))
+            fp32_drafts, alone, FP32_REFERENCE_TOLERANCE_FACTOR * tol,
+            "single-rank run vs fp32 reference", CHECK_VS_FP32_REFERENCE))
     rows = [] if padded_error is not None else [
         outcome(o.check, o.result, o.diagnosis) for o in padding_rows.outcomes("padded run")]
     return [count, match, versus, *rows]
 
 
-def _versus_reference(expected: DraftResult, alone: DraftResult, tol: float) -> tuple[Result, str]:
-    """The single-rank run against the fp32 reference's drafts
-    (:func:`~speccheck.checks.verify.comparisons.compare_drafts`, ``tol`` allowing for the
-    run's dtype): failed with the first divergence's words, else indeterminate where a
-    near-tie left a token undecided, else passed."""
-    compared = compare_drafts(expected, alone, "single-rank run vs fp32 reference", tol,
-                              token_check=CHECK_VS_FP32_REFERENCE,
-                              logit_check=CHECK_VS_FP32_REFERENCE)
+def _versus_reference(
+    expected: DraftResult, drafts: DraftResult, tol: float, what: str, check: Check
+) -> tuple[Result, str]:
+    """A run's ``drafts`` against the fp32 reference's
+    (:func:`~speccheck.checks.verify.comparisons.compare_drafts` as ``check``, ``what``
+    naming the two, ``tol`` allowing for the run's dtype): failed with the first
+    divergence's words, else indeterminate where a near-tie left a token undecided, else
+    passed."""
+    compared = compare_drafts(expected, drafts, what, tol, token_check=check,
+                              logit_check=check)
     failed = [o for o in compared if o.result is Result.FAILED]
     if failed:
         return Result.FAILED, failed[0].diagnosis

@@ -33,6 +33,7 @@ from speccheck.checks.verify.scale import (
 from speccheck.checks.verify.vocabulary import Tier
 from speccheck.contract.matrix_model import VERIFIABLE_FIELDS, KvLayout, Matrix
 from speccheck.contract.runtime_config import RuntimeConfig
+from speccheck.speculator.drafter_kind import DrafterKind
 
 MAX_JOBS = 16
 """Most worker processes a verification runs per backend at once (``--jobs``)."""
@@ -108,6 +109,12 @@ class VerifyRun(BaseModel):
     """The drafter's layer kind for a backend whose entry states no ``kv_layout`` (it reads
     both); ``None``: the entry's, and at the defaults every layout the entry claims, each
     a cell of its own (:mod:`~speccheck.checks.verify.cells`)."""
+    drafter: DrafterKind | None = None
+    """The drafter verified: ``dflash`` runs the DFlash drafter on real ranks (data-parallel
+    ones at ``dp_size > 1``, the DCP group's at ``dcp_world_size > 1`` for a backend whose
+    builders hold a DCP share, else one), the run's config alone; ``autoregressive`` the
+    single-rank and DCP verification. ``None``: ``dflash`` at ``dp_size > 1``, else
+    ``autoregressive`` (whose cells include DFlash ones where the entry claims them)."""
     cells: bool = True
     """Verify every configuration cell the entry claims around the run's config
     (:func:`~speccheck.checks.verify.cells.claimed_cells`), the examples spread over them;
@@ -183,6 +190,14 @@ class VerifyRun(BaseModel):
             raise ValueError("give steps or config num_speculative_steps, not both")
         return self
 
+    @model_validator(mode="after")
+    def _data_parallel_drafts_dflash(self) -> VerifyRun:
+        dp_size = self.config.get("dp_size", 1)
+        if self.drafter is DrafterKind.AUTOREGRESSIVE and dp_size > 1:
+            raise ValueError(f"drafter autoregressive cannot run at dp_size {dp_size}: "
+                             "data-parallel ranks run the DFlash drafter")
+        return self
+
     @property
     def draft_steps(self) -> tuple[int, ...]:
         """The draft step counts drawn from (single-rank runs): :attr:`steps`, else
@@ -221,6 +236,8 @@ class VerifyRun(BaseModel):
             sizes += f" --max-new-tokens {self.max_new_tokens}"
         if self.kv_layout is not None:
             sizes += f" --kv-layout {self.kv_layout.value}"
+        if self.drafter is not None:
+            sizes += f" --drafter {self.drafter.value}"
         return (f"speccheck verify --backend {name} --seed {self.seed}{matrix}{sizes} "
                 f"{runtime_flags(self.config)}").strip()
 

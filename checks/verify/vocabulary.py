@@ -151,6 +151,15 @@ class Check(enum.StrEnum):
         "masked softmax, non-causal within each block, sharing no code with `backends/`): "
         "the padded pass can equal the single-rank run and both be wrong",
     )
+    DCP_BLOCKS_VS_FP32_REFERENCE = (
+        "dcp_blocks_vs_fp32_reference",
+        "(`--dcp-world-size N --drafter dflash`) on every rank of a real DCP group, each "
+        "holding its interleaved share of the KV cache and attending the DFlash drafter's "
+        "blocks non-causally over it, the drafts agree with the same drafter in fp32 over "
+        "the oracle's attention run by one process holding the whole cache the ranks hold "
+        "together: no causal bound clips a rank's share here, so a local length or mask one "
+        "position too wide shows",
+    )
 
 
 class Result(enum.StrEnum):
