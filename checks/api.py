@@ -492,8 +492,9 @@ class VerifyPlan:
         those the machine can run (:func:`~speccheck.checks.verify.cells.example_shares`),
         each cell verified as a run of its own (:meth:`for_cell`); one report, their
         tallies merged and the worst status with its failure
-        (:func:`~speccheck.checks.verify.report.merge_shards`), listing every cell's
-        verdict. A cell the machine cannot run, or that the example budget does not reach,
+        (:func:`~speccheck.checks.verify.report.merge_shards`), and the failures of every
+        other failed cell run on ranks (whose reports hold no findings: the cells table
+        gives each its reproduce command), listing every cell's verdict. A cell the machine cannot run, or that the example budget does not reach,
         is listed as not run, with the reason, as are, with ``fail_fast``, the cells after
         the first that fails or crashes. The single-rank cells run one after another in one
         worker process (``spare``: the idle ones), which pays its imports once."""
@@ -531,6 +532,8 @@ class VerifyPlan:
             if self.verify_run.fail_fast and report.status in (Status.FAILED, Status.CRASHED):
                 stopped_by = f"fail-fast: the run stopped at the {cell.name} cell's failure"
         merged = merge_shards(reports, time.perf_counter() - started)
+        merged.failures += [failure for report in reports if not report.findings
+                            for failure in report.failures if failure not in merged.failures]
         worst = next(r for r in reports if r.status is merged.status)
         merged.reproduced, merged.cells = worst.reproduced, rows
         return merged

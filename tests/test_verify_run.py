@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from speccheck.checks.api import VerifyInputError, checked_run, plan_verification
 from speccheck.checks.verify.run import VerifyRun, WorkerTask
 from speccheck.contract.matrix_model import KvLayout
+from speccheck.speculator.drafter_kind import DrafterKind
 from tests.fixtures.checkout_copy import ROOT, copy_of_checkout
 
 EVERY_FIELD = VerifyRun(
@@ -24,7 +25,8 @@ EVERY_FIELD = VerifyRun(
     matrix=Path("some/matrix.yaml"), examples=7, seed=11, steps=(2, 5), capture_sizes=(4, 1, 2),
     max_new_tokens=9, reproduce="@blob.txt", audit_claims=True, example_timeout=12.5,
     shrink_seconds=0.0, fail_fast=True, jobs=3, json_path=Path("out/r.json"),
-    junit_path=Path("out/r.xml"), kv_layout=KvLayout.LATENT, cells=False)
+    junit_path=Path("out/r.xml"), kv_layout=KvLayout.LATENT, drafter=DrafterKind.DFLASH,
+    cells=False)
 """A run whose every field differs from its default."""
 
 GATE_OPTIONS = {"examples": 1, "seed": 5, "config": {"num_speculative_steps": 2},
