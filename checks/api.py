@@ -494,9 +494,10 @@ class VerifyPlan:
         tallies merged and the worst status with its failure
         (:func:`~speccheck.checks.verify.report.merge_shards`), and the failures of every
         other failed cell run on ranks (whose reports hold no findings: the cells table
-        gives each its reproduce command), listing every cell's verdict. A cell the machine cannot run, or that the example budget does not reach,
-        is listed as not run, with the reason, as are, with ``fail_fast``, the cells after
-        the first that fails or crashes. The single-rank cells run one after another in one
+        gives each its reproduce command), listing every cell's verdict. A cell the
+        machine cannot run, or that the example budget does not reach, is listed as not
+        run, with the reason, as are, with ``fail_fast``, the cells after the first that
+        fails or crashes. The single-rank cells run one after another in one
         worker process (``spare``: the idle ones), which pays its imports once."""
         import time
 
@@ -660,7 +661,7 @@ class VerifyPlan:
         CUDA, in FULL mode: on :meth:`dcp_ranks` DCP ranks drafting the same batches where
         there are more than one, else on ``dp_size`` data-parallel ranks, each with a
         different real batch size. A failed run's ``reproduce`` is the command that draws
-        its rounds again (:meth:`_data_parallel_command`)."""
+        its rounds again (:meth:`_dflash_command`)."""
         from speccheck.checks.verify.data_parallel import verify_dcp_blocks, verify_dp
         from speccheck.checks.verify.one_line import RaisedError
         from speccheck.checks.verify.raise_site import site_of
@@ -684,10 +685,10 @@ class VerifyPlan:
             return BackendReport(name, self.tier, Status.CRASHED, detail=raised.summary,
                                  raised_at=raised.site)
         if report.status is Status.FAILED:
-            report.reproduce = self._data_parallel_command(name)
+            report.reproduce = self._dflash_command(name)
         return report
 
-    def _data_parallel_command(self, name: str) -> str:
+    def _dflash_command(self, name: str) -> str:
         """The command that draws this plan's DFlash rounds again: the run's options at this
         cell's seed and examples, with the cell's fields (and drafter) and no other cell."""
         run = self.verify_run.model_copy(update={"seed": self.seed})
