@@ -364,7 +364,8 @@ def verify_dp(
     ``timeout_s`` bounds the whole multi-process run.
 
     A backend without an adapter, for another platform, whose kernel package is missing, or
-    that serves causal attention only (``constraints.causal_only``) is reported as skipped. Raises :class:`~speccheck.speculator.dp_launch.RankFailed` or
+    that serves causal attention only (``constraints.causal_only``) is reported as skipped.
+    Raises :class:`~speccheck.speculator.dp_launch.RankFailed` or
     :class:`~speccheck.speculator.dp_launch.RanksTimedOut` when a rank crashes or hangs
     (an exception inside a propose call is a failed check instead).
     """
@@ -522,7 +523,8 @@ def _build_reference(plan: _RankPlan, device: torch.device) -> DFlashSpeculator:
                                             "dcp_world_size": 1})
     drafter = replace(plan.drafter, dtype="float32", kernels=False)
     spec = create_speculator(
-        DrafterKind.DFLASH, ["reference"] * drafter.num_layers, config, drafter, device, plan.options,
+        DrafterKind.DFLASH, ["reference"] * drafter.num_layers, config, drafter, device,
+        plan.options,
         matrix=plan.shipped, builder_overrides={"reference": OracleMetadataBuilder},
     )
     assert isinstance(spec, DFlashSpeculator)
