@@ -460,7 +460,7 @@ class VerifyPlan:
             return base
         holds = holds_dcp_share(builder_class(name, self.matrices.matrix))
         claimed = claimed_cells(entry, self.config_for(name), self.tier, holds)
-        return narrowed(claimed, run.config, run.kv_layout)
+        return narrowed(claimed, run.config, run.kv_layout, run.drafter)
 
     def for_cell(self, cell: Cell, examples: int, index: int = 0) -> VerifyPlan:
         """This plan narrowed to ``cell``, the ``index``-th of :meth:`cells`, with

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from speccheck.checks.api import VerifyInputError, plan_verification
 from speccheck.checks.cli.app import app
 from speccheck.checks.selftest.dflash_mutants import LocalShareReadOnePast
+from speccheck.checks.verify.cells import CellAxis
 from speccheck.checks.verify.context import MatrixContext
 from speccheck.checks.verify.data_parallel import (
     CHECK_DCP_VS_FP32_REFERENCE,
@@ -99,6 +100,12 @@ def test_the_drafter_option_picks_the_ranks() -> None:
     assert alone.drafter == "dflash" and alone.config.dp_size == 1
     assert plan_verification("reference", config={"dp_size": 2}).drafter == "dflash"
     assert plan_verification("reference").drafter == "autoregressive"
+    # named, the autoregressive drafter runs no DFlash cell (data-parallel or DCP-blocks)
+    axes = {cell.axis for cell in plan_verification("reference").cells("reference")}
+    assert {CellAxis.DATA_PARALLEL, CellAxis.DCP_BLOCKS} <= axes
+    named = plan_verification("reference", drafter="autoregressive").cells("reference")
+    assert not {CellAxis.DATA_PARALLEL, CellAxis.DCP_BLOCKS} & {cell.axis for cell in named}
+    assert CellAxis.DCP in {cell.axis for cell in named}
 
 
 @pytest.mark.parametrize(("args", "line"), [

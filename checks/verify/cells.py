@@ -313,17 +313,23 @@ def _dtype_not_run(entry: BackendEntry, dtype: str, tier: Tier) -> str | None:
     return INTERPRETER_BF16 if dtype == "bfloat16" and _interpreted_on(entry, tier) else None
 
 
+DFLASH_RANK_FIELDS = {CellAxis.DATA_PARALLEL: "dp_size", CellAxis.DCP_BLOCKS: "dcp_world_size"}
+"""The cells that run the DFlash drafter on ranks, each with the runtime field that counts
+its ranks."""
+
+
 def narrowed(
-    cells: Sequence[Cell], given: Mapping[str, Any], kv_layout: KvLayout | None
+    cells: Sequence[Cell], given: Mapping[str, Any], kv_layout: KvLayout | None,
+    drafter: DrafterKind | None = None,
 ) -> tuple[Cell, ...]:
     """The ``cells`` a run's explicit options allow: the base cell, and each other without
     the runtime fields the run gave (the base cell already runs at the value given; given
     either of :data:`HEADS_FIELDS`, without both) nor, ``kv_layout`` given, its layout (the
-    base cell runs in it); a cell left with no change, a data-parallel cell left without
-    its ``dp_size`` or a DCP-blocks cell without its ``dcp_world_size``, or one left as
-    another kept is dropped. ``--dcp-world-size 1`` thus
-    runs only cells at DCP 1, and ``--sliding-window 8`` one data-parallel cell (at that
-    window)."""
+    base cell runs in it); a cell left with no change, a DFlash cell
+    (:data:`DFLASH_RANK_FIELDS`) left without the field that counts its ranks or where the
+    run names the autoregressive ``drafter``, or one left as another kept is dropped.
+    ``--dcp-world-size 1`` thus runs only cells at DCP 1, ``--sliding-window 8`` one
+    data-parallel cell (at that window), and ``--drafter autoregressive`` no DFlash cell."""
     dropped = set(given) | (HEADS_FIELDS if HEADS_FIELDS & set(given) else set())
     kept: list[Cell] = []
     for cell in cells:
@@ -332,9 +338,9 @@ def narrowed(
             layout = None if kv_layout is not None else cell.kv_layout
             if not config and layout is None:
                 continue
-            if cell.axis is CellAxis.DATA_PARALLEL and "dp_size" not in config:
-                continue
-            if cell.axis is CellAxis.DCP_BLOCKS and "dcp_world_size" not in config:
+            rank_field = DFLASH_RANK_FIELDS.get(cell.axis)
+            if rank_field is not None and (rank_field not in config
+                                           or drafter is DrafterKind.AUTOREGRESSIVE):
                 continue
             cell = Cell(cell.axis, config, layout, cell.not_run, cell.drafter)
         if cell not in kept:
