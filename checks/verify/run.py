@@ -113,7 +113,7 @@ class VerifyRun(BaseModel):
     """The drafter verified: ``dflash`` runs the DFlash drafter on real ranks (data-parallel
     ones at ``dp_size > 1``, the DCP group's at ``dcp_world_size > 1`` for a backend whose
     builders hold a DCP share, else one), the run's config alone; ``autoregressive`` the
-    single-rank and DCP verification. ``None``: ``dflash`` at ``dp_size > 1``, else
+    single-rank and DCP verification, without the DFlash cells. ``None``: ``dflash`` at ``dp_size > 1``, else
     ``autoregressive`` (whose cells include DFlash ones where the entry claims them)."""
     cells: bool = True
     """Verify every configuration cell the entry claims around the run's config
