@@ -44,6 +44,7 @@ from speccheck.checks.mutate.mutants import (
 from speccheck.checks.mutate.operators import OPERATORS, Operator, apply_edit
 from speccheck.checks.mutate.report import (
     MutationReport,
+    Resumption,
     SurvivorClass,
     metadata_kills_line,
     summary_line,
@@ -54,7 +55,9 @@ from speccheck.checks.mutate.rescore import (
     merged_shards,
     read_report,
     rescored,
+    saved_resumptions,
 )
+from speccheck.checks.mutate.resume import combined_runs
 from speccheck.checks.mutate.runner import (
     UNREACHED_DETAIL,
     KillKind,
@@ -65,7 +68,8 @@ from speccheck.checks.mutate.runner import (
     run_mutants,
 )
 from speccheck.checks.mutate.shadow import VerifyOutcome, run_verify
-from speccheck.checks.mutate.targets import Role, backend_targets, chosen_targets
+from speccheck.checks.mutate.targets import Role, TargetModule, backend_targets, chosen_targets
+from speccheck.checks.status.record import MutationRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "speccheck.backends.reference.builder:ReferenceMetadataBuilder"
@@ -503,6 +507,105 @@ def test_the_shards_of_a_run_merge_into_the_whole_run(
      "builder.py[0].argument: Field required"),
     ("[unclosed", "not YAML"),
 ])
+def _cut_run(mutants: list[Mutant], unrun: set[int], targets: list[TargetModule],
+             examples: int | None = None) -> MutationReport:
+    """A run of ``mutants`` whose budget left ``unrun`` (mutant numbers) unrun, the others
+    killed by a field check; its gate traced every mutated line."""
+    results = [MutantResult(m, Outcome.NOT_RUN) if m.number in unrun
+               else MutantResult(m, Outcome.KILLED, ("step_metadata",), ("seq_lens",), 1.0)
+               for m in mutants]
+    lines: dict[Path, set[int]] = {}
+    for m in mutants:
+        lines.setdefault(m.target.path, set()).update(range(m.line, m.end_line + 1))
+    coverage = CoverageRun(VerifyOutcome(0, None, 9.0, []),
+                           {path: frozenset(found) for path, found in lines.items()}, 2)
+    return MutationReport("reference", examples, targets, [o.value for o in Operator],
+                          len(mutants), results, coverage, 30.0, {},
+                          "speccheck mutate --backend reference", "abc123")
+
+
+def test_the_continuations_of_a_run_combine_into_the_whole_run(
+    reference_mutants: list[Mutant], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--resume``: each part resuming a cut run holds the whole run, the mutants it judged
+    and a resumption naming its commit; the parts combine, each mutant from the part that
+    judged it, each resumption once; its record and the status table name them. A part of
+    another run, or two parts that judged one mutant otherwise, is refused in one line."""
+    monkeypatch.chdir(ROOT)
+    targets = backend_targets(REFERENCE)
+    numbers = [m.number for m in reference_mutants]
+    unrun = set(numbers[-4:])
+    run = _cut_run(reference_mutants, unrun, targets)
+    paths = [tmp_path / "run.json"]
+    paths[0].write_text(json.dumps(run.to_json()))
+    for index, judged in ((1, numbers[-4:-2]), (2, numbers[-2:])):
+        part = replace(
+            run, results=[MutantResult(r.mutant, Outcome.SURVIVED, seconds=2.0)
+                          if r.mutant.number in judged else r for r in run.results],
+            seconds=run.seconds + 5.0, resumed=(Resumption("def456", 2, 5.0, f"{index}/2"),))
+        paths.append(tmp_path / f"part{index}.json")
+        paths[-1].write_text(json.dumps(part.to_json()))
+    data = [read_report(path) for path in paths]
+    whole = rescored(paths[0], combined_runs(paths, data), "reference", targets, {})
+    assert whole.count(Outcome.NOT_RUN) == 0 and whole.count(Outcome.SURVIVED) == 4
+    assert whole.resumed == (Resumption("def456", 2, 5.0, "1/2"),
+                             Resumption("def456", 2, 5.0, "2/2"))
+    assert (whole.commit, whole.seconds) == ("abc123", 40.0)
+    again = combined_runs([paths[1], paths[1], paths[0]], [data[1], data[1], data[0]])
+    assert again["resumed"] == [whole.resumed[0].to_json()]
+    assert sum(m["outcome"] == "not_run" for m in again["mutants"]) == 2
+    record = MutationRecord.from_report(whole.to_json(), command=whole.command,
+                                        commit=whole.commit, date="2026-12-07")
+    assert [(p.commit, p.ran, p.shard) for p in record.resumed] == [
+        ("def456", 2, "1/2"), ("def456", 2, "2/2")]
+    assert record.not_run == 0 and record.valid == len(reference_mutants)
+    twice = json.loads(paths[2].read_text())
+    twice["mutants"][-1]["outcome"] = "killed"
+    with pytest.raises(RescoreError, match=rf"mutant #{numbers[-1]} was judged in two parts"):
+        combined_runs([paths[2], tmp_path / "twice.json"], [data[2], twice])
+    other = {**data[1], "commit": "fff000"}
+    with pytest.raises(RescoreError, match="not a part of the run of .*its commit differs"):
+        combined_runs([paths[0], tmp_path / "other.json"], [data[0], other])
+    with pytest.raises(RescoreError, match=r"resumed\[0\]: ran: "):
+        saved_resumptions(paths[1], {**data[1], "resumed": [{"commit": "x", "ran": "many",
+                                                             "seconds": 1.0}]})
+
+
+def test_a_resumed_run_judges_its_unrun_mutants_at_this_commit(tmp_path: Path) -> None:
+    """``speccheck mutate --resume`` for real: a run of the reference builder's mutants
+    cut with two left unrun (one a field check kills, one stillborn) resumes at this
+    checkout: the gate runs first (another commit), the two are judged, the rest copied,
+    and the resumption names this commit; resuming the whole run again runs nothing and
+    adds no resumption."""
+    targets = chosen_targets([ROOT / "backends/reference/builder.py"],
+                             backend_targets(REFERENCE))
+    mutants = generate_mutants(targets, list(Operator))
+    killed = _pick(mutants, "builder.py", Operator.VIEW_SNAPSHOT, "seq_lens=common.seq_lens,")
+    stillborn = next(m for m in mutants if not m.valid)
+    run = _cut_run(mutants, {killed.number, stillborn.number}, targets, examples=3)
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(run.to_json()))
+    resumed = tmp_path / "resumed.json"
+    module = ["--backend", "reference", "--module", str(ROOT / "backends/reference/builder.py")]
+    proc = speccheck("mutate", *module, "--resume", str(saved), "--json", str(resumed),
+                     "--jobs", "1", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 of its" in proc.stderr and "first the unmutated gate at" in proc.stderr
+    report = json.loads(resumed.read_text())
+    outcomes = {m["number"]: m for m in report["mutants"]}
+    assert outcomes[killed.number]["outcome"] == "killed"
+    assert any(f.endswith("seq_lens") for f in outcomes[killed.number]["named_fields"])
+    assert outcomes[stillborn.number]["outcome"] == "invalid"
+    assert report["counts"]["not_run"] == 0 and report["commit"] == "abc123"
+    (part,) = report["resumed"]
+    assert (part["ran"], part["shard"]) == (2, None) and part["commit"] not in ("", "abc123")
+    again = speccheck("mutate", *module, "--resume", str(saved), "--resume", str(resumed),
+                      "--json", "-")
+    assert again.returncode == 0, again.stderr
+    assert "0 of its" in again.stderr and "gate" not in again.stderr.splitlines()[0]
+    assert json.loads(again.stdout)["resumed"] == report["resumed"]
+
+
 def test_a_bad_equivalents_file_is_one_line_naming_file_and_entry(
     tmp_path: Path, text: str, message: str,
 ) -> None:
@@ -726,11 +829,11 @@ def test_the_line_tracer_tells_metadata_code_from_attention_code(tmp_path: Path)
     assert 2 in phases["other"] and 5 not in phases["other"]  # the module ran the rest
 
 
-def speccheck(*args: str) -> subprocess.CompletedProcess[str]:
+def speccheck(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-c", "from speccheck.checks.cli.app import main; main()", *args],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
     )
 
 

@@ -19,6 +19,7 @@ Importing this module does not import torch; running the command does.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -38,8 +39,9 @@ if TYPE_CHECKING:
 
     from speccheck.checks.mutate.coverage_run import CoverageRun
     from speccheck.checks.mutate.equivalents import Key
-    from speccheck.checks.mutate.mutants import Shard
+    from speccheck.checks.mutate.mutants import Mutant, Shard
     from speccheck.checks.mutate.report import MutationReport
+    from speccheck.checks.mutate.runner import MutantResult, RunSettings
     from speccheck.checks.mutate.targets import TargetModule
 
 EXIT_GATE_BROKEN = 1
@@ -94,6 +96,7 @@ def mutate_command(
     json_path: Annotated[Optional[str], typer.Option("--json", help="Write the JSON report here ('-': stdout, and the summary goes to stderr).")] = None,  # noqa: UP045
     status: Annotated[Optional[Path], typer.Option("--status", help="Also put the score into this machine tier's record of the backend in this status folder (docs/status; `speccheck status` writes the record).", file_okay=False)] = None,  # noqa: UP045
     gate: Annotated[Optional[Path], typer.Option("--gate", help="Reuse the unmutated gate's traced run saved in this file (by an earlier run of this backend, --examples and code, e.g. another --shard part); where the file does not exist, run the gate and save it there.", dir_okay=False)] = None,  # noqa: UP045
+    resume: Annotated[Optional[list[Path]], typer.Option("--resume", help="Run the mutants this saved --json report left unrun (its budget was spent), at this checkout, with the run's gate and sample, and write the whole run (repeat it with every report resuming one run, each run with its own --shard, to combine them).", dir_okay=False)] = None,  # noqa: UP045
     rescore: Annotated[Optional[list[Path]], typer.Option("--rescore", help="Run nothing: score this saved --json report again with the checkout's equivalence arguments (its code under test must be unchanged); repeat it with every --shard part of one run to merge them.", dir_okay=False)] = None,  # noqa: UP045
 ) -> None:
     """Mutate a backend's adapter (builder, refresh, attention call) and measure how many
@@ -117,45 +120,43 @@ def mutate_command(
     from speccheck.checks.mutate.equivalents import EquivalentsError, load_equivalents
     from speccheck.checks.mutate.mutants import generate_mutants, sample_mutants
     from speccheck.checks.mutate.report import MutationReport
-    from speccheck.checks.mutate.runner import MutantResult, RunSettings, run_mutants
+    from speccheck.checks.mutate.runner import RunSettings
 
     try:
         arguments = load_equivalents(targets)
     except EquivalentsError as exc:
         raise _fail(EXIT_BAD_INPUT, str(exc)) from None
+    if (rescore or resume) and status is not None:
+        _check_arguments_committed(targets)
     if rescore:
-        if status is not None:
-            _check_arguments_committed(targets)
+        if resume:
+            raise _fail(EXIT_BAD_INPUT, "--rescore: runs nothing; --resume runs the unrun "
+                        "mutants and scores the whole run: give one of them")
         report, changed = _rescored(rescore, backend, targets, arguments)
         _finish(report, status, tier, json_path, rescored=changed)
+        return
+    run = RunSettings(backend=backend, examples=examples, jobs=jobs or default_jobs(),
+                      budget=budget, timeout=MIN_TIMEOUT_SECONDS, started=started,
+                      stop_after=stop_after)
+    if resume:
+        if max_mutants is not None or operators is not None:
+            raise _fail(EXIT_BAD_INPUT, "--resume: the run's own sample and operators are "
+                        "resumed; --max-mutants and --operators do not apply")
+        _resume(resume, targets, arguments, run, part, gate, status, tier, json_path)
         return
     generated = generate_mutants(targets, chosen_operators)
     chosen = sample_mutants(generated, max_mutants, seed)
     if part is not None:
         chosen = part.of(chosen)
-    err = _stderr()
     coverage = _saved_gate(gate, targets, backend, examples)
-    err.print(f"{backend}: {len(generated)} mutants of {len(targets)} module(s), running "
-              f"{len(chosen)}; " + ("first the unmutated gate, traced" if coverage is None else
-                                    f"the unmutated gate from {gate} "
-                                    f"({coverage.outcome.seconds:.0f} s when it ran)"),
-              markup=False)
+    _stderr().print(f"{backend}: {len(generated)} mutants of {len(targets)} module(s), running "
+                    f"{len(chosen)}; " + ("first the unmutated gate, traced" if coverage is None
+                                          else f"the unmutated gate from {gate} "
+                                          f"({coverage.outcome.seconds:.0f} s when it ran)"),
+                    markup=False)
     if coverage is None:
         coverage = _run_gate(gate, targets, backend, examples, budget)
-    timeout = max(MIN_TIMEOUT_SECONDS, TIMEOUT_FACTOR * coverage.outcome.seconds)
-
-    def show(result: MutantResult) -> None:
-        checks = f" ({', '.join(result.failed_checks)})" if result.failed_checks else ""
-        err.print(f"#{result.mutant.number} {result.mutant.location} "
-                  f"{result.mutant.operator.value}: {result.outcome.value}{checks}", markup=False)
-
-    unreached = frozenset(m.number for m in chosen
-                          if coverage.never_reached(m.target, m.line, m.end_line))
-    settings = RunSettings(backend=backend, examples=examples, jobs=jobs or default_jobs(),
-                           budget=budget, timeout=timeout, started=started,
-                           stop_after=stop_after,
-                           unreached=unreached)
-    results = run_mutants(chosen, settings, on_result=show)
+    results = _run_against(chosen, coverage, coverage.outcome.seconds, run)
     from speccheck.checks.provenance import commit_under_test
 
     report = MutationReport(backend, examples, targets, [o.value for o in chosen_operators],
@@ -165,6 +166,83 @@ def mutate_command(
                                      examples, part),
                             commit_under_test())
     _finish(report, status, tier, json_path, rescored=False)
+
+
+def _run_against(chosen: list[Mutant], coverage: CoverageRun, gate_seconds: float,
+                 run: RunSettings) -> list[MutantResult]:
+    """Every one of ``chosen``'s results under ``run``: its timeout set from the unmutated
+    gate's wall time ``gate_seconds``, the mutants whose lines ``coverage`` (the gate's
+    traced run) never executed left unrun; each shown as it comes."""
+    from speccheck.checks.mutate.runner import run_mutants
+
+    err = _stderr()
+
+    def show(result: MutantResult) -> None:
+        checks = f" ({', '.join(result.failed_checks)})" if result.failed_checks else ""
+        err.print(f"#{result.mutant.number} {result.mutant.location} "
+                  f"{result.mutant.operator.value}: {result.outcome.value}{checks}", markup=False)
+
+    unreached = frozenset(m.number for m in chosen
+                          if coverage.never_reached(m.target, m.line, m.end_line))
+    settings = dataclasses.replace(
+        run, timeout=max(MIN_TIMEOUT_SECONDS, TIMEOUT_FACTOR * gate_seconds),
+        unreached=unreached)
+    return run_mutants(chosen, settings, on_result=show)
+
+
+def _resume(paths: list[Path], targets: list[TargetModule], arguments: Mapping[Key, str],
+            run: RunSettings, part: Shard | None, gate: Path | None, status: Path | None,
+            tier: str | None, json_path: str | None) -> None:
+    """``--resume``: the saved run at ``paths`` (the run and its continuations, combined),
+    its unrun mutants (``part`` of them) run now, and the whole run written with this
+    continuation added (none where it judged nothing: resuming the parts of a run only
+    combines them). Where verify may differ from the run's (another commit) or
+    ``gate`` is given, the unmutated gate must pass here first (run, or loaded from
+    ``gate``); its wall time sets the timeout. The run's traced gate still classifies the
+    survivors, so the whole report reads one coverage. Exit 2 with one line where the
+    reports cannot be resumed here, 1 where the gate fails here."""
+    from speccheck.checks.mutate.report import Resumption
+    from speccheck.checks.mutate.rescore import (
+        RescoreError,
+        arguments_changed,
+        read_report,
+        rescored,
+    )
+    from speccheck.checks.mutate.resume import combined_runs
+    from speccheck.checks.mutate.runner import Outcome
+    from speccheck.checks.provenance import commit_under_test
+
+    try:
+        data = combined_runs(paths, [read_report(path) for path in paths])
+        saved = rescored(paths[0], data, run.backend, targets, arguments)
+    except RescoreError as exc:
+        raise _fail(EXIT_BAD_INPUT, f"--resume: {exc}") from None
+    if run.examples is not None and run.examples != saved.examples:
+        raise _fail(EXIT_BAD_INPUT, f"--examples: the run of {paths[0]} verified "
+                    f"{saved.examples or 'the default number of'} examples; resume it so")
+    unrun = [r.mutant for r in saved.results if r.outcome is Outcome.NOT_RUN]
+    chosen = unrun if part is None else part.of(unrun)
+    here = commit_under_test()
+    gate_here = bool(chosen) and (here != saved.commit or gate is not None)
+    _stderr().print(f"{run.backend}: resuming {paths[0]} ({saved.commit[:10]}): {len(unrun)} "
+                    f"of its {len(saved.results)} mutants unrun, running {len(chosen)}"
+                    + (f"; first the unmutated gate at {here[:10]}" if gate_here else ""),
+                    markup=False)
+    gate_seconds = saved.coverage.outcome.seconds
+    if gate_here:
+        current = (_saved_gate(gate, targets, run.backend, saved.examples)
+                   or _run_gate(gate, targets, run.backend, saved.examples, run.budget))
+        gate_seconds = current.outcome.seconds
+    results = {r.mutant.number: r for r in _run_against(
+        chosen, saved.coverage, gate_seconds, dataclasses.replace(run, examples=saved.examples))}
+    seconds = time.monotonic() - run.started
+    judged = sum(r.outcome is not Outcome.NOT_RUN for r in results.values())
+    report = saved if not judged else dataclasses.replace(
+        saved, results=[results.get(r.mutant.number, r) for r in saved.results],
+        seconds=saved.seconds + seconds,
+        resumed=(*saved.resumed, Resumption(here, judged, seconds,
+                                            None if part is None else str(part))))
+    _finish(report, status, tier, json_path, rescored=arguments_changed(data, report))
 
 
 def _saved_gate(saved: Path | None, targets: list[TargetModule], backend: str,

@@ -41,6 +41,25 @@ class SurvivorClass(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class Resumption:
+    """One continuation of a run (``speccheck mutate --resume``): where it ran and how much
+    it did."""
+
+    commit: str
+    """The commit whose ``speccheck verify`` judged this part's mutants (the run's own
+    commit judged the rest)."""
+    ran: int
+    """Mutants it judged (run, or found invalid or unreached)."""
+    seconds: float
+    shard: str | None = None
+    """The ``--shard`` of the unrun mutants it took (``None``: all of them)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"commit": self.commit, "ran": self.ran, "seconds": round(self.seconds, 1),
+                "shard": self.shard}
+
+
+@dataclass(frozen=True)
 class MutationReport:
     """Everything one ``speccheck mutate`` run found."""
 
@@ -59,7 +78,9 @@ class MutationReport:
     command: str = ""
     """The command that repeats the run (its sample, modules and operators)."""
     commit: str = ""
-    """The commit the mutants were made from and run at."""
+    """The commit the mutants were made from and first run at."""
+    resumed: tuple[Resumption, ...] = ()
+    """The run's continuations, each judging mutants an earlier part left unrun."""
 
     def count(self, outcome: Outcome) -> int:
         return sum(result.outcome is outcome for result in self.results)
@@ -178,6 +199,7 @@ class MutationReport:
             "seconds": round(self.seconds, 1),
             "command": self.command,
             "commit": self.commit,
+            "resumed": [resumption.to_json() for resumption in self.resumed],
         }
 
     def _mutant_json(self, result: MutantResult) -> dict[str, Any]:

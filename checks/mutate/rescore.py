@@ -24,7 +24,7 @@ from speccheck.checks.mutate.coverage_run import CodePhase, CoverageRun
 from speccheck.checks.mutate.equivalents import Key
 from speccheck.checks.mutate.mutants import Mutant, Shard, generate_mutants
 from speccheck.checks.mutate.operators import Operator
-from speccheck.checks.mutate.report import MutationReport
+from speccheck.checks.mutate.report import MutationReport, Resumption
 from speccheck.checks.mutate.runner import MutantResult, Outcome
 from speccheck.checks.mutate.shadow import VerifyOutcome
 from speccheck.checks.mutate.targets import TargetModule
@@ -53,6 +53,18 @@ class _SavedMutant(BaseModel):
     detail: str
 
 
+class _SavedResumption(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    commit: str
+    ran: int
+    seconds: float
+    shard: str | None = None
+
+    def resumption(self) -> Resumption:
+        return Resumption(self.commit, self.ran, self.seconds, self.shard)
+
+
 class _SavedReport(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -69,6 +81,24 @@ class _SavedReport(BaseModel):
     seconds: float
     command: str
     commit: str
+    resumed: list[_SavedResumption] = []
+
+
+def saved_resumptions(path: Path, data: Mapping[str, Any]) -> tuple[Resumption, ...]:
+    """The continuations a saved report lists (none for a run never resumed);
+    :class:`RescoreError` naming the file where the list is malformed."""
+    items = data.get("resumed") or []
+    if not isinstance(items, list):
+        raise RescoreError(f"{path}: resumed: not a list")
+    parts = []
+    for index, item in enumerate(items):
+        try:
+            parts.append(_SavedResumption.model_validate(item).resumption())
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"]) or "(the entry)"
+            raise RescoreError(f"{path}: resumed[{index}]: {where}: {error['msg']}") from None
+    return tuple(parts)
 
 
 def read_report(path: Path) -> dict[str, Any]:
@@ -211,7 +241,8 @@ def rescored(
     return MutationReport(
         backend, saved.examples, targets, [o.value for o in saved.operators], saved.generated,
         results, CoverageRun(baseline, executed, saved.processes, phases), saved.seconds,
-        arguments, command=saved.command, commit=saved.commit)
+        arguments, command=saved.command, commit=saved.commit,
+        resumed=tuple(r.resumption() for r in saved.resumed))
 
 
 def _result(path: Path, saved: _SavedMutant, mutant: Mutant | None) -> MutantResult:

@@ -89,6 +89,16 @@ class BenchRatio(_Record):
     per_step_wall_ms: float
 
 
+class ResumedPart(_Record):
+    """A continuation of a mutation run (``speccheck mutate --resume``): the commit whose
+    verify judged the mutants an earlier part left unrun, and how many it judged."""
+
+    commit: str
+    ran: int
+    seconds: float
+    shard: str | None = None
+
+
 class MutationRecord(_Record):
     """One ``speccheck mutate`` run of the backend on this tier (its ``--json`` report,
     summed up): how many of the valid mutants run ``verify`` at the defaults killed, how,
@@ -123,6 +133,9 @@ class MutationRecord(_Record):
     """The commit whose equivalence arguments scored the run, where it was scored again
     later (``speccheck mutate --rescore``) with arguments that differ from the run's own;
     ``None``: scored as the run itself scored it."""
+    resumed: list[ResumedPart] = Field(default_factory=list)
+    """The run's continuations: the mutants its budget left unrun, judged later, at
+    :attr:`ResumedPart.commit` (``commit`` judged the rest)."""
 
     @property
     def scored(self) -> int:
@@ -148,7 +161,8 @@ class MutationRecord(_Record):
                                   in report.get("kills_by_role", {}).items()},
                    kills_by_phase={phase: dict(kinds) for phase, kinds
                                    in report.get("kills_by_phase", {}).items()},
-                   survivors=survivors, seconds=report["seconds"], scored_at=scored_at)
+                   survivors=survivors, seconds=report["seconds"], scored_at=scored_at,
+                   resumed=[ResumedPart(**part) for part in report.get("resumed", [])])
 
 
 class Provenance(_Record):
