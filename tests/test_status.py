@@ -33,6 +33,7 @@ from speccheck.checks.status.render import (
     MissingMarkers,
     last_verified,
     render_status_readme,
+    selftest_cell,
     with_bench_table,
 )
 from speccheck.contract.matrix_loader import load_matrix
@@ -187,6 +188,8 @@ def test_a_status_run_records_what_verify_found(tmp_path: Path) -> None:
     record = read_statuses(tmp_path)["reference"].tiers["cpu"]
     assert record.verdict is Verdict.PASSED and record.examples == 2
     assert record.verify_seconds is not None and record.verify_seconds > 0
+    assert record.selftest is None and selftest_cell(record) == "not run"  # rows left out
+    assert selftest_cell(record.model_copy(update={"selftest": []})) == "none"
     # two examples reach the first two configuration cells; the rest are listed as not run
     assert [(c.name, c.verdict) for c in record.cells[:2]] == [
         ("base", "passed"), ("dcp_world_size=2", "passed")]

@@ -37,6 +37,7 @@ from speccheck.checks.status.record import (
 from speccheck.checks.status.render import (
     MissingMarkers,
     render_status_readme,
+    selftest_cell,
     verify_seconds_cell,
     with_bench_table,
 )
@@ -216,12 +217,11 @@ def _print_table(statuses: dict[str, BackendStatus], console: Console) -> None:
             for tier, record in status.tiers.items()]
     if not console.is_terminal:
         for name, tier, record in rows:
-            caught, run = record.selftest_caught
             console.file.write(json.dumps({"backend": name, "tier": tier,
                                          "verdict": record.verdict.value,
                                          "examples": record.examples,
                                          "verify_seconds": record.verify_seconds,
-                                         "selftest": f"{caught}/{run}",
+                                         "selftest": selftest_cell(record),
                                          "commit": record.provenance.commit[:10],
                                          "device": record.provenance.device}) + "\n")
         return
@@ -230,8 +230,7 @@ def _print_table(statuses: dict[str, BackendStatus], console: Console) -> None:
                    "device"):
         table.add_column(column)
     for name, tier, record in rows:
-        caught, run = record.selftest_caught
         table.add_row(name, tier, record.verdict.value, str(record.examples),
-                      verify_seconds_cell(record),
-                      f"{caught}/{run}", record.provenance.commit[:10], record.provenance.device)
+                      verify_seconds_cell(record), selftest_cell(record),
+                      record.provenance.commit[:10], record.provenance.device)
     console.print(table)

@@ -102,7 +102,7 @@ def collect_tier_status(name: str, matrices: MatrixContext, plan: StatusPlan,
         cells=[CellRecord(name=c.name, verdict=c.verdict, examples=c.examples, detail=c.detail,
                           reproduce=c.reproduce)
                for c in report.cells],
-        selftest=[],
+        selftest=None,
     )
     if plan.selftest:
         record = with_selftest(name, record, on_phase)

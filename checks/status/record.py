@@ -212,7 +212,9 @@ class TierStatus(_Record):
     cells: list[CellRecord] = Field(default_factory=list)
     """The configuration cells verified, base first (empty: the run's config alone, or a
     record written before cells)."""
-    selftest: list[SelftestRecord]
+    selftest: list[SelftestRecord] | None
+    """The backend's self-test rows on this tier, as run; ``None`` where the run left them
+    out (``--no-selftest``, none since), ``[]`` where the backend has no rows here."""
     bench: list[BenchRatio] | None = None
     bench_command: str | None = None
     mutation: MutationRecord | None = None
@@ -222,7 +224,7 @@ class TierStatus(_Record):
     @property
     def selftest_caught(self) -> tuple[int, int]:
         """(rows whose outcome is as required, rows run): skipped rows are not counted."""
-        run = [row for row in self.selftest if row.outcome != "skipped"]
+        run = [row for row in self.selftest or [] if row.outcome != "skipped"]
         return sum(row.outcome == "caught" for row in run), len(run)
 
 

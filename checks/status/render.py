@@ -45,10 +45,13 @@ def _short(record: TierStatus) -> str:
     return commit + ("+dirty" if record.provenance.tree_dirty else "")
 
 
-def _selftest_cell(record: TierStatus) -> str:
+def selftest_cell(record: TierStatus) -> str:
     """``caught/run``, then how many rows were skipped or raised (an error row is run, not
-    caught, and says nothing of its builder: it is counted apart from a miss)."""
+    caught, and says nothing of its builder: it is counted apart from a miss); ``not run``
+    where the run left the rows out, ``none`` where the backend has none on the tier."""
     caught, run = record.selftest_caught
+    if record.selftest is None:
+        return "not run"
     if not record.selftest:
         return "none"
     counts = Counter(row.outcome for row in record.selftest)
@@ -121,7 +124,8 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
         "every `speccheck status` run on that tier (`docs/status/<backend>.json` holds every "
         "check, failure, self-test row and bench ratio). Verdict: `speccheck verify --backend "
         "NAME` at the defaults (examples as listed). Self-test: known-bad builders of the "
-        "backend caught by the check meant for each (and the control passed). Bench: fused-"
+        "backend caught by the check meant for each (and the control passed); not run: the "
+        "record's run left its rows out. Bench: fused-"
         "like paths' propose wall time over the per-step path's, measured side by side. "
         "Verify s: that verify run's wall time in the status process (command start-up "
         "excluded; the machine may have run other work beside it).", "",
@@ -134,7 +138,7 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
             examples = (f"{record.examples}" if record.examples == record.examples_asked
                         else f"{record.examples} of {record.examples_asked}")
             row = [f"`{name}`", tier, record.verdict.value, examples, verify_seconds_cell(record),
-                   _selftest_cell(record),
+                   selftest_cell(record),
                    _best_wall(record), f"`{_short(record)}`", record.provenance.device,
                    record.provenance.date, lag(record, newest)]
             lines.append(_table_row(row))
@@ -175,7 +179,7 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
             lines.append(f"- `{name}` ({tier}): {record.verdict.value}: {why or 'no detail'}"
                          f"{again}")
     uncaught = [(name, tier, result) for name, status in sorted(statuses.items())
-                for tier, record in status.tiers.items() for result in record.selftest
+                for tier, record in status.tiers.items() for result in record.selftest or []
                 if result.outcome not in ("caught", "skipped")]
     if uncaught:
         lines += ["", "## Self-test rows not caught", ""]
