@@ -529,8 +529,9 @@ def test_the_continuations_of_a_run_combine_into_the_whole_run(
 ) -> None:
     """``--resume``: each part resuming a cut run holds the whole run, the mutants it judged
     and a resumption naming its commit; the parts combine, each mutant from the part that
-    judged it, each resumption once; its record and the status table name them. A part of
-    another run, or two parts that judged one mutant otherwise, is refused in one line."""
+    judged it (a survivor judged again by a newer gate: the newer result), each resumption
+    once; its record names them. A part of another run, or two parts that judged one
+    mutant otherwise, is refused in one line."""
     monkeypatch.chdir(ROOT)
     targets = backend_targets(REFERENCE)
     numbers = [m.number for m in reference_mutants]
@@ -563,6 +564,12 @@ def test_the_continuations_of_a_run_combine_into_the_whole_run(
     twice["mutants"][-1]["outcome"] = "killed"
     with pytest.raises(RescoreError, match=rf"mutant #{numbers[-1]} was judged in two parts"):
         combined_runs([paths[2], tmp_path / "twice.json"], [data[2], twice])
+    newer = json.loads(paths[2].read_text())  # a newer gate judged part 2's survivor again
+    newer["mutants"][-1]["outcome"] = "killed"
+    newer["resumed"] = [{**newer["resumed"][0], "ran": 1, "rejudged": 1, "commit": "fed789"}]
+    for order in ([data[2], newer], [newer, data[2]]):
+        kept = combined_runs([paths[2], tmp_path / "newer.json"], order)
+        assert kept["mutants"][-1]["outcome"] == "killed"  # the newer judgement, either order
     other = {**data[1], "commit": "fff000"}
     with pytest.raises(RescoreError, match="not a part of the run of .*its commit differs"):
         combined_runs([paths[0], tmp_path / "other.json"], [data[0], other])
@@ -573,16 +580,21 @@ def test_the_continuations_of_a_run_combine_into_the_whole_run(
 
 def test_a_resumed_run_judges_its_unrun_mutants_at_this_commit(tmp_path: Path) -> None:
     """``speccheck mutate --resume`` for real: a run of the reference builder's mutants
-    cut with two left unrun (one a field check kills, one stillborn) resumes at this
-    checkout: the gate runs first (another commit), the two are judged, the rest copied,
-    and the resumption names this commit; resuming the whole run again runs nothing and
-    adds no resumption."""
+    cut with two left unrun (one a field check kills, one stillborn) and one survivor its
+    older gate let through resumes at this checkout: the gate runs first (another commit),
+    the survivor is judged again (killed now), the two unrun are judged, the rest copied,
+    and the resumption names this commit; resuming the run with that part combines them
+    (the newer judgement kept), runs nothing and adds no resumption."""
     targets = chosen_targets([ROOT / "backends/reference/builder.py"],
                              backend_targets(REFERENCE))
     mutants = generate_mutants(targets, list(Operator))
     killed = _pick(mutants, "builder.py", Operator.VIEW_SNAPSHOT, "seq_lens=common.seq_lens,")
     stillborn = next(m for m in mutants if not m.valid)
+    older = _pick(mutants, "builder.py", Operator.VIEW_SNAPSHOT,
+                  "block_table=common.block_table,")
     run = _cut_run(mutants, {killed.number, stillborn.number}, targets, examples=3)
+    run = replace(run, results=[MutantResult(r.mutant, Outcome.SURVIVED, seconds=1.0)
+                                if r.mutant is older else r for r in run.results])
     saved = tmp_path / "run.json"
     saved.write_text(json.dumps(run.to_json()))
     resumed = tmp_path / "resumed.json"
@@ -591,14 +603,17 @@ def test_a_resumed_run_judges_its_unrun_mutants_at_this_commit(tmp_path: Path) -
                      "--jobs", "1", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 of its" in proc.stderr and "first the unmutated gate at" in proc.stderr
+    assert "(1 survivors of an older gate first)" in proc.stderr, proc.stderr
     report = json.loads(resumed.read_text())
     outcomes = {m["number"]: m for m in report["mutants"]}
     assert outcomes[killed.number]["outcome"] == "killed"
+    assert outcomes[older.number]["outcome"] == "killed"  # the newer gate catches it
     assert any(f.endswith("seq_lens") for f in outcomes[killed.number]["named_fields"])
     assert outcomes[stillborn.number]["outcome"] == "invalid"
     assert report["counts"]["not_run"] == 0 and report["commit"] == "abc123"
     (part,) = report["resumed"]
-    assert (part["ran"], part["shard"]) == (2, None) and part["commit"] not in ("", "abc123")
+    assert (part["ran"], part["rejudged"], part["shard"]) == (3, 1, None)
+    assert part["commit"] not in ("", "abc123")
     again = speccheck("mutate", *module, "--resume", str(saved), "--resume", str(resumed),
                       "--json", "-")
     assert again.returncode == 0, again.stderr

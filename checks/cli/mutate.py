@@ -196,7 +196,9 @@ def _resume(paths: list[Path], targets: list[TargetModule], arguments: Mapping[K
     """``--resume``: the saved run at ``paths`` (the run and its continuations, combined),
     its unrun mutants (``part`` of them) run now, and the whole run written with this
     continuation added (none where it judged nothing: resuming the parts of a run only
-    combines them). Where verify may differ from the run's (another commit) or
+    combines them). Without ``part``, the survivors an older gate judged
+    (:func:`~speccheck.checks.mutate.resume.stale_survivors`) run first: verify may catch
+    them now. Where verify may differ from the run's (another commit) or
     ``gate`` is given, the unmutated gate must pass here first (run, or loaded from
     ``gate``); its wall time sets the timeout. The run's traced gate still classifies the
     survivors, so the whole report reads one coverage. Exit 2 with one line where the
@@ -208,7 +210,7 @@ def _resume(paths: list[Path], targets: list[TargetModule], arguments: Mapping[K
         read_report,
         rescored,
     )
-    from speccheck.checks.mutate.resume import combined_runs
+    from speccheck.checks.mutate.resume import combined_runs, stale_survivors
     from speccheck.checks.mutate.runner import Outcome
     from speccheck.checks.provenance import commit_under_test
 
@@ -221,11 +223,13 @@ def _resume(paths: list[Path], targets: list[TargetModule], arguments: Mapping[K
         raise _fail(EXIT_BAD_INPUT, f"--examples: the run of {paths[0]} verified "
                     f"{saved.examples or 'the default number of'} examples; resume it so")
     unrun = [r.mutant for r in saved.results if r.outcome is Outcome.NOT_RUN]
-    chosen = unrun if part is None else part.of(unrun)
     here = commit_under_test()
+    stale = [] if part is not None else stale_survivors(saved, here)
+    chosen = [*stale, *(unrun if part is None else part.of(unrun))]
     gate_here = bool(chosen) and (here != saved.commit or gate is not None)
     _stderr().print(f"{run.backend}: resuming {paths[0]} ({saved.commit[:10]}): {len(unrun)} "
                     f"of its {len(saved.results)} mutants unrun, running {len(chosen)}"
+                    + (f" ({len(stale)} survivors of an older gate first)" if stale else "")
                     + (f"; first the unmutated gate at {here[:10]}" if gate_here else ""),
                     markup=False)
     gate_seconds = saved.coverage.outcome.seconds
@@ -234,14 +238,15 @@ def _resume(paths: list[Path], targets: list[TargetModule], arguments: Mapping[K
                    or _run_gate(gate, targets, run.backend, saved.examples, run.budget))
         gate_seconds = current.outcome.seconds
     results = {r.mutant.number: r for r in _run_against(
-        chosen, saved.coverage, gate_seconds, dataclasses.replace(run, examples=saved.examples))}
+        chosen, saved.coverage, gate_seconds, dataclasses.replace(run, examples=saved.examples))
+        if r.outcome is not Outcome.NOT_RUN}  # a survivor cut keeps its older judgement
     seconds = time.monotonic() - run.started
-    judged = sum(r.outcome is not Outcome.NOT_RUN for r in results.values())
-    report = saved if not judged else dataclasses.replace(
+    rejudged = sum(m.number in results for m in stale)
+    report = saved if not results else dataclasses.replace(
         saved, results=[results.get(r.mutant.number, r) for r in saved.results],
         seconds=saved.seconds + seconds,
-        resumed=(*saved.resumed, Resumption(here, judged, seconds,
-                                            None if part is None else str(part))))
+        resumed=(*saved.resumed, Resumption(here, len(results), seconds,
+                                            None if part is None else str(part), rejudged)))
     _finish(report, status, tier, json_path, rescored=arguments_changed(data, report))
 
 

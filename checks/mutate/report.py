@@ -53,10 +53,12 @@ class Resumption:
     seconds: float
     shard: str | None = None
     """The ``--shard`` of the unrun mutants it took (``None``: all of them)."""
+    rejudged: int = 0
+    """Of :attr:`ran`, survivors of an older gate judged again (their new result kept)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"commit": self.commit, "ran": self.ran, "seconds": round(self.seconds, 1),
-                "shard": self.shard}
+                "shard": self.shard, "rejudged": self.rejudged}
 
 
 @dataclass(frozen=True)

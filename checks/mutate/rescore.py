@@ -60,9 +60,10 @@ class _SavedResumption(BaseModel):
     ran: int
     seconds: float
     shard: str | None = None
+    rejudged: int = 0
 
     def resumption(self) -> Resumption:
-        return Resumption(self.commit, self.ran, self.seconds, self.shard)
+        return Resumption(self.commit, self.ran, self.seconds, self.shard, self.rejudged)
 
 
 class _SavedReport(BaseModel):

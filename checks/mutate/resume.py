@@ -9,7 +9,9 @@ budget; its run continues in parts, on one machine after another or on several a
 under test unchanged, as :func:`~speccheck.checks.mutate.rescore.rescored` checks), but
 verify itself may have changed since the run began: each part is kept as a
 resumption naming its commit and how many mutants it judged, so a record says which
-gate judged which part (:class:`~speccheck.checks.mutate.report.Resumption`).
+gate judged which part (:class:`~speccheck.checks.mutate.report.Resumption`). A continuation
+of the whole run at a newer commit also judges the older gate's survivors again
+(:func:`stale_survivors`), so its survivors are the newest gate's.
 """
 
 from __future__ import annotations
@@ -18,13 +20,29 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from speccheck.checks.mutate.report import Resumption
+from speccheck.checks.mutate.mutants import Mutant
+from speccheck.checks.mutate.report import MutationReport, Resumption, SurvivorClass
 from speccheck.checks.mutate.rescore import RescoreError, saved_resumptions
+from speccheck.checks.mutate.runner import Outcome
 
 RESULT_FIELDS = ("outcome", "failed_checks", "named_fields", "seconds", "detail")
 """What a saved mutant's result is: two parts that both hold a mutant agree on these (one
-copied the other's result) or the mutant ran twice."""
-NOT_RUN = "not_run"
+copied the other's result), or one of them judged an older gate's survivor again
+(:func:`stale_survivors`, its result kept), or the mutant ran twice (refused)."""
+NOT_RUN = Outcome.NOT_RUN.value
+SURVIVED = Outcome.SURVIVED.value
+
+
+def stale_survivors(report: MutationReport, here: str) -> list[Mutant]:
+    """The survivors of ``report`` an older gate judged, which a continuation at commit
+    ``here`` judges again: where ``here`` is not the run's commit and no continuation at
+    ``here`` judged survivors yet, every survivor whose line the gate executed and that no
+    argument calls equivalent (verify may have learnt to catch it since)."""
+    if here == report.commit or any(r.commit == here and r.rejudged for r in report.resumed):
+        return []
+    return [r.mutant for r in report.results if r.outcome is Outcome.SURVIVED
+            and report.survivor_class(r) in (SurvivorClass.UNCAUGHT,
+                                             SurvivorClass.EQUIVALENCE_CANDIDATE)]
 
 
 RUN_IDENTITY = ("backend", "commit", "command", "generated", "examples", "operators", "targets")
@@ -40,6 +58,9 @@ def combined_runs(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> 
     first = parts[0]
     numbers = _numbers(paths[0], first)
     combined = {number: dict(mutant) for number, mutant in numbers.items()}
+    fresh = (set(numbers) if any(r.rejudged for r in saved_resumptions(paths[0], first))
+             else set())
+    """Mutants whose held result comes from a part that judged survivors again."""
     resumed: dict[Resumption, None] = {}
     base_seconds = None
     for path, part in zip(paths, parts, strict=True):
@@ -52,6 +73,7 @@ def combined_runs(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> 
             raise RescoreError(f"{path}: holds other mutants than {paths[0]}: not a part of "
                                "the same run")
         own = saved_resumptions(path, part)
+        rejudging = any(r.rejudged for r in own)
         resumed.update(dict.fromkeys(own))
         seconds = float(part.get("seconds") or 0.0) - sum(r.seconds for r in own)
         base_seconds = seconds if base_seconds is None else min(base_seconds, seconds)
@@ -59,9 +81,14 @@ def combined_runs(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> 
             if mutant.get("outcome") == NOT_RUN:
                 continue
             held = combined[number]
-            if held.get("outcome") == NOT_RUN:
+            differs = any(held.get(key) != mutant.get(key) for key in RESULT_FIELDS)
+            if held.get("outcome") == NOT_RUN or (
+                    differs and rejudging and number not in fresh
+                    and held.get("outcome") == SURVIVED):
                 combined[number] = dict(mutant)
-            elif any(held.get(key) != mutant.get(key) for key in RESULT_FIELDS):
+                fresh.update({number} if rejudging else set())
+            elif differs and not (number in fresh and mutant.get("outcome") == SURVIVED
+                                  and not rejudging):
                 raise RescoreError(f"{path}: mutant #{number} was judged in two parts (also "
                                    f"in {paths[0]} or a part before it): parts resuming one "
                                    "report take disjoint --shard options")

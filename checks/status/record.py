@@ -97,6 +97,8 @@ class ResumedPart(_Record):
     ran: int
     seconds: float
     shard: str | None = None
+    rejudged: int = 0
+    """Of ``ran``, survivors of an older gate judged again."""
 
 
 class MutationRecord(_Record):

@@ -163,7 +163,9 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
                 f", {argued} argued equivalent" if argued else "") + (
                 f", {mutation.not_run} not run" if mutation.not_run else "")
             commit = f"`{mutation.commit[:10]}`" + "".join(
-                f", {part.ran} resumed at `{part.commit[:10]}`" for part in mutation.resumed) + (
+                f", {part.ran} resumed at `{part.commit[:10]}`"
+                + (f" ({part.rejudged} survivors judged again)" if part.rejudged else "")
+                for part in mutation.resumed) + (
                 "" if mutation.scored_at is None
                 else f", scored with the arguments of `{mutation.scored_at[:10]}`")
             row = [f"`{name}`", tier, score, f"{scored} ({mutation.generated})", kinds,
