@@ -498,15 +498,6 @@ def test_the_shards_of_a_run_merge_into_the_whole_run(
         merged_shards(paths, [data[0], other])
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("builder.py: [1]", "builder.py[0]: Input should be a valid dictionary"),
-    ("nope.py: []", "'nope.py' is not a module in"),
-    ("builder.py:\n  - {function: f, operator: bogus, original: a, mutated: b, argument: c}",
-     "builder.py[0].operator: Input should be"),
-    ("builder.py:\n  - {function: f, operator: off_by_one, original: a, mutated: b}",
-     "builder.py[0].argument: Field required"),
-    ("[unclosed", "not YAML"),
-])
 def _cut_run(mutants: list[Mutant], unrun: set[int], targets: list[TargetModule],
              examples: int | None = None) -> MutationReport:
     """A run of ``mutants`` whose budget left ``unrun`` (mutant numbers) unrun, the others
@@ -621,6 +612,15 @@ def test_a_resumed_run_judges_its_unrun_mutants_at_this_commit(tmp_path: Path) -
     assert json.loads(again.stdout)["resumed"] == report["resumed"]
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ("builder.py: [1]", "builder.py[0]: Input should be a valid dictionary"),
+    ("nope.py: []", "'nope.py' is not a module in"),
+    ("builder.py:\n  - {function: f, operator: bogus, original: a, mutated: b, argument: c}",
+     "builder.py[0].operator: Input should be"),
+    ("builder.py:\n  - {function: f, operator: off_by_one, original: a, mutated: b}",
+     "builder.py[0].argument: Field required"),
+    ("[unclosed", "not YAML"),
+])
 def test_a_bad_equivalents_file_is_one_line_naming_file_and_entry(
     tmp_path: Path, text: str, message: str,
 ) -> None:
