@@ -81,14 +81,15 @@ def combined_runs(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> 
             if mutant.get("outcome") == NOT_RUN:
                 continue
             held = combined[number]
-            differs = any(held.get(key) != mutant.get(key) for key in RESULT_FIELDS)
-            if held.get("outcome") == NOT_RUN or (
-                    differs and rejudging and number not in fresh
-                    and held.get("outcome") == SURVIVED):
+            if all(held.get(key) == mutant.get(key) for key in RESULT_FIELDS):
+                continue
+            newer = rejudging and number not in fresh and held.get("outcome") == SURVIVED
+            older = not rejudging and number in fresh and mutant.get("outcome") == SURVIVED
+            if held.get("outcome") == NOT_RUN or newer:
                 combined[number] = dict(mutant)
-                fresh.update({number} if rejudging else set())
-            elif differs and not (number in fresh and mutant.get("outcome") == SURVIVED
-                                  and not rejudging):
+                if rejudging:
+                    fresh.add(number)
+            elif not older:
                 raise RescoreError(f"{path}: mutant #{number} was judged in two parts (also "
                                    f"in {paths[0]} or a part before it): parts resuming one "
                                    "report take disjoint --shard options")
