@@ -27,9 +27,13 @@ from speccheck.checks.mutate.equivalents import (
     argument_for,
     load_equivalents,
 )
+from speccheck.checks.mutate.fingerprint import (
+    VERIFY_INDEPENDENT,
+    code_fingerprint,
+    verify_fingerprint,
+)
 from speccheck.checks.mutate.gate_file import (
     GateFileError,
-    code_fingerprint,
     load_gate,
     save_gate,
 )
@@ -57,7 +61,7 @@ from speccheck.checks.mutate.rescore import (
     rescored,
     saved_resumptions,
 )
-from speccheck.checks.mutate.resume import combined_runs
+from speccheck.checks.mutate.resume import combined_runs, stale_survivors
 from speccheck.checks.mutate.runner import (
     UNREACHED_DETAIL,
     KillKind,
@@ -532,7 +536,8 @@ def test_the_continuations_of_a_run_combine_into_the_whole_run(
     paths[0].write_text(json.dumps(run.to_json()))
     for index, judged in ((1, numbers[-4:-2]), (2, numbers[-2:])):
         part = replace(
-            run, results=[MutantResult(r.mutant, Outcome.SURVIVED, seconds=2.0)
+            run, results=[MutantResult(r.mutant, Outcome.SURVIVED, seconds=2.0,
+                                       judged_by="v2")
                           if r.mutant.number in judged else r for r in run.results],
             seconds=run.seconds + 5.0, resumed=(Resumption("def456", 2, 5.0, f"{index}/2"),))
         paths.append(tmp_path / f"part{index}.json")
@@ -555,12 +560,16 @@ def test_the_continuations_of_a_run_combine_into_the_whole_run(
     twice["mutants"][-1]["outcome"] = "killed"
     with pytest.raises(RescoreError, match=rf"mutant #{numbers[-1]} was judged in two parts"):
         combined_runs([paths[2], tmp_path / "twice.json"], [data[2], twice])
-    newer = json.loads(paths[2].read_text())  # a newer gate judged part 2's survivor again
-    newer["mutants"][-1]["outcome"] = "killed"
+    newer = json.loads(paths[2].read_text())  # another verify judged part 2's survivor again
+    newer["mutants"][-1].update(outcome="killed", judged_by="v3")
     newer["resumed"] = [{**newer["resumed"][0], "ran": 1, "rejudged": 1, "commit": "fed789"}]
     for order in ([data[2], newer], [newer, data[2]]):
         kept = combined_runs([paths[2], tmp_path / "newer.json"], order)
-        assert kept["mutants"][-1]["outcome"] == "killed"  # the newer judgement, either order
+        assert kept["mutants"][-1]["outcome"] == "killed"  # a kill is never judged again
+    newer["mutants"][-1].update(outcome="survived", seconds=3.0)
+    for order in ([data[2], newer], [newer, data[2]]):  # both survived: the checkout's verify
+        kept = combined_runs([paths[2], tmp_path / "newer.json"], order, "v3")
+        assert kept["mutants"][-1]["judged_by"] == "v3"
     other = {**data[1], "commit": "fff000"}
     with pytest.raises(RescoreError, match="not a part of the run of .*its commit differs"):
         combined_runs([paths[0], tmp_path / "other.json"], [data[0], other])
@@ -569,11 +578,43 @@ def test_the_continuations_of_a_run_combine_into_the_whole_run(
                                                              "seconds": 1.0}]})
 
 
+def test_a_continuation_judges_again_only_survivors_another_verify_judged(
+    reference_mutants: list[Mutant], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A survivor is stale where another verify, or one not recorded, judged it; a kill,
+    and a survivor this verify judged, are not judged again."""
+    monkeypatch.chdir(ROOT)
+    run = _cut_run(reference_mutants, set(), backend_targets(REFERENCE))
+    verdicts = {0: None, 1: "v2", 2: "v3"}
+    run = replace(run, results=[
+        MutantResult(r.mutant, Outcome.SURVIVED, judged_by=verdicts[index])
+        if index in verdicts else r for index, r in enumerate(run.results)])
+    assert run.survivor_class(run.results[0]) is SurvivorClass.UNCAUGHT
+    assert stale_survivors(run, "v3") == [r.mutant for r in run.results[:2]]
+    assert stale_survivors(run, None) == [r.mutant for r in run.results[:3]]
+
+
+def test_the_verify_fingerprint_follows_only_the_code_that_judges(tmp_path: Path) -> None:
+    """A judgement stands across a change of the equivalence arguments or a file verify
+    never reads, not across one of the adapter's code; the paths verify never calls are
+    speccheck's own."""
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "builder.py").write_text("x = 1\n")
+    (target,) = chosen_targets([tmp_path / "builder.py"], [])
+    first = verify_fingerprint([target])
+    (tmp_path / EQUIVALENTS_FILE).write_text("{}\n")
+    (tmp_path / "NOTES.md").write_text("read by people\n")
+    assert verify_fingerprint([target]) == first
+    (tmp_path / "helpers.py").write_text("y = 2\n")
+    assert verify_fingerprint([target]) != first
+    assert all((ROOT / path).exists() for path in VERIFY_INDEPENDENT)
+
+
 def test_a_resumed_run_judges_its_unrun_mutants_at_this_commit(tmp_path: Path) -> None:
     """``speccheck mutate --resume`` for real: a run of the reference builder's mutants
-    cut with two left unrun (one a field check kills, one stillborn) and one survivor its
-    older gate let through resumes at this checkout: the gate runs first (another commit),
-    the survivor is judged again (killed now), the two unrun are judged, the rest copied,
+    cut with two left unrun (one a field check kills, one stillborn) and one survivor an
+    unrecorded verify let through resumes at this checkout: the gate runs first (another
+    commit), the survivor is judged again (killed now, by this verify), the two unrun are judged, the rest copied,
     and the resumption names this commit; resuming the run with that part combines them
     (the newer judgement kept), runs nothing and adds no resumption."""
     targets = chosen_targets([ROOT / "backends/reference/builder.py"],
@@ -594,11 +635,12 @@ def test_a_resumed_run_judges_its_unrun_mutants_at_this_commit(tmp_path: Path) -
                      "--jobs", "1", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 of its" in proc.stderr and "first the unmutated gate at" in proc.stderr
-    assert "(1 survivors of an older gate first)" in proc.stderr, proc.stderr
+    assert "(1 survivors another verify judged first)" in proc.stderr, proc.stderr
     report = json.loads(resumed.read_text())
     outcomes = {m["number"]: m for m in report["mutants"]}
     assert outcomes[killed.number]["outcome"] == "killed"
     assert outcomes[older.number]["outcome"] == "killed"  # the newer gate catches it
+    assert outcomes[older.number]["judged_by"] == verify_fingerprint(targets)
     assert any(f.endswith("seq_lens") for f in outcomes[killed.number]["named_fields"])
     assert outcomes[stillborn.number]["outcome"] == "invalid"
     assert report["counts"]["not_run"] == 0 and report["commit"] == "abc123"

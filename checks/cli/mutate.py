@@ -135,9 +135,11 @@ def mutate_command(
         report, changed = _rescored(rescore, backend, targets, arguments)
         _finish(report, status, tier, json_path, rescored=changed)
         return
+    from speccheck.checks.mutate.fingerprint import verify_fingerprint
+
     run = RunSettings(backend=backend, examples=examples, jobs=jobs or default_jobs(),
                       budget=budget, timeout=MIN_TIMEOUT_SECONDS, started=started,
-                      stop_after=stop_after)
+                      stop_after=stop_after, judged_by=verify_fingerprint(targets))
     if resume:
         if max_mutants is not None or operators is not None:
             raise _fail(EXIT_BAD_INPUT, "--resume: the run's own sample and operators are "
@@ -194,11 +196,11 @@ def _resume(paths: list[Path], targets: list[TargetModule], arguments: Mapping[K
             run: RunSettings, part: Shard | None, gate: Path | None, status: Path | None,
             tier: str | None, json_path: str | None) -> None:
     """``--resume``: the saved run at ``paths`` (the run and its continuations, combined),
-    its unrun mutants (``part`` of them) run now, and the whole run written with this
+    its mutants due run now (``part`` of them), and the whole run written with this
     continuation added (none where it judged nothing: resuming the parts of a run only
-    combines them). Without ``part``, the survivors an older gate judged
-    (:func:`~speccheck.checks.mutate.resume.stale_survivors`) run first: verify may catch
-    them now. Where verify may differ from the run's (another commit) or
+    combines them). Due: the survivors another verify judged
+    (:func:`~speccheck.checks.mutate.resume.stale_survivors`: verify may catch them now),
+    first, then the unrun mutants. Where verify may differ from the run's (another commit) or
     ``gate`` is given, the unmutated gate must pass here first (run, or loaded from
     ``gate``); its wall time sets the timeout. The run's traced gate still classifies the
     survivors, so the whole report reads one coverage. Exit 2 with one line where the
@@ -215,7 +217,7 @@ def _resume(paths: list[Path], targets: list[TargetModule], arguments: Mapping[K
     from speccheck.checks.provenance import commit_under_test
 
     try:
-        data = combined_runs(paths, [read_report(path) for path in paths])
+        data = combined_runs(paths, [read_report(path) for path in paths], run.judged_by)
         saved = rescored(paths[0], data, run.backend, targets, arguments)
     except RescoreError as exc:
         raise _fail(EXIT_BAD_INPUT, f"--resume: {exc}") from None
@@ -224,12 +226,14 @@ def _resume(paths: list[Path], targets: list[TargetModule], arguments: Mapping[K
                     f"{saved.examples or 'the default number of'} examples; resume it so")
     unrun = [r.mutant for r in saved.results if r.outcome is Outcome.NOT_RUN]
     here = commit_under_test()
-    stale = [] if part is not None else stale_survivors(saved, here)
-    chosen = [*stale, *(unrun if part is None else part.of(unrun))]
+    stale = stale_survivors(saved, run.judged_by)
+    chosen = [*stale, *unrun] if part is None else part.of([*stale, *unrun])
+    rejudging = {m.number for m in stale} & {m.number for m in chosen}
     gate_here = bool(chosen) and (here != saved.commit or gate is not None)
     _stderr().print(f"{run.backend}: resuming {paths[0]} ({saved.commit[:10]}): {len(unrun)} "
                     f"of its {len(saved.results)} mutants unrun, running {len(chosen)}"
-                    + (f" ({len(stale)} survivors of an older gate first)" if stale else "")
+                    + (f" ({len(rejudging)} survivors another verify judged first)"
+                       if rejudging else "")
                     + (f"; first the unmutated gate at {here[:10]}" if gate_here else ""),
                     markup=False)
     gate_seconds = saved.coverage.outcome.seconds
@@ -241,7 +245,7 @@ def _resume(paths: list[Path], targets: list[TargetModule], arguments: Mapping[K
         chosen, saved.coverage, gate_seconds, dataclasses.replace(run, examples=saved.examples))
         if r.outcome is not Outcome.NOT_RUN}  # a survivor cut keeps its older judgement
     seconds = time.monotonic() - run.started
-    rejudged = sum(m.number in results for m in stale)
+    rejudged = len(rejudging & results.keys())
     report = saved if not results else dataclasses.replace(
         saved, results=[results.get(r.mutant.number, r) for r in saved.results],
         seconds=saved.seconds + seconds,
@@ -254,7 +258,8 @@ def _saved_gate(saved: Path | None, targets: list[TargetModule], backend: str,
                 examples: int | None) -> CoverageRun | None:
     """The unmutated gate saved in ``saved`` where that file exists (``None`` otherwise);
     exit 2 with one line where it cannot serve this run, exit 1 where it did not pass."""
-    from speccheck.checks.mutate.gate_file import GateFileError, code_fingerprint, load_gate
+    from speccheck.checks.mutate.fingerprint import code_fingerprint
+    from speccheck.checks.mutate.gate_file import GateFileError, load_gate
 
     if saved is None or not saved.exists():
         return None
@@ -272,7 +277,8 @@ def _run_gate(save_to: Path | None, targets: list[TargetModule], backend: str,
     """The unmutated gate's traced run (exit 1 where it does not pass:
     :func:`_check_baseline`), written to ``save_to`` when given."""
     from speccheck.checks.mutate.coverage_run import run_unmutated
-    from speccheck.checks.mutate.gate_file import GateFileError, code_fingerprint, save_gate
+    from speccheck.checks.mutate.fingerprint import code_fingerprint
+    from speccheck.checks.mutate.gate_file import GateFileError, save_gate
 
     coverage = run_unmutated(targets, backend, examples=examples, timeout=budget)
     _check_baseline(backend, targets, coverage)

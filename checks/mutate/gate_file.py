@@ -8,15 +8,14 @@ module path, so that a copy of the checkout elsewhere reads it), how many proces
 recorded lines and its wall time (which sets the mutants' timeout).
 
 A saved gate holds the fingerprint of the code it ran: every file a mutant's run copies of
-the targets' packages (:func:`~speccheck.checks.mutate.shadow.shadowed_files`), hashed with
-its path. A gate is reused only for the same backend, ``--examples`` and fingerprint;
-anything else is refused (:class:`GateFileError`), never silently run again or trusted.
+the targets' packages (:func:`~speccheck.checks.mutate.fingerprint.code_fingerprint`). A
+gate is reused only for the same backend, ``--examples`` and fingerprint; anything else is
+refused (:class:`GateFileError`), never silently run again or trusted.
 Only a passing gate is saved.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from speccheck.checks.mutate.coverage_run import CodePhase, CoverageRun
-from speccheck.checks.mutate.shadow import VerifyOutcome, shadowed_files
+from speccheck.checks.mutate.shadow import VerifyOutcome
 from speccheck.checks.mutate.targets import TargetModule
 from speccheck.checks.verify.vocabulary import Status
 from speccheck.contract.bounded_read import UnreadableFile, read_regular_file
@@ -49,17 +48,6 @@ class _SavedGate(BaseModel):
     processes: int
     executed_phases: dict[str, dict[CodePhase, list[int]]]
     """Per ``package/module path``: the lines executed in each phase."""
-
-
-def code_fingerprint(targets: Sequence[TargetModule]) -> str:
-    """The SHA-256 of every file a mutant's run copies of ``targets``' packages, each with
-    its path inside its package."""
-    digest = hashlib.sha256()
-    for package, folder in sorted({(t.package, t.package_dir) for t in targets}):
-        for path in shadowed_files(folder):
-            digest.update(f"{package}/{path.relative_to(folder)}\0".encode())
-            digest.update(hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()
 
 
 def _key(target: TargetModule) -> str:

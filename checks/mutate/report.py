@@ -52,9 +52,10 @@ class Resumption:
     """Mutants it judged (run, or found invalid or unreached)."""
     seconds: float
     shard: str | None = None
-    """The ``--shard`` of the unrun mutants it took (``None``: all of them)."""
+    """The ``--shard`` of the mutants due it took (``None``: all of them)."""
     rejudged: int = 0
-    """Of :attr:`ran`, survivors of an older gate judged again (their new result kept)."""
+    """Of :attr:`ran`, survivors another verify had judged, judged again (their new result
+    kept)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"commit": self.commit, "ran": self.ran, "seconds": round(self.seconds, 1),
@@ -225,6 +226,7 @@ class MutationReport:
             "phase": None if (phase := self.phase(result)) is None else phase.value,
             "seconds": round(result.seconds, 1),
             "detail": result.detail,
+            "judged_by": result.judged_by,
         }
 
 

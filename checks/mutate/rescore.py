@@ -51,6 +51,7 @@ class _SavedMutant(BaseModel):
     named_fields: list[str]
     seconds: float
     detail: str
+    judged_by: str | None = None
 
 
 class _SavedResumption(BaseModel):
@@ -255,7 +256,7 @@ def _result(path: Path, saved: _SavedMutant, mutant: Mutant | None) -> MutantRes
                            "the one this checkout generates: the code under test changed; "
                            "run speccheck mutate again")
     return MutantResult(mutant, saved.outcome, tuple(saved.failed_checks),
-                        tuple(saved.named_fields), saved.seconds, saved.detail)
+                        tuple(saved.named_fields), saved.seconds, saved.detail, saved.judged_by)
 
 
 def arguments_changed(data: Mapping[str, Any], report: MutationReport) -> bool:

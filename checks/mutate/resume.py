@@ -9,9 +9,12 @@ budget; its run continues in parts, on one machine after another or on several a
 under test unchanged, as :func:`~speccheck.checks.mutate.rescore.rescored` checks), but
 verify itself may have changed since the run began: each part is kept as a
 resumption naming its commit and how many mutants it judged, so a record says which
-gate judged which part (:class:`~speccheck.checks.mutate.report.Resumption`). A continuation
-of the whole run at a newer commit also judges the older gate's survivors again
-(:func:`stale_survivors`), so its survivors are the newest gate's.
+gate judged which part (:class:`~speccheck.checks.mutate.report.Resumption`), and each
+result names the verify that judged it (its
+:func:`~speccheck.checks.mutate.fingerprint.verify_fingerprint`). A continuation also judges
+again the survivors another verify judged (:func:`stale_survivors`), so its survivors are
+its own verify's; a change of the mutation tool, the status writer or the equivalence
+arguments alone judges nothing again.
 """
 
 from __future__ import annotations
@@ -25,42 +28,63 @@ from speccheck.checks.mutate.report import MutationReport, Resumption, SurvivorC
 from speccheck.checks.mutate.rescore import RescoreError, saved_resumptions
 from speccheck.checks.mutate.runner import Outcome
 
-RESULT_FIELDS = ("outcome", "failed_checks", "named_fields", "seconds", "detail")
+RESULT_FIELDS = ("outcome", "failed_checks", "named_fields", "seconds", "detail", "judged_by")
 """What a saved mutant's result is: two parts that both hold a mutant agree on these (one
-copied the other's result), or one of them judged an older gate's survivor again
-(:func:`stale_survivors`, its result kept), or the mutant ran twice (refused)."""
+copied the other's result), or one of them judged again a survivor that another verify
+judged (:func:`newer_result`), or the mutant ran twice (refused)."""
 NOT_RUN = Outcome.NOT_RUN.value
 SURVIVED = Outcome.SURVIVED.value
 
 
-def stale_survivors(report: MutationReport, here: str) -> list[Mutant]:
-    """The survivors of ``report`` an older gate judged, which a continuation at commit
-    ``here`` judges again: where ``here`` is not the run's commit and no continuation at
-    ``here`` judged survivors yet, every survivor whose line the gate executed and that no
-    argument calls equivalent (verify may have learnt to catch it since)."""
-    if here == report.commit or any(r.commit == here and r.rejudged for r in report.resumed):
-        return []
+def stale_survivors(report: MutationReport, judged_by: str | None) -> list[Mutant]:
+    """The survivors of ``report`` that a continuation whose verify fingerprint is
+    ``judged_by`` judges again (verify may have learnt to catch them since): every survivor
+    whose line the gate executed, that no argument calls equivalent, and that another
+    verify, or one not recorded, judged."""
     return [r.mutant for r in report.results if r.outcome is Outcome.SURVIVED
             and report.survivor_class(r) in (SurvivorClass.UNCAUGHT,
-                                             SurvivorClass.EQUIVALENCE_CANDIDATE)]
+                                             SurvivorClass.EQUIVALENCE_CANDIDATE)
+            and (r.judged_by is None or r.judged_by != judged_by)]
+
+
+def newer_result(held: Mapping[str, Any], other: Mapping[str, Any],
+                 judged_by: str | None) -> Mapping[str, Any] | None:
+    """Of two saved results of one mutant that differ, the one a combined run keeps, or
+    ``None`` where they cannot both stand. An unrun one yields to the other. Otherwise one
+    of them must be a survivor judged again by another verify (a continuation judges
+    nothing else twice): a kill is never judged again, so where one survived it yields to
+    the other; where both survived, the one ``judged_by`` judged (the checkout's verify)
+    is kept, else the held one."""
+    if held.get("outcome") == NOT_RUN:
+        return other
+    if other.get("outcome") == NOT_RUN:
+        return held
+    if held.get("judged_by") == other.get("judged_by"):
+        return None  # one verify (or two unrecorded) judged it twice
+    survived = (held.get("outcome") == SURVIVED, other.get("outcome") == SURVIVED)
+    if survived == (True, True):
+        return other if other.get("judged_by") == judged_by else held
+    if survived == (True, False):
+        return other
+    if survived == (False, True):
+        return held
+    return None
 
 
 RUN_IDENTITY = ("backend", "commit", "command", "generated", "examples", "operators", "targets")
 """What every part of one run (its first part and every continuation) holds alike."""
 
 
-def combined_runs(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def combined_runs(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]],
+                  judged_by: str | None = None) -> dict[str, Any]:
     """The saved reports ``parts`` (read from ``paths``) of one run and its continuations,
-    combined: every mutant's result from the part that judged it (a mutant no part judged
-    stays unrun), the continuations of all parts, and the run's seconds with each
-    continuation's counted once. :class:`RescoreError` naming the file where a part is of
-    another run, holds other mutants, or judged a mutant another part judged otherwise."""
+    combined: every mutant's result as :func:`newer_result` picks it (``judged_by``: the
+    checkout's verify fingerprint; a mutant no part judged stays unrun), the continuations
+    of all parts, and the run's seconds with each continuation's counted once.
+    :class:`RescoreError` naming the file where a part is of another run, holds other
+    mutants, or judged a mutant another part judged otherwise."""
     first = parts[0]
-    numbers = _numbers(paths[0], first)
-    combined = {number: dict(mutant) for number, mutant in numbers.items()}
-    fresh = (set(numbers) if any(r.rejudged for r in saved_resumptions(paths[0], first))
-             else set())
-    """Mutants whose held result comes from a part that judged survivors again."""
+    combined = {number: dict(mutant) for number, mutant in _numbers(paths[0], first).items()}
     resumed: dict[Resumption, None] = {}
     base_seconds = None
     for path, part in zip(paths, parts, strict=True):
@@ -69,30 +93,23 @@ def combined_runs(paths: Sequence[Path], parts: Sequence[Mapping[str, Any]]) -> 
                 raise RescoreError(f"{path}: not a part of the run of {paths[0]} (its {key} "
                                    "differs)")
         mutants = _numbers(path, part)
-        if mutants.keys() != numbers.keys():
+        if mutants.keys() != combined.keys():
             raise RescoreError(f"{path}: holds other mutants than {paths[0]}: not a part of "
                                "the same run")
         own = saved_resumptions(path, part)
-        rejudging = any(r.rejudged for r in own)
         resumed.update(dict.fromkeys(own))
         seconds = float(part.get("seconds") or 0.0) - sum(r.seconds for r in own)
         base_seconds = seconds if base_seconds is None else min(base_seconds, seconds)
         for number, mutant in mutants.items():
-            if mutant.get("outcome") == NOT_RUN:
-                continue
             held = combined[number]
             if all(held.get(key) == mutant.get(key) for key in RESULT_FIELDS):
                 continue
-            newer = rejudging and number not in fresh and held.get("outcome") == SURVIVED
-            older = not rejudging and number in fresh and mutant.get("outcome") == SURVIVED
-            if held.get("outcome") == NOT_RUN or newer:
-                combined[number] = dict(mutant)
-                if rejudging:
-                    fresh.add(number)
-            elif not older:
+            kept = newer_result(held, mutant, judged_by)
+            if kept is None:
                 raise RescoreError(f"{path}: mutant #{number} was judged in two parts (also "
                                    f"in {paths[0]} or a part before it): parts resuming one "
                                    "report take disjoint --shard options")
+            combined[number] = dict(kept)
     merged = dict(first)
     merged["mutants"] = [combined[number] for number in sorted(combined)]
     merged["resumed"] = [r.to_json() for r in resumed]

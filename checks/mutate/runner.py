@@ -68,6 +68,9 @@ class MutantResult:
     seconds: float = 0.0
     detail: str = ""
     """For a crash: verify's detail or the last line of its output."""
+    judged_by: str | None = None
+    """The :func:`~speccheck.checks.mutate.fingerprint.verify_fingerprint` of the code that
+    judged it (``None``: unknown, a report written before runs recorded it)."""
 
     @property
     def kill_kind(self) -> KillKind | None:
@@ -166,6 +169,9 @@ class RunSettings:
     """Numbers of the mutants whose lines the unmutated gate never executed
     (:meth:`~speccheck.checks.mutate.coverage_run.CoverageRun.never_reached`): they
     survive without a run."""
+    judged_by: str | None = None
+    """The verify fingerprint every result of this run carries
+    (:attr:`MutantResult.judged_by`)."""
 
 
 UNREACHED_DETAIL = "the unmutated gate never executed its lines: it survives without a run"
@@ -218,7 +224,10 @@ def run_mutants(
                                  timeout=settings.timeout, fail_fast=True, stop=stop)
             result = (MutantResult(mutant, Outcome.NOT_RUN) if run.timed_out and cut.is_set()
                       else judge(mutant, run))
-        if on_result is not None and result.outcome is not Outcome.NOT_RUN:
+        if result.outcome is Outcome.NOT_RUN:
+            return result
+        result = dataclasses.replace(result, judged_by=settings.judged_by)
+        if on_result is not None:
             with lock:
                 on_result(result)
         return result

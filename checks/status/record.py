@@ -98,7 +98,7 @@ class ResumedPart(_Record):
     seconds: float
     shard: str | None = None
     rejudged: int = 0
-    """Of ``ran``, survivors of an older gate judged again."""
+    """Of ``ran``, survivors another verify had judged, judged again."""
 
 
 class MutationRecord(_Record):
