@@ -267,6 +267,15 @@ def test_a_mutation_score_joins_its_tier_record_and_survives_a_rewrite(tmp_path:
     write_mutation(tmp_path, "reference", "cpu", by_phase)
     page = render_status_readme(read_statuses(tmp_path))
     assert "crash 9; named field 3 of 4 metadata-code kills |" in page  # phases, not modules
+    parts = [{"commit": "def4567890ab", "ran": ran, "seconds": 1.0, "shard": shard,
+              "rejudged": rejudged} for ran, shard, rejudged in ((5, "1/2", 1), (4, "2/2", 0))]
+    resumed = MutationRecord.from_report(
+        {**MUTATE_REPORT, "resumed": [{**parts[0], "commit": "0123456789ab"}, *parts]},
+        command="speccheck mutate", commit="abc", date="2026-12-05")
+    write_mutation(tmp_path, "reference", "cpu", resumed)
+    page = render_status_readme(read_statuses(tmp_path))
+    assert ("| `abc`, 5 resumed at `0123456789` (1 survivors judged again), 9 resumed at "
+            "`def4567890` (1 survivors judged again) |") in page  # one entry per commit
 
 
 def test_a_row_that_raises_is_an_error_row_not_a_traceback(
