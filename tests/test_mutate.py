@@ -614,9 +614,10 @@ def test_a_resumed_run_judges_its_unrun_mutants_at_this_commit(tmp_path: Path) -
     """``speccheck mutate --resume`` for real: a run of the reference builder's mutants
     cut with two left unrun (one a field check kills, one stillborn) and one survivor an
     unrecorded verify let through resumes at this checkout: the gate runs first (another
-    commit), the survivor is judged again (killed now, by this verify), the two unrun are judged, the rest copied,
-    and the resumption names this commit; resuming the run with that part combines them
-    (the newer judgement kept), runs nothing and adds no resumption."""
+    commit), the survivor is judged again (killed now, by this verify), the two unrun are
+    judged, the rest copied, and the resumption names this commit; resuming the run with
+    that part combines them (the newer judgement kept), runs nothing and adds no
+    resumption."""
     targets = chosen_targets([ROOT / "backends/reference/builder.py"],
                              backend_targets(REFERENCE))
     mutants = generate_mutants(targets, list(Operator))

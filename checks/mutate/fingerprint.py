@@ -41,20 +41,25 @@ def _hex_digest(files: Iterable[tuple[str, Path]]) -> str:
     return digest.hexdigest()
 
 
-def _package_files(packages: Iterable[tuple[str, Path]]) -> Iterable[tuple[str, Path]]:
+def _package_files(packages: Iterable[tuple[str, Path]]) -> Iterable[tuple[str, str, Path]]:
+    """``(package, path inside it, file)`` for every file a mutant's run copies of
+    ``packages`` (import name and folder), in a stable order."""
     for package, folder in sorted(set(packages)):
         for path in shadowed_files(folder):
-            yield f"{package}/{path.relative_to(folder).as_posix()}", path
+            yield package, path.relative_to(folder).as_posix(), path
+
+
+def _named(files: Iterable[tuple[str, str, Path]]) -> Iterable[tuple[str, Path]]:
+    return ((f"{package}/{inside}", path) for package, inside, path in files)
 
 
 def code_fingerprint(targets: Sequence[TargetModule]) -> str:
     """The SHA-256 of every file a mutant's run copies of ``targets``' packages, each with
     its path inside its package."""
-    return _hex_digest(_package_files((t.package, t.package_dir) for t in targets))
+    return _hex_digest(_named(_package_files((t.package, t.package_dir) for t in targets)))
 
 
-def _judges(name: str) -> bool:
-    package, _, inside = name.partition("/")
+def _judges(package: str, inside: str) -> bool:
     path = Path(inside)
     if path.suffix not in VERIFY_READS or path.name == EQUIVALENTS_FILE:
         return False
@@ -71,5 +76,5 @@ def verify_fingerprint(targets: Sequence[TargetModule]) -> str:
     under one is judged the same under the other."""
     own = Path(speccheck.__file__).resolve().parent
     packages = [(speccheck.__name__, own), *((t.package, t.package_dir) for t in targets)]
-    files = (item for item in _package_files(packages) if _judges(item[0]))
-    return _hex_digest(files)[:VERIFY_FINGERPRINT_LENGTH]
+    files = (item for item in _package_files(packages) if _judges(*item[:2]))
+    return _hex_digest(_named(files))[:VERIFY_FINGERPRINT_LENGTH]
