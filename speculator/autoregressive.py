@@ -235,27 +235,20 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
         base_seq_lens = arrays.context_lens + arrays.query_lens
         desc = self.decode_descriptor(num_reqs)
         early: list[Any] | None = None
-        rebuild = self.refresh_rebuilds_in_graph
         if self.num_steps > 1 and chosen is DecodePath.FUSED and not replay:
-            # The eager fused body runs on metadata built before the call's inputs exist,
-            # as a replay's was built for capture. With rebuild, step 1 sees only what its
-            # refresh recomputes from the lanes; the index buffers are reset first, as
-            # before a capture: what an earlier call left there (the same batch, where the
-            # verifier ran it just before) must not stand in for this call's inputs.
-            # Otherwise it is the capture's own metadata (dummy lanes of the bucket), and
-            # the loop's build of step 1 only writes the persistent buffers it views, as
-            # before a replay: a field that build snapshots keeps the capture's values.
-            if rebuild:
-                self.reset_index_buffers()
-                early = self.build_decode_metadata(desc, num_reqs, base_seq_lens, 1)
-            else:
-                self.in_capture = True  # its dummy lanes are no step of this call
-                try:
-                    early = self.graph_capture.decode_metadata(desc.num_tokens)
-                finally:
-                    self.in_capture = False
+            # The eager fused body runs on the metadata a capture of this bucket builds (dummy
+            # lanes, every lane a request: GraphCapture.decode_metadata), as a replay runs on
+            # what was captured; a field that build snapshots keeps the capture's values.
+            # With rebuild, step 1 then sees only what its refresh recomputes from the lanes;
+            # otherwise the loop's build of step 1 only writes the persistent buffers it
+            # views, as before a replay.
+            self.in_capture = True  # its dummy lanes are no step of this call
+            try:
+                early = self.graph_capture.decode_metadata(desc.num_tokens)
+            finally:
+                self.in_capture = False
         self.first_pass.run(batch, arrays, base_seq_lens, use_graphs, desc.num_tokens,
-                            emulate=early is not None and rebuild)
+                            emulate=early is not None and self.refresh_rebuilds_in_graph)
         if self.num_steps > 1:
             if chosen is DecodePath.FUSED:
                 self.decode_loops.fused(desc, num_reqs, base_seq_lens, replay, early)

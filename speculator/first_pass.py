@@ -52,8 +52,8 @@ class FirstPass:
 
         Where the speculator's ``refresh_rebuilds_in_graph``, a replay follows the pass's
         inputs directly (its body refreshes its metadata); ``emulate`` runs the padded pass
-        eagerly as a replay runs it: on metadata built before the call's inputs existed,
-        refreshed in the body."""
+        eagerly as a replay runs it: on the metadata a capture of the bucket builds (dummy
+        inputs, every lane a request), refreshed in the body."""
         spec = self._spec
         num_reqs = batch.num_reqs
         query_len = self.width(batch)
@@ -70,7 +70,11 @@ class FirstPass:
         rebuild = spec.refresh_rebuilds_in_graph and (replay or emulate)
         group_metadata: list[Any] = []
         if rebuild and not replay:
-            group_metadata = self.metadata(num_reqs, bucket, query_len, base_seq_lens)
+            spec.in_capture = True  # the capture's dummy inputs are no pass of this call
+            try:
+                group_metadata = spec.graph_capture.first_pass_metadata(bucket, query_len)
+            finally:
+                spec.in_capture = False
         spec.write_pass_inputs(arrays, batch.new_tokens, uniform_width=query_len)
         if not rebuild:
             group_metadata = self.metadata(num_reqs, bucket, query_len, base_seq_lens)

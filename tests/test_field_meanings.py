@@ -44,6 +44,7 @@ from tests.fixtures.adapters.field_meaning_mutants import (
     DcpLengthsShortView,
     DcpSlotsCopied,
     SnapshotBlockTable,
+    SnapshotQueryStartLoc,
 )
 from tests.fixtures.catch import CATCH_ARGS
 from tests.fixtures.reference_at_defaults import VerifyCommandRun
@@ -232,6 +233,18 @@ def test_a_block_table_snapshot_fails_at_the_defaults_on_the_cpu_tier(tmp_path: 
     fields = {(f["check"], f["field"]) for f in backend["failures"]}
     assert ("step_metadata", "reference.metadata.block_table") in fields
     assert ("field_meanings", "reference.metadata.block_table") in fields
+
+
+@CPU_ONLY
+@pytest.mark.slow
+def test_a_query_offsets_snapshot_fails_at_the_defaults_on_the_cpu_tier(tmp_path: Path) -> None:
+    """No output changes (a padding lane's tokens attend a request of length 0); the
+    offsets a capture built with, every lane a request, are named against their meaning."""
+    proc, backend = _verify_mutant(tmp_path, SnapshotQueryStartLoc, *CATCH_ARGS)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    named = [f for f in backend["failures"] if f["check"] == "field_meanings"]
+    assert named and named[0]["field"] == "reference.metadata.query_start_loc"
+    assert "padding lane" in named[0]["diagnosis"], named[0]
 
 
 @CPU_ONLY

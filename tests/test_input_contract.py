@@ -183,14 +183,14 @@ def _builder(spec: AutoregressiveSpeculator) -> RecordingBuilder:
 def _propose(spec: AutoregressiveSpeculator, batch: DraftBatch, path: DecodePath, *,
              with_capture_build: bool = False) -> list[Received]:
     """What the builder received during one ``propose``, in call order; without
-    ``with_capture_build``, less the capture build on dummy lanes that the eager fused loop
-    of a builder without ``refresh_rebuilds`` makes first (statement 12)."""
+    ``with_capture_build``, less the capture builds on dummy lanes that the eager fused
+    loop makes first (statements 10 and 12)."""
     builder = _builder(spec)
     builder.received.clear()
     spec.propose(batch, path)
     received = list(builder.received)
-    if not with_capture_build and received and received[0].hook is Hook.CAPTURE_BUILD:
-        return received[1:]
+    while not with_capture_build and received and received[0].hook is Hook.CAPTURE_BUILD:
+        received.pop(0)
     return received
 
 
@@ -295,24 +295,26 @@ def test_padding_tokens_lie_past_the_last_query_offset() -> None:
 def test_a_padded_first_pass_pads_whole_requests(rebuilds: bool) -> None:
     """Requests that all bring ``q`` new tokens (``q`` in ``first_pass_query_lens``) run
     their first pass padded over the bucket, ``q`` lanes per request. Without
-    ``refresh_rebuilds`` its build sees the pass's inputs; with it, the refresh at the start
-    of the pass (the first hook after the two builds) does."""
+    ``refresh_rebuilds`` its build sees the pass's inputs; with it, the pass's metadata is
+    built for capture (every lane of the bucket a request, as a graph's was) and the refresh
+    at the start of the pass does."""
     q = 2
     batch = DraftBatch((3, 0, 9), ((1, 2), (3, 4), (5, 6)), ((1, 2, 3), (4, 5), (6, 7, 8, 9)),
                        (0, 0, 0))
     spec = _speculator(rebuilds=rebuilds, first_pass_query_lens=(q,))
-    received = _propose(spec, batch, DecodePath.FUSED)
+    received = _propose(spec, batch, DecodePath.FUSED, with_capture_build=rebuilds)
+    real, bucket = batch.num_reqs, 4
     if rebuilds:
-        assert _hooks(received) == [Hook.BUILD, Hook.BUILD, *[Hook.REFRESH] * K]
+        assert _hooks(received) == [Hook.CAPTURE_BUILD, Hook.CAPTURE_BUILD, *[Hook.REFRESH] * K]
         pass_build, seen = received[1], received[2]
+        assert pass_build["query_start_loc"] == [i * q for i in range(bucket + 1)]
     else:
         assert _hooks(received) == [Hook.BUILD, Hook.BUILD, *[Hook.REFRESH] * (K - 2)]
         pass_build = seen = received[0]
-    real, bucket = batch.num_reqs, 4
     assert pass_build.host is not None
     assert (pass_build.host.num_reqs, pass_build.host.num_real_reqs,
             pass_build.host.num_actual_tokens, pass_build.host.max_query_len) == (
-        bucket, real, bucket * q, q)
+        bucket, bucket if rebuilds else real, bucket * q, q)
     assert seen["query_start_loc"] == [min(i, real) * q for i in range(bucket + 1)]
     assert seen["seq_lens"] == _base(batch) + [0]
     positions = [c + j for c in batch.context_lens for j in range(q)]
@@ -428,21 +430,21 @@ def test_before_each_refresh_the_inputs_are_what_a_build_of_that_step_sees() -> 
 
 
 def test_under_refresh_rebuilds_the_refresh_stands_in_for_the_step_one_build() -> None:
-    """With ``refresh_rebuilds`` the metadata of the decode steps is built before the
-    call's inputs exist (as a replay's was built at capture): its host values are this
-    call's step 1's, its device views hold the reset index buffers (as at capture), not what
+    """With ``refresh_rebuilds`` the metadata of the decode steps is the one a capture
+    builds, on dummy lanes of the bucket (as a replay's was): its host values and device
+    views are the capture's, every lane a request of length 1, never this call's nor what
     the previous call left; the refresh before step 1 sees what a build of step 1 sees."""
     spec = _speculator(rebuilds=True)
     _propose(spec, BATCH, DecodePath.FUSED)
-    received = _propose(spec, BATCH, DecodePath.FUSED)
-    assert _hooks(received) == [Hook.BUILD, Hook.BUILD, *[Hook.REFRESH] * (K - 1)]
+    received = _propose(spec, BATCH, DecodePath.FUSED, with_capture_build=True)
+    assert _hooks(received) == [Hook.CAPTURE_BUILD, Hook.BUILD, *[Hook.REFRESH] * (K - 1)]
     early, refreshed = received[0], received[2]
     assert early.metadata == refreshed.metadata
     assert early.host is not None
-    assert early.host.seq_lens_cpu_upper_bound == [
-        _length(b, 1) for b in _base(BATCH)] + [0] * len(PADDING_LANES)
-    assert early["seq_lens"] == [0] * (len(_base(BATCH)) + len(PADDING_LANES)), \
-        "reset lengths, not the previous call's"
+    assert (early.host.num_reqs, early.host.num_real_reqs) == (BUCKET, BUCKET)
+    assert early.host.seq_lens_cpu_upper_bound == [1] * BUCKET
+    assert early["seq_lens"] == [1] * BUCKET, "the capture's lengths, not the previous call's"
+    assert early["query_start_loc"] == list(range(BUCKET + 1))
     built = _runs()[DecodePath.PER_STEP][1]
     for name in INPUTS:
         assert refreshed[name] == built[name], name
