@@ -17,6 +17,7 @@ import torch
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from speccheck.backends.triton_attn.builder import MIN_KV_PER_SPLIT
 from speccheck.checks.api import plan_verification, verify
 from speccheck.checks.cli.app import app
 from speccheck.checks.verify.cells import (
@@ -119,6 +120,30 @@ def test_an_interpreted_backends_bfloat16_cell_is_not_run_with_its_reason() -> N
     (bf16,) = [cell for cell in cells if cell.config.get("dtype") == "bfloat16"]
     assert bf16.not_run is not None and "interpreter" in bf16.not_run
     assert CellAxis.LAYOUT not in _axes(cells)  # its entry claims the NHD layout only
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("backend", ["triton_attn", "triton_mla", "sparse_swa"])
+def test_an_interpreted_backend_runs_a_length_cell_where_its_long_cell_is_not_run(
+    backend: str,
+) -> None:
+    """The long cell is listed as not run, and a cell of its own runs a ``max_model_len``
+    long enough for a split-KV kernel's second split (triton_attn and triton_mla cut it into
+    runs of 512 positions), which no other CPU cell reaches."""
+    cells = plan_verification(backend).cells(backend)
+    (long,) = [cell for cell in cells if cell.axis is CellAxis.LONG]
+    assert long.not_run is not None and "interpreter" in long.not_run
+    (length,) = [cell for cell in cells if cell.axis is CellAxis.LENGTH]
+    assert length.not_run is None and length.config == {"max_model_len": 1024}
+    assert length.config["max_model_len"] > 2 * MIN_KV_PER_SPLIT - 1
+    # given, the length is the run's own: no length cell
+    given = plan_verification(backend, config={"max_model_len": 256}).cells(backend)
+    assert CellAxis.LENGTH not in _axes(given)
+
+
+@CPU_ONLY
+def test_a_backend_that_runs_its_long_cell_gets_no_length_cell() -> None:
+    assert CellAxis.LENGTH not in _axes(plan_verification("reference").cells("reference"))
 
 
 @CPU_ONLY

@@ -78,6 +78,13 @@ INTERPRETER_LONG = ("the Triton interpreter probes and runs lengths past 32767 t
                     "run this cell on the GPU tier")
 """Why the long cell of an interpreted backend is not run on the CPU tier."""
 
+INTERPRETED_MAX_MODEL_LEN = 1024
+"""``max_model_len`` of the length cell, which stands in for the long cell where the Triton
+interpreter runs the kernels: sixteen times the CPU tier's own, past the lengths at which a
+kernel that sizes its schedule by ``max_model_len`` takes another one (a split-KV kernel
+cuts it into runs of 512 positions, so its splits and their merge run here and nowhere
+else on the CPU tier), and short enough for the interpreter."""
+
 
 class CellAxis(enum.StrEnum):
     """What a cell varies from the run's own configuration."""
@@ -106,6 +113,9 @@ class CellAxis(enum.StrEnum):
     """Another allowed activation dtype."""
     LONG = "long"
     """Lengths past :data:`INT16_MAX`."""
+    LENGTH = "length"
+    """A longer ``max_model_len`` the Triton interpreter runs
+    (:data:`INTERPRETED_MAX_MODEL_LEN`), where the long cell is not run."""
 
 
 @dataclass(frozen=True)
@@ -198,13 +208,17 @@ def claimed_cells(
     - layout: the latent layout where the entry states no ``kv_layout`` (it reads both)
       and the run's layers are not latent;
     - long: :data:`LONG_MAX_MODEL_LEN` (in blocks of :data:`LONG_BLOCK_SIZE` where
-      allowed) where ``config``'s lengths cannot pass :data:`INT16_MAX`.
+      allowed) where ``config``'s lengths cannot pass :data:`INT16_MAX`; on the CPU tier
+      a backend whose kernels run under the Triton interpreter does not run it
+      (:data:`INTERPRETER_LONG`) and gets a length cell instead:
+      :data:`INTERPRETED_MAX_MODEL_LEN` where ``config``'s is shorter.
 
     The heads, window, block-size, dtype and layout changes that the machine can run are
     packed into as few cells as the entry allows together (:func:`_packed`): each cell
     costs a worker's start-up (seconds on the CPU tier), and a cell's reproduce command
     names every field it sets, so a failure narrows with the options. DCP, DCP blocks,
-    data parallelism (real ranks) and long (its own block size) stay cells of their own.
+    data parallelism (real ranks), long (its own block size) and length stay cells of their
+    own.
 
     Nothing but the base cell where the entry does not allow fusing under ``config``
     (its fallback is verified there).
@@ -243,8 +257,11 @@ def claimed_cells(
         wanted.append(long if _claimed(entry, config, long)
                       else Cell(CellAxis.LONG, {"max_model_len": LONG_MAX_MODEL_LEN},
                                 not_run=not_run))
+        if not_run is not None and config.max_model_len < INTERPRETED_MAX_MODEL_LEN:
+            wanted.append(Cell(CellAxis.LENGTH, {"max_model_len": INTERPRETED_MAX_MODEL_LEN}))
     claimed = [cell for cell in wanted if _claimed(entry, config, cell)]
-    alone = [cell for cell in claimed if cell.axis is CellAxis.LONG or cell.not_run is not None]
+    alone = [cell for cell in claimed
+             if cell.axis in (CellAxis.LONG, CellAxis.LENGTH) or cell.not_run is not None]
     packable = [cell for cell in claimed if not any(cell is other for other in alone)]
     parallel = [data_parallel] if runs_dp else []
     window = next((cell for cell in claimed if cell.axis is CellAxis.WINDOW), None)
