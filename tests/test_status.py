@@ -274,8 +274,8 @@ def test_a_mutation_score_joins_its_tier_record_and_survives_a_rewrite(tmp_path:
         command="speccheck mutate", commit="abc", date="2026-12-05")
     write_mutation(tmp_path, "reference", "cpu", resumed)
     page = render_status_readme(read_statuses(tmp_path))
-    assert ("| `abc`, 5 resumed at `0123456789` (1 survivors judged again), 9 resumed at "
-            "`def4567890` (1 survivors judged again) |") in page  # one entry per commit
+    assert ("| `abc`, 5 resumed at `0123456789` (1 survivor judged again), 9 resumed at "
+            "`def4567890` (1 survivor judged again) |") in page  # one entry per commit
 
 
 def test_a_row_that_raises_is_an_error_row_not_a_traceback(

@@ -180,7 +180,8 @@ def render_status_readme(statuses: Mapping[str, BackendStatus]) -> str:
                 f", {mutation.not_run} not run" if mutation.not_run else "")
             commit = f"`{mutation.commit[:10]}`" + "".join(
                 f", {ran} resumed at `{at[:10]}`"
-                + (f" ({rejudged} survivors judged again)" if rejudged else "")
+                + (f" ({rejudged} survivor{'s' * (rejudged != 1)} judged again)"
+                   if rejudged else "")
                 for at, (ran, rejudged) in _resumed_by_commit(mutation.resumed).items()) + (
                 "" if mutation.scored_at is None
                 else f", scored with the arguments of `{mutation.scored_at[:10]}`")
