@@ -242,11 +242,8 @@ class AutoregressiveSpeculator(DraftModelSpeculator):
             # With rebuild, step 1 then sees only what its refresh recomputes from the lanes;
             # otherwise the loop's build of step 1 only writes the persistent buffers it
             # views, as before a replay.
-            self.in_capture = True  # its dummy lanes are no step of this call
-            try:
+            with self.capturing():
                 early = self.graph_capture.decode_metadata(desc.num_tokens)
-            finally:
-                self.in_capture = False
         self.first_pass.run(batch, arrays, base_seq_lens, use_graphs, desc.num_tokens,
                             emulate=early is not None and self.refresh_rebuilds_in_graph)
         if self.num_steps > 1:

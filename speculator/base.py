@@ -8,7 +8,8 @@ cache, and ``current_step``, a device scalar so one single-step graph serves eve
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -185,6 +186,16 @@ class DraftModelSpeculator:
         ``("refresh", id(metadata))``, ``("generate", step)``) in the order they run."""
         self.in_capture = False
         """True while graphs are captured: capture runs count no step and trace nothing."""
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """:attr:`in_capture` for the block: what runs in it (a capture's dummy inputs, or
+        the capture metadata the eager fused loop builds first) is no step of a call."""
+        self.in_capture = True
+        try:
+            yield
+        finally:
+            self.in_capture = False
 
     def bucket_for(self, num_reqs: int) -> int:
         """Smallest capture size that holds ``num_reqs`` requests."""

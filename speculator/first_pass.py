@@ -70,11 +70,8 @@ class FirstPass:
         rebuild = spec.refresh_rebuilds_in_graph and (replay or emulate)
         group_metadata: list[Any] = []
         if rebuild and not replay:
-            spec.in_capture = True  # the capture's dummy inputs are no pass of this call
-            try:
+            with spec.capturing():
                 group_metadata = spec.graph_capture.first_pass_metadata(bucket, query_len)
-            finally:
-                spec.in_capture = False
         spec.write_pass_inputs(arrays, batch.new_tokens, uniform_width=query_len)
         if not rebuild:
             group_metadata = self.metadata(num_reqs, bucket, query_len, base_seq_lens)
